@@ -1,0 +1,27 @@
+# The two commands of the README: `make example` and `make test`. Both set up .venv first.
+# torch is pinned here to the CPU wheel this kind of machine has on disk; the package itself
+# accepts a range (pyproject.toml).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: setup example test bench lint
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_PIN)" -e ".[test]"
+	touch $@
+
+example: setup
+	$(PY) examples/particles_hvp.py
+
+test: setup
+	$(PY) -m ruff check .
+	$(PY) -m pytest
+
+bench: setup
+	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done

@@ -1,0 +1,18 @@
+"""pyhvp: structured second-order derivatives of PyTorch functions (CPU and CUDA).
+
+Public names only; each operator lives in its own module.
+"""
+
+from pyhvp.backends import Backend, BackendUnavailableError, available_backends
+from pyhvp.backends.torch import TorchBackend
+from pyhvp.hvp import grad_and_hvp, hvp, per_instance
+
+__all__ = [
+    "Backend",
+    "BackendUnavailableError",
+    "TorchBackend",
+    "available_backends",
+    "grad_and_hvp",
+    "hvp",
+    "per_instance",
+]

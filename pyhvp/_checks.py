@@ -1,0 +1,103 @@
+"""Argument validation shared by every operator.
+
+Each check raises at the boundary with a message that names the argument and states the expected
+and the actual shape / dtype / device: ``TypeError`` for a wrong kind of value (not a tensor, not a
+floating dtype), ``ValueError`` for shapes, devices, dtypes that disagree and out-of-range options.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+Shape = tuple[int, ...]
+
+
+def fmt_shape(shape: Sequence[int | str]) -> str:
+    """``(4, 3)`` style, ``()`` for scalars; symbolic dims such as ``"k"`` are kept."""
+    dims = [str(int(d)) if not isinstance(d, str) else d for d in shape]
+    return "(" + ", ".join(dims) + ("," if len(dims) == 1 else "") + ")"
+
+
+def require_tensor(name: str, value: object) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def require_floating(name: str, value: object) -> torch.Tensor:
+    tensor = require_tensor(name, value)
+    if not tensor.is_floating_point():
+        raise TypeError(f"{name} must have a floating dtype (float32/float64/...), got {tensor.dtype}")
+    return tensor
+
+
+def require_like(name: str, tensor: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    """``tensor`` must live on ``ref``'s device and have its dtype."""
+    if tensor.device != ref.device:
+        raise ValueError(
+            f"{name} must be on {ref_name}'s device {ref.device}, got {name} on {tensor.device}"
+        )
+    if tensor.dtype != ref.dtype:
+        raise ValueError(f"{name} must have {ref_name}'s dtype {ref.dtype}, got {tensor.dtype}")
+
+
+def check_event_dims(event_dims: object, x: torch.Tensor) -> int:
+    if isinstance(event_dims, bool) or not isinstance(event_dims, int):
+        raise TypeError(f"event_dims must be an int, got {type(event_dims).__name__}")
+    if not 1 <= event_dims <= x.ndim:
+        raise ValueError(
+            f"event_dims must be between 1 and x.ndim={x.ndim} (x has shape {fmt_shape(x.shape)}), "
+            f"got {event_dims}"
+        )
+    return event_dims
+
+
+def check_args(args: Sequence[object], x: torch.Tensor) -> None:
+    """Extra tensor arguments live on x's device; floating ones share x's dtype."""
+    for i, arg in enumerate(args):
+        if isinstance(arg, torch.Tensor):
+            if arg.device != x.device:
+                raise ValueError(
+                    f"args[{i}] must be on x's device {x.device}, got args[{i}] on {arg.device}"
+                )
+            if arg.is_floating_point() and arg.dtype != x.dtype:
+                raise ValueError(
+                    f"args[{i}] must have x's dtype {x.dtype} (floating args are not promoted), "
+                    f"got {arg.dtype}"
+                )
+
+
+def check_tangents(name: str, v: object, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """Return ``(tangents of shape (k, *x.shape), single)``; single when v has x's shape."""
+    v = require_floating(name, v)
+    if v.shape == x.shape:
+        tangents, single = v.unsqueeze(0), True
+    elif v.ndim == x.ndim + 1 and v.shape[1:] == x.shape and v.shape[0] >= 1:
+        tangents, single = v, False
+    else:
+        raise ValueError(
+            f"{name} must have x's shape {fmt_shape(x.shape)} (one tangent per instance) or "
+            f"{fmt_shape(('k', *x.shape))} (k tangents per instance), got {fmt_shape(v.shape)}"
+        )
+    require_like(name, tangents, "x", x)
+    return tangents, single
+
+
+def check_output_shape(what: str, out: object, expected: Sequence[int], hint: str) -> None:
+    """``out`` must be a tensor of shape ``expected``; ``hint`` says what the shape means."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{what} must return a torch.Tensor, got {type(out).__name__}")
+    if tuple(out.shape) != tuple(expected):
+        raise ValueError(
+            f"{what} must return shape {fmt_shape(expected)} ({hint}), got {fmt_shape(out.shape)}"
+        )
+
+
+def check_chunk_size(chunk_size: object) -> int | None:
+    if chunk_size is None:
+        return None
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be None or a positive int, got {chunk_size!r}")
+    return chunk_size

@@ -1,0 +1,83 @@
+"""Backend registry and the primitive interface every backend implements.
+
+A backend computes two batched-tangent primitives; every operator of pyhvp is built on them:
+
+* ``grad_and_hvp(f, x, tangents, args, event_dims, chunk_size)`` -- forward-over-reverse.
+  ``f(x, *args)`` returns one value per instance (shape ``x.shape[:-event_dims]``);
+  ``tangents`` has shape ``(k, *x.shape)``. Returns the gradient of ``f(x).sum()`` (x's shape) and
+  the k Hessian-vector products ``(k, *x.shape)``. Instances are independent, so the Hessian of
+  the sum is block-diagonal and these are exactly the per-instance gradients and HVPs.
+* ``second_directional(f, x, directions, args, chunk_size)`` -- forward-over-forward.
+  ``f(x, *args)`` may return any shape ``out``; ``directions`` has shape ``(k, *x.shape)``.
+  Returns ``d^2/dt^2 f(x + t u)`` at ``t=0`` for every direction ``u``: shape ``(k, *out)``.
+
+Backends are chosen by name (``backend="torch"``) or passed as a value
+(``backend=TorchBackend(compile=True)``), as in DifferentiationInterface.jl.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+class BackendUnavailableError(RuntimeError):
+    """A backend was requested that cannot start here; the message says what to install."""
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """The primitive interface (see the module docstring for the shape contract)."""
+
+    name: str
+
+    def grad_and_hvp(
+        self,
+        f: Callable[..., torch.Tensor],
+        x: torch.Tensor,
+        tangents: torch.Tensor,
+        args: Sequence[object],
+        event_dims: int,
+        chunk_size: int | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def second_directional(
+        self,
+        f: Callable[..., torch.Tensor],
+        x: torch.Tensor,
+        directions: torch.Tensor,
+        args: Sequence[object],
+        chunk_size: int | None,
+    ) -> torch.Tensor: ...
+
+
+BACKEND_NAMES = ("torch", "julia")
+
+
+def resolve_backend(backend: str | Backend) -> Backend:
+    """The backend object for a name or a backend value; raises if it cannot start here."""
+    if isinstance(backend, str):
+        if backend == "torch":
+            from pyhvp.backends.torch import TorchBackend
+
+            return TorchBackend()
+        if backend == "julia":
+            from pyhvp.backends.julia import JuliaBackend
+
+            return JuliaBackend()
+        raise ValueError(f"backend must be one of {list(BACKEND_NAMES)} or a Backend, got {backend!r}")
+    if isinstance(backend, Backend):
+        return backend
+    raise TypeError(
+        f"backend must be a name {list(BACKEND_NAMES)} or a Backend object, "
+        f"got {type(backend).__name__}"
+    )
+
+
+def available_backends() -> list[str]:
+    """Names of the backends that can run right now; never hangs, never downloads."""
+    from pyhvp.backends.julia import julia_available
+
+    return ["torch", *(["julia"] if julia_available() else [])]

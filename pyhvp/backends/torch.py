@@ -1,0 +1,202 @@
+"""The torch backend: the two primitives written with torch.func, plus a compiled fast path.
+
+Compilation rule (``TorchBackend(compile=...)``):
+
+* ``"auto"`` (default): the first ``COMPILE_AFTER_CALLS`` calls with a given signature --
+  (primitive, function, event_dims, chunk_size, shapes, dtypes, devices) -- run eagerly; later calls
+  with the same signature run a ``torch.compile``-d kernel, cached for that signature. One-off
+  calls never pay for compilation; loops that call thousands of times do so once.
+* ``True``: compile from the first call. ``False``: always eager.
+* Inputs that carry autograd history (``requires_grad`` with grad mode on) always run eagerly, so
+  the results stay differentiable. If compilation or a compiled run fails, pyhvp warns once per
+  signature and runs that signature eagerly from then on: compile is never a reason to crash.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Literal
+
+import torch
+from torch.func import grad, jvp, vmap
+
+from pyhvp._checks import check_output_shape
+
+CompileMode = Literal["auto"] | bool
+
+COMPILE_AFTER_CALLS = 2
+"""With ``compile="auto"``, this many eager calls precede the first compiled one."""
+
+CACHE_SIZE = 64
+"""Signatures remembered (least recently used dropped first)."""
+
+
+def _grad_and_hvp(
+    f: Callable[..., torch.Tensor],
+    event_dims: int,
+    chunk_size: int | None,
+    x: torch.Tensor,
+    tangents: torch.Tensor,
+    *args: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    batch_shape = x.shape[: x.ndim - event_dims]
+
+    def total(y: torch.Tensor) -> torch.Tensor:
+        out = f(y, *args)
+        check_output_shape("f", out, batch_shape, "one value per instance: x.shape[:-event_dims]")
+        return out.sum()
+
+    gradient = grad(total)
+
+    def forward_over_reverse(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return jvp(gradient, (x,), (v,))
+
+    if tangents.shape[0] == 1:
+        g, hv = forward_over_reverse(tangents[0])
+        return g, hv.unsqueeze(0)
+    if chunk_size is not None and chunk_size < tangents.shape[0]:
+        # vmap cannot chunk an unbatched (out_dims=None) output: keep the first chunk's gradient.
+        chunks = [
+            vmap(forward_over_reverse, out_dims=(None, 0))(part)
+            for part in tangents.split(chunk_size)
+        ]
+        return chunks[0][0], torch.cat([hv for _, hv in chunks])
+    return vmap(forward_over_reverse, out_dims=(None, 0))(tangents)
+
+
+def _second_directional(
+    f: Callable[..., torch.Tensor],
+    chunk_size: int | None,
+    x: torch.Tensor,
+    directions: torch.Tensor,
+    *args: object,
+) -> torch.Tensor:
+    def along(u: torch.Tensor) -> torch.Tensor:
+        def first(y: torch.Tensor) -> torch.Tensor:
+            return jvp(lambda z: f(z, *args), (y,), (u,))[1]
+
+        return jvp(first, (x,), (u,))[1]
+
+    return vmap(along, chunk_size=chunk_size)(directions)
+
+
+@dataclass
+class _Entry:
+    calls: int = 0
+    compiled: Callable[..., object] | None = None
+    failed: bool = False
+
+
+_CACHE: OrderedDict[Hashable, _Entry] = OrderedDict()
+
+
+def _compile_bound(
+    kernel: Callable[..., object], f: Callable[..., object], static: tuple[Hashable, ...]
+) -> Callable[..., object]:
+    """``torch.compile`` of ``kernel(f, *static, *inputs)`` as a function of the inputs alone.
+
+    Dynamo keeps its compiled graphs (and its recompile limit, 8) per code object, so each cached
+    signature gets a function with a code object of its own: many functions or shapes in one
+    process then never evict each other or fall back to eager.
+    """
+
+    def bound(*inputs: object) -> object:
+        return kernel(f, *static, *inputs)
+
+    code = bound.__code__.replace()
+    fresh = types.FunctionType(code, bound.__globals__, bound.__name__, None, bound.__closure__)
+    return torch.compile(fresh, dynamic=False)
+
+
+def _signature(
+    primitive: str, f: Callable[..., object], static: tuple[Hashable, ...], tensors: Sequence[object]
+) -> Hashable:
+    def describe(value: object) -> Hashable:
+        if isinstance(value, torch.Tensor):
+            return ("tensor", tuple(value.shape), value.dtype, value.device)
+        return ("value", type(value).__name__)
+
+    return (primitive, f, static, tuple(describe(t) for t in tensors))
+
+
+def _needs_autograd(values: Sequence[object]) -> bool:
+    return torch.is_grad_enabled() and any(
+        isinstance(v, torch.Tensor) and v.requires_grad for v in values
+    )
+
+
+class TorchBackend:
+    """torch.func primitives; ``compile`` is ``"auto"`` (default), ``True`` or ``False``."""
+
+    name = "torch"
+
+    def __init__(self, compile: CompileMode = "auto") -> None:
+        if compile not in ("auto", True, False):
+            raise ValueError(f"compile must be 'auto', True or False, got {compile!r}")
+        self.compile = compile
+
+    def __repr__(self) -> str:
+        return f"TorchBackend(compile={self.compile!r})"
+
+    def grad_and_hvp(
+        self,
+        f: Callable[..., torch.Tensor],
+        x: torch.Tensor,
+        tangents: torch.Tensor,
+        args: Sequence[object],
+        event_dims: int,
+        chunk_size: int | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._run(_grad_and_hvp, f, (event_dims, chunk_size), (x, tangents, *args))
+
+    def second_directional(
+        self,
+        f: Callable[..., torch.Tensor],
+        x: torch.Tensor,
+        directions: torch.Tensor,
+        args: Sequence[object],
+        chunk_size: int | None,
+    ) -> torch.Tensor:
+        return self._run(_second_directional, f, (chunk_size,), (x, directions, *args))
+
+    def _run(
+        self,
+        kernel: Callable[..., object],
+        f: Callable[..., object],
+        static: tuple[Hashable, ...],
+        inputs: tuple[object, ...],
+    ) -> object:
+        eager = partial(kernel, f, *static)
+        if self.compile is False or _needs_autograd(inputs):
+            return eager(*inputs)
+        try:
+            key = _signature(kernel.__name__, f, static, inputs)
+            hash(key)
+        except TypeError:  # an unhashable function: nothing to cache it under
+            return eager(*inputs)
+        entry = _CACHE.pop(key, None) or _Entry()
+        _CACHE[key] = entry
+        while len(_CACHE) > CACHE_SIZE:
+            _CACHE.popitem(last=False)
+        entry.calls += 1
+        threshold = 1 if self.compile is True else COMPILE_AFTER_CALLS + 1
+        if entry.failed or entry.calls < threshold:
+            return eager(*inputs)
+        if entry.compiled is None:
+            entry.compiled = _compile_bound(kernel, f, static)
+        try:
+            return entry.compiled(*inputs)
+        except Exception as error:  # compile is an optimisation; fall back, say so once
+            entry.failed = True
+            warnings.warn(
+                f"pyhvp: torch.compile failed for {getattr(f, '__name__', f)!s} "
+                f"({type(error).__name__}: {error}); running this signature eagerly",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return eager(*inputs)
