@@ -21,6 +21,7 @@ example: setup
 
 test: setup
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest
 
 bench: setup

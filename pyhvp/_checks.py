@@ -29,7 +29,9 @@ def require_tensor(name: str, value: object) -> torch.Tensor:
 def require_floating(name: str, value: object) -> torch.Tensor:
     tensor = require_tensor(name, value)
     if not tensor.is_floating_point():
-        raise TypeError(f"{name} must have a floating dtype (float32/float64/...), got {tensor.dtype}")
+        raise TypeError(
+            f"{name} must have a floating dtype (float32/float64/...), got {tensor.dtype}"
+        )
     return tensor
 
 

@@ -13,7 +13,9 @@ from torch.func import hessian
 
 
 def to64(value):
-    return value.double() if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+    return (
+        value.double() if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+    )
 
 
 def dense_hessian(f, x, *args):

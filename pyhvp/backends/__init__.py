@@ -67,7 +67,9 @@ def resolve_backend(backend: str | Backend) -> Backend:
             from pyhvp.backends.julia import JuliaBackend
 
             return JuliaBackend()
-        raise ValueError(f"backend must be one of {list(BACKEND_NAMES)} or a Backend, got {backend!r}")
+        raise ValueError(
+            f"backend must be one of {list(BACKEND_NAMES)} or a Backend, got {backend!r}"
+        )
     if isinstance(backend, Backend):
         return backend
     raise TypeError(

@@ -114,7 +114,10 @@ def _compile_bound(
 
 
 def _signature(
-    primitive: str, f: Callable[..., object], static: tuple[Hashable, ...], tensors: Sequence[object]
+    primitive: str,
+    f: Callable[..., object],
+    static: tuple[Hashable, ...],
+    tensors: Sequence[object],
 ) -> Hashable:
     def describe(value: object) -> Hashable:
         if isinstance(value, torch.Tensor):
