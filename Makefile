@@ -13,7 +13,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH_PIN)" -e ".[test]"
+	$(PY) -m pip install --quiet "$(TORCH_PIN)" -e ".[test,julia]"
 	touch $@
 
 example: setup
