@@ -1,0 +1,291 @@
+"""Specification of grad_and_hvp / hvp / per_instance against dense float64 Hessians."""
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from dense import instance_hvp
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import pyhvp
+from pyhvp import TorchBackend
+
+
+def gaussian(x, mu):
+    """The seed-000 batched function: exp(-|x - mu|^2) per particle."""
+    return torch.exp(-((x - mu) ** 2).sum(-1))
+
+
+def gaussian_single(x, mu):
+    return torch.exp(-((x - mu) ** 2).sum())
+
+
+def coupled(x):
+    """Cross terms inside an instance: x0 x1 x2 + sum sin(x)."""
+    return x[..., 0] * x[..., 1] * x[..., 2] + torch.sin(x).sum(-1)
+
+
+def matrix_instance(x, w):
+    """event_dims=2: each instance is a (2, 3) matrix; w (3, 3) is shared."""
+    return (torch.tanh(x @ w) ** 2).sum((-2, -1))
+
+
+@dataclass
+class Case:
+    name: str
+    f: object
+    x_shape: tuple
+    args_shapes: tuple = ()
+    event_dims: int = 1
+    kwargs: dict = field(default_factory=dict)
+
+    def make(self, device, dtype):
+        x = torch.randn(self.x_shape, device=device, dtype=dtype)
+        args = tuple(torch.randn(s, device=device, dtype=dtype) for s in self.args_shapes)
+        return x, args
+
+
+CASES = [
+    Case("seed-000 layout", gaussian, (2, 3, 4, 3), ((2, 1, 1, 3),)),
+    Case(
+        "per_instance(f_single)", pyhvp.per_instance(gaussian_single), (2, 3, 4, 3), ((2, 1, 1, 3),)
+    ),
+    Case("cross terms", coupled, (5, 3)),
+    Case("unbatched", coupled, (3,)),
+    Case("event_dims=2", matrix_instance, (4, 2, 3), ((3, 3),), event_dims=2),
+]
+TANGENTS = {"one tangent": None, "k=3 tangents": 3, "k=5 chunked by 2": (5, 2)}
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def tolerance(dtype):
+    return (
+        {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 1e-10, "atol": 1e-10}
+    )
+
+
+def tangents_for(x, spec):
+    k, chunk = (spec, None) if not isinstance(spec, tuple) else spec
+    v = torch.randn(x.shape if k is None else (k, *x.shape), device=x.device, dtype=x.dtype)
+    return v, chunk
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("spec", TANGENTS.values(), ids=TANGENTS.keys())
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_hvp_matches_dense_instance_hessian(case, spec, dtype, device):
+    x, args = case.make(device, dtype)
+    v, chunk = tangents_for(x, spec)
+    hv = pyhvp.hvp(f := case.f, x, v, *args, event_dims=case.event_dims, chunk_size=chunk)
+    expected = instance_hvp(f, x, v, *args, event_dims=case.event_dims)
+    torch.testing.assert_close(hv.double(), expected, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_gradient_is_per_instance_gradient(case, device):
+    x, args = case.make(device, torch.float64)
+    g, _ = pyhvp.grad_and_hvp(case.f, x, torch.ones_like(x), *args, event_dims=case.event_dims)
+    expected = torch.func.grad(lambda y: case.f(y, *args).sum())(x)
+    torch.testing.assert_close(g, expected)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES[:3], ids=lambda c: c.name)
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_compiled_path_matches_dense(case, dtype, device):
+    x, args = case.make(device, dtype)
+    v = torch.randn(3, *x.shape, device=device, dtype=dtype)
+    hv = pyhvp.hvp(case.f, x, v, *args, backend=TorchBackend(compile=True))
+    expected = instance_hvp(case.f, x, v, *args)
+    torch.testing.assert_close(hv.double(), expected, **tolerance(dtype))
+
+
+@pytest.mark.slow
+def test_auto_compile_kicks_in_after_repeated_calls(monkeypatch):
+    compiled = []
+    real_compile = torch.compile
+    monkeypatch.setattr(
+        torch, "compile", lambda fn, **kw: compiled.append(fn) or real_compile(fn, **kw)
+    )
+
+    def fresh_gaussian(x, mu):  # a new function object: nothing cached for it yet
+        return gaussian(x, mu)
+
+    x, mu = torch.randn(8, 3), torch.randn(3)
+    results = [pyhvp.hvp(fresh_gaussian, x, torch.ones_like(x), mu) for _ in range(4)]
+    assert len(compiled) == 1 and all(torch.allclose(r, results[0]) for r in results)
+
+
+@pytest.mark.slow
+def test_compile_failure_warns_and_runs_eagerly(monkeypatch):
+    def broken_compile(fn, **kw):
+        def run(*args):
+            raise RuntimeError("backend compiler exploded")
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    x, mu = torch.randn(6, 3), torch.randn(3)
+    with pytest.warns(RuntimeWarning, match="torch.compile failed"):
+        hv = pyhvp.hvp(gaussian, x, torch.ones_like(x), mu, backend=TorchBackend(compile=True))
+    expected = instance_hvp(gaussian, x, torch.ones_like(x), mu)
+    torch.testing.assert_close(hv.double(), expected, **tolerance(torch.float32))
+
+
+def test_inputs_are_not_modified_and_requires_grad_works():
+    x = torch.randn(5, 3, requires_grad=True)
+    v, mu = torch.randn(5, 3), torch.randn(3)
+    before = (x.detach().clone(), v.clone(), mu.clone())
+    hv = pyhvp.hvp(gaussian, x, v, mu)
+    torch.testing.assert_close(hv.double(), instance_hvp(gaussian, x.detach(), v, mu))
+    assert all(torch.equal(a, b) for a, b in zip(before, (x.detach(), v, mu), strict=True))
+
+
+def test_result_stays_differentiable_when_inputs_require_grad():
+    """d/dmu of sum(H v) through the eager path equals the dense third-derivative contraction."""
+    x, v = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    mu = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    (dmu,) = torch.autograd.grad(pyhvp.hvp(gaussian, x, v, mu).sum(), mu)
+    expected = torch.func.grad(lambda m: instance_hvp(gaussian, x, v, m).sum())(mu.detach())
+    torch.testing.assert_close(dmu, expected)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    batch=st.lists(st.integers(1, 3), min_size=0, max_size=3),
+    event=st.lists(st.integers(1, 3), min_size=1, max_size=2),
+    k=st.one_of(st.none(), st.integers(1, 3)),
+)
+def test_quadratic_form_hvp_is_a_times_v_for_any_shape(batch, event, k):
+    """f = 1/2 x^T A x per instance has H = A: hv = A v for every batch/event/k combination."""
+    n = int(torch.tensor(event).prod())
+    a = torch.randn(n, n, dtype=torch.float64)
+    a = a + a.T
+
+    def quadratic(x):
+        flat = x.reshape(*x.shape[: len(x.shape) - len(event)], n)
+        return 0.5 * torch.einsum("...i,ij,...j->...", flat, a, flat)
+
+    x = torch.randn(*batch, *event, dtype=torch.float64)
+    v = torch.randn(*(() if k is None else (k,)), *x.shape, dtype=torch.float64)
+    hv = pyhvp.hvp(quadratic, x, v, event_dims=len(event))
+    expected = torch.einsum("ij,...j->...i", a, v.reshape(*v.shape[: v.ndim - len(event)], n))
+    torch.testing.assert_close(hv, expected.reshape(v.shape))
+
+
+# --- errors: (call, exception, message fragments) -------------------------------------------
+
+X, MU = torch.randn(4, 3), torch.randn(3)
+ERRORS = {
+    "x not a tensor": (
+        lambda: pyhvp.hvp(gaussian, [[1.0, 2.0]], X, MU),
+        TypeError,
+        ["x", "torch.Tensor", "list"],
+    ),
+    "x integer": (
+        lambda: pyhvp.hvp(gaussian, X.long(), X, MU),
+        TypeError,
+        ["x", "floating", "torch.int64"],
+    ),
+    "v wrong shape": (
+        lambda: pyhvp.hvp(gaussian, X, torch.ones(4, 2), MU),
+        ValueError,
+        ["v", "(4, 3)", "(k, 4, 3)", "(4, 2)"],
+    ),
+    "v broadcastable but wrong": (
+        lambda: pyhvp.hvp(gaussian, X, torch.ones(1, 3), MU),
+        ValueError,
+        ["v", "(4, 3)", "(1, 3)"],
+    ),
+    "v dtype": (
+        lambda: pyhvp.hvp(gaussian, X, X.double(), MU),
+        ValueError,
+        ["v", "torch.float32", "torch.float64"],
+    ),
+    "v not floating": (lambda: pyhvp.hvp(gaussian, X, X.long(), MU), TypeError, ["v", "floating"]),
+    "arg dtype": (
+        lambda: pyhvp.hvp(gaussian, X, X, MU.double()),
+        ValueError,
+        ["args[0]", "torch.float32", "torch.float64"],
+    ),
+    "f returns the sum": (
+        lambda: pyhvp.hvp(lambda x, mu: gaussian(x, mu).sum(), X, X, MU),
+        ValueError,
+        ["f", "(4,)", "()"],
+    ),
+    "f returns per coordinate": (
+        lambda: pyhvp.hvp(lambda x, mu: (x - mu) ** 2, X, X, MU),
+        ValueError,
+        ["f", "(4,)", "(4, 3)"],
+    ),
+    "f returns no tensor": (
+        lambda: pyhvp.hvp(lambda x, mu: 1.0, X, X, MU),
+        TypeError,
+        ["f", "float"],
+    ),
+    "event_dims too large": (
+        lambda: pyhvp.hvp(gaussian, X, X, MU, event_dims=3),
+        ValueError,
+        ["event_dims", "x.ndim=2", "3"],
+    ),
+    "event_dims zero": (
+        lambda: pyhvp.hvp(gaussian, X, X, MU, event_dims=0),
+        ValueError,
+        ["event_dims", "0"],
+    ),
+    "chunk_size": (
+        lambda: pyhvp.hvp(gaussian, X, X[None], MU, chunk_size=0),
+        ValueError,
+        ["chunk_size", "0"],
+    ),
+    "unknown backend": (
+        lambda: pyhvp.hvp(gaussian, X, X, MU, backend="jax"),
+        ValueError,
+        ["backend", "'jax'", "torch"],
+    ),
+    "bad compile option": (
+        lambda: TorchBackend(compile="sometimes"),
+        ValueError,
+        ["compile", "'sometimes'"],
+    ),
+    "per_instance arg does not broadcast": (
+        lambda: pyhvp.per_instance(gaussian_single)(torch.randn(2, 4, 3), torch.randn(3, 1, 3)),
+        ValueError,
+        ["args[0]", "(3, 1)", "(2, 4)"],
+    ),
+    "per_instance f_single not scalar": (
+        lambda: pyhvp.per_instance(lambda x: x * 2)(X),
+        ValueError,
+        ["f_single", "(4,)", "(4, 3)"],
+    ),
+}
+if torch.cuda.is_available():
+    ERRORS["v on another device"] = (
+        lambda: pyhvp.hvp(gaussian, X, X.cuda(), MU),
+        ValueError,
+        ["v", "cpu", "cuda"],
+    )
+    ERRORS["arg on another device"] = (
+        lambda: pyhvp.hvp(gaussian, X, X, MU.cuda()),
+        ValueError,
+        ["args[0]", "cpu", "cuda"],
+    )
+
+
+@pytest.mark.parametrize("call, error, fragments", ERRORS.values(), ids=ERRORS.keys())
+def test_bad_input_raises_a_clear_error(call, error, fragments):
+    with pytest.raises(error) as info:
+        call()
+    missing = [frag for frag in fragments if frag not in str(info.value)]
+    assert not missing, f"message {str(info.value)!r} lacks {missing}"
+
+
+def test_available_backends_always_lists_torch():
+    assert pyhvp.available_backends()[0] == "torch"
+
+
+def test_float32_result_keeps_dtype_and_device(device):
+    x = torch.randn(3, 3, device=device)
+    g, hv = pyhvp.grad_and_hvp(coupled, x, torch.ones_like(x))
+    assert (g.dtype, hv.dtype, g.device, hv.device) == (torch.float32,) * 2 + (x.device,) * 2
