@@ -6,10 +6,12 @@ Public names only; each operator lives in its own module.
 from pyhvp.backends import Backend, BackendUnavailableError, available_backends
 from pyhvp.backends.torch import TorchBackend
 from pyhvp.hvp import grad_and_hvp, hvp, per_instance
+from pyhvp.kronecker import KroneckerHVP
 
 __all__ = [
     "Backend",
     "BackendUnavailableError",
+    "KroneckerHVP",
     "TorchBackend",
     "available_backends",
     "grad_and_hvp",
