@@ -54,6 +54,7 @@ CASES = [
     Case("cross terms", coupled, (5, 3)),
     Case("unbatched", coupled, (3,)),
     Case("event_dims=2", matrix_instance, (4, 2, 3), ((3, 3),), event_dims=2),
+    Case("affine: zero Hessian", lambda x: 2 * x.sum(-1) + 1, (4, 3)),
 ]
 TANGENTS = {"one tangent": None, "k=3 tangents": 3, "k=5 chunked by 2": (5, 2)}
 DTYPES = {"float32": torch.float32, "float64": torch.float64}

@@ -1,4 +1,9 @@
-"""The torch backend: the two primitives written with torch.func, plus a compiled fast path.
+"""The torch backend: the two primitives, eager and compiled.
+
+Methods: eagerly, ``grad_and_hvp`` runs reverse-over-reverse with ``torch.autograd`` (a
+batched second backward for k tangents), which has the lowest per-call overhead; compiled, it is
+forward-over-reverse ``jvp(grad(sum f))`` vmapped over the tangents, which inductor fuses into a
+few kernels. ``second_directional`` is forward-over-forward (``jvp`` of ``jvp``) in both modes.
 
 Compilation rule (``TorchBackend(compile=...)``):
 
@@ -36,7 +41,21 @@ CACHE_SIZE = 64
 """Signatures remembered (least recently used dropped first)."""
 
 
-def _grad_and_hvp(
+def _instance_sum(
+    f: Callable[..., torch.Tensor], event_dims: int, args: Sequence[object]
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``y -> f(y, *args).sum()``, checking that f returns one value per instance."""
+
+    def total(y: torch.Tensor) -> torch.Tensor:
+        out = f(y, *args)
+        batch_shape = y.shape[: y.ndim - event_dims]
+        check_output_shape("f", out, batch_shape, "one value per instance: x.shape[:-event_dims]")
+        return out.sum()
+
+    return total
+
+
+def _grad_and_hvp_traced(
     f: Callable[..., torch.Tensor],
     event_dims: int,
     chunk_size: int | None,
@@ -44,14 +63,11 @@ def _grad_and_hvp(
     tangents: torch.Tensor,
     *args: object,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    batch_shape = x.shape[: x.ndim - event_dims]
+    """Forward-over-reverse, ``jvp(grad(sum f))`` vmapped over tangents: what gets compiled.
 
-    def total(y: torch.Tensor) -> torch.Tensor:
-        out = f(y, *args)
-        check_output_shape("f", out, batch_shape, "one value per instance: x.shape[:-event_dims]")
-        return out.sum()
-
-    gradient = grad(total)
+    The gradient is the primal output of the same jvp that yields the HVPs.
+    """
+    gradient = grad(_instance_sum(f, event_dims, args))
 
     def forward_over_reverse(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return jvp(gradient, (x,), (v,))
@@ -59,14 +75,46 @@ def _grad_and_hvp(
     if tangents.shape[0] == 1:
         g, hv = forward_over_reverse(tangents[0])
         return g, hv.unsqueeze(0)
-    if chunk_size is not None and chunk_size < tangents.shape[0]:
-        # vmap cannot chunk an unbatched (out_dims=None) output: keep the first chunk's gradient.
-        chunks = [
-            vmap(forward_over_reverse, out_dims=(None, 0))(part)
-            for part in tangents.split(chunk_size)
+    # vmap cannot chunk an unbatched (out_dims=None) output, so chunks are split by hand.
+    chunks = [
+        vmap(forward_over_reverse, out_dims=(None, 0))(part)
+        for part in tangents.split(chunk_size or tangents.shape[0])
+    ]
+    return chunks[0][0], torch.cat([hv for _, hv in chunks])
+
+
+def _grad_and_hvp_eager(
+    f: Callable[..., torch.Tensor],
+    event_dims: int,
+    chunk_size: int | None,
+    x: torch.Tensor,
+    tangents: torch.Tensor,
+    *args: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reverse-over-reverse with torch.autograd: one forward, one backward that keeps its graph,
+    one (batched) backward per chunk of tangents. Eagerly this has the least per-call overhead,
+    and results stay differentiable when the inputs carry autograd history."""
+    keep_graph = _needs_autograd((x, tangents, *args))
+    with torch.enable_grad():
+        y = x if x.requires_grad else x.detach().requires_grad_()
+        total = _instance_sum(f, event_dims, args)(y)
+        (g,) = torch.autograd.grad(total, y, create_graph=True, materialize_grads=True)
+        if not g.requires_grad:  # f is affine in x: the Hessian is zero
+            return g.detach(), torch.zeros_like(tangents)
+        parts = tangents.split(chunk_size or tangents.shape[0])
+        hv = [
+            torch.autograd.grad(
+                g,
+                y,
+                part if len(part) > 1 else part[0],
+                retain_graph=keep_graph or i < len(parts) - 1,
+                create_graph=keep_graph,
+                is_grads_batched=len(part) > 1,
+                materialize_grads=True,
+            )[0].reshape(part.shape)
+            for i, part in enumerate(parts)
         ]
-        return chunks[0][0], torch.cat([hv for _, hv in chunks])
-    return vmap(forward_over_reverse, out_dims=(None, 0))(tangents)
+    return (g if keep_graph else g.detach()), (hv[0] if len(hv) == 1 else torch.cat(hv))
 
 
 def _second_directional(
@@ -155,7 +203,13 @@ class TorchBackend:
         event_dims: int,
         chunk_size: int | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._run(_grad_and_hvp, f, (event_dims, chunk_size), (x, tangents, *args))
+        return self._run(
+            _grad_and_hvp_eager,
+            _grad_and_hvp_traced,
+            f,
+            (event_dims, chunk_size),
+            (x, tangents, *args),
+        )
 
     def second_directional(
         self,
@@ -165,20 +219,23 @@ class TorchBackend:
         args: Sequence[object],
         chunk_size: int | None,
     ) -> torch.Tensor:
-        return self._run(_second_directional, f, (chunk_size,), (x, directions, *args))
+        return self._run(
+            _second_directional, _second_directional, f, (chunk_size,), (x, directions, *args)
+        )
 
     def _run(
         self,
-        kernel: Callable[..., object],
+        eager_kernel: Callable[..., object],
+        traced_kernel: Callable[..., object],
         f: Callable[..., object],
         static: tuple[Hashable, ...],
         inputs: tuple[object, ...],
     ) -> object:
-        eager = partial(kernel, f, *static)
+        eager = partial(eager_kernel, f, *static)
         if self.compile is False or _needs_autograd(inputs):
             return eager(*inputs)
         try:
-            key = _signature(kernel.__name__, f, static, inputs)
+            key = _signature(traced_kernel.__name__, f, static, inputs)
             hash(key)
         except TypeError:  # an unhashable function: nothing to cache it under
             return eager(*inputs)
@@ -191,7 +248,7 @@ class TorchBackend:
         if entry.failed or entry.calls < threshold:
             return eager(*inputs)
         if entry.compiled is None:
-            entry.compiled = _compile_bound(kernel, f, static)
+            entry.compiled = _compile_bound(traced_kernel, f, static)
         try:
             return entry.compiled(*inputs)
         except Exception as error:  # compile is an optimisation; fall back, say so once
