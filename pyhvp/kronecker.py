@@ -87,10 +87,10 @@ class KroneckerHVP:
         if self._mean is None:
             self._mean = torch.zeros_like(grad)
             self._factors = [grad.new_zeros(grad.shape[0], m, m) for m in grad.shape[1:]]
-        n, beta, size = grad.shape[0], self.beta, grad[0].numel()
+        beta, size = self.beta, grad[0].numel()
         self._mean.mul_(beta).add_(grad, alpha=1 - beta)
         for i, factor in enumerate(self._factors):
-            unfolded = grad.movedim(1 + i, 1).reshape(n, grad.shape[1 + i], -1)
+            unfolded = _unfold(grad, i)
             others = size // grad.shape[1 + i]  # product of the other mode sizes
             factor.baddbmm_(unfolded, unfolded.mT, beta=beta, alpha=(1 - beta) / others)
         self._step += 1
@@ -194,12 +194,17 @@ class KroneckerHVP:
         mean = self._mean.double() / correction
         roots = []
         for i, factor in enumerate(self._factors):
-            mu = mean.mean(dim=[1 + j for j in range(d) if j != i])  # (n, m_i)
+            mu = _unfold(mean, i).mean(-1)  # (n, m_i); mean(dim=[]) would reduce every dim
             cov = factor.double() / correction - mu[:, :, None] * mu[:, None, :]
             vals, vecs = torch.linalg.eigh(cov)
             root = (vecs * vals.abs().add(self.damping).pow(power)[:, None, :]) @ vecs.mT
             roots.append(((root + root.mT) / 2).to(self._mean.dtype))
         return roots
+
+
+def _unfold(tensor: torch.Tensor, mode: int) -> torch.Tensor:
+    """Mode-``mode`` unfolding of ``(n, *modes)``: ``(n, m_mode, product of the other modes)``."""
+    return tensor.movedim(1 + mode, 1).reshape(tensor.shape[0], tensor.shape[1 + mode], -1)
 
 
 def _real_option(name: str, value: object, expected: str, ok: Callable[[float], bool]) -> float:

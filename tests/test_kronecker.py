@@ -1,0 +1,374 @@
+"""KroneckerHVP against the corrected post (3 modes) and a dense Kronecker construction (any d).
+
+Both references are specific to this operator, so they live here rather than in ``dense.py``:
+``post_batch_hvp`` is the corrected post's ``batch_hvp_fn`` transcribed line by line (float64,
+gradient passed in); ``dense_kronecker`` builds each mode's covariance from the closed-form EMA
+weights over the whole gradient history, takes its root by eigh and forms the explicit
+``R_1 ⊗ ... ⊗ R_d`` with ``torch.kron``.
+"""
+
+import io
+import math
+
+import pytest
+import torch
+
+from pyhvp import KroneckerHVP
+
+F64 = torch.float64
+TOL = {torch.float64: {}, torch.float32: {"rtol": 1e-4, "atol": 1e-5}}
+
+
+def post_batch_hvp(shape, beta=0.99, damping=0.0):
+    """The corrected post's ``batch_hvp_fn(x, sigma, v)``, with ``grad`` given instead of computed."""
+    x_mean = torch.zeros(shape, dtype=F64)
+    x_kron_1 = torch.zeros([shape[0], shape[1], shape[1]], dtype=F64)
+    x_kron_2 = torch.zeros([shape[0], shape[2], shape[2]], dtype=F64)
+    x_kron_3 = torch.zeros([shape[0], shape[3], shape[3]], dtype=F64)
+    beta_accum = torch.tensor(1.0, dtype=F64)
+    beta = torch.tensor(beta, dtype=F64)
+    damping = torch.tensor(damping, dtype=F64)
+
+    def powmh(x, power, damping=0.0):
+        vals, vecs = torch.linalg.eigh(x)
+        vals = vals.abs().add(damping).pow(power)
+        return torch.einsum("...ab,...b,...cb->...ac", vecs, vals, vecs)
+
+    def batch_hvp_fn(grad, v):
+        x_mean.mul_(beta).add_(grad, alpha=1 - beta)
+        x_kron_1.mul_(beta).add_(
+            torch.einsum("nabc,nzbc->naz", grad, grad),
+            alpha=(1 - beta) / (grad.shape[2] * grad.shape[3]),
+        )
+        x_kron_2.mul_(beta).add_(
+            torch.einsum("nabc,nazc->nbz", grad, grad),
+            alpha=(1 - beta) / (grad.shape[1] * grad.shape[3]),
+        )
+        x_kron_3.mul_(beta).add_(
+            torch.einsum("nabc,nabz->ncz", grad, grad),
+            alpha=(1 - beta) / (grad.shape[1] * grad.shape[2]),
+        )
+        beta_accum.mul_(beta)
+        x_mean_hat = x_mean / (1 - beta_accum)
+        x_kron_1_hat = x_kron_1 / (1 - beta_accum)
+        x_kron_2_hat = x_kron_2 / (1 - beta_accum)
+        x_kron_3_hat = x_kron_3 / (1 - beta_accum)
+        x_mean_1 = x_mean_hat.mean([2, 3])
+        x_mean_2 = x_mean_hat.mean([1, 3])
+        x_mean_3 = x_mean_hat.mean([1, 2])
+        x_cov_1 = x_kron_1_hat - torch.einsum("na,nb->nab", x_mean_1, x_mean_1)
+        x_cov_2 = x_kron_2_hat - torch.einsum("na,nb->nab", x_mean_2, x_mean_2)
+        x_cov_3 = x_kron_3_hat - torch.einsum("na,nb->nab", x_mean_3, x_mean_3)
+        x_cov_1_root = powmh(x_cov_1, 1 / 3, damping)
+        x_cov_2_root = powmh(x_cov_2, 1 / 3, damping)
+        x_cov_3_root = powmh(x_cov_3, 1 / 3, damping)
+        return torch.einsum("xyabc,yad,ybe,ycf->xydef", v, x_cov_1_root, x_cov_2_root, x_cov_3_root)
+
+    return batch_hvp_fn
+
+
+def dense_kronecker(grads, beta=0.99, damping=0.0, power=None):
+    """``(n, N, N)``: explicit Kronecker product of the per-mode roots after ``grads`` (a list).
+
+    Closed form of the bias-corrected EMA: step ``s`` of ``t`` has weight
+    ``(1 - beta) beta^(t - s) / (1 - beta^t)``; the mode-i second moment of one gradient is the
+    tensordot over all other modes divided by their number of entries.
+    """
+    history = torch.stack(grads).cpu().double()  # (t, n, *modes)
+    t, n, modes = history.shape[0], history.shape[1], history.shape[2:]
+    p = 1 / len(modes) if power is None else power
+    w = (1 - beta) * beta ** torch.arange(t - 1, -1, -1, dtype=F64) / (1 - beta**t)
+    dense = []
+    for k in range(n):
+        matrix = torch.ones(1, 1, dtype=F64)
+        mean = torch.einsum("s,s...->...", w, history[:, k])
+        for i, m in enumerate(modes):
+            others = [j for j in range(len(modes)) if j != i]
+            second = sum(
+                ws * torch.tensordot(g, g, dims=(others, others))
+                for ws, g in zip(w, history[:, k], strict=True)
+            ) / (mean.numel() / m)
+            mu = mean.mean(dim=others) if others else mean
+            vals, vecs = torch.linalg.eigh(second - torch.outer(mu, mu))
+            matrix = torch.kron(matrix, vecs @ torch.diag((vals.abs() + damping) ** p) @ vecs.T)
+        dense.append(matrix)
+    return torch.stack(dense)
+
+
+def dense_apply(dense, v, n_modes):
+    flat = v.cpu().double().flatten(start_dim=v.ndim - n_modes)
+    return torch.einsum("nij,...nj->...ni", dense, flat).reshape(v.shape)
+
+
+def gradient_history(steps, shape, device, dtype=F64):
+    """Random gradients with a non-zero mean, so the mean subtraction matters."""
+    return [torch.randn(shape, device=device, dtype=dtype) + 0.5 for _ in range(steps)]
+
+
+# --- the corrected post, 3 modes ----------------------------------------------------------------
+
+POST_CASES = {
+    # name: (shape (n, a, b, c), extra dims of v, steps, beta, damping, dtype)
+    "one-step": ((2, 3, 4, 5), 1, 1, 0.99, 0.0, F64),
+    "several-steps": ((3, 4, 2, 3), 2, 6, 0.9, 0.0, F64),
+    "damped": ((2, 3, 3, 4), 1, 4, 0.99, 0.1, F64),
+    "float32": ((2, 3, 4, 5), 3, 5, 0.9, 0.05, torch.float32),
+}
+
+
+@pytest.mark.parametrize("case", POST_CASES.values(), ids=POST_CASES.keys())
+def test_matches_corrected_post_at_every_step(case, device):
+    shape, extra, steps, beta, damping, dtype = case
+    post, kron = post_batch_hvp(shape, beta, damping), KroneckerHVP(beta=beta, damping=damping)
+    ours, expected = [], []
+    for grad in gradient_history(steps, shape, device, dtype):
+        v = torch.randn(extra, *shape, device=device, dtype=dtype)
+        ours.append(kron(grad, v).cpu().double())
+        expected.append(post(grad.cpu().double(), v.cpu().double()))
+    torch.testing.assert_close(ours, expected, **TOL[dtype])
+
+
+# --- any number of modes, against the explicit Kronecker product ---------------------------------
+
+DENSE_CASES = {
+    # name: (shape (n, *modes), extra dims of v, steps, beta, damping, power, dtype)
+    "1-mode": ((3, 5), (), 4, 0.9, 0.0, None, F64),
+    "1-mode-extra-dims": ((2, 4), (2, 3), 3, 0.99, 0.2, None, F64),
+    "2-modes": ((2, 3, 4), (), 5, 0.9, 0.0, None, F64),
+    "2-modes-power": ((2, 4, 3), (2,), 3, 0.8, 0.1, 0.5, F64),
+    "3-modes-float32": ((2, 2, 3, 4), (2,), 4, 0.9, 0.01, None, torch.float32),
+    "4-modes": ((2, 2, 3, 2, 3), (), 3, 0.9, 0.0, None, F64),
+    "4-modes-damped-float32": ((2, 3, 2, 2, 2), (3,), 5, 0.95, 0.3, 0.2, torch.float32),
+}
+
+
+@pytest.mark.parametrize("case", DENSE_CASES.values(), ids=DENSE_CASES.keys())
+def test_equals_explicit_kronecker_product_of_roots(case, device):
+    shape, extra, steps, beta, damping, power, dtype = case
+    kron = KroneckerHVP(beta=beta, damping=damping, power=power)
+    grads = gradient_history(steps, shape, device, dtype)
+    for grad in grads:
+        kron.update(grad)
+    v = torch.randn(*extra, *shape, device=device, dtype=dtype)
+    expected = dense_apply(dense_kronecker(grads, beta, damping, power), v, len(shape) - 1)
+    torch.testing.assert_close(kron.apply(v).cpu().double(), expected, **TOL[dtype])
+
+
+NEAR_SINGULAR = {
+    # name: gradient history (float64, shape (n, 3, 4, 2)) whose covariances are (near) singular
+    "constant-grad": lambda t: [torch.full((2, 3, 4, 2), 3.0, dtype=F64) for _ in range(t)],
+    "zero-grad": lambda t: [torch.zeros(2, 3, 4, 2, dtype=F64) for _ in range(t)],
+    "rank-one-modes": lambda t: [
+        torch.randn(2, 1, 1, 1, dtype=F64)
+        * torch.einsum("a,b,c->abc", *(torch.arange(1.0, m + 1, dtype=F64) for m in (3, 4, 2)))
+        for _ in range(t)
+    ],
+}
+
+
+@pytest.mark.parametrize("make_grads", NEAR_SINGULAR.values(), ids=NEAR_SINGULAR.keys())
+def test_near_singular_covariance_gives_the_reference(make_grads, device):
+    grads = [g.to(device) for g in make_grads(5)]
+    kron = KroneckerHVP(beta=0.9)
+    for grad in grads:
+        kron.update(grad)
+    v = torch.randn(2, 3, 4, 2, device=device, dtype=F64)
+    expected = dense_apply(dense_kronecker(grads, beta=0.9), v, 3)
+    # a cube root turns rounding-sized eigenvalues (1e-16) into 1e-5-sized ones: compare at that
+    torch.testing.assert_close(kron.apply(v).cpu(), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("make_grads", NEAR_SINGULAR.values(), ids=NEAR_SINGULAR.keys())
+def test_near_singular_covariance_of_float32_statistics_gives_no_nan(make_grads, device):
+    kron = KroneckerHVP(beta=0.9)
+    for grad in make_grads(5):
+        kron.update(grad.float().to(device))
+    assert torch.isfinite(kron.apply(torch.randn(2, 3, 4, 2, device=device))).all()
+
+
+SYMMETRY_CASES = {
+    # name: (shape (n, *modes), dtype, gradient offset: a large one makes covariances ill-conditioned)
+    "float64": ((2, 3, 2, 4), F64, 0.5),
+    "float32": ((3, 4, 3), torch.float32, 0.5),
+    "float32-ill-conditioned": ((2, 3, 2, 4), torch.float32, 1e3),
+}
+
+
+@pytest.mark.parametrize("case", SYMMETRY_CASES.values(), ids=SYMMETRY_CASES.keys())
+def test_operator_is_symmetric_per_system(case, device):
+    shape, dtype, offset = case
+    kron = KroneckerHVP(beta=0.9)
+    for _ in range(4):
+        kron.update(torch.randn(shape, device=device, dtype=dtype) + offset)
+    size = math.prod(shape[1:])
+    basis = torch.eye(size, device=device, dtype=dtype).reshape(size, 1, *shape[1:])
+    columns = kron.apply(basis.expand(size, *shape).clone())  # (N, n, *modes): K e_j per system
+    matrix = columns.flatten(start_dim=2).transpose(0, 1)  # (n, N, N), row j = K e_j
+    torch.testing.assert_close(matrix, matrix.mT)
+
+
+# --- caching, state, reset -----------------------------------------------------------------------
+
+REFRESH_CASES = {
+    # name: (refresh_every, the step whose statistics each apply (one after every update) sees)
+    "every-update": (1, [1, 2, 3, 4, 5]),
+    "every-second-update": (2, [1, 1, 3, 3, 5]),
+    "every-third-update": (3, [1, 1, 1, 4, 4]),
+}
+
+
+@pytest.mark.parametrize("case", REFRESH_CASES.values(), ids=REFRESH_CASES.keys())
+def test_refresh_every_reuses_roots_until_k_updates_have_passed(case, device):
+    refresh_every, seen_steps = case
+    kron = KroneckerHVP(beta=0.9, refresh_every=refresh_every)
+    grads = gradient_history(len(seen_steps), (2, 3, 4), device)
+    v = torch.randn(2, 3, 4, device=device, dtype=F64)
+    ours = [kron(grad, v).cpu() for grad in grads]
+    expected = [dense_apply(dense_kronecker(grads[:s], beta=0.9), v, 2) for s in seen_steps]
+    torch.testing.assert_close(ours, expected)
+
+
+def test_roots_are_computed_once_per_update_not_per_apply(device, monkeypatch):
+    calls = []
+    eigh = torch.linalg.eigh
+    monkeypatch.setattr(torch.linalg, "eigh", lambda a: calls.append(a.shape) or eigh(a))
+    kron = KroneckerHVP()
+    v = torch.randn(2, 3, 4, 5, device=device)
+    for _ in range(2):
+        kron.update(torch.randn(2, 3, 4, 5, device=device))
+        for _ in range(3):
+            kron.apply(v)
+    assert len(calls) == 2 * 3  # two updates x three modes, whatever the number of applies
+
+
+def test_state_round_trip_continues_identically(device):
+    grads = gradient_history(6, (2, 3, 4, 2), device, torch.float32)
+    v = torch.randn(2, 3, 4, 2, device=device)
+    original, restored = KroneckerHVP(beta=0.9), KroneckerHVP(beta=0.9)
+    for grad in grads[:3]:
+        original.update(grad)
+    buffer = io.BytesIO()
+    torch.save(original.state_dict(), buffer)
+    buffer.seek(0)
+    restored.load_state_dict(torch.load(buffer))
+    ours = [original(grad, v) for grad in grads[3:]]
+    assert all(map(torch.equal, ours, [restored(grad, v) for grad in grads[3:]]))
+
+
+def test_state_follows_the_first_grads_device_and_dtype(device):
+    kron = KroneckerHVP()
+    kron.update(torch.randn(2, 3, 4, device=device, dtype=torch.float32))
+    state = kron.state_dict()
+    tensors = [state["mean"], *state["factors"], *kron.roots()]
+    assert {(t.device.type, t.dtype) for t in tensors} == {(device.type, torch.float32)}
+
+
+def test_reset_starts_over_with_any_shape(device):
+    kron, fresh = KroneckerHVP(), KroneckerHVP()
+    kron.update(torch.randn(2, 3, 4, device=device))
+    kron.reset()
+    grad, v = (
+        torch.randn(3, 5, device=device, dtype=F64),
+        torch.randn(3, 5, device=device, dtype=F64),
+    )
+    assert torch.equal(kron(grad, v), fresh(grad, v))
+
+
+# --- errors: type, and a message that names the argument -----------------------------------------
+
+
+def fitted(device):
+    kron = KroneckerHVP()
+    kron.update(torch.randn(2, 3, 4, device=device))
+    return kron
+
+
+def state_with(device, **changes):
+    return {**fitted(device).state_dict(), **changes}
+
+
+ERROR_CASES = {
+    # name: (action taking the device, exception type, what the message must name)
+    "beta-zero": (lambda d: KroneckerHVP(beta=0.0), ValueError, "beta"),
+    "beta-one": (lambda d: KroneckerHVP(beta=1.0), ValueError, "beta"),
+    "beta-string": (lambda d: KroneckerHVP(beta="0.9"), ValueError, "beta"),
+    "damping-negative": (lambda d: KroneckerHVP(damping=-0.1), ValueError, "damping"),
+    "damping-nan": (lambda d: KroneckerHVP(damping=math.nan), ValueError, "damping"),
+    "power-zero": (lambda d: KroneckerHVP(power=0.0), ValueError, "power"),
+    "refresh-every-zero": (lambda d: KroneckerHVP(refresh_every=0), ValueError, "refresh_every"),
+    "grad-not-tensor": (lambda d: KroneckerHVP().update([[1.0]]), TypeError, "grad"),
+    "grad-integer": (
+        lambda d: KroneckerHVP().update(torch.ones(2, 3, dtype=torch.int64, device=d)),
+        TypeError,
+        "grad",
+    ),
+    "grad-no-mode": (lambda d: KroneckerHVP().update(torch.ones(4, device=d)), ValueError, "grad"),
+    "grad-empty-mode": (
+        lambda d: KroneckerHVP().update(torch.ones(2, 0, device=d)),
+        ValueError,
+        "grad",
+    ),
+    "grad-shape-changes": (
+        lambda d: fitted(d).update(torch.ones(2, 4, 3, device=d)),
+        ValueError,
+        "grad",
+    ),
+    "grad-dtype-changes": (
+        lambda d: fitted(d).update(torch.ones(2, 3, 4, dtype=F64, device=d)),
+        ValueError,
+        "grad",
+    ),
+    "grad-not-finite": (
+        lambda d: fitted(d).update(torch.full((2, 3, 4), math.inf, device=d)),
+        ValueError,
+        "grad",
+    ),
+    "apply-before-update": (
+        lambda d: KroneckerHVP().apply(torch.ones(2, 3, 4, device=d)),
+        RuntimeError,
+        "update",
+    ),
+    "v-trailing-dims": (lambda d: fitted(d).apply(torch.ones(2, 4, 3, device=d)), ValueError, "v"),
+    "v-too-few-dims": (lambda d: fitted(d).apply(torch.ones(3, 4, device=d)), ValueError, "v"),
+    "v-dtype": (
+        lambda d: fitted(d).apply(torch.ones(2, 3, 4, dtype=F64, device=d)),
+        ValueError,
+        "v",
+    ),
+    "v-integer": (
+        lambda d: fitted(d).apply(torch.ones(2, 3, 4, dtype=torch.int64, device=d)),
+        TypeError,
+        "v",
+    ),
+    "state-step-negative": (
+        lambda d: KroneckerHVP().load_state_dict(state_with(d, step=-1)),
+        ValueError,
+        "step",
+    ),
+    "state-mean-not-tensor": (
+        lambda d: KroneckerHVP().load_state_dict(state_with(d, mean=[1.0])),
+        TypeError,
+        "mean",
+    ),
+    "state-factors-missing-mode": (
+        lambda d: KroneckerHVP().load_state_dict(
+            state_with(d, factors=state_with(d)["factors"][:1])
+        ),
+        ValueError,
+        "factors",
+    ),
+    "state-factor-dtype": (
+        lambda d: KroneckerHVP().load_state_dict(
+            state_with(d, factors=[f.double() for f in state_with(d)["factors"]])
+        ),
+        ValueError,
+        "factors",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", ERROR_CASES.values(), ids=ERROR_CASES.keys())
+def test_bad_input_raises_naming_the_argument(case, device):
+    action, error, name = case
+    with pytest.raises(error, match=name):
+        action(device)
