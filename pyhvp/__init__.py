@@ -7,6 +7,7 @@ from pyhvp.backends import Backend, BackendUnavailableError, available_backends
 from pyhvp.backends.torch import TorchBackend
 from pyhvp.hvp import grad_and_hvp, hvp, per_instance
 from pyhvp.kronecker import KroneckerHVP
+from pyhvp.submatrix import module_loss, sub_hessian
 
 __all__ = [
     "Backend",
@@ -16,5 +17,7 @@ __all__ = [
     "available_backends",
     "grad_and_hvp",
     "hvp",
+    "module_loss",
     "per_instance",
+    "sub_hessian",
 ]

@@ -47,3 +47,48 @@ def instance_hvp(f, x, v, *args, event_dims=1):
     batch = x.shape[: x.ndim - event_dims]
     flat_v = v.double().reshape(*v.shape[: v.ndim - x.ndim], *batch, -1)
     return torch.einsum("...ij,...j->...i", blocks, flat_v).reshape(v.shape)
+
+
+def dense_sub_hessian(loss, params, index):
+    """Reference sub-Hessian: the full Hessian of ``loss(params)`` from ``torch.func.hessian``,
+    restricted to the selected flat entries.
+
+    ``params`` a tensor and ``index`` a 1-D index tensor -> ``(k, k)``; ``params`` a dict and
+    ``index`` a dict of index tensors -> the joint ``(K, K)``, blocks in ``index``'s order. Pass
+    float64 params (and a float64 loss) for a float64 reference.
+    """
+    if isinstance(params, torch.Tensor):
+        return dense_sub_hessian(lambda p: loss(p["x"]), {"x": params}, {"x": index})
+    names = list(index)
+    full = hessian(lambda selected: loss({**params, **selected}))({n: params[n] for n in names})
+    return torch.cat(
+        [
+            torch.cat(
+                [
+                    full[a][b].reshape(params[a].numel(), params[b].numel())[index[a]][:, index[b]]
+                    for b in names
+                ],
+                dim=1,
+            )
+            for a in names
+        ]
+    )
+
+
+def loop_sub_hessians(model, criterion, inputs, targets, index):
+    """The seed's method, as reference: a gradient that keeps its graph, then one reverse pass
+    per selected component of each named parameter; ``{name: (k, k)}`` in the model's dtype."""
+    named = dict(model.named_parameters())
+    loss = criterion(model(inputs), targets)
+    grads = dict(
+        zip(named, torch.autograd.grad(loss, list(named.values()), create_graph=True), strict=True)
+    )
+    blocks = {}
+    for name, idxs in index.items():
+        flat_grad = grads[name].reshape(-1)
+        rows = [
+            torch.autograd.grad(flat_grad[i], named[name], retain_graph=True)[0].reshape(-1)
+            for i in idxs.tolist()
+        ]
+        blocks[name] = torch.stack(rows)[:, idxs].detach()
+    return blocks

@@ -1,0 +1,319 @@
+"""Specification of sub_hessian / module_loss against the seed's loop and dense float64 Hessians."""
+
+import re
+import runpy
+from dataclasses import dataclass, field
+from itertools import accumulate
+from pathlib import Path
+
+import pytest
+import torch
+from dense import dense_sub_hessian, loop_sub_hessians
+from torch import nn
+
+import pyhvp
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def tolerance(dtype):
+    return {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-9, "atol": 1e-11}
+
+
+def seed_model():
+    """The seed's MnistModel: one Linear(784, 10) over flattened images."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 10))
+
+
+def mlp(d_in=5, hidden=4, d_out=3):
+    return nn.Sequential(nn.Linear(d_in, hidden), nn.Tanh(), nn.Linear(hidden, d_out))
+
+
+@dataclass
+class ModelCase:
+    """A classifier, its data and the selected components; built from one seed in any dtype."""
+
+    name: str
+    model: object
+    input_shape: tuple
+    index: dict
+    chunk_size: int | None = None
+
+    def make(self, device, dtype):
+        torch.manual_seed(1)
+        model = self.model().to(device, dtype)
+        inputs = torch.rand(self.input_shape).to(device, dtype)
+        n_classes = list(model.parameters())[-1].shape[0]
+        targets = torch.randint(0, n_classes, self.input_shape[:1], device=device)
+        index = {name: torch.tensor(i, device=device) for name, i in self.index.items()}
+        return model, nn.CrossEntropyLoss(), inputs, targets, index
+
+
+SEED_INDEX = {"1.weight": [0, 4], "1.bias": [0, 4]}
+MODEL_CASES = [
+    ModelCase(
+        "seed: Linear(784, 10), 100 images, idxs [0, 4]", seed_model, (100, 1, 28, 28), SEED_INDEX
+    ),
+    ModelCase(
+        "seed model, unsorted k=6 with a repeat, chunked by 4",
+        seed_model,
+        (100, 1, 28, 28),
+        {"1.weight": [7839, 5, 784, 0, 5, 3000], "1.bias": [9, 2, 7]},
+        chunk_size=4,
+    ),
+    ModelCase(
+        "2-layer tanh MLP, every tensor",
+        mlp,
+        (8, 5),
+        {"0.weight": [3, 0, 19], "0.bias": [1], "2.weight": [11, 2], "2.bias": [0, 2]},
+    ),
+    ModelCase("2-layer MLP, one tensor held constant", mlp, (8, 5), {"2.weight": [0, 5, 6, 11]}),
+]
+DENSE_CASES = MODEL_CASES[2:]  # small enough for a full dense Hessian
+
+
+@pytest.mark.parametrize("case", MODEL_CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_blocks_match_seed_loop(case, dtype, device):
+    model, criterion, inputs, targets, index = case.make(device, dtype)
+    blocks = pyhvp.sub_hessian(
+        *pyhvp.module_loss(model, criterion, inputs, targets), index, chunk_size=case.chunk_size
+    )
+    expected = loop_sub_hessians(*case.make(device, torch.float64))
+    torch.testing.assert_close(
+        {n: b.double() for n, b in blocks.items()}, expected, **tolerance(dtype)
+    )
+
+
+@pytest.mark.parametrize("case", DENSE_CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_joint_matches_dense_hessian(case, dtype, device):
+    model, criterion, inputs, targets, index = case.make(device, dtype)
+    loss, params = pyhvp.module_loss(model, criterion, inputs, targets)
+    joint = pyhvp.sub_hessian(loss, params, index, joint=True, chunk_size=case.chunk_size)
+    expected = dense_sub_hessian(*pyhvp.module_loss(*case.make(device, torch.float64)[:4]), index)
+    torch.testing.assert_close(joint.double(), expected, **tolerance(dtype))
+
+
+def coupled(x):
+    """Cross terms between entries of a (3, 4) matrix."""
+    return (torch.tanh(x @ x.T) ** 2).sum() + x.prod(0).sum()
+
+
+@dataclass
+class TensorCase:
+    name: str
+    loss: object
+    shape: tuple
+    index: list
+    kwargs: dict = field(default_factory=dict)
+
+
+TENSOR_CASES = [
+    TensorCase("matrix, k=4 in row-major flat order", coupled, (3, 4), [0, 5, 11, 6]),
+    TensorCase("repeated index repeats row and column", coupled, (3, 4), [7, 2, 7]),
+    TensorCase("every entry, chunked by 5", coupled, (3, 4), list(range(12)), {"chunk_size": 5}),
+    TensorCase("k=1", lambda x: torch.exp(x).sum() * x[1], (3,), [1]),
+    TensorCase("int32 index", coupled, (3, 4), torch.tensor([1, 10], dtype=torch.int32)),
+]
+
+
+@pytest.mark.parametrize("case", TENSOR_CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_single_tensor_matches_dense_hessian(case, dtype, device):
+    x = torch.randn(case.shape, device=device)
+    index = torch.as_tensor(case.index, device=device)
+    H = pyhvp.sub_hessian(case.loss, x.to(dtype), index, **case.kwargs)
+    torch.testing.assert_close(
+        H.double(), dense_sub_hessian(case.loss, x.double(), index), **tolerance(dtype)
+    )
+
+
+def test_dict_of_plain_tensors_gives_cross_blocks(device):
+    """Two tensors coupled by a product: the joint matrix holds d2/da db off the diagonal blocks."""
+    params = {"a": torch.randn(3, device=device), "b": torch.randn(2, 2, device=device)}
+    index = {"b": torch.tensor([3, 0], device=device), "a": torch.tensor([2], device=device)}
+
+    def loss(p):
+        return (p["a"].sum() * p["b"] ** 2).sum() + torch.sin(p["a"]).sum()
+
+    joint = pyhvp.sub_hessian(loss, {n: t.double() for n, t in params.items()}, index, joint=True)
+    torch.testing.assert_close(
+        joint, dense_sub_hessian(loss, {n: t.double() for n, t in params.items()}, index)
+    )
+
+
+@pytest.mark.parametrize("case", DENSE_CASES, ids=lambda c: c.name)
+def test_blocks_are_the_diagonal_blocks_of_joint(case, device):
+    loss, params = pyhvp.module_loss(*case.make(device, torch.float64)[:4])
+    index = case.make(device, torch.float64)[4]
+    blocks = pyhvp.sub_hessian(loss, params, index)
+    joint = pyhvp.sub_hessian(loss, params, index, joint=True)
+    starts = [0, *accumulate(len(i) for i in index.values())]
+    assert all(
+        torch.equal(blocks[name], joint[start:end, start:end])
+        for name, start, end in zip(index, starts, starts[1:], strict=False)
+    )
+
+
+def test_result_is_exactly_symmetric(device):
+    model, criterion, inputs, targets, index = MODEL_CASES[1].make(device, torch.float32)
+    H = pyhvp.sub_hessian(*pyhvp.module_loss(model, criterion, inputs, targets), index, joint=True)
+    assert torch.equal(H, H.T)
+
+
+def test_model_parameters_are_untouched(device):
+    model, criterion, inputs, targets, index = MODEL_CASES[2].make(device, torch.float32)
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    pyhvp.sub_hessian(*pyhvp.module_loss(model, criterion, inputs, targets), index)
+    after = {n: (p, p.grad) for n, p in model.named_parameters()}
+    assert all(torch.equal(p, before[n]) and g is None for n, (p, g) in after.items())
+
+
+def test_result_carries_no_graph_when_params_require_grad(device):
+    x = torch.randn(3, 4, device=device, requires_grad=True)
+    assert not pyhvp.sub_hessian(coupled, x, torch.tensor([0, 1], device=device)).requires_grad
+
+
+def test_example_script_runs():
+    """examples/sub_hessian.py compares pyhvp with the seed's loop and asserts they agree."""
+    runpy.run_path(
+        str(Path(__file__).parents[1] / "examples" / "sub_hessian.py"), run_name="__main__"
+    )
+
+
+# --- errors: (case, call, exception type, text the message must contain) ---------------------
+
+W = torch.zeros(2, 3)
+DICT = {"w": W, "b": torch.zeros(3)}
+
+
+def dict_loss(p):
+    return (p["w"] ** 2).sum() + (p["b"] ** 2).sum()
+
+
+def square(x):
+    return (x**2).sum()
+
+
+ERRORS = {
+    "index out of range": (
+        lambda: pyhvp.sub_hessian(square, W, torch.tensor([0, 6])),
+        ValueError,
+        "index",
+    ),
+    "negative index": (
+        lambda: pyhvp.sub_hessian(square, W, torch.tensor([-1])),
+        ValueError,
+        "index",
+    ),
+    "float index": (
+        lambda: pyhvp.sub_hessian(square, W, torch.tensor([0.0, 1.0])),
+        TypeError,
+        "index",
+    ),
+    "bool mask as index": (
+        lambda: pyhvp.sub_hessian(square, W, torch.tensor([True, False])),
+        TypeError,
+        "index",
+    ),
+    "list as index": (lambda: pyhvp.sub_hessian(square, W, [0, 1]), TypeError, "index"),
+    "2-D index": (
+        lambda: pyhvp.sub_hessian(square, W, torch.tensor([[0, 1]])),
+        ValueError,
+        "index",
+    ),
+    "empty index": (
+        lambda: pyhvp.sub_hessian(square, W, torch.tensor([], dtype=torch.long)),
+        ValueError,
+        "index",
+    ),
+    "dict index, tensor params": (
+        lambda: pyhvp.sub_hessian(square, W, {"w": torch.tensor([0])}),
+        TypeError,
+        "index",
+    ),
+    "tensor index, dict params": (
+        lambda: pyhvp.sub_hessian(dict_loss, DICT, torch.tensor([0])),
+        TypeError,
+        "index",
+    ),
+    "empty index dict": (lambda: pyhvp.sub_hessian(dict_loss, DICT, {}), ValueError, "index"),
+    "index key not in params": (
+        lambda: pyhvp.sub_hessian(dict_loss, DICT, {"nope": torch.tensor([0])}),
+        ValueError,
+        "'nope'",
+    ),
+    "out of range in one tensor": (
+        lambda: pyhvp.sub_hessian(
+            dict_loss, DICT, {"w": torch.tensor([0]), "b": torch.tensor([3])}
+        ),
+        ValueError,
+        "index['b']",
+    ),
+    "params not a tensor or dict": (
+        lambda: pyhvp.sub_hessian(square, [W], torch.tensor([0])),
+        TypeError,
+        "params",
+    ),
+    "integer params": (
+        lambda: pyhvp.sub_hessian(square, torch.arange(4), torch.tensor([0])),
+        TypeError,
+        "params",
+    ),
+    "selected tensors of two dtypes": (
+        lambda: pyhvp.sub_hessian(
+            dict_loss,
+            {**DICT, "b": DICT["b"].double()},
+            {"w": torch.tensor([0]), "b": torch.tensor([0])},
+        ),
+        ValueError,
+        "params['b']",
+    ),
+    "loss returns a vector": (
+        lambda: pyhvp.sub_hessian(lambda x: x**2, W, torch.tensor([0])),
+        ValueError,
+        "loss",
+    ),
+    "loss returns a float": (
+        lambda: pyhvp.sub_hessian(lambda x: 1.0, W, torch.tensor([0])),
+        TypeError,
+        "loss",
+    ),
+    "chunk_size 0": (
+        lambda: pyhvp.sub_hessian(square, W, torch.tensor([0]), chunk_size=0),
+        ValueError,
+        "chunk_size",
+    ),
+    "joint not a bool": (
+        lambda: pyhvp.sub_hessian(dict_loss, DICT, {"w": torch.tensor([0])}, joint="yes"),
+        ValueError,
+        "joint",
+    ),
+    "unknown backend": (
+        lambda: pyhvp.sub_hessian(square, W, torch.tensor([0]), backend="jax"),
+        ValueError,
+        "backend",
+    ),
+    "module not an nn.Module": (
+        lambda: pyhvp.module_loss(square, nn.MSELoss(), W, W),
+        TypeError,
+        "module",
+    ),
+    "criterion not callable": (
+        lambda: pyhvp.module_loss(nn.Linear(3, 1), "mse", W, W),
+        TypeError,
+        "criterion",
+    ),
+    "module without parameters": (
+        lambda: pyhvp.module_loss(nn.Tanh(), nn.MSELoss(), W, W),
+        ValueError,
+        "module",
+    ),
+}
+
+
+@pytest.mark.parametrize("call, error, culprit", ERRORS.values(), ids=ERRORS.keys())
+def test_bad_input_raises_naming_the_culprit(call, error, culprit):
+    with pytest.raises(error, match=re.escape(culprit)):
+        call()
