@@ -4,6 +4,7 @@ Public names only; each operator lives in its own module.
 """
 
 from pyhvp.backends import Backend, BackendUnavailableError, available_backends
+from pyhvp.backends.julia import JuliaBackendError, JuliaFunction, julia_function
 from pyhvp.backends.torch import TorchBackend
 from pyhvp.hvp import grad_and_hvp, hvp, per_instance
 from pyhvp.kronecker import KroneckerHVP
@@ -12,11 +13,14 @@ from pyhvp.submatrix import module_loss, sub_hessian
 __all__ = [
     "Backend",
     "BackendUnavailableError",
+    "JuliaBackendError",
+    "JuliaFunction",
     "KroneckerHVP",
     "TorchBackend",
     "available_backends",
     "grad_and_hvp",
     "hvp",
+    "julia_function",
     "module_loss",
     "per_instance",
     "sub_hessian",

@@ -37,7 +37,8 @@ end
 @inline instance_load(a::Number, ::CartesianIndex, ::Val) = a
 
 @inline static_shape(values::Tuple, ::Val{()}) = values[1]
-@inline static_shape(values::NTuple{L,T}, ::Val{D}) where {L,T,D} = SArray{Tuple{D...},T}(values)
+@inline static_shape(values::NTuple{L,T}, ::Val{D}) where {L,T,D} =
+    SArray{Tuple{D...},T,length(D),L}(values)
 
 """
     instance_store!(A, I, value)

@@ -1,0 +1,169 @@
+"""The julia backend: clear errors where Julia cannot start, the DLPack glue's Python side, and
+cross-checks against the torch backend (these skip with the reason where Julia cannot start)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from dense import instance_hvp
+
+import pyhvp
+from pyhvp.backends.julia import (
+    check_julia_tensor,
+    julia_args,
+    julia_available,
+    julia_event_shape,
+    julia_layout,
+    probe_julia,
+)
+
+JULIA = julia_available()
+needs_julia = pytest.mark.skipif(
+    not JULIA, reason=f"Julia cannot start here: {probe_julia()[1] if not JULIA else ''}"
+)
+gaussian_jl = pyhvp.julia_function("(x, mu) -> exp(-sum(abs2, x .- mu))")
+
+
+def gaussian(x, mu):
+    return torch.exp(-((x - mu) ** 2).sum(-1))
+
+
+# ------------------------------------------------------------------ where Julia cannot start
+
+UNAVAILABLE = """
+import pyhvp, torch
+try:
+    pyhvp.grad_and_hvp(pyhvp.julia_function("x -> sum(x)"), torch.ones(2, 3), torch.ones(2, 3),
+                       backend="julia")
+except pyhvp.BackendUnavailableError as e:
+    print("RAISED", "pip install" in str(e) and "juliapkg.resolve()" in str(e))
+"""
+
+
+@pytest.mark.skipif(JULIA, reason="Julia can start here: the unavailable path cannot be shown")
+@pytest.mark.parametrize("offline", ["yes", None], ids=["offline-set", "offline-unset"])
+def test_unavailable_julia_raises_with_install_help_without_hanging(offline):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON_JULIAPKG_OFFLINE"}
+    env.update({"PYTHON_JULIAPKG_OFFLINE": offline} if offline else {})
+    done = subprocess.run(
+        [sys.executable, "-c", UNAVAILABLE], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.stdout.startswith("RAISED True"), done.stdout + done.stderr
+
+
+@pytest.mark.skipif(JULIA, reason="Julia can start here")
+def test_available_backends_lists_torch_only_without_julia():
+    assert pyhvp.available_backends() == ["torch"]
+
+
+# ------------------------------------------------------------------ argument checks
+
+
+def test_julia_function_rejects_non_str_source():
+    with pytest.raises(TypeError, match="source"):
+        pyhvp.julia_function(lambda x: x)
+
+
+def test_julia_function_rejects_empty_source():
+    with pytest.raises(ValueError, match="source"):
+        pyhvp.julia_function("  ")
+
+
+@needs_julia
+def test_python_function_with_julia_backend_names_f():
+    x = torch.ones(2, 3)
+    with pytest.raises(TypeError, match=r"f must be a pyhvp\.julia_function"):
+        pyhvp.grad_and_hvp(lambda x: x.sum(-1), x, x, backend="julia")
+
+
+BAD_TENSORS = [
+    ("float16", torch.ones(2, 3, dtype=torch.float16), "float32 or float64"),
+    ("meta-device", torch.ones(2, 3, device="meta"), "on cpu or cuda:0"),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "tensor", "message"), BAD_TENSORS, ids=[c[0] for c in BAD_TENSORS]
+)
+def test_check_julia_tensor_names_the_argument(case, tensor, message):
+    with pytest.raises(ValueError, match=f"x must be {message}"):
+        check_julia_tensor("x", tensor)
+
+
+def test_non_number_arg_is_a_type_error_naming_it():
+    with pytest.raises(TypeError, match=r"args\[0\]"):
+        julia_args(["mu"], None, 1, torch.Size([4]))
+
+
+def test_arg_that_does_not_broadcast_is_a_value_error_naming_it():
+    with pytest.raises(ValueError, match=r"args\[0\]"):
+        julia_args([torch.ones(3, 2)], None, 1, torch.Size([4]))
+
+
+# ------------------------------------------------------------------ the DLPack glue (pure torch)
+
+
+def test_julia_layout_is_contiguous_and_flattens_the_event(device):
+    x = torch.randn(5, 3, 2, device=device).transpose(0, 1)  # (3, 5, 2), not contiguous
+    out = julia_layout(x, x.shape[:1], 2)
+    assert out.is_contiguous() and torch.equal(out, x.reshape(3, 10))
+
+
+def test_julia_layout_does_not_copy_contiguous_input(device):
+    x = torch.randn(4, 3, device=device)
+    assert julia_layout(x, x.shape[:1], 1).data_ptr() == x.data_ptr()
+
+
+def test_julia_layout_detaches():
+    x = torch.randn(4, 3, requires_grad=True)
+    assert not julia_layout(x, x.shape[:1], 1).requires_grad
+
+
+def test_julia_event_shape_reverses_dims():
+    assert julia_event_shape(torch.Size([2, 3, 4])) == (4, 3, 2)
+
+
+def test_julia_args_pad_shared_dims_and_reverse_own_shape(device):
+    mu = torch.randn(2, 1, 1, 3, device=device)
+    values, shapes = julia_args([mu, 2], None, 1, torch.Size([2, 5, 4]))
+    assert (values[0].shape, shapes, values[1]) == ((2, 1, 1, 3), ((3,), ()), 2.0)
+
+
+# ------------------------------------------------------------------ cross-checks vs torch
+
+CASES = [  # name: (x shape, mu shape, k tangents or None for v of x's shape)
+    ("seed000-single-tangent", (2, 3, 4, 3), (2, 1, 1, 3), None),
+    ("seed000-k3", (2, 3, 4, 3), (2, 1, 1, 3), 3),
+    ("seed000-k11-chunked", (2, 3, 2, 3), (2, 1, 1, 3), 11),
+]
+
+
+@needs_julia
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize(("case", "x_shape", "mu_shape", "k"), CASES, ids=[c[0] for c in CASES])
+def test_julia_matches_dense_reference(device, dtype, case, x_shape, mu_shape, k):
+    x = torch.randn(x_shape, dtype=dtype, device=device) / 2
+    mu = torch.randn(mu_shape, dtype=dtype, device=device) / 2
+    v = torch.randn(((k,) if k else ()) + x_shape, dtype=dtype, device=device)
+    _, hv = pyhvp.grad_and_hvp(gaussian_jl, x, v, mu, backend="julia")
+    tol = 1e-4 if dtype == torch.float32 else 1e-10
+    torch.testing.assert_close(hv.double(), instance_hvp(gaussian, x, v, mu), rtol=tol, atol=tol)
+
+
+@needs_julia
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_julia_gradient_matches_torch_backend(device, dtype):
+    x = torch.randn(2, 3, 4, 3, dtype=dtype, device=device) / 2
+    mu = torch.randn(2, 1, 1, 3, dtype=dtype, device=device) / 2
+    g_jl, _ = pyhvp.grad_and_hvp(gaussian_jl, x, x, mu, backend="julia")
+    g_torch, _ = pyhvp.grad_and_hvp(pyhvp.per_instance(gaussian), x, x, mu, backend="torch")
+    torch.testing.assert_close(g_jl, g_torch)
+
+
+@needs_julia
+def test_julia_error_is_wrapped_with_julia_message():
+    x = torch.ones(2, 3)
+    with pytest.raises(pyhvp.JuliaBackendError, match="undefined_thing"):
+        pyhvp.grad_and_hvp(pyhvp.julia_function("x -> undefined_thing(x)"), x, x, backend="julia")
