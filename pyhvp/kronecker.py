@@ -13,8 +13,10 @@ Numerics, so that near-singular covariances give no NaN: the covariances are ass
 stored statistics in float64 and their eigendecompositions run in float64 whatever the input dtype
 (roots are cast back to it); ``abs`` maps the tiny negative eigenvalues of rounding to small
 positive ones and a zero eigenvalue gives a zero root eigenvalue (``power > 0``); roots are
-symmetrised in float64 before the cast, so ``apply`` is exactly symmetric per system. Non-finite
-gradients are rejected before they can poison the running statistics.
+symmetrised in float64 before the cast, so ``apply`` is exactly symmetric per system. Gradients
+that are not finite, or so large that their second moments would overflow their dtype (above
+``sqrt(finfo.max / N)``, about 1e18 in float32), are rejected before they can poison the running
+statistics; a diverging sampler then stops with a ValueError rather than NaNs or a failed eigh.
 """
 
 from __future__ import annotations
@@ -182,8 +184,13 @@ class KroneckerHVP:
                     f"(call reset() to start over), got {fmt_shape(grad.shape)}"
                 )
             require_like("grad", grad, "the first update's grad", self._mean)
-        if not bool(torch.isfinite(grad).all()):
-            raise ValueError("grad must be finite, got NaN or inf entries")
+        limit = math.sqrt(torch.finfo(grad.dtype).max / grad[0].numel())
+        largest = grad.abs().amax()
+        if not bool(largest <= limit):  # also rejects NaN
+            raise ValueError(
+                f"grad must be finite with |entries| <= {limit:.3g} (so that its second moments "
+                f"fit in {grad.dtype}), got max |grad| = {largest.item():.3g}"
+            )
         return grad
 
     def _compute_roots(self) -> list[torch.Tensor]:

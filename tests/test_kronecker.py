@@ -323,6 +323,11 @@ ERROR_CASES = {
         ValueError,
         "grad",
     ),
+    "grad-second-moments-overflow": (
+        lambda d: fitted(d).update(torch.full((2, 3, 4), 1e19, device=d)),
+        ValueError,
+        "grad",
+    ),
     "apply-before-update": (
         lambda d: KroneckerHVP().apply(torch.ones(2, 3, 4, device=d)),
         RuntimeError,
