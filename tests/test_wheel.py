@@ -43,3 +43,11 @@ def test_juliapkg_path_points_at_the_shipped_package(wheel_names):
     bundled = spec["packages"]["PyHVP"]
     project = posixpath.normpath(posixpath.join("pyhvp", bundled["path"], "Project.toml"))
     assert project in names
+
+
+def test_source_tree_resolves_the_bundled_package_for_editable_installs():
+    """pyhvp/julia is a link to the top-level julia/, so juliapkg finds it without a wheel."""
+    spec = json.loads((ROOT / "pyhvp" / "juliapkg.json").read_text())
+    bundled = spec["packages"]["PyHVP"]
+    project = (ROOT / "pyhvp" / bundled["path"] / "Project.toml").read_text()
+    assert f'uuid = "{bundled["uuid"]}"' in project
