@@ -198,10 +198,11 @@ class KroneckerHVP:
         d = len(self._factors)
         power = 1 / d if self.power is None else self.power
         correction = 1 - self.beta**self._step
-        mean = self._mean.double() / correction
+        mean = self._mean.unsqueeze(-1)  # a trailing 1 keeps the dim list below non-empty
         roots = []
         for i, factor in enumerate(self._factors):
-            mu = _unfold(mean, i).mean(-1)  # (n, m_i); mean(dim=[]) would reduce every dim
+            others = [1 + j for j in range(d) if j != i] + [-1]  # mean(dim=[]) reduces all dims
+            mu = mean.mean(dim=others, dtype=torch.float64) / correction  # (n, m_i), no copy
             cov = factor.double() / correction - mu[:, :, None] * mu[:, None, :]
             vals, vecs = torch.linalg.eigh(cov)
             root = (vecs * vals.abs().add(self.damping).pow(power)[:, None, :]) @ vecs.mT
