@@ -13,7 +13,8 @@ Numerics, so that near-singular covariances give no NaN: the covariances are ass
 stored statistics in float64 and their eigendecompositions run in float64 whatever the input dtype
 (roots are cast back to it); ``abs`` maps the tiny negative eigenvalues of rounding to small
 positive ones and a zero eigenvalue gives a zero root eigenvalue (``power > 0``); roots are
-symmetrised in float64 before the cast, so ``apply`` is exactly symmetric per system. Gradients
+symmetrised in float64 before the cast, so the operator ``apply`` uses is exactly symmetric per
+system (its computed action is, up to rounding). Gradients
 that are not finite, or so large that their second moments would overflow their dtype (above
 ``sqrt(finfo.max / N)``, about 1e18 in float32), are rejected before they can poison the running
 statistics; a diverging sampler then stops with a ValueError rather than NaNs or a failed eigh.
@@ -135,7 +136,10 @@ class KroneckerHVP:
         return self.apply(v)
 
     def state_dict(self) -> dict[str, object]:
-        """Copies of the statistics: ``{"step": t, "mean": Tensor | None, "factors": [...]}``."""
+        """Copies of the statistics: ``{"step": t, "mean": Tensor | None, "factors": [...]}``.
+
+        The options (beta, damping, power, refresh_every) are the constructor's, not state.
+        """
         return {
             "step": self._step,
             "mean": None if self._mean is None else self._mean.clone(),
