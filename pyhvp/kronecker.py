@@ -206,7 +206,7 @@ class KroneckerHVP:
         roots = []
         for i, factor in enumerate(self._factors):
             others = [1 + j for j in range(d) if j != i] + [-1]  # mean(dim=[]) reduces all dims
-            mu = mean.mean(dim=others, dtype=torch.float64) / correction  # (n, m_i), no copy
+            mu = mean.mean(dim=others).double() / correction  # (n, m_i), as exact as factor
             cov = factor.double() / correction - mu[:, :, None] * mu[:, None, :]
             vals, vecs = torch.linalg.eigh(cov)
             root = (vecs * vals.abs().add(self.damping).pow(power)[:, None, :]) @ vecs.mT
