@@ -79,7 +79,8 @@ def sub_hessian(
     of ``params`` not named in ``index`` are held constant. The result is symmetrised,
     ``(S + S.T) / 2``, so it is exactly symmetric; it carries no autograd graph and ``params`` is
     not modified. ``chunk_size`` bounds how many tangents (selected components) are pushed at
-    once. Blocks cost one batched pass per tensor, ``joint=True`` one pass over all.
+    once. Blocks cost one batched pass per tensor, ``joint=True`` one pass over all
+    (whose tensors must then share one dtype and device).
 
     >>> loss = lambda p: p[0] ** 2 * p[1] + p[2] ** 3       # H: [[2 p1, 2 p0, 0], [2 p0, 0, 0], [0, 0, 6 p2]]
     >>> H = sub_hessian(loss, torch.tensor([1.0, 2.0, 3.0]), torch.tensor([2, 0, 1]))
@@ -114,7 +115,8 @@ def sub_hessian(
                 f"index names {name!r}, which is not a key of params (keys: {list(fixed)})"
             )
         require_floating(f"params[{name!r}]", fixed[name])
-        require_like(f"params[{name!r}]", fixed[name], f"params[{names[0]!r}]", fixed[names[0]])
+        if joint:  # one concatenated vector: one dtype, one device
+            require_like(f"params[{name!r}]", fixed[name], f"params[{names[0]!r}]", fixed[names[0]])
     tensors = [fixed[name] for name in names]
     flats = [
         _check_index(f"index[{name!r}]", index[name], fixed[name].numel(), f"params[{name!r}]")

@@ -157,6 +157,14 @@ def test_blocks_are_the_diagonal_blocks_of_joint(case, device):
     torch.testing.assert_close(blocks, diagonal, rtol=1e-12, atol=1e-14)
 
 
+def test_each_block_has_its_own_tensors_dtype(device):
+    """Blocks come from one pass per tensor, so the tensors need not share a dtype."""
+    params = {"w": torch.randn(2, 3, device=device), "b": torch.randn(3, device=device).double()}
+    index = {"w": torch.tensor([0, 5]), "b": torch.tensor([1])}
+    blocks = pyhvp.sub_hessian(dict_loss, params, index)
+    assert {n: b.dtype for n, b in blocks.items()} == {"w": torch.float32, "b": torch.float64}
+
+
 def test_result_is_exactly_symmetric(device):
     model, criterion, inputs, targets, index = MODEL_CASES[1].make(device, torch.float32)
     H = pyhvp.sub_hessian(*pyhvp.module_loss(model, criterion, inputs, targets), index, joint=True)
@@ -262,11 +270,12 @@ ERRORS = {
         TypeError,
         "params",
     ),
-    "selected tensors of two dtypes": (
+    "joint over tensors of two dtypes": (
         lambda: pyhvp.sub_hessian(
             dict_loss,
             {**DICT, "b": DICT["b"].double()},
             {"w": torch.tensor([0]), "b": torch.tensor([0])},
+            joint=True,
         ),
         ValueError,
         "params['b']",
