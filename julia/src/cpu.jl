@@ -43,13 +43,8 @@ function grad_and_hvp!(
 ) where {T,N,K}
     total = SumOverInstances(f, args, xdims, argdims)
     # Enzyme's hvp_and_gradient!, with K tangents: forward mode through a reverse gradient.
-    autodiff(
-        Forward,
-        gradient!,
-        Const(Reverse),
-        BatchDuplicated(G, HV),
-        Const(total),
-        BatchDuplicated(X, V),
-    )
+    # `gradient!` starts with `make_zero!(G)`, whose forward derivative zeroes every `HV[j]`
+    # too, so the outputs may come in uninitialized (Enzyme's `hvp!` docs pass `undef` arrays).
+    autodiff(Forward, gradient!, Const(Reverse), tangents(G, HV), Const(total), tangents(X, V))
     return nothing
 end

@@ -13,6 +13,8 @@ numbers (converted to `x`'s element type); `xdims`, `argdims` are the reversed e
 """
 function grad_and_hvp_dlpack!(g, hvs, f, x, vs, args, xdims, argdims)
     X = DLPack.from_dlpack(x)
+    # Nothing to write; and DLPack.jl leaves an empty tensor's dims unreversed.
+    isempty(X) && return nothing
     T = eltype(X)
     grad_and_hvp!(
         DLPack.from_dlpack(g),

@@ -7,7 +7,8 @@
     return autodiff_deferred(Reverse, Const(f), Active, Active(x), map(Const, args)...)[1][1]
 end
 
-# A width-1 forward pass returns the tangent itself, a wider one an indexable batch.
+# ForwardWithPrimal returns (derivative, primal); with one tangent (`Duplicated`) the
+# derivative is the tangent itself, with K (`BatchDuplicated`) an indexable K-tuple.
 @inline tangent_batch(dg, ::Val{1}) = (dg,)
 @inline tangent_batch(dg, ::Val) = dg
 
@@ -23,7 +24,7 @@ function grad_and_hvp_kernel!(G, HV::NTuple{K}, f, X, V::NTuple{K}, args, xdims,
         ForwardWithPrimal,
         Const(instance_gradient),
         Duplicated,
-        BatchDuplicated(x, v),
+        tangents(x, v),
         Const(f),
         Const(a),
     )

@@ -36,7 +36,9 @@ the scalar). Used inside GPU kernels, where nothing may be heap-allocated.
 end
 @inline instance_load(a::Number, ::CartesianIndex, ::Val) = a
 
-@inline static_shape(values::Tuple, ::Val{()}) = values[1]
+# `NTuple{1}` (not `Tuple`) so that this method is more specific than the next one in both
+# arguments; with `::Tuple` a scalar event (`Val(())`) was an ambiguous call.
+@inline static_shape(values::NTuple{1}, ::Val{()}) = values[1]
 @inline static_shape(values::NTuple{L,T}, ::Val{D}) where {L,T,D} =
     SArray{Tuple{D...},T,length(D),L}(values)
 
@@ -58,3 +60,13 @@ end
 
 """Number of instances of the batched layout `X` (`(n, batch...)`)."""
 n_instances(X::AbstractArray) = prod(Base.tail(size(X)))
+
+"""
+    tangents(x, v)
+
+Enzyme's annotation of `x` with the tangents `v` (a tuple): `Duplicated` for one tangent,
+`BatchDuplicated` for more. Enzyme's own sugar (`gradient(Forward, ...; chunk = Val(1))`)
+also uses `Duplicated` rather than a width-1 batch.
+"""
+@inline tangents(x, v::NTuple{1}) = Duplicated(x, v[1])
+@inline tangents(x, v::Tuple) = BatchDuplicated(x, v)

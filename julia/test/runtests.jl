@@ -21,9 +21,9 @@ function closed_form(X, V, Mu)
     return G, HV
 end
 
-function run_kernel(to_device, X, V, Mu)
+function run_kernel(to_device, X, V, Mu, dims)
     G, HV = to_device(zero(X)), map(v -> to_device(zero(v)), V)
-    args, dims = (to_device(Mu),), Val((size(X, 1),))
+    args = (to_device(Mu),)
     grad_and_hvp!(G, HV, gaussian, to_device(X), map(to_device, V), args, dims, (dims,))
     return Array(G), map(Array, HV)
 end
@@ -31,15 +31,18 @@ end
 devices = [("cpu", identity)]
 CUDA.functional() && push!(devices, ("cuda", CUDA.CuArray))
 
-@testset "grad_and_hvp! on $name, $T, k=$k" for (name, to_device) in devices,
+@testset "grad_and_hvp! on $name, $T, k=$k, $dims" for (name, to_device) in devices,
     T in (Float32, Float64),
-    k in (1, 3)
+    k in (1, 3),
+    dims in (Val((3,)), Val(()))
 
-    # seed-000 layout in Julia order: x (d, n_a, n_b, n_g), mu (d, 1, 1, n_g)
-    X = randn(T, 3, 4, 2, 5) ./ 2
-    Mu = randn(T, 3, 1, 1, 5) ./ 2
+    # seed-000 layout in Julia order: x (d, n_a, n_b, n_g), mu (d, 1, 1, n_g); a scalar
+    # event (`Val(())`, d = 1) gives each instance a number instead of a vector.
+    d = dims === Val(()) ? 1 : 3
+    X = randn(T, d, 4, 2, 5) ./ 2
+    Mu = randn(T, d, 1, 1, 5) ./ 2
     V = ntuple(_ -> randn(T, size(X)), k)
-    G, HV = run_kernel(to_device, X, V, Mu)
+    G, HV = run_kernel(to_device, X, V, Mu, dims)
     G_ref, HV_ref = closed_form(Float64.(X), map(v -> Float64.(v), V), Float64.(Mu))
     tol = T == Float32 ? 1e-4 : 1e-10
     @test isapprox(G, G_ref; rtol = tol, atol = tol)

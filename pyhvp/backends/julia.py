@@ -205,7 +205,12 @@ def julia_layout(tensor: torch.Tensor, lead: Sequence[int], own_dims: int) -> to
     ``(prod(own), reverse(lead)...)``); it is a copy only if ``tensor`` was not contiguous.
     """
     own = tensor.shape[tensor.ndim - own_dims :]
-    return tensor.detach().reshape(*lead, math.prod(own)).contiguous()
+    flat = tensor.detach().reshape(*lead, math.prod(own)).contiguous()
+    # DLPack.jl reverses the dims only when the strides are not column-major too; a size-1 dim
+    # of a contiguous tensor may carry any stride (a (3, 1) transpose has strides (1, 3), which
+    # reads as column-major), so restride to the row-major strides: same memory, no copy.
+    strides = tuple(math.prod(flat.shape[i + 1 :]) for i in range(flat.ndim))
+    return flat if flat.stride() == strides else flat.as_strided(flat.shape, strides)
 
 
 def check_julia_tensor(name: str, tensor: torch.Tensor) -> None:
