@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from itertools import accumulate
-from typing import Any, overload
+from typing import Any, Literal, overload
 
 import torch
 from torch.func import functional_call
@@ -54,10 +54,22 @@ def sub_hessian(
     params: Mapping[str, torch.Tensor],
     index: Mapping[str, torch.Tensor],
     *,
-    joint: bool = False,
+    joint: Literal[False] = False,
     chunk_size: int | None = None,
     backend: str | Backend = "torch",
-) -> torch.Tensor | Params: ...
+) -> Params: ...
+
+
+@overload
+def sub_hessian(
+    loss: Callable[[Params], torch.Tensor],
+    params: Mapping[str, torch.Tensor],
+    index: Mapping[str, torch.Tensor],
+    *,
+    joint: Literal[True],
+    chunk_size: int | None = None,
+    backend: str | Backend = "torch",
+) -> torch.Tensor: ...
 
 
 def sub_hessian(
