@@ -6,6 +6,7 @@ Public names only; each operator lives in its own module.
 from pyhvp.backends import Backend, BackendUnavailableError, available_backends
 from pyhvp.backends.julia import JuliaBackendError, JuliaFunction, julia_function
 from pyhvp.backends.torch import TorchBackend
+from pyhvp.diagonal import hessian_diagonal
 from pyhvp.hvp import grad_and_hvp, hvp, per_instance
 from pyhvp.kronecker import KroneckerHVP
 from pyhvp.submatrix import module_loss, sub_hessian
@@ -19,6 +20,7 @@ __all__ = [
     "TorchBackend",
     "available_backends",
     "grad_and_hvp",
+    "hessian_diagonal",
     "hvp",
     "julia_function",
     "module_loss",

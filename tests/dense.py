@@ -92,3 +92,11 @@ def loop_sub_hessians(model, criterion, inputs, targets, index):
         ]
         blocks[name] = torch.stack(rows)[:, idxs].detach()
     return blocks
+
+
+def instance_hessian_diagonal(f, x, *args, event_dims=1):
+    """Diagonals of the dense per-instance Hessians: ``batch + out + event_shape``, float64."""
+    blocks = instance_hessians(f, x, *args, event_dims=event_dims)
+    return blocks.diagonal(dim1=-2, dim2=-1).reshape(
+        *blocks.shape[:-2], *x.shape[x.ndim - event_dims :]
+    )
