@@ -17,6 +17,7 @@ its tensors) plus the pass' intermediates, which ``chunk_size`` bounds.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any, Literal, overload
 
@@ -106,9 +107,8 @@ def sub_hessian(
     if isinstance(params, torch.Tensor):
         tensor = require_floating("params", params).detach()
         flat = _check_index("index", index, tensor.numel(), "params")
-        return _selected_hessian(
-            lambda selected: loss(selected[0]), [tensor], [flat], chunk_size, resolved
-        )
+        flat_loss = _FlatLoss(loss, (), None, tensor.shape)
+        return _selected_hessian(flat_loss, [tensor], [flat], (), chunk_size, resolved)
     if not isinstance(params, Mapping):
         raise TypeError(
             f"params must be a torch.Tensor or a dict[str, Tensor], got {type(params).__name__}"
@@ -129,21 +129,26 @@ def sub_hessian(
         require_floating(f"params[{name!r}]", fixed[name])
         if joint:  # one concatenated vector: one dtype, one device
             require_like(f"params[{name!r}]", fixed[name], f"params[{names[0]!r}]", fixed[names[0]])
-    tensors = [fixed[name] for name in names]
-    flats = [
-        _check_index(f"index[{name!r}]", index[name], fixed[name].numel(), f"params[{name!r}]")
+    flats = {
+        name: _check_index(
+            f"index[{name!r}]", index[name], fixed[name].numel(), f"params[{name!r}]"
+        )
         for name in names
-    ]
+    }
 
-    def loss_over(selected: list[str]) -> Callable[[list[torch.Tensor]], torch.Tensor]:
-        return lambda tensors: loss({**fixed, **dict(zip(selected, tensors, strict=True))})
+    def selected_hessian(selected: list[str]) -> torch.Tensor:
+        return _selected_hessian(
+            _FlatLoss(loss, tuple(fixed), tuple(selected)),
+            [fixed[name] for name in selected],
+            [flats[name] for name in selected],
+            tuple(fixed.values()),
+            chunk_size,
+            resolved,
+        )
 
     if joint:
-        return _selected_hessian(loss_over(names), tensors, flats, chunk_size, resolved)
-    return {
-        name: _selected_hessian(loss_over([name]), [tensor], [flat], chunk_size, resolved)
-        for name, tensor, flat in zip(names, tensors, flats, strict=True)
-    }
+        return selected_hessian(names)
+    return {name: selected_hessian([name]) for name in names}
 
 
 def module_loss(
@@ -201,10 +206,40 @@ def _check_index(name: str, index: object, numel: int, of: str) -> torch.Tensor:
     return index.long()
 
 
+@dataclass(frozen=True)
+class _FlatLoss:
+    """``loss`` as a function of ONE vector (the selected tensors, concatenated) and the params.
+
+    ``selected`` names the tensors the vector holds (``None``: params is that single tensor, of
+    shape ``shape``). The params come as arguments, so a compiled kernel takes them as inputs; being a frozen
+    dataclass, equal for the same ``loss`` and names, it keeps the backend's compile cache warm
+    across calls.
+    """
+
+    loss: Callable[..., torch.Tensor]
+    names: tuple[str, ...]
+    selected: tuple[str, ...] | None
+    shape: torch.Size | None = None
+
+    def __call__(self, y: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        if self.selected is None:
+            out = self.loss(y.view(self.shape))
+        else:
+            given = dict(zip(self.names, params, strict=True))
+            sizes = [given[name].numel() for name in self.selected]
+            parts = dict(zip(self.selected, y.split(sizes), strict=True))
+            out = self.loss(
+                {n: parts[n].view(p.shape) if n in parts else p for n, p in given.items()}
+            )
+        check_output_shape("loss", out, (), "a scalar loss")
+        return out
+
+
 def _selected_hessian(
-    loss_of_selected: Callable[[list[torch.Tensor]], torch.Tensor],
+    flat_loss: _FlatLoss,
     tensors: list[torch.Tensor],
     flats: list[torch.Tensor],
+    params: tuple[torch.Tensor, ...],
     chunk_size: int | None,
     backend: Backend,
 ) -> torch.Tensor:
@@ -215,15 +250,8 @@ def _selected_hessian(
     selected = torch.cat(
         [f.to(x.device) + offset for f, offset in zip(flats, offsets, strict=False)]
     )
-
-    def f(y: torch.Tensor) -> torch.Tensor:
-        parts = y.split(sizes)
-        out = loss_of_selected([p.view(t.shape) for p, t in zip(parts, tensors, strict=True)])
-        check_output_shape("loss", out, (), "a scalar loss")
-        return out
-
     tangents = torch.zeros(selected.numel(), x.numel(), dtype=x.dtype, device=x.device)
     tangents[torch.arange(selected.numel(), device=x.device), selected] = 1
-    _, columns = backend.grad_and_hvp(f, x, tangents, (), 1, chunk_size)
+    _, columns = backend.grad_and_hvp(flat_loss, x, tangents, params, 1, chunk_size)
     rows = columns[:, selected]
     return (rows + rows.mT) / 2

@@ -95,6 +95,34 @@ def test_joint_matches_dense_hessian(case, dtype, device):
     torch.testing.assert_close(joint.double(), expected, **tolerance(dtype))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("case", DENSE_CASES, ids=lambda c: c.name)
+def test_compiled_path_matches_dense_hessian(case, device):
+    model, criterion, inputs, targets, index = case.make(device, torch.float64)
+    loss, params = pyhvp.module_loss(model, criterion, inputs, targets)
+    compiled = pyhvp.TorchBackend(compile=True)
+    joint = pyhvp.sub_hessian(loss, params, index, joint=True, backend=compiled)
+    torch.testing.assert_close(joint, dense_sub_hessian(loss, params, index))
+
+
+@pytest.mark.slow
+def test_repeated_calls_with_one_loss_compile_once(monkeypatch):
+    """The function handed to the backend is equal across calls, so "auto" compiles it once."""
+    compiled = []
+    real_compile = torch.compile
+    monkeypatch.setattr(
+        torch, "compile", lambda fn, **kw: compiled.append(fn) or real_compile(fn, **kw)
+    )
+
+    def loss(p):  # a fresh function: nothing cached for it yet
+        return coupled(p["w"]) * p["s"].sum()
+
+    params = {"w": torch.randn(3, 4), "s": torch.rand(2)}
+    index = {"w": torch.tensor([0, 5, 11])}
+    results = [pyhvp.sub_hessian(loss, params, index)["w"] for _ in range(5)]
+    assert len(compiled) == 1 and all(torch.allclose(r, results[0], atol=1e-6) for r in results)
+
+
 def coupled(x):
     """Cross terms between entries of a (3, 4) matrix."""
     return (torch.tanh(x @ x.T) ** 2).sum() + x.prod(0).sum()
