@@ -167,7 +167,7 @@ def _exact(
     n_vars = math.prod(event_shape)
     step = chunk_size or n_vars
     eye = torch.eye(n_vars, dtype=x.dtype, device=x.device)
-    parts = []
+    parts = []  # each (count, *batch, *out): d^2 f / dx_i^2 for the chunk's i
     for start in range(0, n_vars, step):
         basis = eye[start : start + step]  # e_i for i in this chunk, placed in every instance
         count = basis.shape[0]
@@ -176,11 +176,12 @@ def _exact(
         if _choose(out_shape) == "grad_and_hvp":
             _, hv = backend.grad_and_hvp(f, x, directions, args, event_dims, None)
             columns = hv.reshape(count, *batch_shape, n_vars)[..., start : start + count]
-            parts.append(columns.diagonal(dim1=0, dim2=-1))  # (H e_i)_i: batch + (count,)
+            parts.append(columns.diagonal(dim1=0, dim2=-1).movedim(-1, 0))  # (H e_i)_i
         else:
-            second = backend.second_directional(f, x, directions, args, None)
-            parts.append(second.movedim(0, -1))  # batch + out + (count,)
-    return torch.cat(parts, dim=-1).reshape(*batch_shape, *out_shape, *event_shape)
+            parts.append(backend.second_directional(f, x, directions, args, None))
+    second = parts[0] if len(parts) == 1 else torch.cat(parts)
+    # batch + out + event as a view: a transposing copy would cost as much as the passes.
+    return second.movedim(0, -1).reshape(*batch_shape, *out_shape, *event_shape)
 
 
 def _draw(
