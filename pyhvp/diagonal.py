@@ -176,7 +176,8 @@ def _exact(
         if _choose(out_shape) == "grad_and_hvp":
             _, hv = backend.grad_and_hvp(f, x, directions, args, event_dims, None)
             columns = hv.reshape(count, *batch_shape, n_vars)[..., start : start + count]
-            parts.append(columns.diagonal(dim1=0, dim2=-1).movedim(-1, 0))  # (H e_i)_i
+            # (H e_i)_i, copied out so that the (count, *x.shape) products can be freed
+            parts.append(columns.diagonal(dim1=0, dim2=-1).movedim(-1, 0).contiguous())
         else:
             parts.append(backend.second_directional(f, x, directions, args, None))
     second = parts[0] if len(parts) == 1 else torch.cat(parts)

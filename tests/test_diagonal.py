@@ -14,6 +14,7 @@ from torch import nn
 import pyhvp
 from pyhvp import TorchBackend
 from pyhvp.backends import torch as torch_backend
+from pyhvp.backends.julia import julia_available
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -126,7 +127,9 @@ CASES = [
     ),
     Case("event_dims=2 + arg, scalar", lambda d, t: matrix_scalar, (4, 2, 3), ((3, 3),), 2),
     Case("event_dims=2 + arg, vector", lambda d, t: matrix_vector, (4, 2, 3), ((3, 3),), 2),
-    Case("3 batch dims, broadcast arg", lambda d, t: gaussian, (2, 3, 4, 3), ((2, 1, 1, 3),)),
+    Case(
+        "3 batch dims, broadcast arg, scalar", lambda d, t: gaussian, (2, 3, 4, 3), ((2, 1, 1, 3),)
+    ),
     Case("2-D out_shape", lambda d, t: outer, (4, 3)),
 ]
 
@@ -145,6 +148,14 @@ def test_seed_single_vector_has_shape_m_by_n():
     assert pyhvp.hessian_diagonal(f, x).shape == (5, 3)
 
 
+@pytest.mark.parametrize("case", [CASES[3], CASES[4]], ids=lambda c: c.name)
+def test_result_holds_no_more_memory_than_its_entries(case):
+    """The N passes' (N, *x.shape) products are not kept alive by the returned diagonal."""
+    f, x, args = case.make("cpu", torch.float64)
+    d = pyhvp.hessian_diagonal(f, x, *args)
+    assert d.untyped_storage().nbytes() == d.numel() * d.element_size()
+
+
 class GradOnlyBackend:
     """A backend with forward-over-reverse only, like backend='julia'."""
 
@@ -161,8 +172,7 @@ class GradOnlyBackend:
 def test_scalar_exact_needs_only_grad_and_hvp(case, device):
     f, x, args = case.make(device, torch.float64)
     d = pyhvp.hessian_diagonal(f, x, *args, event_dims=case.event_dims, backend=GradOnlyBackend())
-    expected = instance_hessian_diagonal(f, x, *args, event_dims=case.event_dims)
-    torch.testing.assert_close(d, expected)
+    torch.testing.assert_close(d, case.reference(x, *args, device=device))
 
 
 @pytest.mark.slow
@@ -264,6 +274,27 @@ def test_diag_plus_plus_beats_hutchinson_on_low_rank_hessians():
     plus = relative_error(estimate(low_rank, x, "diag++", 30, 0, u), exact)
     hutch = relative_error(estimate(low_rank, x, "hutchinson", 30, 0, u), exact)
     assert plus < 1e-3 * hutch, (plus, hutch)
+
+
+JULIA = julia_available()
+
+
+@pytest.mark.skipif(not JULIA, reason="Julia cannot start here (see test_julia_backend.py)")
+@pytest.mark.parametrize("method", ["exact", *STOCHASTIC])
+def test_julia_backend_matches_torch(method):
+    """Scalar Julia functions run every method through grad_and_hvp alone."""
+    x, mu = torch.randn(6, 3, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+    jf = pyhvp.julia_function("(x, mu) -> exp(-sum(abs2, x .- mu))")
+
+    def run(g, backend):
+        if method == "exact":
+            return pyhvp.hessian_diagonal(g, x, mu, backend=backend)
+        gen = torch.Generator().manual_seed(0)
+        return pyhvp.hessian_diagonal(
+            g, x, mu, method=method, samples=9, generator=gen, backend=backend
+        )
+
+    torch.testing.assert_close(run(jf, "julia"), run(gaussian, "torch"))
 
 
 # --- examples ----------------------------------------------------------------------------------
