@@ -48,7 +48,7 @@ def hessian_diagonal(
     ``method="exact"`` (N = prod(event_shape) passes over the whole batch; chosen by ``_choose``):
     vector outputs use forward-over-forward along ``e_i`` (every output's ``d^2 f_k / dx_i^2``
     from one pass); scalar outputs use forward-over-reverse with one-hot tangents, ``(H e_i)_i``
-    -- measured 2-3x faster on CPU for scalars, and the one primitive every backend implements.
+    -- measured 1.7-2.8x faster on CPU for scalars, and the one primitive every backend implements.
     Cost about N evaluations of ``f`` times a small constant (3-4); memory ``O(c * x.numel())``
     for the ``c = chunk_size`` (default N) directions pushed at once, plus their intermediates.
     ``f`` (a Python callable) is evaluated once beforehand to learn ``out_shape``.
@@ -146,7 +146,7 @@ def _out_shape(
 def _choose(out_shape: tuple[int, ...]) -> str:
     """The primitive for exact diagonals: measured on CPU (benchmarks/bench_diagonal.py).
 
-    Scalar outputs: ``grad_and_hvp`` (forward-over-reverse, one-hot tangents) -- 2-3x faster
+    Scalar outputs: ``grad_and_hvp`` (forward-over-reverse, one-hot tangents) -- 1.7-2.8x faster
     than forward-over-forward, eager and compiled, and implemented by every backend. Vector
     outputs: ``second_directional`` (forward-over-forward), the only one that gives all M
     outputs' second derivatives from one pass.
