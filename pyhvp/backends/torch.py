@@ -13,7 +13,9 @@ Compilation rule (``TorchBackend(compile=...)``):
   calls never pay for compilation; loops that call thousands of times do so once.
 * ``True``: compile from the first call. ``False``: always eager.
 * Inputs that carry autograd history (``requires_grad`` with grad mode on) always run eagerly, so
-  the results stay differentiable. If compilation or a compiled run fails, pyhvp warns once per
+  the results stay differentiable. ``second_directional`` (forward-over-forward) on the CPU always
+  runs eagerly: inductor's CPU code for nested forward-mode AD segfaults on torch 2.13 for common
+  functions (pytorch#190856, #197067), and a segfault cannot be caught. If compilation or a compiled run fails, pyhvp warns once per
   signature and runs that signature eagerly from then on: compile is never a reason to crash.
 """
 
@@ -219,9 +221,13 @@ class TorchBackend:
         args: Sequence[object],
         chunk_size: int | None,
     ) -> torch.Tensor:
-        return self._run(
-            _second_directional, _second_directional, f, (chunk_size,), (x, directions, *args)
-        )
+        inputs = (x, directions, *args)
+        if x.device.type == "cpu":
+            # Inductor's CPU code for nested forward-mode AD segfaults on common functions (a
+            # matmul or product with a captured tensor; pytorch#190856, #197067): a crash no
+            # fallback can catch, so on the CPU this primitive always runs eagerly.
+            return _second_directional(f, chunk_size, *inputs)
+        return self._run(_second_directional, _second_directional, f, (chunk_size,), inputs)
 
     def _run(
         self,
