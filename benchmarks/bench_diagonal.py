@@ -2,7 +2,9 @@
 
 Vector-valued f: R^n -> R^m, n = m = 32 and 256: f = sigmoid(W x + b) and a 2-layer tanh MLP
 W2 tanh(W1 x + b1) + b2 (hidden = n). Rows: the closed form sigma''(z) W^2 (the limit; ratios
-divide by it), pyhvp exact (compiled, and eager as a one-off call pays it), the full Hessian
+divide by it), pyhvp exact (compile=True, and eager as a one-off call pays it; on the CPU the
+torch backend never compiles forward-over-forward -- it segfaults in inductor -- so there the
+vector rows run eagerly either way), the full Hessian
 vmap(jacfwd(jacrev)) then its diagonal, forward-over-reverse with one-hot tangents, Hutchinson
 (scalar-only in pyhvp, so one estimate per output: m x samples HVPs) with its relative error,
 and JAX's jit of the same forward-over-forward if JAX is installed. Rows marked "~" at n = 256
@@ -177,7 +179,7 @@ def bench_vector(problem, n, device):
     mark = "~ " if big else ""
     rows = [
         ("closed form", median_ms(lambda: problem.closed(x), device, **once)),
-        ("pyhvp exact, compiled", median_ms(lambda: ours(compiled), device, **once)),
+        ("pyhvp exact, compile=True", median_ms(lambda: ours(compiled), device, **once)),
         ("pyhvp exact, eager (one-off call)", median_ms(lambda: ours(eager), device, warmup=0)),
     ]
     baselines = {
@@ -206,8 +208,8 @@ def bench_scalar_choice(n, device):
     directions = torch.eye(n, device=device)[:, None, :].expand(n, *x.shape).contiguous()
     once = {"warmup": 1, "repeats": 1} if n > 64 else {}
     rows = [("closed form", median_ms(lambda: problem.closed(x), device))]
-    for mode in ("compiled", "eager"):
-        backend = pyhvp.TorchBackend(compile=mode == "compiled")
+    for mode in ("compile=True", "eager"):
+        backend = pyhvp.TorchBackend(compile=mode != "eager")
 
         def ours(b=backend):
             return pyhvp.hessian_diagonal(problem.f, x, backend=b)

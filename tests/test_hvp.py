@@ -103,13 +103,7 @@ def test_compiled_path_matches_dense(case, dtype, device):
 
 
 @pytest.mark.slow
-def test_auto_compile_kicks_in_after_repeated_calls(monkeypatch):
-    compiled = []
-    real_compile = torch.compile
-    monkeypatch.setattr(
-        torch, "compile", lambda fn, **kw: compiled.append(fn) or real_compile(fn, **kw)
-    )
-
+def test_auto_compile_kicks_in_after_repeated_calls(compiled):
     def fresh_gaussian(x, mu):  # a new function object: nothing cached for it yet
         return gaussian(x, mu)
 

@@ -106,13 +106,8 @@ def test_compiled_path_matches_dense_hessian(case, device):
 
 
 @pytest.mark.slow
-def test_repeated_calls_with_one_loss_compile_once(monkeypatch):
+def test_repeated_calls_with_one_loss_compile_once(compiled):
     """The function handed to the backend is equal across calls, so "auto" compiles it once."""
-    compiled = []
-    real_compile = torch.compile
-    monkeypatch.setattr(
-        torch, "compile", lambda fn, **kw: compiled.append(fn) or real_compile(fn, **kw)
-    )
 
     def loss(p):  # a fresh function: nothing cached for it yet
         return coupled(p["w"]) * p["s"].sum()

@@ -260,8 +260,8 @@ class JuliaBackend:
     """Per-instance grad and HVPs in Julia: Enzyme on CPU, one CUDA thread per instance on GPU.
 
     Construction raises :class:`~pyhvp.BackendUnavailableError` when Julia cannot start here.
-    ``second_directional`` is not implemented (it raises): use the torch backend for
-    forward-over-forward operators such as ``hessian_diagonal(method="exact")``.
+    ``second_directional`` is not implemented (it raises): exact Hessian diagonals of scalar
+    functions run on ``grad_and_hvp`` and work; vector-valued ones need the torch backend.
     """
 
     name = "julia"
@@ -324,5 +324,5 @@ class JuliaBackend:
     ) -> torch.Tensor:
         raise NotImplementedError(
             "backend='julia' implements grad_and_hvp only; second_directional "
-            "(forward-over-forward, e.g. hessian_diagonal(method='exact')) needs backend='torch'"
+            "(forward-over-forward: hessian_diagonal of a vector-valued f) needs backend='torch'"
         )
