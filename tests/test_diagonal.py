@@ -1,12 +1,10 @@
 """Specification of hessian_diagonal against dense float64 per-instance Hessian diagonals."""
 
 import re
-import runpy
 import subprocess
 import sys
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 import torch
@@ -300,16 +298,6 @@ def test_julia_backend_matches_torch(method):
         )
 
     torch.testing.assert_close(run(jf, "julia"), run(gaussian, "torch"))
-
-
-# --- examples ----------------------------------------------------------------------------------
-
-
-def test_example_script_runs():
-    """examples/hessian_diagonal.py prints the seed's wrong result and asserts pyhvp's is dense."""
-    runpy.run_path(
-        str(Path(__file__).parents[1] / "examples" / "hessian_diagonal.py"), run_name="__main__"
-    )
 
 
 # --- errors: (case, call, exception type, text the message must contain) ---------------------
