@@ -123,21 +123,26 @@ def _arg_event_dims(
 ) -> tuple[int, ...]:
     if arg_event_dims is None:
         return (event_dims,) * n_args
-    if isinstance(arg_event_dims, int):
-        return (arg_event_dims,) * n_args
-    dims = tuple(arg_event_dims)
+    dims = (arg_event_dims,) * n_args if isinstance(arg_event_dims, int) else arg_event_dims
+    if not isinstance(dims, Sequence) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims
+    ):
+        raise ValueError(
+            f"arg_event_dims must be None, an int >= 0 or one int >= 0 per arg, got {arg_event_dims!r}"
+        )
     if len(dims) != n_args:
         raise ValueError(
             f"arg_event_dims must give one entry per arg ({n_args} args), got {len(dims)} entries"
         )
-    return dims
+    return tuple(dims)
 
 
 def _left_pad(name: str, arg: torch.Tensor, own_dims: int, batch_shape: torch.Size) -> torch.Tensor:
     """View ``arg`` as ``batch-broadcastable dims + own dims``, checking it broadcasts."""
     if arg.ndim < own_dims:
         raise ValueError(
-            f"{name} must have at least {own_dims} per-instance dims, got shape {fmt_shape(arg.shape)}"
+            f"{name} must have at least {own_dims} per-instance dims (arg_event_dims), got shape "
+            f"{fmt_shape(arg.shape)}"
         )
     lead = arg.shape[: arg.ndim - own_dims]
     if len(lead) > len(batch_shape) or any(
@@ -158,8 +163,7 @@ def _vmap_batch_dims(f_single: Callable[..., torch.Tensor], n_batch: int) -> Bat
 
     def over_leading_dim(x: torch.Tensor, *args: object) -> torch.Tensor:
         in_dims = [0] + [
-            None if not isinstance(a, torch.Tensor) or (a.shape[0] == 1 < x.shape[0]) else 0
-            for a in args
+            None if not isinstance(a, torch.Tensor) or a.shape[0] == 1 else 0 for a in args
         ]
         args = tuple(
             a[0] if isinstance(a, torch.Tensor) and d is None else a

@@ -1,5 +1,6 @@
 """Specification of grad_and_hvp / hvp / per_instance against dense float64 Hessians."""
 
+import warnings
 from dataclasses import dataclass, field
 
 import pytest
@@ -146,6 +147,46 @@ def test_result_stays_differentiable_when_inputs_require_grad():
     torch.testing.assert_close(dmu, expected)
 
 
+@pytest.mark.slow
+def test_captured_parameters_never_attach_a_graph_eager_or_compiled():
+    """Tensors f captures are constants: every call (eager first, compiled from the third) returns
+    results without autograd history; args are how to differentiate through parameters."""
+    w = torch.randn(3, requires_grad=True)
+
+    def weighted(x):
+        return (w * x**3).sum(-1)
+
+    x, v = torch.randn(4, 3), torch.randn(4, 3)
+    results = [pyhvp.grad_and_hvp(weighted, x, v) for _ in range(4)]
+    assert not any(t.requires_grad for pair in results for t in pair)
+
+
+def test_args_made_from_x_are_constants_when_x_requires_grad():
+    """The partial derivative in x: an arg computed from x must not couple the instances."""
+    x0, v = torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+    x = x0.clone().requires_grad_()
+    hv = pyhvp.hvp(gaussian, x, v, x.mean(0))
+    torch.testing.assert_close(hv.detach(), instance_hvp(gaussian, x0, v, x0.mean(0)))
+
+
+def test_inference_tensors_are_accepted():
+    with torch.inference_mode():
+        x, v, mu = torch.randn(4, 3), torch.randn(4, 3), torch.randn(3)
+    hv = pyhvp.hvp(gaussian, x, v, mu, backend=TorchBackend(compile=False))
+    torch.testing.assert_close(hv.double(), instance_hvp(gaussian, x, v, mu), **tolerance(x.dtype))
+
+
+@pytest.mark.slow
+def test_an_error_of_f_is_raised_as_is_not_reported_as_a_compile_failure():
+    def total(x):  # the sum, not one value per instance
+        return (x**3).sum()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with pytest.raises(ValueError, match="one value per instance"):
+            pyhvp.hvp(total, X, X, backend=TorchBackend(compile=True))
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     batch=st.lists(st.integers(1, 3), min_size=0, max_size=3),
@@ -249,6 +290,16 @@ ERRORS = {
         ValueError,
         ["args[0]", "(3, 1)", "(2, 4)"],
     ),
+    "per_instance arg_event_dims negative": (
+        lambda: pyhvp.per_instance(gaussian_single, arg_event_dims=-1)(X, MU),
+        ValueError,
+        ["arg_event_dims", "-1"],
+    ),
+    "per_instance arg_event_dims not an int": (
+        lambda: pyhvp.per_instance(gaussian_single, arg_event_dims=1.5)(X, MU),
+        ValueError,
+        ["arg_event_dims", "1.5"],
+    ),
     "per_instance f_single not scalar": (
         lambda: pyhvp.per_instance(lambda x: x * 2)(X),
         ValueError,
@@ -284,3 +335,8 @@ def test_float32_result_keeps_dtype_and_device(device):
     x = torch.randn(3, 3, device=device)
     g, hv = pyhvp.grad_and_hvp(coupled, x, torch.ones_like(x))
     assert (g.dtype, hv.dtype, g.device, hv.device) == (torch.float32,) * 2 + (x.device,) * 2
+
+
+def test_per_instance_handles_an_empty_batch_with_a_shared_arg():
+    f = pyhvp.per_instance(gaussian_single)
+    assert f(torch.zeros(0, 3), torch.zeros(1, 3)).shape == (0,)

@@ -2,6 +2,7 @@
 cross-checks against the torch backend (these skip with the reason where Julia cannot start)."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -12,6 +13,7 @@ from dense import instance_hvp
 import pyhvp
 from pyhvp.backends.julia import (
     check_julia_tensor,
+    check_no_autograd,
     julia_args,
     julia_available,
     julia_event_shape,
@@ -90,6 +92,17 @@ BAD_TENSORS = [
 def test_check_julia_tensor_names_the_argument(case, tensor, message):
     with pytest.raises(ValueError, match=f"x must be {message}"):
         check_julia_tensor("x", tensor)
+
+
+@pytest.mark.parametrize("position", [0, 1, 2], ids=["x", "v", "args[0]"])
+def test_inputs_that_need_a_graph_are_refused_naming_them(position):
+    named = [("x", torch.ones(2, 3)), ("v", torch.ones(2, 3)), ("args[0]", torch.ones(3))]
+    name, tensor = named[position]
+    named[position] = (name, tensor.requires_grad_())
+    with pytest.raises(ValueError, match=re.escape(f"{name} requires grad")):
+        check_no_autograd(named)
+    with torch.no_grad():
+        check_no_autograd(named)  # nothing to differentiate: accepted
 
 
 def test_non_number_arg_is_a_type_error_naming_it():

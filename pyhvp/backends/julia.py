@@ -226,6 +226,16 @@ def check_julia_tensor(name: str, tensor: torch.Tensor) -> None:
         )
 
 
+def check_no_autograd(named: Sequence[tuple[str, object]]) -> None:
+    """Julia's results carry no autograd graph: refuse inputs that need one (grad mode on)."""
+    for name, value in named:
+        if torch.is_grad_enabled() and isinstance(value, torch.Tensor) and value.requires_grad:
+            raise ValueError(
+                f"{name} requires grad, but backend='julia' results are not differentiable: "
+                f"pass {name}.detach(), call under torch.no_grad(), or use backend='torch'"
+            )
+
+
 def julia_args(
     args: Sequence[object],
     arg_event_dims: int | Sequence[int] | None,
@@ -287,6 +297,9 @@ class JuliaBackend:
                 f"f must be a pyhvp.julia_function(...) for backend='julia', got {type(f).__name__}"
             )
         check_julia_tensor("x", x)
+        check_no_autograd(
+            [("x", x), ("v", tangents), *((f"args[{i}]", a) for i, a in enumerate(args))]
+        )
         batch = x.shape[: x.ndim - event_dims]
         xj = julia_layout(x, batch, event_dims)
         vj = julia_layout(tangents, tangents.shape[: 1 + len(batch)], event_dims)

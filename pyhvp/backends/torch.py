@@ -13,7 +13,9 @@ Compilation rule (``TorchBackend(compile=...)``):
   calls never pay for compilation; loops that call thousands of times do so once.
 * ``True``: compile from the first call. ``False``: always eager.
 * Inputs that carry autograd history (``requires_grad`` with grad mode on) always run eagerly, so
-  the results stay differentiable. ``second_directional`` (forward-over-forward) on the CPU always
+  the results stay differentiable; otherwise results are detached on every path. Tensors that
+  ``f`` captures (module parameters) are constants: pass them as args to differentiate through
+  them. ``second_directional`` (forward-over-forward) on the CPU always
   runs eagerly: inductor's CPU code for nested forward-mode AD segfaults on torch 2.13 for common
   functions (pytorch#190856, #197067), and a segfault cannot be caught. If compilation or a compiled run fails, pyhvp warns once per
   signature and runs that signature eagerly from then on: compile is never a reason to crash.
@@ -98,7 +100,8 @@ def _grad_and_hvp_eager(
     and results stay differentiable when the inputs carry autograd history."""
     keep_graph = _needs_autograd((x, tangents, *args))
     with torch.enable_grad():
-        y = x if x.requires_grad else x.detach().requires_grad_()
+        # an alias, not x itself: the partial derivative in x, never through args made from x
+        y = x.view_as(x) if x.requires_grad else x.detach().requires_grad_()
         total = _instance_sum(f, event_dims, args)(y)
         (g,) = torch.autograd.grad(total, y, create_graph=True, materialize_grads=True)
         if not g.requires_grad:  # f is affine in x: the Hessian is zero
@@ -221,13 +224,17 @@ class TorchBackend:
         args: Sequence[object],
         chunk_size: int | None,
     ) -> torch.Tensor:
-        inputs = (x, directions, *args)
-        if x.device.type == "cpu":
-            # Inductor's CPU code for nested forward-mode AD segfaults on common functions (a
-            # matmul or product with a captured tensor; pytorch#190856, #197067): a crash no
-            # fallback can catch, so on the CPU this primitive always runs eagerly.
-            return _second_directional(f, chunk_size, *inputs)
-        return self._run(_second_directional, _second_directional, f, (chunk_size,), inputs)
+        # Inductor's CPU code for nested forward-mode AD segfaults on common functions (a matmul
+        # or product with a captured tensor; pytorch#190856, #197067): a crash no fallback can
+        # catch, so on the CPU this primitive always runs eagerly.
+        return self._run(
+            _second_directional,
+            _second_directional,
+            f,
+            (chunk_size,),
+            (x, directions, *args),
+            compilable=x.device.type != "cpu",
+        )
 
     def _run(
         self,
@@ -236,9 +243,31 @@ class TorchBackend:
         f: Callable[..., object],
         static: tuple[Hashable, ...],
         inputs: tuple[object, ...],
+        compilable: bool = True,
     ) -> object:
+        """Results carry autograd history exactly when grad mode is on and an input requires
+        grad (eager then, graph kept); otherwise they are detached on every path, whatever f
+        captures, and inference tensors are accepted."""
         eager = partial(eager_kernel, f, *static)
-        if self.compile is False or _needs_autograd(inputs):
+        if _needs_autograd(inputs):
+            return eager(*inputs)
+        inputs = tuple(
+            t.clone() if isinstance(t, torch.Tensor) and t.is_inference() else t for t in inputs
+        )
+        with torch.inference_mode(False):
+            out = self._dispatch(eager, traced_kernel, f, static, inputs, compilable)
+        return tuple(t.detach() for t in out) if isinstance(out, tuple) else out.detach()
+
+    def _dispatch(
+        self,
+        eager: Callable[..., object],
+        traced_kernel: Callable[..., object],
+        f: Callable[..., object],
+        static: tuple[Hashable, ...],
+        inputs: tuple[object, ...],
+        compilable: bool,
+    ) -> object:
+        if self.compile is False or not compilable:
             return eager(*inputs)
         try:
             key = _signature(traced_kernel.__name__, f, static, inputs)
@@ -257,12 +286,15 @@ class TorchBackend:
             entry.compiled = _compile_bound(traced_kernel, f, static)
         try:
             return entry.compiled(*inputs)
-        except Exception as error:  # compile is an optimisation; fall back, say so once
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as error:  # compile is an optimisation: fall back, say so once
+            result = eager(*inputs)  # an error of f's own is raised here, as eagerly
             entry.failed = True
             warnings.warn(
                 f"pyhvp: torch.compile failed for {getattr(f, '__name__', f)!s} "
                 f"({type(error).__name__}: {error}); running this signature eagerly",
                 RuntimeWarning,
-                stacklevel=4,
+                stacklevel=5,
             )
-            return eager(*inputs)
+            return result
