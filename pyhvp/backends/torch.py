@@ -286,7 +286,7 @@ class TorchBackend:
             entry.compiled = _compile_bound(traced_kernel, f, static)
         try:
             return entry.compiled(*inputs)
-        except torch.OutOfMemoryError:
+        except torch.cuda.OutOfMemoryError:  # torch.OutOfMemoryError only exists from 2.5
             raise
         except Exception as error:  # compile is an optimisation: fall back, say so once
             result = eager(*inputs)  # an error of f's own is raised here, as eagerly
