@@ -15,10 +15,13 @@ Compilation rule (``TorchBackend(compile=...)``):
 * Inputs that carry autograd history (``requires_grad`` with grad mode on) always run eagerly, so
   the results stay differentiable; otherwise results are detached on every path. Tensors that
   ``f`` captures (module parameters) are constants: pass them as args to differentiate through
-  them. ``second_directional`` (forward-over-forward) on the CPU always
-  runs eagerly: inductor's CPU code for nested forward-mode AD segfaults on torch 2.13 for common
-  functions (pytorch#190856, #197067), and a segfault cannot be caught. If compilation or a compiled run fails, pyhvp warns once per
-  signature and runs that signature eagerly from then on: compile is never a reason to crash.
+  them.
+* ``second_directional`` (forward-over-forward) on the CPU always runs eagerly: inductor's CPU
+  code for nested forward-mode AD segfaults on torch 2.13 for common functions (pytorch#190856,
+  #197067), and a segfault cannot be caught.
+* If compilation or a compiled run fails while the eager run succeeds, pyhvp warns once per
+  signature and runs that signature eagerly from then on; errors of ``f`` itself are raised as
+  they would be eagerly, and out-of-memory errors are re-raised.
 """
 
 from __future__ import annotations
