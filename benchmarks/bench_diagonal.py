@@ -7,14 +7,15 @@ torch backend never compiles forward-over-forward -- it segfaults in inductor --
 vector rows run eagerly either way), the full Hessian
 vmap(jacfwd(jacrev)) then its diagonal, forward-over-reverse with one-hot tangents, Hutchinson
 (scalar-only in pyhvp, so one estimate per output: m x samples HVPs) with its relative error,
-and JAX's jit of the same forward-over-forward if JAX is installed. Rows marked "~" at n = 256
+and JAX's jit of the same forward-over-forward if JAX is installed (CPU runs only). Rows marked "~" at n = 256
 are timed on a few instances (or one output) and scaled linearly: the full runs would need
 B*M*N*N numbers (68 GB) or minutes.
 
-Then scalar f = w . tanh(W1 x + b1): the primitive ``_choose`` picks for scalars
+Then scalar f = w . tanh(W1 x + b1) + b2: the primitive ``_choose`` picks for scalars
 (forward-over-reverse) against forward-over-forward, and Hutchinson against Diag++ at 10 and
 100 HVPs on a full-rank (hidden = n) and a rank-8 (hidden = 8) Hessian at n = 256.
-float32; every pyhvp result is checked against the closed forms before anything is timed.
+float32; the exact pyhvp results (compile=True, and both modes for the scalar choice) are checked
+against the closed forms before anything is timed; estimator rows report their error.
 Usage: python benchmarks/bench_diagonal.py [cuda]
 """
 

@@ -2,8 +2,8 @@
 
 A batched function ``f(x, *args)`` returns one value per instance: the last ``event_dims`` dims of
 ``x`` are one instance's variables, the leading dims index instances. Instances are independent, so
-the Hessian of ``f(x).sum()`` is block-diagonal and one forward-over-reverse pass over the whole
-batch yields every instance's own gradient and its own Hessian times its own vector.
+the Hessian of ``f(x).sum()`` is block-diagonal and one second-order pass over the whole batch
+yields every instance's own gradient and its own Hessian times its own vector.
 """
 
 from __future__ import annotations
@@ -36,13 +36,13 @@ def grad_and_hvp(
     chunk_size: int | None = None,
     backend: str | Backend = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-instance gradient and Hessian-vector product(s) from one forward-over-reverse pass.
+    """Per-instance gradient and Hessian-vector product(s) from one second-order pass.
 
     Shapes: ``f(x, *args)`` has shape ``x.shape[:-event_dims]``; ``v`` has x's shape (one tangent
     per instance) or ``(k, *x.shape)`` (k tangents per instance); returns ``g`` of x's shape and
     ``hv`` of v's shape. ``chunk_size`` bounds how many of the k tangents are pushed at once.
-    With the torch backend, repeated calls with one signature run a compiled kernel
-    (see :mod:`pyhvp.backends.torch`). Inputs are never modified.
+    The torch backend runs reverse-over-reverse autograd eagerly and a compiled
+    forward-over-reverse kernel for repeated calls (see :mod:`pyhvp.backends.torch`). Inputs are never modified.
 
     >>> x = torch.tensor([[1.0, 2.0], [3.0, 4.0]])          # 2 instances, f = sum(x**3)
     >>> g, hv = grad_and_hvp(lambda x: (x**3).sum(-1), x, torch.ones_like(x))

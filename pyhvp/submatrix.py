@@ -5,9 +5,9 @@ selected components become k one-hot tangents of ONE batched Hessian-vector-prod
 backend (``grad_and_hvp``, vmapped and chunked over the tangents), and of the columns ``H e_j`` it
 returns only the selected rows are kept. ``joint=True`` runs it once over all selected tensors
 (cross blocks included); per-tensor blocks run it once per tensor, the others held constant, so
-no tangent pays for the cross blocks nobody asked for: on a 784-128-10 MLP with k=128 per
-tensor that is 3.4x less time than cutting the blocks out of the joint pass, and memory
-``sum k_i * numel_i`` instead of ``K * sum numel_i``.
+no tangent pays for the cross blocks nobody asked for (measured once while choosing: on a
+784-128-10 MLP with k=128 per tensor, compiled, 77 ms against 261 ms for cutting the blocks out
+of the joint pass), and memory ``sum k_i * numel_i`` instead of ``K * sum numel_i``.
 
 Cost: one HVP (a few gradients' worth of work) per selected component, batched, so no per-row
 Python round trip; memory ``c * P`` for the tangents and the columns of a pass (P: entries of

@@ -10,7 +10,7 @@
   timeout) that starts Julia and loads the bundled package; its answer is cached per process.
 * **Tensors.** Inputs are detached and made C-contiguous as ``(*batch, n)`` (``n`` = one
   instance's variables, flattened); outputs are allocated here and written in place by Julia
-  through DLPack views -- no copy either way. DLPack reverses dims: Julia sees ``(n, batch...)``
+  through DLPack views -- no copy either way for contiguous inputs. DLPack reverses dims: Julia sees ``(n, batch...)``
   and the user function sees one instance's ``x`` with the event shape *reversed* (a vector for
   ``event_dims=1``). :func:`julia_layout` and :func:`julia_event_shape` are the one place
   where that happens.
