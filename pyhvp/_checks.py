@@ -103,3 +103,43 @@ def check_chunk_size(chunk_size: object) -> int | None:
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be None or a positive int, got {chunk_size!r}")
     return chunk_size
+
+
+def per_arg_event_dims(
+    arg_event_dims: int | Sequence[int] | None, event_dims: int, n_args: int
+) -> tuple[int, ...]:
+    """Each arg's number of trailing per-instance dims (default: x's ``event_dims``)."""
+    if arg_event_dims is None:
+        return (event_dims,) * n_args
+    dims = (arg_event_dims,) * n_args if isinstance(arg_event_dims, int) else arg_event_dims
+    if not isinstance(dims, Sequence) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims
+    ):
+        raise ValueError(
+            f"arg_event_dims must be None, an int >= 0 or one int >= 0 per arg, got {arg_event_dims!r}"
+        )
+    if len(dims) != n_args:
+        raise ValueError(
+            f"arg_event_dims must give one entry per arg ({n_args} args), got {len(dims)} entries"
+        )
+    return tuple(dims)
+
+
+def pad_arg_to_batch(
+    name: str, arg: torch.Tensor, own_dims: int, batch_shape: torch.Size
+) -> torch.Tensor:
+    """View ``arg`` as ``batch-broadcastable dims + own dims``, checking it broadcasts."""
+    if arg.ndim < own_dims:
+        raise ValueError(
+            f"{name} must have at least {own_dims} per-instance dims (arg_event_dims), got shape "
+            f"{fmt_shape(arg.shape)}"
+        )
+    lead = arg.shape[: arg.ndim - own_dims]
+    if len(lead) > len(batch_shape) or any(
+        a not in (1, b) for a, b in zip(reversed(lead), reversed(batch_shape), strict=False)
+    ):
+        raise ValueError(
+            f"{name}'s leading dims {fmt_shape(lead)} must broadcast against x's batch dims "
+            f"{fmt_shape(batch_shape)} (its last {own_dims} dims are per-instance)"
+        )
+    return arg.reshape((1,) * (len(batch_shape) - len(lead)) + tuple(arg.shape))

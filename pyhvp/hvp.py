@@ -19,7 +19,8 @@ from pyhvp._checks import (
     check_event_dims,
     check_output_shape,
     check_tangents,
-    fmt_shape,
+    pad_arg_to_batch,
+    per_arg_event_dims,
     require_floating,
 )
 from pyhvp.backends import Backend, resolve_backend
@@ -102,9 +103,9 @@ def per_instance(
         x = require_floating("x", x)
         check_event_dims(event_dims, x)
         batch_shape = x.shape[: x.ndim - event_dims]
-        own_dims = _arg_event_dims(arg_event_dims, event_dims, len(args))
+        own_dims = per_arg_event_dims(arg_event_dims, event_dims, len(args))
         args = tuple(
-            _left_pad(f"args[{i}]", a, d, batch_shape) if isinstance(a, torch.Tensor) else a
+            pad_arg_to_batch(f"args[{i}]", a, d, batch_shape) if isinstance(a, torch.Tensor) else a
             for i, (a, d) in enumerate(zip(args, own_dims, strict=True))
         )
         out = _vmap_batch_dims(f_single, len(batch_shape))(x, *args)
@@ -116,43 +117,6 @@ def per_instance(
     batched.__name__ = f"per_instance({getattr(f_single, '__name__', 'f')})"
     batched.__doc__ = f_single.__doc__
     return batched
-
-
-def _arg_event_dims(
-    arg_event_dims: int | Sequence[int] | None, event_dims: int, n_args: int
-) -> tuple[int, ...]:
-    if arg_event_dims is None:
-        return (event_dims,) * n_args
-    dims = (arg_event_dims,) * n_args if isinstance(arg_event_dims, int) else arg_event_dims
-    if not isinstance(dims, Sequence) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims
-    ):
-        raise ValueError(
-            f"arg_event_dims must be None, an int >= 0 or one int >= 0 per arg, got {arg_event_dims!r}"
-        )
-    if len(dims) != n_args:
-        raise ValueError(
-            f"arg_event_dims must give one entry per arg ({n_args} args), got {len(dims)} entries"
-        )
-    return tuple(dims)
-
-
-def _left_pad(name: str, arg: torch.Tensor, own_dims: int, batch_shape: torch.Size) -> torch.Tensor:
-    """View ``arg`` as ``batch-broadcastable dims + own dims``, checking it broadcasts."""
-    if arg.ndim < own_dims:
-        raise ValueError(
-            f"{name} must have at least {own_dims} per-instance dims (arg_event_dims), got shape "
-            f"{fmt_shape(arg.shape)}"
-        )
-    lead = arg.shape[: arg.ndim - own_dims]
-    if len(lead) > len(batch_shape) or any(
-        a not in (1, b) for a, b in zip(reversed(lead), reversed(batch_shape), strict=False)
-    ):
-        raise ValueError(
-            f"{name}'s leading dims {fmt_shape(lead)} must broadcast against x's batch dims "
-            f"{fmt_shape(batch_shape)} (its last {own_dims} dims are per-instance)"
-        )
-    return arg.reshape((1,) * (len(batch_shape) - len(lead)) + tuple(arg.shape))
 
 
 def _vmap_batch_dims(f_single: Callable[..., torch.Tensor], n_batch: int) -> BatchedFunction:

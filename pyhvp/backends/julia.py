@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
+from pyhvp._checks import pad_arg_to_batch, per_arg_event_dims
 from pyhvp.backends import BackendUnavailableError
-from pyhvp.hvp import _arg_event_dims, _left_pad
 
 MAX_TANGENTS_PER_CALL = 8
 """Enzyme's batch width is a compile-time constant; wider batches are sent in chunks."""
@@ -246,10 +246,10 @@ def julia_args(
     and each arg's reversed per-instance shape (``()`` for numbers)."""
     values, shapes = [], []
     for i, (arg, own) in enumerate(
-        zip(args, _arg_event_dims(arg_event_dims, event_dims, len(args)), strict=True)
+        zip(args, per_arg_event_dims(arg_event_dims, event_dims, len(args)), strict=True)
     ):
         if isinstance(arg, torch.Tensor):
-            padded = _left_pad(f"args[{i}]", arg, own, batch)
+            padded = pad_arg_to_batch(f"args[{i}]", arg, own, batch)
             values.append(julia_layout(padded, padded.shape[: len(batch)], own))
             shapes.append(julia_event_shape(padded.shape[len(batch) :]))
         elif isinstance(arg, (int, float)):
