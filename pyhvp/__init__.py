@@ -7,7 +7,8 @@ from pyhvp.backends import Backend, BackendUnavailableError, available_backends
 from pyhvp.backends.julia import JuliaBackendError, JuliaFunction, julia_function
 from pyhvp.backends.torch import TorchBackend
 from pyhvp.diagonal import hessian_diagonal
-from pyhvp.hvp import grad_and_hvp, hvp, per_instance
+from pyhvp.hvp import grad_and_hvp, hvp
+from pyhvp.instances import PerInstance, per_instance
 from pyhvp.kronecker import KroneckerHVP
 from pyhvp.submatrix import module_loss, sub_hessian
 
@@ -17,6 +18,7 @@ __all__ = [
     "JuliaBackendError",
     "JuliaFunction",
     "KroneckerHVP",
+    "PerInstance",
     "TorchBackend",
     "available_backends",
     "grad_and_hvp",

@@ -131,6 +131,19 @@ CASES = [
         "3 batch dims, broadcast arg, scalar", lambda d, t: gaussian, (2, 3, 4, 3), ((2, 1, 1, 3),)
     ),
     Case("2-D out_shape", lambda d, t: outer, (4, 3)),
+    Case(
+        "per_instance(seed f_single_vector), batched: (3, 3) -> (3, 5, 3)",
+        lambda d, t: pyhvp.per_instance(seed_vector(seed_layer(d, t))),
+        (3, 3),
+        x_values=SEED_X_BATCH,
+    ),
+    Case(
+        "per_instance, event_dims=2 + shared arg, vector",
+        lambda d, t: pyhvp.per_instance(matrix_vector, event_dims=2, arg_event_dims=2),
+        (2, 2, 2, 3),
+        ((3, 3),),
+        2,
+    ),
 ]
 
 

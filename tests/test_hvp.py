@@ -300,10 +300,15 @@ ERRORS = {
         ValueError,
         ["arg_event_dims", "1.5"],
     ),
-    "per_instance f_single not scalar": (
-        lambda: pyhvp.per_instance(lambda x: x * 2)(X),
+    "per_instance f_single not scalar, for an HVP": (
+        lambda: pyhvp.hvp(pyhvp.per_instance(lambda x: x * 2), X, X),
         ValueError,
-        ["f_single", "(4,)", "(4, 3)"],
+        ["f", "(4,)", "(4, 3)"],
+    ),
+    "per_instance f_single returns no tensor": (
+        lambda: pyhvp.per_instance(lambda x: 1.0)(X),
+        TypeError,
+        ["f_single", "float"],
     ),
 }
 if torch.cuda.is_available():
@@ -335,6 +340,12 @@ def test_float32_result_keeps_dtype_and_device(device):
     x = torch.randn(3, 3, device=device)
     g, hv = pyhvp.grad_and_hvp(coupled, x, torch.ones_like(x))
     assert (g.dtype, hv.dtype, g.device, hv.device) == (torch.float32,) * 2 + (x.device,) * 2
+
+
+def test_per_instance_wrappers_of_one_function_are_equal():
+    """Equal wrappers share one compile-cache entry when rebuilt in a loop."""
+    assert pyhvp.per_instance(gaussian_single) == pyhvp.per_instance(gaussian_single)
+    assert pyhvp.per_instance(gaussian_single) != pyhvp.per_instance(gaussian_single, 2)
 
 
 def test_per_instance_handles_an_empty_batch_with_a_shared_arg():
