@@ -76,7 +76,12 @@ def check_tangents(name: str, v: object, x: torch.Tensor) -> tuple[torch.Tensor,
     v = require_floating(name, v)
     if v.shape == x.shape:
         tangents, single = v.unsqueeze(0), True
-    elif v.ndim == x.ndim + 1 and v.shape[1:] == x.shape and v.shape[0] >= 1:
+    elif v.ndim == x.ndim + 1 and v.shape[1:] == x.shape:
+        if v.shape[0] == 0:
+            raise ValueError(
+                f"{name} must hold k >= 1 tangents per instance when shaped "
+                f"{fmt_shape(('k', *x.shape))}, got k = 0 ({name} of shape {fmt_shape(v.shape)})"
+            )
         tangents, single = v, False
     else:
         raise ValueError(
@@ -88,9 +93,12 @@ def check_tangents(name: str, v: object, x: torch.Tensor) -> tuple[torch.Tensor,
 
 
 def check_output_shape(what: str, out: object, expected: Sequence[int], hint: str) -> None:
-    """``out`` must be a tensor of shape ``expected``; ``hint`` says what the shape means."""
+    """``out`` must be a real floating tensor of shape ``expected``; ``hint`` says what the
+    shape means."""
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"{what} must return a torch.Tensor, got {type(out).__name__}")
+    if not out.is_floating_point():
+        raise TypeError(f"{what} must return a real floating tensor, got {out.dtype}")
     if tuple(out.shape) != tuple(expected):
         raise ValueError(
             f"{what} must return shape {fmt_shape(expected)} ({hint}), got {fmt_shape(out.shape)}"

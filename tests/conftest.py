@@ -1,7 +1,12 @@
 """Shared fixtures: every test that takes ``device`` runs on each device this machine has."""
 
+import itertools
+
 import pytest
 import torch
+
+from pyhvp.backends import compile_policy
+from pyhvp.backends import torch as torch_backend
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -17,8 +22,30 @@ def _seed():
 
 
 @pytest.fixture
-def compiled(monkeypatch) -> list:
-    """Every function handed to torch.compile during the test, in order (still compiled)."""
+def compile_cache(monkeypatch) -> compile_policy.CompileCache:
+    """A fresh, empty compile cache for this test (nothing compiled or timed before it)."""
+    cache = compile_policy.CompileCache()
+    monkeypatch.setattr(torch_backend, "_CACHE", cache)
+    return cache
+
+
+@pytest.fixture
+def compile_after_eager_calls(monkeypatch, compile_cache):
+    """``set(n)``: every eager call counts one second and a compile is expected to cost n
+    seconds, so "auto" runs a signature eagerly n times and compiles on call n + 1."""
+
+    def set_calls(n):
+        ticks = itertools.count()
+        monkeypatch.setattr(compile_policy, "clock", lambda: float(next(ticks)))
+        compile_cache.measured_compile_seconds[:] = [float(n)]
+
+    return set_calls
+
+
+@pytest.fixture
+def compiled(monkeypatch, compile_cache) -> list:
+    """Every function handed to torch.compile during the test, in order (still compiled); the
+    compile cache starts empty."""
     calls = []
     real_compile = torch.compile
 

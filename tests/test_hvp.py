@@ -104,12 +104,14 @@ def test_compiled_path_matches_dense(case, dtype, device):
 
 
 @pytest.mark.slow
-def test_auto_compile_kicks_in_after_repeated_calls(compiled):
-    def fresh_gaussian(x, mu):  # a new function object: nothing cached for it yet
-        return gaussian(x, mu)
-
+def test_auto_compile_kicks_in_once_eager_time_reaches_the_compile_cost(
+    compiled, compile_after_eager_calls
+):
+    compile_after_eager_calls(2)
     x, mu = torch.randn(8, 3), torch.randn(3)
-    results = [pyhvp.hvp(fresh_gaussian, x, torch.ones_like(x), mu) for _ in range(4)]
+    results = [pyhvp.hvp(gaussian, x, torch.ones_like(x), mu) for _ in range(2)]
+    assert compiled == []
+    results += [pyhvp.hvp(gaussian, x, torch.ones_like(x), mu) for _ in range(2)]
     assert len(compiled) == 1 and all(torch.allclose(r, results[0]) for r in results)
 
 

@@ -103,17 +103,30 @@ def test_compiled_path_matches_dense_hessian(case, device):
     torch.testing.assert_close(joint, dense_sub_hessian(loss, params, index))
 
 
+def reused_loss(net, criterion, inputs, targets):
+    loss, params = pyhvp.module_loss(net, criterion, inputs, targets)
+    return lambda: (loss, params)
+
+
+def rebuilt_loss(net, criterion, inputs, targets):
+    return lambda: pyhvp.module_loss(net, criterion, inputs, targets)
+
+
 @pytest.mark.slow
-def test_repeated_calls_with_one_loss_compile_once(compiled):
-    """The function handed to the backend is equal across calls, so "auto" compiles it once."""
-
-    def loss(p):  # a fresh function: nothing cached for it yet
-        return coupled(p["w"]) * p["s"].sum()
-
-    params = {"w": torch.randn(3, 4), "s": torch.rand(2)}
-    index = {"w": torch.tensor([0, 5, 11])}
-    results = [pyhvp.sub_hessian(loss, params, index)["w"] for _ in range(5)]
-    assert len(compiled) == 1 and all(torch.allclose(r, results[0], atol=1e-6) for r in results)
+@pytest.mark.parametrize("make_loss", [reused_loss, rebuilt_loss], ids=["reused", "rebuilt"])
+def test_repeated_calls_compile_once_whether_the_loss_is_reused_or_rebuilt(
+    make_loss, compiled, compile_after_eager_calls
+):
+    """The function handed to the backend is keyed by what it computes, so a loss reused, or
+    rebuilt per step over the same module and data, compiles once under "auto"."""
+    compile_after_eager_calls(2)
+    net = mlp()
+    inputs, targets = torch.randn(8, 5), torch.randint(0, 3, (8,))
+    index = {"0.weight": torch.tensor([0, 5]), "2.bias": torch.tensor([1])}
+    loss_and_params = make_loss(net, nn.CrossEntropyLoss(), inputs, targets)
+    results = [pyhvp.sub_hessian(*loss_and_params(), index) for _ in range(4)]
+    assert len(compiled) == 1
+    torch.testing.assert_close(results[-1], results[0])
 
 
 def coupled(x):

@@ -1,21 +1,29 @@
-"""The torch backend: the two primitives, eager and compiled.
+"""The torch backend: the primitives, eager and compiled.
 
-Methods: eagerly, ``grad_and_hvp`` runs reverse-over-reverse with ``torch.autograd`` (a
-batched second backward for k tangents), which has the lowest per-call overhead; compiled, it is
-forward-over-reverse ``jvp(grad(sum f))`` vmapped over the tangents, which inductor fuses into a
-few kernels. ``second_directional`` is forward-over-forward (``jvp`` of ``jvp``) in both modes.
+Methods: eagerly, Hessian-vector products run reverse-over-reverse with ``torch.autograd`` (one
+forward, one first backward that keeps its graph, then a batched second backward per leaf),
+which has the lowest per-call overhead; compiled, they run forward-over-reverse
+``jvp(grad(f))`` vmapped over the tangents, which inductor fuses into a few kernels.
+``second_directional`` is forward-over-forward (``jvp`` of ``jvp``) in both modes.
 
-Compilation rule (``TorchBackend(compile=...)``):
+``grad_and_block_hvps`` is the multi-leaf primitive: for a scalar ``f(*leaves, *args)`` it gives
+every leaf's gradient and, per leaf, its own diagonal Hessian block times that leaf's tangents
+(``d^2 f / d leaf_i^2 @ v_i``), from ONE forward and ONE first backward shared by all leaves; each
+leaf's second pass is pruned to that leaf (autograd differentiates only towards it).
+``grad_and_hvp`` is its one-leaf case over ``sum_b f(x)[b]``.
 
-* ``"auto"`` (default): the first ``COMPILE_AFTER_CALLS`` calls with a given signature --
-  (primitive, function, event_dims, chunk_size, shapes, dtypes, devices) -- run eagerly; later calls
-  with the same signature run a ``torch.compile``-d kernel, cached for that signature. One-off
-  calls never pay for compilation; loops that call thousands of times do so once.
+Compilation (``TorchBackend(compile=...)``; the rule itself is :mod:`.compile_policy`):
+
+* ``"auto"`` (default): a signature (primitive, function, options, shapes, dtypes, devices) runs
+  eagerly until the eager time spent on it reaches the expected compile cost, then runs a
+  ``torch.compile``-d kernel cached for it (ski rental: never much worse than the better of
+  always-eager and always-compiled). A function rebuilt per call from the same code and captured
+  objects shares its signature.
 * ``True``: compile from the first call. ``False``: always eager.
 * Inputs that carry autograd history (``requires_grad`` with grad mode on) always run eagerly, so
   the results stay differentiable; otherwise results are detached on every path. Tensors that
   ``f`` captures (module parameters) are constants: pass them as args to differentiate through
-  them.
+  them. Inference tensors and calls inside ``torch.inference_mode()`` are accepted.
 * ``second_directional`` (forward-over-forward) on the CPU always runs eagerly: inductor's CPU
   code for nested forward-mode AD segfaults on torch 2.13 for common functions (pytorch#190856,
   #197067), and a segfault cannot be caught.
@@ -28,7 +36,6 @@ from __future__ import annotations
 
 import types
 import warnings
-from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -38,91 +45,124 @@ import torch
 from torch.func import grad, jvp, vmap
 
 from pyhvp._checks import check_output_shape
+from pyhvp.backends import compile_policy
+from pyhvp.backends.compile_policy import CompileCache
 
 CompileMode = Literal["auto"] | bool
 
-COMPILE_AFTER_CALLS = 2
-"""With ``compile="auto"``, this many eager calls precede the first compiled one."""
-
-CACHE_SIZE = 64
-"""Signatures remembered (least recently used dropped first)."""
+_CACHE = CompileCache()
 
 
-def _instance_sum(
-    f: Callable[..., torch.Tensor], event_dims: int, args: Sequence[object]
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``y -> f(y, *args).sum()``, checking that f returns one value per instance."""
+@dataclass(frozen=True)
+class InstanceSum:
+    """``(y, *args) -> f(y, *args).sum()``, checking that f returns one value per instance."""
 
-    def total(y: torch.Tensor) -> torch.Tensor:
-        out = f(y, *args)
-        batch_shape = y.shape[: y.ndim - event_dims]
+    f: Callable[..., torch.Tensor]
+    event_dims: int
+
+    @property
+    def __name__(self) -> str:  # what warnings print
+        return getattr(self.f, "__name__", type(self.f).__name__)
+
+    def __call__(self, y: torch.Tensor, *args: object) -> torch.Tensor:
+        out = self.f(y, *args)
+        batch_shape = y.shape[: y.ndim - self.event_dims]
         check_output_shape("f", out, batch_shape, "one value per instance: x.shape[:-event_dims]")
         return out.sum()
 
-    return total
+
+Blocks = tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]
 
 
-def _grad_and_hvp_traced(
+def _grad_and_block_hvps_traced(
+    f: Callable[..., torch.Tensor], n_leaves: int, chunk_size: int | None, *inputs: object
+) -> Blocks:
+    """Forward-over-reverse per leaf, ``jvp(grad_i f)`` vmapped over that leaf's tangents: what
+    gets compiled. The primal forward/backward of every leaf's pass is the same graph, which the
+    compiler's common-subexpression elimination shares. The gradient is each jvp's primal."""
+    leaves, tangents, args = _split(n_leaves, inputs)
+    passes = [
+        _forward_over_reverse(f, leaves, i, tangents[i], args, chunk_size) for i in range(n_leaves)
+    ]
+    return tuple(g for g, _ in passes), tuple(hv for _, hv in passes)
+
+
+def _forward_over_reverse(
     f: Callable[..., torch.Tensor],
-    event_dims: int,
-    chunk_size: int | None,
-    x: torch.Tensor,
+    leaves: list[torch.Tensor],
+    i: int,
     tangents: torch.Tensor,
-    *args: object,
+    args: tuple[object, ...],
+    chunk_size: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward-over-reverse, ``jvp(grad(sum f))`` vmapped over tangents: what gets compiled.
+    """Leaf ``i``'s gradient and its block's products with ``tangents`` (k, *leaf.shape)."""
 
-    The gradient is the primal output of the same jvp that yields the HVPs.
-    """
-    gradient = grad(_instance_sum(f, event_dims, args))
+    def of_leaf(y: torch.Tensor) -> torch.Tensor:
+        return f(*leaves[:i], y, *leaves[i + 1 :], *args)
 
-    def forward_over_reverse(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return jvp(gradient, (x,), (v,))
+    def along(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return jvp(grad(of_leaf), (leaves[i],), (v,))
 
-    if tangents.shape[0] == 1:
-        g, hv = forward_over_reverse(tangents[0])
-        return g, hv.unsqueeze(0)
+    if tangents.shape[0] <= 1:
+        g, hv = along(tangents[0] if len(tangents) else torch.zeros_like(leaves[i]))
+        return g, hv.unsqueeze(0)[: len(tangents)]
     # vmap cannot chunk an unbatched (out_dims=None) output, so chunks are split by hand.
     chunks = [
-        vmap(forward_over_reverse, out_dims=(None, 0))(part)
+        vmap(along, out_dims=(None, 0))(part)
         for part in tangents.split(chunk_size or tangents.shape[0])
     ]
     return chunks[0][0], torch.cat([hv for _, hv in chunks])
 
 
-def _grad_and_hvp_eager(
-    f: Callable[..., torch.Tensor],
-    event_dims: int,
-    chunk_size: int | None,
-    x: torch.Tensor,
-    tangents: torch.Tensor,
-    *args: object,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reverse-over-reverse with torch.autograd: one forward, one backward that keeps its graph,
-    one (batched) backward per chunk of tangents. Eagerly this has the least per-call overhead,
-    and results stay differentiable when the inputs carry autograd history."""
-    keep_graph = _needs_autograd((x, tangents, *args))
+def _grad_and_block_hvps_eager(
+    f: Callable[..., torch.Tensor], n_leaves: int, chunk_size: int | None, *inputs: object
+) -> Blocks:
+    """Reverse-over-reverse with torch.autograd: one forward and one backward that keeps its graph
+    for all leaves, then per leaf one (batched) backward per chunk of its tangents, towards that
+    leaf only. Eagerly this has the least per-call overhead, and results stay differentiable when
+    the inputs carry autograd history. A leaf ``f`` ignores, or enters linearly, has a zero block."""
+    leaves, tangents, args = _split(n_leaves, inputs)
+    keep_graph = _needs_autograd(inputs)
     with torch.enable_grad():
-        # an alias, not x itself: the partial derivative in x, never through args made from x
-        y = x.view_as(x) if x.requires_grad else x.detach().requires_grad_()
-        total = _instance_sum(f, event_dims, args)(y)
-        (g,) = torch.autograd.grad(total, y, create_graph=True, materialize_grads=True)
-        if not g.requires_grad:  # f is affine in x: the Hessian is zero
-            return g.detach(), torch.zeros_like(tangents)
-        parts = tangents.split(chunk_size or tangents.shape[0])
-        hv = [
-            torch.autograd.grad(
+        # aliases, not the leaves themselves: partial derivatives, never through args made from
+        # a leaf
+        ys = [y.view_as(y) if y.requires_grad else y.detach().requires_grad_() for y in leaves]
+        total = f(*ys, *args)
+        if not total.requires_grad:  # f is constant in every leaf
+            return tuple(map(torch.zeros_like, leaves)), tuple(map(torch.zeros_like, tangents))
+        grads = torch.autograd.grad(
+            total, ys, create_graph=True, allow_unused=True, materialize_grads=True
+        )
+        passes = [  # (leaf, its gradient, one chunk of its tangents); last one frees the graph
+            (y, g, part)
+            for y, g, leaf_tangents in zip(ys, grads, tangents, strict=True)
+            if g.requires_grad and len(leaf_tangents)  # not requiring grad: f affine in leaf
+            for part in leaf_tangents.split(chunk_size or len(leaf_tangents))
+        ]
+        products: dict[int, list[torch.Tensor]] = {}
+        for n, (y, g, part) in enumerate(passes):
+            (hv,) = torch.autograd.grad(
                 g,
                 y,
                 part if len(part) > 1 else part[0],
-                retain_graph=keep_graph or i < len(parts) - 1,
+                retain_graph=keep_graph or n < len(passes) - 1,
                 create_graph=keep_graph,
                 is_grads_batched=len(part) > 1,
+                allow_unused=True,
                 materialize_grads=True,
-            )[0].reshape(part.shape)
-            for i, part in enumerate(parts)
-        ]
-    return (g if keep_graph else g.detach()), (hv[0] if len(hv) == 1 else torch.cat(hv))
+            )
+            products.setdefault(id(y), []).append(hv.reshape(part.shape))
+    hvs = tuple(
+        torch.cat(products[id(y)]) if id(y) in products else torch.zeros_like(t)
+        for y, t in zip(ys, tangents, strict=True)
+    )
+    return tuple(g if keep_graph else g.detach() for g in grads), hvs
+
+
+def _split(n_leaves: int, inputs: tuple[object, ...]) -> tuple[list, list, tuple]:
+    """``(*leaves, *tangents, *args)`` -> leaves, tangents (one per leaf), args."""
+    leaves = list(inputs[:n_leaves])
+    return leaves, list(inputs[n_leaves : 2 * n_leaves]), inputs[2 * n_leaves :]
 
 
 def _second_directional(
@@ -139,16 +179,6 @@ def _second_directional(
         return jvp(first, (x,), (u,))[1]
 
     return vmap(along, chunk_size=chunk_size)(directions)
-
-
-@dataclass
-class _Entry:
-    calls: int = 0
-    compiled: Callable[..., object] | None = None
-    failed: bool = False
-
-
-_CACHE: OrderedDict[Hashable, _Entry] = OrderedDict()
 
 
 def _compile_bound(
@@ -169,23 +199,29 @@ def _compile_bound(
     return torch.compile(fresh, dynamic=False)
 
 
-def _signature(
-    primitive: str,
-    f: Callable[..., object],
-    static: tuple[Hashable, ...],
-    tensors: Sequence[object],
-) -> Hashable:
-    def describe(value: object) -> Hashable:
-        if isinstance(value, torch.Tensor):
-            return ("tensor", tuple(value.shape), value.dtype, value.device)
-        return ("value", type(value).__name__)
-
-    return (primitive, f, static, tuple(describe(t) for t in tensors))
-
-
 def _needs_autograd(values: Sequence[object]) -> bool:
     return torch.is_grad_enabled() and any(
         isinstance(v, torch.Tensor) and v.requires_grad for v in values
+    )
+
+
+def _detached(out: object) -> object:
+    if isinstance(out, tuple):
+        return tuple(_detached(item) for item in out)
+    return out.detach() if isinstance(out, torch.Tensor) else out
+
+
+def _require_torch_function(f: object) -> None:
+    if callable(f):
+        return
+    hint = (
+        ": Julia source from pyhvp.julia_function runs with backend='julia'"
+        if type(f).__name__ == "JuliaFunction"
+        else ""
+    )
+    raise TypeError(
+        f"f must be a Python function of torch tensors for backend='torch', "
+        f"got {type(f).__name__}{hint}"
     )
 
 
@@ -211,12 +247,28 @@ class TorchBackend:
         event_dims: int,
         chunk_size: int | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        _require_torch_function(f)
+        (g,), (hv,) = self.grad_and_block_hvps(
+            InstanceSum(f, event_dims), (x,), (tangents,), args, chunk_size
+        )
+        return g, hv
+
+    def grad_and_block_hvps(
+        self,
+        f: Callable[..., torch.Tensor],
+        leaves: Sequence[torch.Tensor],
+        tangents: Sequence[torch.Tensor],
+        args: Sequence[object],
+        chunk_size: int | None,
+    ) -> Blocks:
+        """Gradients of the scalar ``f(*leaves, *args)`` and, per leaf, ``d^2 f / d leaf_i^2``
+        times ``tangents[i]`` (shape ``(k_i, *leaves[i].shape)``, ``k_i`` may be 0)."""
         return self._run(
-            _grad_and_hvp_eager,
-            _grad_and_hvp_traced,
+            _grad_and_block_hvps_eager,
+            _grad_and_block_hvps_traced,
             f,
-            (event_dims, chunk_size),
-            (x, tangents, *args),
+            (len(leaves), chunk_size),
+            (*leaves, *tangents, *args),
         )
 
     def second_directional(
@@ -250,16 +302,17 @@ class TorchBackend:
     ) -> object:
         """Results carry autograd history exactly when grad mode is on and an input requires
         grad (eager then, graph kept); otherwise they are detached on every path, whatever f
-        captures, and inference tensors are accepted."""
+        captures. Inference tensors are cloned into normal ones outside inference mode."""
+        _require_torch_function(f)
         eager = partial(eager_kernel, f, *static)
         if _needs_autograd(inputs):
             return eager(*inputs)
-        inputs = tuple(
-            t.clone() if isinstance(t, torch.Tensor) and t.is_inference() else t for t in inputs
-        )
         with torch.inference_mode(False):
+            inputs = tuple(
+                t.clone() if isinstance(t, torch.Tensor) and t.is_inference() else t for t in inputs
+            )
             out = self._dispatch(eager, traced_kernel, f, static, inputs, compilable)
-        return tuple(t.detach() for t in out) if isinstance(out, tuple) else out.detach()
+        return _detached(out)
 
     def _dispatch(
         self,
@@ -273,22 +326,24 @@ class TorchBackend:
         if self.compile is False or not compilable:
             return eager(*inputs)
         try:
-            key = _signature(traced_kernel.__name__, f, static, inputs)
+            key = compile_policy.signature(traced_kernel.__name__, f, static, inputs)
             hash(key)
         except TypeError:  # an unhashable function: nothing to cache it under
             return eager(*inputs)
-        entry = _CACHE.pop(key, None) or _Entry()
-        _CACHE[key] = entry
-        while len(_CACHE) > CACHE_SIZE:
-            _CACHE.popitem(last=False)
-        entry.calls += 1
-        threshold = 1 if self.compile is True else COMPILE_AFTER_CALLS + 1
-        if entry.failed or entry.calls < threshold:
-            return eager(*inputs)
-        if entry.compiled is None:
+        entry = _CACHE.entry(key)
+        waiting = self.compile == "auto" and entry.compiled is None
+        if entry.failed or (waiting and not _CACHE.should_compile(entry)):
+            device = next(t.device for t in inputs if isinstance(t, torch.Tensor))
+            return entry.timed_eager(lambda: eager(*inputs), device)
+        first_call = entry.compiled is None
+        if first_call:
             entry.compiled = _compile_bound(traced_kernel, f, static)
         try:
-            return entry.compiled(*inputs)
+            start = compile_policy.clock()
+            out = entry.compiled(*inputs)
+            if first_call:
+                _CACHE.record_compile(entry, compile_policy.clock() - start)
+            return out
         except torch.cuda.OutOfMemoryError:  # torch.OutOfMemoryError only exists from 2.5
             raise
         except Exception as error:  # compile is an optimisation: fall back, say so once

@@ -1,0 +1,123 @@
+"""Specification of the torch backend's compile policy: ski rental, and keys by what f computes."""
+
+import functools
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import pyhvp
+from pyhvp.backends import compile_policy
+from pyhvp.backends import torch as torch_backend
+from pyhvp.backends.compile_policy import function_key
+
+
+def scaled(w):
+    return lambda x: (w * x).sum()
+
+
+class Model:
+    def loss(self, x):
+        return x.sum()
+
+
+@dataclass(frozen=True)
+class Wrapper:
+    f: object
+    option: int
+
+
+W = torch.ones(3)
+SAME_KEY = {
+    "lambda rebuilt over the same captured tensor": (scaled(W), scaled(W)),
+    "partial rebuilt over the same function and values": (
+        functools.partial(torch.mul, other=2.0),
+        functools.partial(torch.mul, other=2.0),
+    ),
+    "bound method of one object, fetched twice": (Model().loss,) * 2,
+    "dataclass wrapper rebuilt around rebuilt lambdas": (
+        Wrapper(scaled(W), 1),
+        Wrapper(scaled(W), 1),
+    ),
+    "captured numbers equal in type and value": (scaled(2.5), scaled(2.5)),
+}
+model = Model()
+OTHER_KEY = {
+    "lambda over an equal but distinct tensor": (scaled(W), scaled(W.clone())),
+    "captured numbers of different types": (scaled(2), scaled(2.0)),
+    "same code, different function": (scaled(W), lambda x: (W * x).sum()),
+    "bound methods of two objects": (model.loss, Model().loss),
+    "dataclass wrappers with different options": (Wrapper(scaled(W), 1), Wrapper(scaled(W), 2)),
+}
+
+
+@pytest.mark.parametrize(("a", "b"), SAME_KEY.values(), ids=SAME_KEY.keys())
+def test_functions_that_compute_the_same_thing_share_a_key(a, b):
+    assert function_key(a) == function_key(b) and hash(function_key(a)) == hash(function_key(b))
+
+
+@pytest.mark.parametrize(("a", "b"), OTHER_KEY.values(), ids=OTHER_KEY.keys())
+def test_functions_that_may_differ_get_different_keys(a, b):
+    assert function_key(a) != function_key(b)
+
+
+def test_a_closure_that_captures_itself_has_a_key():
+    def recursive(x, depth=0):
+        return x if depth else recursive(x, depth + 1)
+
+    assert function_key(recursive) == function_key(recursive)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    eager=st.floats(1e-4, 1.0),
+    speedup=st.floats(1.0, 100.0),
+    compile_cost=st.floats(1e-3, 30.0),
+    calls=st.integers(1, 400),
+)
+def test_auto_total_time_is_within_twice_the_better_fixed_choice(
+    eager, speedup, compile_cost, calls
+):
+    """Ski rental, with the compile cost known: for any number of calls, "auto" costs at most
+    twice the better of always-eager and always-compiled, plus one eager call."""
+    compiled_call = eager / speedup
+    now = [0.0]
+    cache = compile_policy.CompileCache()
+    cache.measured_compile_seconds.append(compile_cost)
+
+    def eager_kernel(f, x):
+        now[0] += eager
+        return x
+
+    def fake_compile(kernel, f, static):
+        first = [True]
+
+        def run(x):
+            now[0] += compiled_call + (compile_cost if first[0] else 0.0)
+            first[0] = False
+            return x
+
+        return run
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(compile_policy, "clock", lambda: now[0])
+        patch.setattr(torch_backend, "_CACHE", cache)
+        patch.setattr(torch_backend, "_compile_bound", fake_compile)
+        backend = pyhvp.TorchBackend(compile="auto")
+        x = torch.zeros(1)
+        for _ in range(calls):
+            backend._run(eager_kernel, eager_kernel, scaled, (), (x,))
+    best = min(calls * eager, compile_cost + calls * compiled_call)
+    assert now[0] <= 2 * best + eager + 1e-9
+
+
+def test_expected_compile_cost_is_the_median_of_measured_compiles():
+    cache = compile_policy.CompileCache()
+    assert cache.expected_compile_seconds() in (
+        compile_policy.COLD_COMPILE_SECONDS,
+        compile_policy.WARM_COMPILE_SECONDS,
+    )
+    cache.measured_compile_seconds[:] = [1.0, 9.0, 3.0]
+    assert cache.expected_compile_seconds() == 3.0
