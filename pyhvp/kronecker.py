@@ -147,17 +147,30 @@ class KroneckerHVP:
         }
 
     def load_state_dict(self, state: dict[str, object]) -> None:
-        """Restore statistics saved by :meth:`state_dict` (copied; roots are recomputed)."""
+        """Restore statistics saved by :meth:`state_dict` (copied; roots are recomputed).
+
+        Everything is validated first: a refused state raises ValueError/TypeError naming the
+        entry and leaves the current statistics untouched.
+        """
+        if not isinstance(state, dict) or set(state) != {"step", "mean", "factors"}:
+            keys = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(
+                f"state must be a dict with keys ['factors', 'mean', 'step'], got {keys}"
+            )
         step = state["step"]
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"state['step'] must be an int >= 0, got {step!r}")
-        self.reset()
         if step == 0:
+            self.reset()
             return
         mean = require_floating("state['mean']", state["mean"])
-        if mean.ndim < 2:
+        if mean.ndim < 2 or 0 in mean.shape:
             raise ValueError(
                 f"state['mean'] must have shape (n, *modes), got {fmt_shape(mean.shape)}"
+            )
+        if not isinstance(state["factors"], (list, tuple)):
+            raise TypeError(
+                f"state['factors'] must be a list of tensors, got {type(state['factors']).__name__}"
             )
         factors = [
             require_tensor(f"state['factors'][{i}]", f) for i, f in enumerate(state["factors"])
@@ -169,8 +182,13 @@ class KroneckerHVP:
                 f"(one (n, m_i, m_i) per mode of state['mean']), "
                 f"got {[fmt_shape(f.shape) for f in factors]}"
             )
-        for i, f in enumerate(factors):
-            require_like(f"state['factors'][{i}]", f, "state['mean']", mean)
+        for name, tensor in [("state['mean']", mean)] + [
+            (f"state['factors'][{i}]", f) for i, f in enumerate(factors)
+        ]:
+            require_like(name, tensor, "state['mean']", mean)
+            if not bool(tensor.isfinite().all()):
+                raise ValueError(f"{name} must be finite, got NaN or infinite entries")
+        self.reset()
         self._step, self._mean = step, mean.clone()
         self._factors = [f.clone() for f in factors]
 

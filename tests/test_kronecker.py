@@ -287,6 +287,46 @@ def state_with(device, **changes):
     return {**fitted(device).state_dict(), **changes}
 
 
+def with_factor(device, i, value):
+    factors = state_with(device)["factors"]
+    factors[i] = factors[i].clone().fill_(value)
+    return state_with(device, factors=factors)
+
+
+BAD_STATES = {
+    # name: (state built on a device, exception type, what the message must name)
+    "factor-not-finite": (lambda d: with_factor(d, 1, math.nan), ValueError, r"factors'\]\[1\]"),
+    "factor-infinite": (lambda d: with_factor(d, 0, math.inf), ValueError, r"factors'\]\[0\]"),
+    "mean-not-finite": (
+        lambda d: state_with(d, mean=torch.full((2, 3, 4), math.nan, device=d)),
+        ValueError,
+        "mean",
+    ),
+    "missing-key": (
+        lambda d: {k: v for k, v in state_with(d).items() if k != "factors"},
+        ValueError,
+        "factors",
+    ),
+    "factors-not-a-list": (lambda d: state_with(d, factors=None), TypeError, "factors"),
+    "mean-wrong-shape": (
+        lambda d: state_with(d, mean=torch.ones(2, 4, 3, device=d)),
+        ValueError,
+        "factors",
+    ),
+}
+
+
+@pytest.mark.parametrize("bad", [b for b, *_ in BAD_STATES.values()], ids=BAD_STATES.keys())
+def test_a_refused_state_leaves_the_statistics_untouched(bad, device):
+    kron = fitted(device)
+    before = kron.state_dict()
+    with pytest.raises((ValueError, TypeError)):
+        kron.load_state_dict(bad(device))
+    after = kron.state_dict()
+    assert after["step"] == before["step"] and torch.equal(after["mean"], before["mean"])
+    assert all(map(torch.equal, after["factors"], before["factors"]))
+
+
 ERROR_CASES = {
     # name: (action taking the device, exception type, what the message must name)
     "beta-zero": (lambda d: KroneckerHVP(beta=0.0), ValueError, "beta"),
@@ -369,6 +409,10 @@ ERROR_CASES = {
         ValueError,
         "factors",
     ),
+    **{
+        f"state-{name}": (lambda d, bad=bad: KroneckerHVP().load_state_dict(bad(d)), *raised)
+        for name, (bad, *raised) in BAD_STATES.items()
+    },
 }
 
 
