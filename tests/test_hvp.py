@@ -242,6 +242,16 @@ ERRORS = {
         ["v", "torch.float32", "torch.float64"],
     ),
     "v not floating": (lambda: pyhvp.hvp(gaussian, X, X.long(), MU), TypeError, ["v", "floating"]),
+    "zero tangents": (
+        lambda: pyhvp.hvp(gaussian, X, X[None][:0], MU),
+        ValueError,
+        ["v", "k >= 1", "(0, 4, 3)"],
+    ),
+    "Julia source on the torch backend": (
+        lambda: pyhvp.hvp(pyhvp.julia_function("(x, mu) -> sum(x)"), X, X, MU),
+        TypeError,
+        ["f", "JuliaFunction", "backend='julia'"],
+    ),
     "arg dtype": (
         lambda: pyhvp.hvp(gaussian, X, X, MU.double()),
         ValueError,

@@ -151,7 +151,9 @@ def _grad_and_block_hvps_eager(
                 allow_unused=True,
                 materialize_grads=True,
             )
-            products.setdefault(id(y), []).append(hv.reshape(part.shape))
+            # expand: a single tangent's product, or a leaf's unbatched zeros when f's gradient
+            # in it does not depend on it
+            products.setdefault(id(y), []).append(hv.expand_as(part))
     hvs = tuple(
         torch.cat(products[id(y)]) if id(y) in products else torch.zeros_like(t)
         for y, t in zip(ys, tangents, strict=True)
