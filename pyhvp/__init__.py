@@ -8,19 +8,21 @@ from pyhvp.backends.julia import JuliaBackendError, JuliaFunction, julia_functio
 from pyhvp.backends.torch import TorchBackend
 from pyhvp.diagonal import hessian_diagonal
 from pyhvp.hvp import grad_and_hvp, hvp
-from pyhvp.instances import PerInstance, per_instance
+from pyhvp.instances import InstanceCouplingError, PerInstance, check_instances, per_instance
 from pyhvp.kronecker import KroneckerHVP
 from pyhvp.submatrix import module_loss, sub_hessian
 
 __all__ = [
     "Backend",
     "BackendUnavailableError",
+    "InstanceCouplingError",
     "JuliaBackendError",
     "JuliaFunction",
     "KroneckerHVP",
     "PerInstance",
     "TorchBackend",
     "available_backends",
+    "check_instances",
     "grad_and_hvp",
     "hessian_diagonal",
     "hvp",

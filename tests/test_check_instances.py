@@ -1,0 +1,76 @@
+"""Specification of check_instances: it passes independent instances and names coupled ones."""
+
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import pyhvp
+
+
+def gaussian(x, mu):
+    return torch.exp(-((x - mu) ** 2).sum(-1))
+
+
+def batch_norm(train):
+    torch.manual_seed(0)
+    norm = nn.BatchNorm1d(3).double().train(train)
+    return lambda x: (norm(x) ** 2).sum(-1)
+
+
+def one_pair(x):
+    """Only instance 5 reads another instance's variables (instance 1)."""
+    leak = torch.zeros(x.shape[0], dtype=x.dtype).index_add(0, torch.tensor([5]), x[1:2, 0])
+    return (x**2).sum(-1) + leak
+
+
+X = torch.randn(8, 3, dtype=torch.float64)
+MU = torch.randn(3, dtype=torch.float64)
+INDEPENDENT = {
+    "seed-000 layout, shared mu": (gaussian, torch.randn(2, 3, 4, 3), (torch.randn(2, 1, 1, 3),)),
+    "per_instance function": (pyhvp.per_instance(lambda x: x.sum() ** 2), X, ()),
+    "vector-valued": (lambda x: torch.sigmoid(x @ torch.ones(3, 5, dtype=x.dtype)), X, ()),
+    "batch norm in eval mode": (batch_norm(train=False), X, ()),
+    "event_dims=2": (lambda x: (x @ x.mT).sum((-2, -1)), torch.randn(4, 2, 3), ()),
+    "constant": (lambda x: torch.ones(x.shape[:-1]), X, ()),
+    "one instance": (lambda x: x.sum(-1) * x.sum(), X[:1], ()),
+}
+COUPLED = {
+    "mean-centring": (lambda x: ((x - x.mean(0)) ** 2).sum(-1), X, None),
+    "batch norm in training mode": (batch_norm(train=True), X, None),
+    "sum over instances, expanded": (lambda x: (x**3).sum().expand(x.shape[0]), X, None),
+    "cumulative sum along a middle batch dim": (
+        lambda x: x.cumsum(1).sum(-1),
+        torch.randn(2, 3, 4, 3),
+        None,
+    ),
+    "one pair: 1 -> 5": (one_pair, X, ((5,), (1,))),
+}
+
+
+@pytest.mark.parametrize(("f", "x", "args"), INDEPENDENT.values(), ids=INDEPENDENT.keys())
+def test_independent_instances_pass(f, x, args):
+    event_dims = 2 if x.ndim == 3 and x.shape[-2:] == (2, 3) else 1
+    assert pyhvp.check_instances(f, x, *args, event_dims=event_dims) is None
+
+
+@pytest.mark.parametrize(("f", "x", "pair"), COUPLED.values(), ids=COUPLED.keys())
+def test_coupled_instances_are_named(f, x, pair):
+    with pytest.raises(pyhvp.InstanceCouplingError, match="f couples instances") as info:
+        pyhvp.check_instances(f, x)
+    if pair is not None:
+        receiver, source = pair
+        assert f"instance {receiver} depends on x at instance {source}" in str(info.value)
+
+
+def test_a_coupling_is_caught_in_float32_at_a_large_batch():
+    """The mean's share of one instance is 1/B, but the probe moves half the batch at once."""
+    x = torch.randn(100_000, 2)
+    with pytest.raises(pyhvp.InstanceCouplingError):
+        pyhvp.check_instances(lambda x: ((x - x.mean(0)) ** 2).sum(-1), x)
+
+
+def test_an_f_that_drops_the_batch_is_refused():
+    with pytest.raises(ValueError, match=re.escape("batch_shape = (8,)")):
+        pyhvp.check_instances(lambda x: x.sum(), X)
