@@ -24,6 +24,16 @@ function (s::SumOverInstances)(X::AbstractArray)
 end
 
 """
+    tangents(x, v)
+
+Enzyme's annotation of `x` with the tangents `v` (a tuple): `Duplicated` for one tangent,
+`BatchDuplicated` for more. Enzyme's own sugar (`gradient(Forward, ...; chunk = Val(1))`)
+also uses `Duplicated` rather than a width-1 batch.
+"""
+tangents(x, v::NTuple{1}) = Duplicated(x, v[1])
+tangents(x, v::Tuple) = BatchDuplicated(x, v)
+
+"""
     grad_and_hvp!(G, HV, f, X, V, args, xdims, argdims)
 
 Write every instance's gradient into `G` and its Hessian times `V[j]` into `HV[j]` for the

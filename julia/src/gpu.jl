@@ -1,41 +1,42 @@
-# CuArrays: one thread per instance, each differentiating its own small function in registers.
-# (Enzyme over whole-array CuArray broadcasts is known to abort; code inside a kernel is the
-# supported path.)
+# CuArrays: one GPU thread per instance, each differentiating its own small function in
+# registers with nested ForwardDiff duals (`instance_grad_and_hvp`). Device code holds no
+# Enzyme call: Enzyme's nested deferred AD cannot compile inside a kernel (GPUCompiler.jl#629,
+# Enzyme.jl#2189). Every construct used here is listed in julia/README.md with the upstream
+# GPU test that runs it.
 
-"""Gradient of `f(x, args...)` with respect to the register value `x`: reverse mode."""
-@inline function instance_gradient(x, f, args::Tuple)
-    return autodiff_deferred(Reverse, Const(f), Active, Active(x), map(Const, args)...)[1][1]
-end
-
-# ForwardWithPrimal returns (derivative, primal); with one tangent (`Duplicated`) the
-# derivative is the tangent itself, with K (`BatchDuplicated`) an indexable K-tuple.
-@inline tangent_batch(dg, ::Val{1}) = (dg,)
-@inline tangent_batch(dg, ::Val) = dg
-
-function grad_and_hvp_kernel!(G, HV::NTuple{K}, f, X, V::NTuple{K}, args, xdims, argdims) where {K}
+function grad_and_hvp_kernel!(
+    G,
+    HV::NTuple{K},
+    f,
+    X,
+    V::NTuple{K},
+    args,
+    instances,
+    xdims,
+    argdims,
+) where {K}
     b = (blockIdx().x - 1) * blockDim().x + threadIdx().x
-    instances = CartesianIndices(Base.tail(size(X)))
     b > length(instances) && return nothing
     I = instances[b]
-    x = instance_load(X, I, xdims)
-    v = map(t -> instance_load(t, I, xdims), V)
     a = map((arg, d) -> instance_load(arg, I, d), args, argdims)
-    dg, g = autodiff_deferred(
-        ForwardWithPrimal,
-        Const(instance_gradient),
-        Duplicated,
-        tangents(x, v),
-        Const(f),
-        Const(a),
+    g, hv = instance_grad_and_hvp(
+        z -> f(static_shape(z, xdims), a...),
+        instance_values(X, I, xdims),
+        map(t -> instance_values(t, I, xdims), V),
     )
     instance_store!(G, I, g)
-    hv = tangent_batch(dg, Val(K))
     for j in 1:K
         instance_store!(HV[j], I, hv[j])
     end
     return nothing
 end
 
+"""
+    grad_and_hvp!(G, HV, f, X, V, args, xdims, argdims)
+
+The `CuArray` method: one thread per instance (see `grad_and_hvp!` on `Array`s for the
+arguments), launched with the occupancy API's block size; returns after the kernel finished.
+"""
 function grad_and_hvp!(
     G::CuArray{T,N},
     HV::NTuple{K,CuArray{T,N}},
@@ -46,13 +47,16 @@ function grad_and_hvp!(
     xdims::Val,
     argdims::Tuple,
 ) where {T,N,K}
-    n = n_instances(X)
-    n == 0 && return nothing
-    kernel = @cuda launch = false grad_and_hvp_kernel!(G, HV, f, X, V, args, xdims, argdims)
+    # Built on the host and indexed by the thread, as CUDA.jl's own mapreduce kernels do.
+    instances = CartesianIndices(Base.tail(size(X)))
+    isempty(instances) && return nothing
+    kernel = @cuda launch = false grad_and_hvp_kernel!(
+        G, HV, f, X, V, args, instances, xdims, argdims
+    )
     config = launch_configuration(kernel.fun)
-    threads = min(n, config.threads)
-    blocks = cld(n, threads)
-    kernel(G, HV, f, X, V, args, xdims, argdims; threads, blocks)
+    threads = min(length(instances), config.threads)
+    blocks = cld(length(instances), threads)
+    kernel(G, HV, f, X, V, args, instances, xdims, argdims; threads, blocks)
     synchronize()
     return nothing
 end

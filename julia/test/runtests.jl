@@ -1,8 +1,8 @@
-# Tests of the kernels on Julia arrays against the closed form of the seed-000 function
+# Tests on Julia arrays against the closed form of the seed-000 function
 # f(x, mu) = exp(-|x - mu|^2): gradient -2 d f, Hessian f (4 d d' - 2 I) with d = x - mu.
 # Run with `julia --project=julia -e 'import Pkg; Pkg.test()'`; CuArray cases run where CUDA works.
 using Test: @test, @testset
-using PyHVP: grad_and_hvp!
+using PyHVP: grad_and_hvp!, instance_grad_and_hvp
 import CUDA
 
 gaussian(x, mu) = exp(-sum(abs2, x .- mu))
@@ -21,6 +21,29 @@ function closed_form(X, V, Mu)
     return G, HV
 end
 
+FLOATS = (Float32, Float64)
+tolerance(T) = T == Float32 ? 1e-4 : 1e-10
+
+@testset "instance_grad_and_hvp (one GPU thread's work) on the CPU, $T, k=$k" for T in FLOATS,
+    k in (1, 3)
+
+    x, mu = Tuple(randn(T, 3) ./ 2), randn(T, 3) ./ 2
+    v = ntuple(_ -> Tuple(randn(T, 3)), k)
+    g, hv = instance_grad_and_hvp(z -> gaussian(collect(z), mu), x, v)
+    G, HV = closed_form(
+        Float64.(reshape(collect(x), 3, 1)),
+        map(vj -> Float64.(reshape(collect(vj), 3, 1)), v),
+        Float64.(reshape(mu, 3, 1)),
+    )
+    @test isapprox(collect(g), vec(G); rtol = tolerance(T), atol = tolerance(T))
+    @test all(isapprox.(map(collect, hv), map(vec, HV); rtol = tolerance(T), atol = tolerance(T)))
+end
+
+@testset "instance_grad_and_hvp of a function that ignores its argument is zero" begin
+    g, hv = instance_grad_and_hvp(_ -> 1.0, (0.5, 2.0), ((1.0, 0.0),))
+    @test g == (0.0, 0.0) && hv == ((0.0, 0.0),)
+end
+
 function run_kernel(to_device, X, V, Mu, dims)
     G, HV = to_device(zero(X)), map(v -> to_device(zero(v)), V)
     args = (to_device(Mu),)
@@ -32,7 +55,7 @@ devices = [("cpu", identity)]
 CUDA.functional() && push!(devices, ("cuda", CUDA.CuArray))
 
 @testset "grad_and_hvp! on $name, $T, k=$k, $dims" for (name, to_device) in devices,
-    T in (Float32, Float64),
+    T in FLOATS,
     k in (1, 3),
     dims in (Val((3,)), Val(()))
 
@@ -44,7 +67,6 @@ CUDA.functional() && push!(devices, ("cuda", CUDA.CuArray))
     V = ntuple(_ -> randn(T, size(X)), k)
     G, HV = run_kernel(to_device, X, V, Mu, dims)
     G_ref, HV_ref = closed_form(Float64.(X), map(v -> Float64.(v), V), Float64.(Mu))
-    tol = T == Float32 ? 1e-4 : 1e-10
-    @test isapprox(G, G_ref; rtol = tol, atol = tol)
-    @test all(isapprox.(HV, HV_ref; rtol = tol, atol = tol))
+    @test isapprox(G, G_ref; rtol = tolerance(T), atol = tolerance(T))
+    @test all(isapprox.(HV, HV_ref; rtol = tolerance(T), atol = tolerance(T)))
 end
