@@ -1,10 +1,12 @@
 """The julia backend: clear errors where Julia cannot start, the DLPack glue's Python side, and
 cross-checks against the torch backend (these skip with the reason where Julia cannot start)."""
 
+import importlib.util
 import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,12 +14,15 @@ from dense import instance_hvp
 
 import pyhvp
 from pyhvp.backends.julia import (
+    JULIACALL_DEFAULTS,
+    call_julia,
     check_julia_tensor,
     check_no_autograd,
     julia_args,
     julia_available,
-    julia_event_shape,
     julia_layout,
+    julia_shape,
+    lend,
     probe_julia,
 )
 
@@ -82,7 +87,7 @@ def test_python_function_with_julia_backend_names_f():
 
 BAD_TENSORS = [
     ("float16", torch.ones(2, 3, dtype=torch.float16), "float32 or float64"),
-    ("meta-device", torch.ones(2, 3, device="meta"), "on cpu or cuda:0"),
+    ("meta-device", torch.ones(2, 3, device="meta"), "on cpu or cuda"),
 ]
 
 
@@ -134,8 +139,42 @@ def test_julia_layout_detaches():
     assert not julia_layout(x, x.shape[:1], 1).requires_grad
 
 
-def test_julia_event_shape_reverses_dims():
-    assert julia_event_shape(torch.Size([2, 3, 4])) == (4, 3, 2)
+def test_julia_shape_reverses_dims():
+    assert julia_shape(torch.Size([2, 3, 4])) == (4, 3, 2)
+
+
+LENT_SHAPES = [(4, 3), (1, 3), (2, 1, 1, 3), (3,)]  # (1, ..., 1, d): torch 2.4-2.8's stride 1
+
+
+@pytest.mark.parametrize("shape", LENT_SHAPES, ids=str)
+def test_lend_gives_a_capsule_of_the_same_memory_and_the_reversed_shape(device, shape):
+    tensor = torch.randn(shape, device=device)
+    capsule, julia_dims = lend(tensor)
+    back = torch.utils.dlpack.from_dlpack(capsule)
+    assert (back.data_ptr(), back.shape, julia_dims) == (
+        tensor.data_ptr(),
+        tensor.shape,
+        shape[::-1],
+    )
+
+
+SHAPE_CASES = [  # name: (x shape, mu shape, Julia shape of x, Julia shape of mu)
+    ("shared-mu-of-shape-d", (4, 3), (3,), (3, 4), (3, 1)),
+    ("one-instance", (1, 3), (3,), (3, 1), (3, 1)),
+    ("seed000", (2, 3, 4, 3), (2, 1, 1, 3), (3, 4, 3, 2), (3, 1, 1, 2)),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "x_shape", "mu_shape", "x_julia", "mu_julia"),
+    SHAPE_CASES,
+    ids=[c[0] for c in SHAPE_CASES],
+)
+def test_julia_is_told_the_shape_of_every_tensor(case, x_shape, mu_shape, x_julia, mu_julia):
+    x, mu = torch.randn(x_shape), torch.randn(mu_shape)
+    batch = x.shape[:-1]
+    (mu_laid_out,), _ = julia_args([mu], None, 1, batch)
+    assert (lend(julia_layout(x, batch, 1))[1], lend(mu_laid_out)[1]) == (x_julia, mu_julia)
 
 
 def test_julia_args_pad_shared_dims_and_reverse_own_shape(device):
@@ -144,25 +183,77 @@ def test_julia_args_pad_shared_dims_and_reverse_own_shape(device):
     assert (values[0].shape, shapes, values[1]) == ((2, 1, 1, 3), ((3,), ()), 2.0)
 
 
+# ------------------------------------------------------------------ calling Julia
+
+RAISED_IN_JULIA = [  # what PythonCall may raise out of a Julia call (see call_julia)
+    TypeError("MethodError: no method matching f(::Int64)"),
+    BufferError("Can't export tensors on a different CUDA device index"),
+    RuntimeError("a JuliaError stands in here: it needs a running Julia"),
+]
+
+
+@pytest.mark.parametrize("error", RAISED_IN_JULIA, ids=lambda e: type(e).__name__)
+def test_every_exception_from_a_julia_call_becomes_a_julia_backend_error(error):
+    def fails():
+        raise error
+
+    with pytest.raises(pyhvp.JuliaBackendError, match="grad_and_hvp failed") as info:
+        call_julia("grad_and_hvp", fails)
+    assert info.value.__cause__ is error and type(error).__name__ in str(info.value)
+
+
+def test_an_interrupt_during_a_julia_call_is_not_wrapped():
+    def interrupted():
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        call_julia("grad_and_hvp", interrupted)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("juliacall") is None, reason="juliacall missing")
+def test_every_juliacall_option_pyhvp_sets_is_one_juliacall_reads():
+    source = Path(importlib.util.find_spec("juliacall").origin).read_text()
+    read = {
+        "PYTHON_JULIACALL_" + name.upper()
+        for name in re.findall(r"(?:option|choice)\('(\w+)'", source)
+    }
+    assert set(JULIACALL_DEFAULTS) <= read
+
+
 # ------------------------------------------------------------------ cross-checks vs torch
 
 CASES = [  # name: (x shape, mu shape, k tangents or None for v of x's shape)
     ("seed000-single-tangent", (2, 3, 4, 3), (2, 1, 1, 3), None),
     ("seed000-k3", (2, 3, 4, 3), (2, 1, 1, 3), 3),
     ("seed000-k11-chunked", (2, 3, 2, 3), (2, 1, 1, 3), 11),
+    ("shared-mu-of-shape-d", (4, 3), (3,), 2),
+    ("one-instance-x-of-shape-1-d", (1, 3), (3,), None),
 ]
+
+
+def julia_and_dense_hvp(x_shape, mu_shape, k, dtype=torch.float64, device="cpu"):
+    x = torch.randn(x_shape, dtype=dtype, device=device) / 2
+    mu = torch.randn(mu_shape, dtype=dtype, device=device) / 2
+    v = torch.randn(((k,) if k else ()) + x_shape, dtype=dtype, device=device)
+    _, hv = pyhvp.grad_and_hvp(gaussian_jl, x, v, mu, backend="julia")
+    return hv.double(), instance_hvp(gaussian, x, v, mu)
 
 
 @needs_julia
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize(("case", "x_shape", "mu_shape", "k"), CASES, ids=[c[0] for c in CASES])
 def test_julia_matches_dense_reference(device, dtype, case, x_shape, mu_shape, k):
-    x = torch.randn(x_shape, dtype=dtype, device=device) / 2
-    mu = torch.randn(mu_shape, dtype=dtype, device=device) / 2
-    v = torch.randn(((k,) if k else ()) + x_shape, dtype=dtype, device=device)
-    _, hv = pyhvp.grad_and_hvp(gaussian_jl, x, v, mu, backend="julia")
+    hv, expected = julia_and_dense_hvp(x_shape, mu_shape, k, dtype, device)
     tol = 1e-4 if dtype == torch.float32 else 1e-10
-    torch.testing.assert_close(hv.double(), instance_hvp(gaussian, x, v, mu), rtol=tol, atol=tol)
+    torch.testing.assert_close(hv, expected, rtol=tol, atol=tol)
+
+
+@needs_julia
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_julia_runs_on_a_cuda_device_that_is_not_current():
+    with torch.cuda.device(0):
+        hv, expected = julia_and_dense_hvp((2, 3, 4, 3), (2, 1, 1, 3), 3, device="cuda:1")
+    torch.testing.assert_close(hv, expected, rtol=1e-10, atol=1e-10)
 
 
 @needs_julia
@@ -173,6 +264,25 @@ def test_julia_gradient_matches_torch_backend(device, dtype):
     g_jl, _ = pyhvp.grad_and_hvp(gaussian_jl, x, x, mu, backend="julia")
     g_torch, _ = pyhvp.grad_and_hvp(pyhvp.per_instance(gaussian), x, x, mu, backend="torch")
     torch.testing.assert_close(g_jl, g_torch)
+
+
+def storage_references(tensor):
+    """How many tensors share ``tensor``'s memory (torch's count; each lent view is one)."""
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+
+
+@needs_julia
+def test_julia_hands_back_every_tensor_it_borrowed(device):
+    x = torch.randn(2, 3, 4, 3, dtype=torch.float64, device=device)
+    v = torch.randn(3, *x.shape, dtype=x.dtype, device=device)
+    mu = torch.randn(2, 1, 1, 3, dtype=x.dtype, device=device)
+    pyhvp.grad_and_hvp(gaussian_jl, x, v, mu, backend="julia")  # compiles; allocates once
+    references = [storage_references(t) for t in (x, v, mu)]
+    allocated = torch.cuda.memory_allocated(device) if x.is_cuda else 0
+    for _ in range(200):
+        pyhvp.grad_and_hvp(gaussian_jl, x, v, mu, backend="julia")
+    assert [storage_references(t) for t in (x, v, mu)] == references
+    assert (torch.cuda.memory_allocated(device) if x.is_cuda else 0) == allocated
 
 
 @needs_julia

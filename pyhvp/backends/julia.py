@@ -1,30 +1,33 @@
-"""The julia backend: Enzyme.jl + CUDA.jl through juliacall. The only module that talks to Julia.
+"""The julia backend: Enzyme.jl, ForwardDiff.jl and CUDA.jl through juliacall. The only module
+that talks to Julia (julia/README.md has the design and what each Julia path relies on).
 
 * **Start-up.** Julia starts lazily, on the first julia-backend call, with the juliacall
   environment variables set first (``PYTHON_JULIACALL_HANDLE_SIGNALS=yes``, threads ``auto``,
-  optlevel 3, unless already set). PythonCall's FAQ asks for ``juliacall`` to be imported before
-  ``torch``; pyhvp imports torch, so put ``import juliacall`` first in your program -- pyhvp warns
-  otherwise. Julia starts offline (``PYTHON_JULIAPKG_OFFLINE=yes``) unless
-  ``PYHVP_JULIA_AUTOINSTALL=yes``, so a call never downloads by surprise.
+  unless already set), and ``include``s the bundled package ``pyhvp/julia/src/PyHVP.jl``.
+  PythonCall's FAQ asks for ``juliacall`` to be imported before ``torch``, and juliacall warns
+  when it is not; pyhvp imports torch, so put ``import juliacall`` first in your program.
+  Julia starts offline (``PYTHON_JULIAPKG_OFFLINE=yes``) unless ``PYHVP_JULIA_AUTOINSTALL=yes``,
+  so a call never downloads by surprise.
 * **Availability.** :func:`julia_available` runs one offline probe in a subprocess (with a
   timeout) that starts Julia and loads the bundled package; its answer is cached per process.
 * **Tensors.** Inputs are detached and made C-contiguous as ``(*batch, n)`` (``n`` = one
-  instance's variables, flattened); outputs are allocated here and written in place by Julia
-  through DLPack views -- no copy either way for contiguous inputs. DLPack reverses dims: Julia sees ``(n, batch...)``
-  and the user function sees one instance's ``x`` with the event shape *reversed* (a vector for
-  ``event_dims=1``). :func:`julia_layout` and :func:`julia_event_shape` are the one place
-  where that happens.
+  instance's variables, flattened); outputs are allocated here and written in place by Julia.
+  Each tensor is lent as a DLPack capsule together with the shape Julia must see, ``(n,
+  batch...)`` (:func:`lend`), and Julia hands every one back before the call returns -- no
+  copy either way for contiguous inputs, nothing held afterwards. The user function sees one
+  instance's ``x`` with the event shape *reversed* (a vector for ``event_dims=1``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import os
 import subprocess
 import sys
-import warnings
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,7 +36,8 @@ from pyhvp._checks import pad_arg_to_batch, per_arg_event_dims
 from pyhvp.backends import BackendUnavailableError
 
 MAX_TANGENTS_PER_CALL = 8
-"""Enzyme's batch width is a compile-time constant; wider batches are sent in chunks."""
+"""Tangents per Julia call: a compile-time width (Enzyme's ``BatchDuplicated`` on the CPU, the
+tangent duals' partials on CUDA); more are sent in chunks."""
 
 PROBE_TIMEOUT_S = 180.0
 """The availability probe gives up (answers False) after this long: it never hangs."""
@@ -41,12 +45,14 @@ PROBE_TIMEOUT_S = 180.0
 JULIACALL_DEFAULTS = {
     "PYTHON_JULIACALL_HANDLE_SIGNALS": "yes",
     "PYTHON_JULIACALL_THREADS": "auto",
-    "PYTHON_JULIACALL_OPTLEVEL": "3",
 }
+
+BUNDLED_PACKAGE = Path(__file__).resolve().parents[1] / "julia" / "src" / "PyHVP.jl"
+"""The bundled Julia package, loaded with ``include`` (no juliapkg ``path`` entry to clash)."""
 
 INSTALL_HELP = (
     "The julia backend needs juliacall, a Julia (1.10.3 or newer) and the Julia packages in "
-    "pyhvp/juliapkg.json (Enzyme, CUDA, DLPack, StaticArrays, the bundled PyHVP). Install with "
+    "pyhvp/juliapkg.json (Enzyme, CUDA, DLPack, ForwardDiff, StaticArrays). Install with "
     "internet: `pip install 'pyhvp[julia]'`, then once `python -c \"import juliapkg; "
     'juliapkg.resolve()"` (downloads Julia and the packages, then precompiles), or set '
     "PYHVP_JULIA_AUTOINSTALL=yes to let juliacall install them on first use. To use a Julia "
@@ -54,7 +60,7 @@ INSTALL_HELP = (
 )
 
 _PROBE = (
-    "import juliacall; juliacall.Main.seval('import PyHVP'); "
+    "import sys, juliacall; juliacall.Main.include(sys.argv[1]); "
     "print(juliacall.Main.seval('string(VERSION)'))"
 )
 
@@ -88,7 +94,8 @@ def julia_function(source: str, arg_event_dims: int | Sequence[int] | None = Non
 
     ``f(x, args...)`` gets one instance's ``x`` (a vector for ``event_dims=1``; for more event
     dims, an array with the event shape reversed) and one instance's args, and returns a scalar.
-    Write it for any ``AbstractArray``: it runs on views (CPU) and on ``SArray``s (CUDA).
+    Write it generically, for any ``AbstractArray`` of any ``Real``: on the CPU ``x`` is a view
+    that Enzyme differentiates; on CUDA it is an ``SArray`` of ForwardDiff dual numbers.
 
     >>> jf = julia_function("(x, mu) -> exp(-sum(abs2, x .- mu))")
     >>> jf.source
@@ -117,7 +124,7 @@ def probe_julia(timeout_s: float = PROBE_TIMEOUT_S) -> tuple[bool, str]:
     env = {**os.environ, **JULIACALL_DEFAULTS, "PYTHON_JULIAPKG_OFFLINE": "yes"}
     try:
         done = subprocess.run(
-            [sys.executable, "-c", _PROBE],
+            [sys.executable, "-c", _PROBE, str(BUNDLED_PACKAGE)],
             env=env,
             capture_output=True,
             text=True,
@@ -146,14 +153,6 @@ def _start_julia() -> Any:
     if _STATE["main"] is not None:
         return _STATE["main"]
     if "juliacall" not in sys.modules:
-        if "torch" in sys.modules:
-            warnings.warn(
-                "pyhvp: torch was imported before juliacall; PythonCall's FAQ reports heap "
-                "corruption in that order on some systems. Remedy: put `import juliacall` "
-                "before `import torch` / `import pyhvp` in your program.",
-                RuntimeWarning,
-                stacklevel=4,
-            )
         for key, value in JULIACALL_DEFAULTS.items():
             os.environ.setdefault(key, value)
     offline_was = os.environ.get("PYTHON_JULIAPKG_OFFLINE")
@@ -163,7 +162,7 @@ def _start_julia() -> Any:
         import juliacall
 
         main = juliacall.Main
-        _call_julia("loading the bundled PyHVP package", main.seval, "import PyHVP")
+        call_julia("loading the bundled PyHVP package", main.include, str(BUNDLED_PACKAGE))
     finally:
         if offline_was is None:
             os.environ.pop("PYTHON_JULIAPKG_OFFLINE", None)
@@ -171,20 +170,25 @@ def _start_julia() -> Any:
     return main
 
 
-def _call_julia(what: str, fn: Callable[..., Any], *args: Any) -> Any:
-    """Call into Julia; a ``juliacall.JuliaError`` becomes a :class:`JuliaBackendError`."""
-    import juliacall
+def call_julia(what: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """Call into Julia; any exception becomes a :class:`JuliaBackendError` that says what failed.
 
+    Not only ``juliacall.JuliaError``: PythonCall re-raises a Python exception thrown inside a
+    Julia call as its own type, and reports a ``MethodError`` of the called function itself as
+    a ``TypeError``. An interrupt (not an ``Exception``) passes through unchanged.
+    """
     try:
         return fn(*args)
-    except juliacall.JuliaError as error:
-        raise JuliaBackendError(f"julia backend: {what} failed in Julia:\n{error}") from error
+    except Exception as error:
+        raise JuliaBackendError(
+            f"julia backend: {what} failed in Julia:\n{type(error).__name__}: {error}"
+        ) from error
 
 
 def _compiled(main: Any, jf: JuliaFunction) -> Any:
     functions = _STATE["functions"]
     if jf.source not in functions:
-        functions[jf.source] = _call_julia(
+        functions[jf.source] = call_julia(
             f"evaluating the function source {jf.source!r}", main.seval, jf.source
         )
     return functions[jf.source]
@@ -193,36 +197,42 @@ def _compiled(main: Any, jf: JuliaFunction) -> Any:
 # ----------------------------------------------------------------------------- DLPack glue
 
 
-def julia_event_shape(shape: Sequence[int]) -> tuple[int, ...]:
-    """The shape Julia sees for a C-contiguous torch shape: DLPack reverses the dims."""
+def julia_shape(shape: Sequence[int]) -> tuple[int, ...]:
+    """The shape Julia gives a C-contiguous torch tensor of ``shape``: the dims reversed
+    (column-major over the same memory)."""
     return tuple(int(d) for d in reversed(shape))
 
 
 def julia_layout(tensor: torch.Tensor, lead: Sequence[int], own_dims: int) -> torch.Tensor:
     """``tensor`` (``*lead, *own``) detached, flattened to ``(*lead, prod(own))``, C-contiguous.
 
-    The result is what DLPack hands to Julia without a copy (Julia sees it as
+    The result is what DLPack lends to Julia without a copy (Julia sees it as
     ``(prod(own), reverse(lead)...)``); it is a copy only if ``tensor`` was not contiguous.
     """
     own = tensor.shape[tensor.ndim - own_dims :]
-    flat = tensor.detach().reshape(*lead, math.prod(own)).contiguous()
-    # DLPack.jl reverses the dims only when the strides are not column-major too; a size-1 dim
-    # of a contiguous tensor may carry any stride (a (3, 1) transpose has strides (1, 3), which
-    # reads as column-major), so restride to the row-major strides: same memory, no copy.
-    strides = tuple(math.prod(flat.shape[i + 1 :]) for i in range(flat.ndim))
-    return flat if flat.stride() == strides else flat.as_strided(flat.shape, strides)
+    return tensor.detach().reshape(*lead, math.prod(own)).contiguous()
+
+
+def lend(tensor: torch.Tensor) -> tuple[Any, tuple[int, ...]]:
+    """A C-contiguous ``tensor`` as Julia borrows it: ``(DLPack capsule, Julia shape)``.
+
+    Julia is told the shape (:func:`julia_shape`) rather than left to DLPack.jl, which guesses
+    the layout from the strides: torch 2.4-2.8 export every size-1 dim with stride 1, so a
+    ``(1, 3)`` tensor reads as column-major and would arrive unreversed. The capsule is
+    consumed by Julia, which hands the tensor back before the call returns.
+    """
+    return tensor.__dlpack__(), julia_shape(tensor.shape)
 
 
 def check_julia_tensor(name: str, tensor: torch.Tensor) -> None:
-    """The dtypes and devices the julia backend handles: float32/64 on cpu or cuda:0."""
+    """The dtypes and devices the julia backend handles: float32/64 on the CPU or a CUDA GPU."""
     if tensor.dtype not in (torch.float32, torch.float64):
         raise ValueError(
             f"{name} must be float32 or float64 for backend='julia', got {tensor.dtype}"
         )
-    if tensor.device.type not in ("cpu", "cuda") or tensor.device.index not in (None, 0):
+    if tensor.device.type not in ("cpu", "cuda"):
         raise ValueError(
-            f"{name} must be on cpu or cuda:0 for backend='julia' (CUDA.jl's default device), "
-            f"got {name} on {tensor.device}"
+            f"{name} must be on cpu or cuda for backend='julia', got {name} on {tensor.device}"
         )
 
 
@@ -242,8 +252,8 @@ def julia_args(
     event_dims: int,
     batch: torch.Size,
 ) -> tuple[tuple[object, ...], tuple[tuple[int, ...], ...]]:
-    """Args as Julia receives them -- tensors in :func:`julia_layout`, numbers as floats --
-    and each arg's reversed per-instance shape (``()`` for numbers)."""
+    """Args as Julia receives them -- tensors in :func:`julia_layout` (to be lent), numbers as
+    floats -- and each arg's reversed per-instance shape (``()`` for numbers)."""
     values, shapes = [], []
     for i, (arg, own) in enumerate(
         zip(args, per_arg_event_dims(arg_event_dims, event_dims, len(args)), strict=True)
@@ -251,7 +261,7 @@ def julia_args(
         if isinstance(arg, torch.Tensor):
             padded = pad_arg_to_batch(f"args[{i}]", arg, own, batch)
             values.append(julia_layout(padded, padded.shape[: len(batch)], own))
-            shapes.append(julia_event_shape(padded.shape[len(batch) :]))
+            shapes.append(julia_shape(padded.shape[len(batch) :]))
         elif isinstance(arg, (int, float)):
             values.append(float(arg))
             shapes.append(())
@@ -267,7 +277,8 @@ def julia_args(
 
 
 class JuliaBackend:
-    """Per-instance grad and HVPs in Julia: Enzyme on CPU, one CUDA thread per instance on GPU.
+    """Per-instance grad and HVPs in Julia: Enzyme on CPU; on GPU one CUDA thread per instance,
+    on nested ForwardDiff duals.
 
     Construction raises :class:`~pyhvp.BackendUnavailableError` when Julia cannot start here.
     ``second_directional`` is not implemented (it raises): exact Hessian diagonals of scalar
@@ -306,25 +317,31 @@ class JuliaBackend:
         argv, arg_shapes = julia_args(args, f.arg_event_dims, event_dims, batch)
         g = torch.empty_like(xj)
         hv = torch.empty_like(vj)
+        if xj.numel() == 0:  # no instance or no variable: nothing to compute, nothing to lend
+            return g.reshape(x.shape), hv.reshape(tangents.shape)
         main = _start_julia()
         fn = _compiled(main, f)
         width = min(chunk_size or MAX_TANGENTS_PER_CALL, MAX_TANGENTS_PER_CALL)
-        if x.is_cuda:
-            torch.cuda.current_stream(x.device).synchronize()
-        for start in range(0, vj.shape[0], width):
-            part = range(start, min(start + width, vj.shape[0]))
-            _call_julia(
-                "grad_and_hvp",
-                main.PyHVP.grad_and_hvp_dlpack_b,
-                g,
-                tuple(hv[j] for j in part),
-                fn,
-                xj,
-                tuple(vj[j] for j in part),
-                argv,
-                julia_event_shape(x.shape[x.ndim - event_dims :]),
-                arg_shapes,
-            )
+        # torch exports a CUDA tensor only while its device is current; Julia is told the device.
+        on_device = torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+        with on_device:
+            if x.is_cuda:
+                torch.cuda.current_stream(x.device).synchronize()
+            for start in range(0, vj.shape[0], width):
+                part = range(start, min(start + width, vj.shape[0]))
+                call_julia(
+                    "grad_and_hvp",
+                    main.PyHVP.grad_and_hvp_dlpack_b,
+                    lend(g),
+                    tuple(lend(hv[j]) for j in part),
+                    fn,
+                    lend(xj),
+                    tuple(lend(vj[j]) for j in part),
+                    tuple(lend(a) if isinstance(a, torch.Tensor) else a for a in argv),
+                    julia_shape(x.shape[x.ndim - event_dims :]),
+                    arg_shapes,
+                    x.device.index if x.is_cuda else None,
+                )
         return g.reshape(x.shape), hv.reshape(tangents.shape)
 
     def second_directional(
