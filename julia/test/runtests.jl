@@ -24,31 +24,44 @@ end
 FLOATS = (Float32, Float64)
 tolerance(T) = T == Float32 ? 1e-4 : 1e-10
 
-@testset "instance_grad_and_hvp (one GPU thread's work) on the CPU, $T, k=$k" for T in FLOATS,
-    k in (1, 3)
+# Test bodies live in functions: fatou does not look inside the `@testset` macro calls.
 
+"""One instance (3 variables, `k` tangents): `instance_grad_and_hvp` and the closed form."""
+function one_instance(T, k)
     x, mu = Tuple(randn(T, 3) ./ 2), randn(T, 3) ./ 2
     v = ntuple(_ -> Tuple(randn(T, 3)), k)
     g, hv = instance_grad_and_hvp(z -> gaussian(collect(z), mu), x, v)
-    G, HV = closed_form(
-        Float64.(reshape(collect(x), 3, 1)),
-        map(vj -> Float64.(reshape(collect(vj), 3, 1)), v),
-        Float64.(reshape(mu, 3, 1)),
-    )
-    @test isapprox(collect(g), vec(G); rtol = tolerance(T), atol = tolerance(T))
-    @test all(isapprox.(map(collect, hv), map(vec, HV); rtol = tolerance(T), atol = tolerance(T)))
+    column(t) = Float64.(reshape(collect(t), 3, 1))
+    G, HV = closed_form(column(x), map(column, v), column(mu))
+    return (collect(g), map(collect, hv)), (vec(G), map(vec, HV))
+end
+
+"""The seed-000 batch through `grad_and_hvp!` on one device, and the closed form."""
+function seed000_batch(to_device, T, k, dims)
+    # Julia order: x (d, n_a, n_b, n_g), mu (d, 1, 1, n_g); a scalar event (`Val(())`, d = 1)
+    # gives each instance a number instead of a vector.
+    d = dims === Val(()) ? 1 : 3
+    X = randn(T, d, 4, 2, 5) ./ 2
+    Mu = randn(T, d, 1, 1, 5) ./ 2
+    V = ntuple(_ -> randn(T, size(X)), k)
+    G, HV = to_device(zero(X)), map(v -> to_device(zero(v)), V)
+    args = (to_device(Mu),)
+    grad_and_hvp!(G, HV, gaussian, to_device(X), map(to_device, V), args, dims, (dims,))
+    expected = closed_form(Float64.(X), map(v -> Float64.(v), V), Float64.(Mu))
+    return (Array(G), map(Array, HV)), expected
+end
+
+@testset "instance_grad_and_hvp (one GPU thread's work) on the CPU, $T, k=$k" for T in FLOATS,
+    k in (1, 3)
+
+    (g, hv), (G, HV) = one_instance(T, k)
+    @test isapprox(g, G; rtol = tolerance(T), atol = tolerance(T))
+    @test all(isapprox.(hv, HV; rtol = tolerance(T), atol = tolerance(T)))
 end
 
 @testset "instance_grad_and_hvp of a function that ignores its argument is zero" begin
     g, hv = instance_grad_and_hvp(_ -> 1.0, (0.5, 2.0), ((1.0, 0.0),))
     @test g == (0.0, 0.0) && hv == ((0.0, 0.0),)
-end
-
-function run_kernel(to_device, X, V, Mu, dims)
-    G, HV = to_device(zero(X)), map(v -> to_device(zero(v)), V)
-    args = (to_device(Mu),)
-    grad_and_hvp!(G, HV, gaussian, to_device(X), map(to_device, V), args, dims, (dims,))
-    return Array(G), map(Array, HV)
 end
 
 devices = [("cpu", identity)]
@@ -59,14 +72,7 @@ CUDA.functional() && push!(devices, ("cuda", CUDA.CuArray))
     k in (1, 3),
     dims in (Val((3,)), Val(()))
 
-    # seed-000 layout in Julia order: x (d, n_a, n_b, n_g), mu (d, 1, 1, n_g); a scalar
-    # event (`Val(())`, d = 1) gives each instance a number instead of a vector.
-    d = dims === Val(()) ? 1 : 3
-    X = randn(T, d, 4, 2, 5) ./ 2
-    Mu = randn(T, d, 1, 1, 5) ./ 2
-    V = ntuple(_ -> randn(T, size(X)), k)
-    G, HV = run_kernel(to_device, X, V, Mu, dims)
-    G_ref, HV_ref = closed_form(Float64.(X), map(v -> Float64.(v), V), Float64.(Mu))
+    (G, HV), (G_ref, HV_ref) = seed000_batch(to_device, T, k, dims)
     @test isapprox(G, G_ref; rtol = tolerance(T), atol = tolerance(T))
     @test all(isapprox.(HV, HV_ref; rtol = tolerance(T), atol = tolerance(T)))
 end
