@@ -1,12 +1,24 @@
-"""Timing and table printing shared by the benchmarks (not a test: nothing here asserts speed)."""
+"""Timing, tables and plots shared by the benchmarks (not a test: nothing here asserts speed).
+
+Figures are medians. Methods compared side by side are timed *interleaved* (one call of each per
+round), so a load that comes and goes on a shared machine hits every method alike and the ratios
+hold even when absolute times drift. A :class:`Report` prints each table, keeps it, and on
+``save()`` writes ``benchmarks/results/<name>-<device>.txt`` (the tables) and, when matplotlib is
+installed (the ``bench`` extra), ``<name>-<device>.png``: time per call against problem size,
+log-log, one panel per problem, every method beside the baselines.
+"""
 
 from __future__ import annotations
 
+import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def synchronize(device: torch.device | str) -> None:
@@ -25,24 +37,110 @@ def median_ms(
 
     Stops early once ``budget_s`` seconds of timed calls have passed (at least 3 timed calls).
     """
-    for _ in range(warmup):
-        fn()
+    return interleaved_ms({"fn": fn}, device, warmup, repeats, budget_s)["fn"]
+
+
+def interleaved_ms(
+    fns: dict[str, Callable[[], object]],
+    device: torch.device | str = "cpu",
+    warmup: int = 3,
+    rounds: int = 15,
+    budget_s: float = 5.0,
+) -> dict[str, float]:
+    """Median wall time (ms) of each function, timed round-robin: one call of each per round.
+
+    ``warmup`` untimed calls each first; stops after ``rounds`` rounds or once ``budget_s``
+    seconds have passed (at least 3 rounds).
+    """
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
     synchronize(device)
-    times: list[float] = []
+    times: dict[str, list[float]] = {name: [] for name in fns}
     start = time.perf_counter()
-    while len(times) < repeats and (len(times) < 3 or time.perf_counter() - start < budget_s):
-        t0 = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    for done in range(rounds):
+        if done >= 3 and time.perf_counter() - start > budget_s:
+            break
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            synchronize(device)
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def format_table(title: str, rows: Sequence[tuple[str, float]], baseline: str) -> str:
+    """``name | ms | x baseline`` rows; ``baseline`` names the row the ratios divide by."""
+    base = dict(rows)[baseline]
+    width = max(len(name) for name, _ in rows)
+    lines = [
+        f"\n{title}",
+        f"  {'method'.ljust(width)} | {'median ms':>10} | {'/ ' + baseline:>{len(baseline) + 2}}",
+    ]
+    lines += [
+        f"  {name.ljust(width)} | {ms:10.3f} | {ms / base:{len(baseline) + 2}.2f}"
+        for name, ms in rows
+    ]
+    return "\n".join(lines)
 
 
 def print_table(title: str, rows: Sequence[tuple[str, float]], baseline: str) -> None:
-    """Print ``name | ms | x baseline`` rows; ``baseline`` names the row the ratios divide by."""
-    base = dict(rows)[baseline]
-    width = max(len(name) for name, _ in rows)
-    print(f"\n{title}")
-    print(f"  {'method'.ljust(width)} | {'median ms':>10} | {'/ ' + baseline:>{len(baseline) + 2}}")
-    for name, ms in rows:
-        print(f"  {name.ljust(width)} | {ms:10.3f} | {ms / base:{len(baseline) + 2}.2f}")
+    print(format_table(title, rows, baseline))
+
+
+class Report:
+    """Tables and scaling points of one benchmark run; ``save()`` writes them to ``results/``."""
+
+    def __init__(self, name: str, device: torch.device | str) -> None:
+        self.name, self.device = name, str(device)
+        self.texts: list[str] = [
+            f"{name}: torch {torch.__version__}, {torch.get_num_threads()} thread(s), "
+            f"{self.device}, {platform.processor() or platform.machine()}"
+        ]
+        # panel title -> (x label, {method: [(x, ms), ...]})
+        self.panels: dict[str, tuple[str, dict[str, list[tuple[float, float]]]]] = {}
+        print(self.texts[0])
+
+    def text(self, line: str) -> None:
+        print(line)
+        self.texts.append(line)
+
+    def table(self, title: str, rows: Sequence[tuple[str, float]], baseline: str) -> None:
+        self.text(format_table(title, rows, baseline))
+
+    def point(self, panel: str, x_label: str, x: float, rows: Sequence[tuple[str, float]]) -> None:
+        """Add ``(x, ms)`` for every method of ``rows`` to the scaling plot ``panel``."""
+        _, series = self.panels.setdefault(panel, (x_label, {}))
+        for method, ms in rows:
+            series.setdefault(method, []).append((x, ms))
+
+    def save(self) -> None:
+        RESULTS.mkdir(exist_ok=True)
+        stem = RESULTS / f"{self.name}-{self.device}"
+        stem.with_suffix(".txt").write_text("\n".join(self.texts) + "\n")
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            print(f"\n(wrote {stem}.txt; install the bench extra for plots)")
+            return
+        if not self.panels:
+            return
+        fig, axes = plt.subplots(
+            1, len(self.panels), figsize=(5.5 * len(self.panels), 4.2), squeeze=False
+        )
+        for ax, (panel, (x_label, series)) in zip(axes[0], self.panels.items(), strict=True):
+            for method, points in series.items():
+                xs, ms = zip(*sorted(points), strict=True)
+                style = "-o" if method.startswith("pyhvp") else "--."
+                ax.loglog(xs, ms, style, label=method, linewidth=2 if "pyhvp" in method else 1)
+            ax.set(title=panel, xlabel=x_label, ylabel="ms per call (median)")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.suptitle(self.texts[0], fontsize=8)
+        fig.tight_layout()
+        fig.savefig(stem.with_suffix(".png"), dpi=110)
+        plt.close(fig)
+        print(f"\n(wrote {stem}.txt and {stem}.png)")

@@ -4,7 +4,8 @@ f(x, mu) = exp(-|x - mu|^2) per particle, x: (n_g, n_b, n_a, 3), mu: (n_g, 1, 1,
 Rows: pyhvp (eager, compiled, and julia where available), autograd double backward, eager
 torch.func jvp(grad(sum f)), the hand-derived formula (eager and compiled), a plain copy of the
 same bytes (the memory floor; the HVP reads x and v and writes g and hv) and JAX if installed.
-Ratios are against the compiled hand-derived formula. Usage: python benchmarks/bench_hvp.py [cuda]
+Ratios are against the compiled hand-derived formula; methods are timed interleaved, one thread
+on the CPU. Writes results/bench_hvp-<device>.{txt,png}. Usage: python benchmarks/bench_hvp.py [cuda]
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import sys
 
 import torch
-from _timing import median_ms, print_table
+from _timing import Report, interleaved_ms, median_ms
 from torch.func import grad, jvp
 
 import pyhvp
@@ -62,7 +63,7 @@ def julia_row(x, mu, v):
     return median_ms(lambda: pyhvp.grad_and_hvp(jf, x, v, mu, backend="julia"), x.device)
 
 
-def bench_size(n: int, device: str) -> None:
+def bench_size(n: int, device: str, report: Report) -> None:
     x = torch.randn(10, 10, n // 100, 3, device=device)
     mu = torch.randn(10, 1, 1, 3, device=device)
     v = torch.randn_like(x)
@@ -82,15 +83,20 @@ def bench_size(n: int, device: str) -> None:
         "jvp(grad) eager": lambda: eager_jvp_grad(x, mu, v),
         "copy floor": lambda: dst.copy_(src),
     }
-    rows = [(name, median_ms(fn, device)) for name, fn in time.items()]
+    rows = list(interleaved_ms(time, device).items())
     optional = (("julia", julia_row(x, mu, v)), ("jax jit", jax_row(x, mu, v)))
     rows += [(name, ms) for name, ms in optional if ms is not None]
-    print_table(f"N = {n:,} particles, {device}, float32", rows, baseline="formula compiled")
+    report.table(f"N = {n:,} particles, {device}, float32", rows, baseline="formula compiled")
+    report.point("seed 000: per-particle grad + HVP", "particles", n, rows)
 
 
 def main(device: str) -> None:
+    if device == "cpu":
+        torch.set_num_threads(1)
+    report = Report("bench_hvp", device)
     for n in (10_000, 100_000, 1_000_000):
-        bench_size(n, device)
+        bench_size(n, device, report)
+    report.save()
 
 
 if __name__ == "__main__":

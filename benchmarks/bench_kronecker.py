@@ -6,6 +6,7 @@ ratios), the full call ``kron(grad, v)`` with roots refreshed every update and e
 the post's one-line einsum apply, the raw float32 / float64 eigh of the three covariances (what
 computing the roots in float64 costs), and, where ``n N^2`` floats fit in memory, forming the
 dense ``R_1 ⊗ R_2 ⊗ R_3`` and a dense batched matvec with it.
+Methods are timed interleaved, one thread on the CPU. Writes results/bench_kronecker-<device>.{txt,png}.
 Usage: python benchmarks/bench_kronecker.py [cuda]
 """
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 import sys
 
 import torch
-from _timing import median_ms, print_table
+from _timing import Report, interleaved_ms, median_ms
 
 import pyhvp
 
@@ -36,7 +37,7 @@ def dense_kronecker(roots):
     return dense
 
 
-def bench_size(shape, device):
+def bench_size(shape, device, report):
     grad, v = torch.randn(shape, device=device), torch.randn(shape, device=device)
     kron, amortised = filled(shape, device), filled(shape, device, refresh_every=10)
     roots = kron.roots()
@@ -60,7 +61,7 @@ def bench_size(shape, device):
         "eigh float32 x3": lambda: [torch.linalg.eigh(c) for c in covariances],
         "eigh float64 x3": lambda: [torch.linalg.eigh(c.double()) for c in covariances],
     }
-    timings = {name: median_ms(fn, device) for name, fn in rows.items()}
+    timings = interleaved_ms(rows, device)
     timings["call, refresh every 10"] = median_ms(ten_amortised_calls, device) / 10
     n, size = shape[0], torch.Size(shape[1:]).numel()
     if n * size**2 * 4 <= DENSE_LIMIT_BYTES:
@@ -74,19 +75,24 @@ def bench_size(shape, device):
         )
         timings["dense: matvec"] = median_ms(lambda: dense @ flat, device)
     else:
-        print(f"\n(dense rows skipped for {shape}: {n * size**2 * 4 / 2**30:.0f} GiB)")
-    print_table(
+        report.text(f"\n(dense rows skipped for {shape}: {n * size**2 * 4 / 2**30:.0f} GiB)")
+    rows = list(timings.items())
+    report.table(
         f"KroneckerHVP, grad/v {tuple(shape)} float32 on {device}",
-        list(timings.items()),
+        rows,
         baseline="apply (cached roots)",
     )
+    report.point("KroneckerHVP, n = 8 systems", "mode size m (variable m x m x m)", shape[1], rows)
 
 
 def main() -> None:
     device = sys.argv[1] if len(sys.argv) > 1 else "cpu"
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if device == "cpu":
+        torch.set_num_threads(1)
+    report = Report("bench_kronecker", device)
     for shape in [(8, 8, 8, 8), (8, 16, 16, 16), (8, 64, 64, 64)]:
-        bench_size(shape, device)
+        bench_size(shape, device, report)
+    report.save()
 
 
 if __name__ == "__main__":

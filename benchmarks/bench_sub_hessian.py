@@ -2,13 +2,15 @@
 
 Models: the seed's Linear(784, 10) and a 2-layer tanh MLP (784 -> 128 -> 10), CrossEntropy over
 100 random images, float32; k = 2, 16, 128 random components per tensor (all of a tensor that has
-fewer). Rows: pyhvp (``sub_hessian(*module_loss(...), index)`` per call: eager), pyhvp with the
-loss built once (compiled from the third call), the seed's loop (one reverse pass
-per component) and the answer the seed received (``torch.autograd.grad(..., is_grads_batched=True)``,
-one batched pass per tensor). Every row computes all blocks from the model and data; results are
-checked against each other first. Ratios are against the seed's loop.
-On a shared CPU, OMP_NUM_THREADS=1 gives steadier figures (idle-waiting OpenMP threads stall
-when other processes hold the cores). Usage: python benchmarks/bench_sub_hessian.py [cuda]
+fewer). Every row builds the loss anew per call from the model and data, as the seed's user
+writes it (``sub_hessian(*module_loss(...), index)``): pyhvp eager (``compile=False``: what
+``"auto"`` runs until the eager time spent reaches the compile cost), pyhvp compiled (the steady
+state of ``"auto"``: a loss rebuilt from the same code and objects reuses the compiled kernel),
+the seed's loop (one reverse pass per component) and the answer the seed received
+(``torch.autograd.grad(..., is_grads_batched=True)``, one shared first backward, then one batched
+pass per tensor). Results are checked against each other first. Ratios are against the seed's
+loop. One thread (``torch.set_num_threads(1)``): on a shared CPU idle-waiting OpenMP threads
+stall when other processes hold the cores. Usage: python benchmarks/bench_sub_hessian.py [cuda]
 """
 
 from __future__ import annotations
@@ -19,13 +21,13 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from _timing import median_ms, print_table
+from _timing import Report, interleaved_ms
 from torch import nn
 
 import pyhvp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from sub_hessian import MnistModel, pyhvp_sub_hessians, seed_sub_hessians
+from sub_hessian import MnistModel, seed_sub_hessians
 
 
 def is_grads_batched(model, criterion, X, y, idxs):
@@ -51,20 +53,17 @@ def two_layer_mlp():
     return nn.Sequential(nn.Flatten(), nn.Linear(784, 128), nn.Tanh(), nn.Linear(128, 10))
 
 
-def one_loss(model, criterion, X, y):
-    """pyhvp with the loss built once, as a loop over steps on the same data would: from the third
-    call on, the torch backend runs its compiled kernel for it."""
-    loss, params = pyhvp.module_loss(model, criterion, X, y)
-
+def with_backend(backend):
     def sub_hessians(model, criterion, X, y, idxs):
         index = {name: torch.tensor(i, device=X.device) for name, i in idxs.items()}
-        return pyhvp.sub_hessian(loss, params, index)
+        return pyhvp.sub_hessian(*pyhvp.module_loss(model, criterion, X, y), index, backend=backend)
 
     return sub_hessians
 
 
 METHODS = {
-    "pyhvp": pyhvp_sub_hessians,
+    "pyhvp eager": with_backend(pyhvp.TorchBackend(compile=False)),
+    "pyhvp compiled": with_backend(pyhvp.TorchBackend(compile=True)),
     "seed loop": seed_sub_hessians,
     "is_grads_batched": is_grads_batched,
 }
@@ -73,7 +72,9 @@ METHODS = {
 def main(device: str) -> None:
     # the seed's loss.backward(create_graph=True) warns about a grad <-> graph cycle; it is broken
     warnings.filterwarnings("ignore", message="Using backward\\(\\) with create_graph=True")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {device}")
+    if device == "cpu":
+        torch.set_num_threads(1)
+    report = Report("bench_sub_hessian", device)
     torch.manual_seed(0)
     X = torch.rand(100, 1, 28, 28, device=device)
     y = torch.randint(0, 10, size=(100,), device=device)
@@ -89,36 +90,30 @@ def main(device: str) -> None:
                 name: torch.randperm(p.numel())[: min(k, p.numel())].tolist()
                 for name, p in model.named_parameters()
             }
-            methods = {**METHODS, "pyhvp, one loss": one_loss(model, criterion, X, y)}
-            results = {name: fn(model, criterion, X, y, idxs) for name, fn in methods.items()}
+            results = {name: fn(model, criterion, X, y, idxs) for name, fn in METHODS.items()}
             for name, blocks in results.items():
                 torch.testing.assert_close(blocks, results["seed loop"], msg=name)
-            rows = [
-                (
-                    name,
-                    median_ms(
-                        partial(fn, model, criterion, X, y, idxs),
-                        device,
-                        warmup=3,  # the third call of "pyhvp, one loss" compiles
-                        budget_s=2.0,
-                    ),
-                )
-                for name, fn in methods.items()
-            ]
-            print_table(f"{model_name}, k={k} per tensor, {device}", rows, "seed loop")
-            times = dict(rows)
-            summary.append(
-                (
-                    model_name,
-                    k,
-                    times["seed loop"] / times["pyhvp, one loss"],
-                    times["is_grads_batched"] / times["pyhvp, one loss"],
-                )
-            )
-    print("\npyhvp speed-up, loss built once (time of the other method / time of pyhvp)")
-    print(f"  {'model':22} | {'k':>4} | {'vs seed loop':>12} | {'vs is_grads_batched':>19}")
-    for model_name, k, vs_loop, vs_batched in summary:
-        print(f"  {model_name:22} | {k:4d} | {vs_loop:12.1f} | {vs_batched:19.2f}")
+            calls = {
+                name: partial(fn, model, criterion, X, y, idxs) for name, fn in METHODS.items()
+            }
+            times = interleaved_ms(calls, device, rounds=21)
+            rows = list(times.items())
+            report.table(f"{model_name}, k={k} per tensor, {device}", rows, "seed loop")
+            report.point(f"sub-Hessians, {model_name}", "k components per tensor", k, rows)
+            summary.append((model_name, k, times))
+    report.text("\npyhvp speed-up, loss built per call (other method's time / pyhvp's)")
+    report.text(
+        f"  {'model':22} | {'k':>4} | {'compiled vs loop':>16} | {'vs is_grads_batched':>19} "
+        f"| {'eager vs is_grads_batched':>25}"
+    )
+    for model_name, k, times in summary:
+        loop, batched = times["seed loop"], times["is_grads_batched"]
+        compiled, eager = times["pyhvp compiled"], times["pyhvp eager"]
+        report.text(
+            f"  {model_name:22} | {k:4d} | {loop / compiled:16.2f} | {batched / compiled:19.2f} "
+            f"| {batched / eager:25.2f}"
+        )
+    report.save()
 
 
 if __name__ == "__main__":
