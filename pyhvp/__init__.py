@@ -10,11 +10,13 @@ from pyhvp.diagonal import hessian_diagonal
 from pyhvp.hvp import grad_and_hvp, hvp
 from pyhvp.instances import InstanceCouplingError, PerInstance, check_instances, per_instance
 from pyhvp.kronecker import KroneckerHVP
+from pyhvp.laplacian import GradAndLaplacian, grad_and_laplacian, laplacian
 from pyhvp.submatrix import module_loss, sub_hessian
 
 __all__ = [
     "Backend",
     "BackendUnavailableError",
+    "GradAndLaplacian",
     "InstanceCouplingError",
     "JuliaBackendError",
     "JuliaFunction",
@@ -24,9 +26,11 @@ __all__ = [
     "available_backends",
     "check_instances",
     "grad_and_hvp",
+    "grad_and_laplacian",
     "hessian_diagonal",
     "hvp",
     "julia_function",
+    "laplacian",
     "module_loss",
     "per_instance",
     "sub_hessian",

@@ -21,6 +21,7 @@ from pyhvp._checks import (
     fmt_shape,
     require_floating,
 )
+from pyhvp._probes import draw_probes
 from pyhvp.backends import Backend, resolve_backend
 
 METHODS = ("exact", "hutchinson", "diag++")
@@ -169,36 +170,20 @@ def _exact(
     eye = torch.eye(n_vars, dtype=x.dtype, device=x.device)
     parts = []  # each (count, *batch, *out): d^2 f / dx_i^2 for the chunk's i
     for start in range(0, n_vars, step):
-        basis = eye[start : start + step]  # e_i for i in this chunk, placed in every instance
+        basis = eye[start : start + step]  # e_i for i in this chunk, the same in every instance
         count = basis.shape[0]
         directions = basis.reshape(count, *(1,) * len(batch_shape), *event_shape)
-        directions = directions.expand(count, *x.shape).contiguous()
         if _choose(out_shape) == "grad_and_hvp":
-            _, hv = backend.grad_and_hvp(f, x, directions, args, event_dims, None)
+            tangents = directions.expand(count, *x.shape).contiguous()
+            _, hv = backend.grad_and_hvp(f, x, tangents, args, event_dims, None)
             columns = hv.reshape(count, *batch_shape, n_vars)[..., start : start + count]
             # (H e_i)_i, copied out so that the (count, *x.shape) products can be freed
             parts.append(columns.diagonal(dim1=0, dim2=-1).movedim(-1, 0).contiguous())
-        else:
+        else:  # broadcast over instances: a first linear layer maps e_i once, not per instance
             parts.append(backend.second_directional(f, x, directions, args, None))
     second = parts[0] if len(parts) == 1 else torch.cat(parts)
     # batch + out + event as a view: a transposing copy would cost as much as the passes.
     return second.movedim(0, -1).reshape(*batch_shape, *out_shape, *event_shape)
-
-
-def _draw(
-    kind: str, count: int, x: torch.Tensor, generator: torch.Generator | None
-) -> torch.Tensor:
-    """``(count, *x.shape)`` Rademacher signs or standard normals in x's dtype, drawn on the
-    generator's device (one stream for CPU and CUDA inputs alike), then moved to x's."""
-    device = generator.device if generator is not None else x.device
-    shape = (count, *x.shape)
-    if kind == "gaussian":
-        draws = torch.randn(shape, generator=generator, device=device, dtype=x.dtype)
-    else:
-        draws = (
-            2 * torch.randint(0, 2, shape, generator=generator, device=device, dtype=x.dtype) - 1
-        )
-    return draws.to(x.device)
 
 
 def _hutchinson(
@@ -211,7 +196,7 @@ def _hutchinson(
     generator: torch.Generator | None,
     chunk_size: int | None,
 ) -> torch.Tensor:
-    probes = _draw("rademacher", samples, x, generator)
+    probes = draw_probes("rademacher", (samples, *x.shape), x, generator)
     _, hz = backend.grad_and_hvp(f, x, probes, args, event_dims, chunk_size)
     return (probes * hz).mean(0)
 
@@ -235,12 +220,12 @@ def _diag_plus_plus(
 
     # A Gaussian sketch spans a rank-r range a.s. for r <= sketch_size (Rademacher may not).
     sketch_size = samples // 3
-    gaussian = _draw("gaussian", sketch_size, x, generator)
+    gaussian = draw_probes("gaussian", (sketch_size, *x.shape), x, generator)
     _, sketch = backend.grad_and_hvp(f, x, gaussian, args, event_dims, chunk_size)
     q = torch.linalg.qr(as_columns(sketch)).Q  # (instances, N, r), r = min(sketch_size, N)
     rank = q.shape[-1]
     residual = samples - sketch_size - rank if rank < n_vars else 0
-    residual_probes = _draw("rademacher", residual, x, generator)
+    residual_probes = draw_probes("rademacher", (residual, *x.shape), x, generator)
     q_tangents = q.permute(2, 0, 1).reshape(rank, *x.shape)
     _, products = backend.grad_and_hvp(
         f, x, torch.cat([q_tangents, residual_probes]), args, event_dims, chunk_size

@@ -8,8 +8,21 @@ A backend computes two batched-tangent primitives; every operator of pyhvp is bu
   the k Hessian-vector products ``(k, *x.shape)``. Instances are independent, so the Hessian of
   the sum is block-diagonal and these are exactly the per-instance gradients and HVPs.
 * ``second_directional(f, x, directions, args, chunk_size)`` -- forward-over-forward.
-  ``f(x, *args)`` may return any shape ``out``; ``directions`` has shape ``(k, *x.shape)``.
-  Returns ``d^2/dt^2 f(x + t u)`` at ``t=0`` for every direction ``u``: shape ``(k, *out)``.
+  ``f(x, *args)`` may return any shape ``out``; ``directions`` has shape ``(k, *x.shape)``, or
+  is broadcast over instances: size 1 in any batch dim (``(k, 1, ..., 1, *event)``: the same
+  direction in every instance, e.g. a basis vector ``e_i``), which a backend may exploit or
+  expand. Returns ``d^2/dt^2 f(x + t u)`` at ``t=0`` for every direction ``u``: shape
+  ``(k, *out)``.
+
+One primitive is optional (:func:`require_primitive` checks for it and names the backend that
+has it):
+
+* ``collapsed_jet(f, x, directions, args, chunk_size)`` -- collapsed second-order Taylor mode.
+  Same inputs as ``second_directional``; returns ``(value, first, second)``: ``f(x, *args)``
+  (shape ``out``), the first derivatives along each direction ``(k, *out)``, and the SUM over
+  directions of the second derivatives ``sum_u d^2/dt^2 f(x + t u)`` (shape ``out``). With the
+  basis ``e_i`` that is each instance's gradient and Laplacian; with columns of ``S`` it is
+  ``tr(S^T H S)``; with random probes a Hutchinson sum.
 
 Backends are chosen by name (``backend="torch"``) or passed as a value
 (``backend=TorchBackend(compile=True)``), as in DifferentiationInterface.jl.
@@ -54,6 +67,20 @@ class Backend(Protocol):
 
 
 BACKEND_NAMES = ("torch", "julia")
+
+OPTIONAL_PRIMITIVES = {"collapsed_jet": "torch"}
+"""Optional primitive -> a backend that implements it."""
+
+
+def require_primitive(backend: Backend, primitive: str, operator: str) -> Callable[..., object]:
+    """``backend``'s method ``primitive``, or a ValueError naming a backend that has it."""
+    method = getattr(backend, primitive, None)
+    if method is None:
+        raise ValueError(
+            f"{operator} needs the {primitive} primitive, which backend={backend.name!r} does "
+            f"not implement; use backend={OPTIONAL_PRIMITIVES[primitive]!r}"
+        )
+    return method
 
 
 def resolve_backend(backend: str | Backend) -> Backend:

@@ -1,0 +1,34 @@
+"""Second-order Taylor mode (jets) for PyTorch functions: forward Laplacians and second
+directional derivatives from one forward pass of value, first- and second-order coefficients.
+
+The mechanism, and why:
+
+* **What runs.** ``f`` is recorded as a straight-line program of aten ops at every call
+  (:mod:`.program`); per-op rules (:mod:`.rules`) push a value, the first-order coefficients along
+  K directions and the second-order coefficient (per direction, or summed: collapsed Taylor mode)
+  through it; the rules are run once under ``make_fx`` into a flat graph of plain aten ops, the
+  kernel (:mod:`.kernel`), which the torch backend runs eagerly or ``torch.compile``-s under its
+  compile policy. One set of rules; the interpreter executes them exactly once per program and
+  directions layout, as a tracer.
+* **Why an interpreter over recorded aten ops, not a ``__torch_dispatch__`` tensor subclass.**
+  Dispatch-level rules run below autograd, so a Laplacian computed by them could not be
+  differentiated with respect to parameters (PINN and VMC training need exactly that), and every
+  call would pay Python dispatch per op per coefficient. Here the kernel is a graph of ordinary
+  ops: autograd differentiates it (parameters are kernel inputs), inductor compiles it (no nested
+  forward-mode AD, which crashes inductor on the CPU), and eagerly it runs with no rule logic.
+* **Why record at every call instead of tracing once.** A trace cached by function identity goes
+  stale silently when a captured tensor is replaced, Python state changes or control flow depends
+  on data. The per-call record is the cache key, so a stale kernel is never used; data-dependent
+  control flow works (each branch is its own program). It costs one eager forward of ``f``.
+* **Shared directions.** Directions may be broadcast over instances (``(K, 1, ..., 1, *event)``):
+  coefficients keep size-1 dims wherever a rule can, so ops before the first instance-dependent
+  nonlinearity (``W e_i`` of a first linear layer) run once for all instances, not once each.
+* **Every op works.** Ops without a dedicated rule get one built from ``torch.func`` on that op
+  alone (elementwise derivatives for pointwise ops; ``jvp`` and ``jvp`` of ``jvp`` per direction
+  otherwise), as folx falls back to an op's Hessian.
+"""
+
+from pyhvp.taylor.kernel import JetKernel
+from pyhvp.taylor.program import Capture, InPlaceInputError, capture
+
+__all__ = ["Capture", "InPlaceInputError", "JetKernel", "capture"]

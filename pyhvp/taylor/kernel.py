@@ -1,0 +1,106 @@
+"""Jet kernels: the rules run over a program, traced once into a flat graph of plain aten ops.
+
+:func:`run_jets` interprets a :class:`~pyhvp.taylor.program.Program` node by node with
+:func:`~pyhvp.taylor.rules.apply`; :func:`build_kernel` runs it once under ``make_fx`` and keeps
+the resulting graph (dead code removed: per-direction kernels keep only what the second-order
+output needs). That graph is the kernel, eager or ``torch.compile``-d: no rule logic, vmap or
+forward-mode AD is left in it, only the ops the rules emitted.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+import torch
+from torch import fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from pyhvp.taylor.rules import Context, Jet, apply
+
+Tensor = torch.Tensor
+
+
+def run_jets(
+    graph: fx.GraphModule, ctx: Context, x: Tensor, directions: Tensor, constants: Sequence[Tensor]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(value, first, second)`` of the program's output: ``value`` its value, ``first`` the
+    first-order coefficients ``(K, *out)`` along ``directions``, ``second`` the second-order ones
+    ``(K, *out)`` per direction or ``out`` summed (collapsed)."""
+    inputs = iter([Jet(x, directions, None), *constants])
+    last_use = {}
+    for i, node in enumerate(graph.graph.nodes):
+        for used in node.all_input_nodes:
+            last_use[used] = i
+    env: dict[fx.Node, object] = {}
+    result: object = None
+    for i, node in enumerate(graph.graph.nodes):
+        if node.op == "placeholder":
+            env[node] = next(inputs)
+        elif node.op == "get_attr":
+            env[node] = getattr(graph, node.target)
+        elif node.op == "call_function":
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+            if node.target is operator.getitem:
+                env[node] = args[0][args[1]]
+            else:
+                env[node] = apply(ctx, node.target, *args, **kwargs)
+        elif node.op == "output":
+            result = fx.node.map_arg(node.args[0], env.__getitem__)
+        for used in node.all_input_nodes:
+            if last_use[used] == i:
+                del env[used]
+    return _coefficients(ctx, result, directions.shape[0])
+
+
+def _coefficients(ctx: Context, out: object, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    if not isinstance(out, Jet):  # f does not depend on x: every derivative is zero
+        zeros = out.new_zeros((k, *out.shape))
+        return out, zeros, zeros[0] if ctx.collapsed else zeros
+    first = out.first.expand(k, *out.value.shape)
+    lead = 1 if ctx.collapsed else k
+    if out.second is None:
+        second = out.value.new_zeros((lead, *out.value.shape))
+    else:
+        second = out.second.expand(lead, *out.value.shape)
+    return out.value, first, second[0] if ctx.collapsed else second
+
+
+class JetKernel:
+    """A flat aten graph ``(x, directions, *constants) -> coefficients``; callable."""
+
+    def __init__(self, graph: fx.GraphModule, collapsed: bool) -> None:
+        self.graph = graph
+        self.collapsed = collapsed
+
+    @property
+    def __name__(self) -> str:  # what compile warnings print
+        return "collapsed jet kernel" if self.collapsed else "second-directional jet kernel"
+
+    def __call__(self, *inputs: Tensor) -> object:
+        return self.graph(*inputs)
+
+
+def build_kernel(
+    program: fx.GraphModule,
+    collapsed: bool,
+    x: Tensor,
+    directions: Tensor,
+    constants: Sequence[Tensor],
+) -> JetKernel:
+    """Trace :func:`run_jets` for this program and directions layout into a flat graph.
+
+    Collapsed kernels return ``(value, first, second)``; per-direction kernels return ``second``
+    alone, so the value and first-order coefficients of the output are never computed.
+    """
+    ctx = Context(collapsed)
+
+    def jets(x: Tensor, directions: Tensor, *constants: Tensor) -> object:
+        value, first, second = run_jets(program, ctx, x, directions, constants)
+        return (value, first, second) if collapsed else second
+
+    with torch.no_grad():
+        graph = make_fx(jets)(x.detach(), directions.detach(), *(c.detach() for c in constants))
+    graph.graph.eliminate_dead_code()
+    graph.recompile()
+    return JetKernel(graph, collapsed)

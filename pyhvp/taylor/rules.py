@@ -1,0 +1,1065 @@
+"""Second-order Taylor rules for aten ops: how value, first- and second-order coefficients pass
+through one op.
+
+A tensor that depends on ``x`` is a :class:`Jet`; one that does not stays a plain tensor (a
+constant: no coefficients are stored or computed for it). Coefficients are *tangent-like*
+tensors: a leading axis (the ``K`` directions, or size 1) followed by the value's dims, where any
+dim may have size 1 while the value's is larger -- the coefficient is then the same along that dim
+(**broadcast-shaped**). Directions shared by every instance enter as ``(K, 1, ..., 1, *event)``,
+so ``W e_i`` of a first linear layer is computed once, not once per instance; each rule keeps a
+size-1 dim where that is exact and expands it (a free view) where the op needs the full dim.
+
+Second order comes in two modes (:class:`Context`): *per direction* (``d^2/dt^2 f(x + t u_k)`` for
+every k, leading axis K: Hessian diagonals) and *collapsed* (the sum over k, leading axis 1:
+Laplacians and traces). Rules are written once for both: they combine first-order coefficients
+only through :meth:`Context.square` and :meth:`Context.product`.
+
+Rules: dedicated ones for the common families (elementwise functions by their first and second
+derivatives, products by Leibniz, matrix products, views, reductions, indexing, softmax,
+logsumexp, norms, cdist); every other op falls back to rules built from ``torch.func`` on that op
+alone -- elementwise ops (``Tag.pointwise``) by their elementwise derivatives, all others by
+``jvp`` and ``jvp`` of ``jvp`` along each direction -- so no op is unsupported, only slower.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.func import grad, jacrev, jvp, vmap
+from torch.utils import _pytree as pytree
+
+aten = torch.ops.aten
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class Jet:
+    """A value and its Taylor coefficients along K directions.
+
+    ``first``: ``(K, *S)`` with ``S`` broadcastable to ``value.shape`` (same number of dims);
+    ``second``: ``(K, *S)`` per direction or ``(1, *S)`` collapsed, ``None`` when it is zero.
+    """
+
+    value: Tensor
+    first: Tensor
+    second: Tensor | None
+
+
+@dataclass(frozen=True)
+class Context:
+    """The second-order mode: per direction (``collapsed=False``) or summed over directions."""
+
+    collapsed: bool
+
+    def product(self, a: Tensor, b: Tensor) -> Tensor:
+        """The second-order term ``a_k * b_k`` of two first-order coefficients (summed over k
+        when collapsed)."""
+        out = a * b
+        return out.sum(0, keepdim=True) if self.collapsed else out
+
+    def square(self, a: Tensor) -> Tensor:
+        return self.product(a, a)
+
+
+Rule = Callable[..., Any]
+RULES: dict[torch._ops.OpOverload, Rule] = {}
+
+
+def rule(*ops: torch._ops.OpOverload) -> Callable[[Rule], Rule]:
+    """Register ``fn(ctx, out, *args, **kwargs)`` for ``ops``: ``out`` is the op's value, args
+    hold :class:`Jet` where the op's input depends on x; it returns the output jet(s)."""
+
+    def register(fn: Rule) -> Rule:
+        for op in ops:
+            RULES[op] = fn
+        return fn
+
+    return register
+
+
+# --- applying an op to jets ---------------------------------------------------------------------
+
+
+def value_of(arg: object) -> object:
+    return arg.value if isinstance(arg, Jet) else arg
+
+
+def apply(ctx: Context, op: Callable[..., Any], *args: object, **kwargs: object) -> Any:
+    """``op`` on the values, and its rule on the coefficients when an input is a jet."""
+    leaves = pytree.tree_leaves((args, kwargs))
+    out = op(*pytree.tree_map(value_of, args), **pytree.tree_map(value_of, kwargs))
+    if op is operator.getitem or not any(isinstance(a, Jet) for a in leaves):
+        return args[0][args[1]] if op is operator.getitem else out
+    if not any(t.is_floating_point() for t in pytree.tree_leaves(out) if isinstance(t, Tensor)):
+        return out  # integer or boolean results do not vary smoothly with x
+    if op in ZERO_DERIVATIVE:
+        return out
+    if op in RULES:
+        return RULES[op](ctx, out, *args, **kwargs)
+    if torch.Tag.pointwise in getattr(op, "tags", ()):
+        return pointwise_fallback(ctx, op, out, args, kwargs)
+    return general_fallback(ctx, op, out, args, kwargs)
+
+
+ZERO_DERIVATIVE = {
+    aten.detach.default,  # a stop-gradient: what follows treats it as a constant, like autograd
+    aten.sign.default,
+    aten.sgn.default,
+    aten.floor.default,
+    aten.ceil.default,
+    aten.round.default,
+    aten.round.decimals,
+    aten.trunc.default,
+    aten.bernoulli.default,
+    aten.bernoulli.p,
+    aten.zeros_like.default,
+    aten.ones_like.default,
+    aten.empty_like.default,
+    aten.full_like.default,
+    aten.rand_like.default,
+    aten.randn_like.default,
+    aten.new_zeros.default,
+    aten.new_ones.default,
+    aten.new_empty.default,
+    aten.new_full.default,
+    aten.fill.Scalar,
+}
+"""Ops whose floating output is locally constant in their inputs (or ignores their values)."""
+
+
+# --- tangent-like tensors -------------------------------------------------------------------------
+
+
+def lifted(t: Tensor, ndim: int) -> Tensor:
+    """``t`` (leading axis + dims) with unit dims inserted after the leading axis up to
+    ``1 + ndim`` dims: aligned for broadcasting against a value of ``ndim`` dims."""
+    missing = ndim + 1 - t.ndim
+    return t[(slice(None), *(None,) * missing)] if missing else t
+
+
+def expanded(t: Tensor, shape: Sequence[int], dims: Sequence[int] | None = None) -> Tensor:
+    """``t`` with its broadcast dims (all, or those in ``dims``) expanded to ``shape`` (a view)."""
+    sizes = list(t.shape)
+    for d in range(len(shape)) if dims is None else dims:
+        sizes[d + 1] = shape[d]
+    return t.expand(sizes)
+
+
+def plus(*terms: Tensor | None) -> Tensor | None:
+    """Sum of the terms that are not None (None: zero); None when all are."""
+    present = [t for t in terms if t is not None]
+    if not present:
+        return None
+    total = present[0]
+    for t in present[1:]:
+        total = total + t
+    return total
+
+
+def scaled(t: Tensor | None, c: object) -> Tensor | None:
+    return None if t is None else t * c
+
+
+def linear(out: Tensor, u: Jet, fn: Callable[[Tensor], Tensor]) -> Jet:
+    """An op linear in its jet input: ``fn`` maps coefficients (leading axis kept)."""
+    return Jet(out, fn(u.first), None if u.second is None else fn(u.second))
+
+
+def chain(ctx: Context, out: Tensor, u: Jet, d1: Tensor, d2: Tensor | None) -> Jet:
+    """An elementwise ``y = g(u)`` with ``d1 = g'(u)``, ``d2 = g''(u)`` (None: zero)."""
+    first = d1 * lifted(u.first, d1.ndim)
+    second = plus(
+        None if u.second is None else d1 * lifted(u.second, d1.ndim),
+        None if d2 is None else d2 * ctx.square(lifted(u.first, d2.ndim)),
+    )
+    return Jet(out, first, second)
+
+
+def _dim(d: int, ndim: int) -> int:
+    return d % ndim if ndim else 0
+
+
+def _dims(dims: object, ndim: int) -> list[int]:
+    """Normalised reduction dims; None or [] mean all."""
+    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        return list(range(ndim))
+    if isinstance(dims, int):
+        dims = [dims]
+    return sorted({_dim(d, ndim) for d in dims})
+
+
+def _broadcast(t: Tensor, shape: Sequence[int]) -> list[int]:
+    """Value dims along which the coefficient ``t`` is broadcast (size 1, value larger)."""
+    return [d for d, n in enumerate(shape) if t.shape[d + 1] == 1 and n != 1]
+
+
+# --- elementwise functions: y = g(u) by g' and g'' ---------------------------------------------
+
+
+def _unary(derivatives: Callable[..., tuple[Tensor, Tensor | None]]) -> Rule:
+    """The rule of an elementwise op whose only tensor input is the first."""
+
+    def unary_rule(ctx: Context, out: Tensor, u: Jet, *args: object, **kwargs: object) -> Jet:
+        d1, d2 = derivatives(u.value, out, *args, **kwargs)
+        return chain(ctx, out, u, d1, d2)
+
+    return unary_rule
+
+
+SQRT_2PI = math.sqrt(2 * math.pi)
+UNARY: dict[torch._ops.OpOverload, Callable[..., tuple[Tensor, Tensor | None]]] = {
+    aten.exp.default: lambda u, y: (y, y),
+    aten.exp2.default: lambda u, y: (y * math.log(2), y * math.log(2) ** 2),
+    aten.expm1.default: lambda u, y: (y + 1, y + 1),
+    aten.log.default: lambda u, y: (1 / u, -1 / (u * u)),
+    aten.log2.default: lambda u, y: (1 / (u * math.log(2)), -1 / (u * u * math.log(2))),
+    aten.log10.default: lambda u, y: (1 / (u * math.log(10)), -1 / (u * u * math.log(10))),
+    aten.log1p.default: lambda u, y: (1 / (1 + u), -1 / ((1 + u) * (1 + u))),
+    aten.sqrt.default: lambda u, y: (0.5 / y, -0.25 / (y * y * y)),
+    aten.rsqrt.default: lambda u, y: (-0.5 * y**3, 0.75 * y**5),
+    aten.reciprocal.default: lambda u, y: (-y * y, 2 * y * y * y),
+    aten.sin.default: lambda u, y: (torch.cos(u), -y),
+    aten.cos.default: lambda u, y: (-torch.sin(u), -y),
+    aten.tan.default: lambda u, y: (1 + y * y, 2 * y * (1 + y * y)),
+    aten.tanh.default: lambda u, y: (1 - y * y, -2 * y * (1 - y * y)),
+    aten.sigmoid.default: lambda u, y: (y * (1 - y), y * (1 - y) * (1 - 2 * y)),
+    aten.sinh.default: lambda u, y: (torch.cosh(u), y),
+    aten.cosh.default: lambda u, y: (torch.sinh(u), y),
+    aten.atan.default: lambda u, y: (1 / (1 + u * u), -2 * u / (1 + u * u) ** 2),
+    aten.asinh.default: lambda u, y: ((1 + u * u).rsqrt(), -u * (1 + u * u).rsqrt() ** 3),
+    aten.atanh.default: lambda u, y: (1 / (1 - u * u), 2 * u / (1 - u * u) ** 2),
+    aten.erf.default: lambda u, y: (
+        2 / math.sqrt(math.pi) * torch.exp(-u * u),
+        -4 / math.sqrt(math.pi) * u * torch.exp(-u * u),
+    ),
+    aten.abs.default: lambda u, y: (torch.sign(u), None),
+    aten.relu.default: lambda u, y: ((u > 0).to(u.dtype), None),
+    aten.silu.default: lambda u, y: _silu(u),
+    aten.gelu.default: lambda u, y, approximate="none": _gelu(u, approximate),
+    aten.softplus.default: lambda u, y, beta=1, threshold=20: _softplus(u, beta, threshold),
+    aten.leaky_relu.default: lambda u, y, slope=0.01: (torch.where(u > 0, 1.0, slope).to(u), None),
+    aten.elu.default: lambda u, y, alpha=1, scale=1, input_scale=1: _elu(
+        u, alpha, scale, input_scale
+    ),
+    aten.hardtanh.default: lambda u, y, lo=-1, hi=1: (((u > lo) & (u < hi)).to(u.dtype), None),
+    aten.clamp.default: lambda u, y, lo=None, hi=None: (_inside(u, lo, hi), None),
+    aten.clamp_min.default: lambda u, y, lo: (_inside(u, lo, None), None),
+    aten.clamp_max.default: lambda u, y, hi: (_inside(u, None, hi), None),
+    aten.pow.Tensor_Scalar: lambda u, y, p: _power(u, p),
+}
+
+
+def _silu(u: Tensor) -> tuple[Tensor, Tensor]:
+    s = torch.sigmoid(u)
+    return s * (1 + u * (1 - s)), s * (1 - s) * (2 + u * (1 - 2 * s))
+
+
+def _gelu(u: Tensor, approximate: str) -> tuple[Tensor, Tensor]:
+    if approximate == "tanh":  # 0.5 u (1 + tanh(c (u + 0.044715 u^3)))
+        c = math.sqrt(2 / math.pi)
+        z = c * (u + 0.044715 * u**3)
+        dz, ddz = c * (1 + 3 * 0.044715 * u * u), c * 6 * 0.044715 * u
+        t = torch.tanh(z)
+        dt = 1 - t * t
+        d1 = 0.5 * (1 + t) + 0.5 * u * dt * dz
+        d2 = dt * dz + 0.5 * u * (-2 * t * dt * dz * dz + dt * ddz)
+        return d1, d2
+    phi = torch.exp(-0.5 * u * u) / SQRT_2PI
+    return 0.5 * (1 + torch.erf(u / math.sqrt(2))) + u * phi, phi * (2 - u * u)
+
+
+def _softplus(u: Tensor, beta: float, threshold: float) -> tuple[Tensor, Tensor]:
+    s = torch.sigmoid(beta * u)
+    linear_part = beta * u > threshold  # torch returns u there
+    return torch.where(linear_part, 1.0, s), torch.where(linear_part, 0.0, beta * s * (1 - s))
+
+
+def _elu(u: Tensor, alpha: float, scale: float, input_scale: float) -> tuple[Tensor, Tensor]:
+    negative = scale * alpha * input_scale * torch.exp(input_scale * u)
+    return (
+        torch.where(u > 0, scale, negative),
+        torch.where(u > 0, 0.0, negative * input_scale),
+    )
+
+
+def _inside(u: Tensor, lo: object, hi: object) -> Tensor:
+    """clamp's derivative: 1 where min <= u <= max (autograd's convention at the bounds)."""
+    mask = torch.ones_like(u, dtype=torch.bool)
+    if lo is not None:
+        mask = mask & (u >= lo)
+    if hi is not None:
+        mask = mask & (u <= hi)
+    return mask.to(u.dtype)
+
+
+def _power(u: Tensor, p: float) -> tuple[Tensor, Tensor | None]:
+    if p == 0:
+        return torch.zeros_like(u), None
+    if p == 1:
+        return torch.ones_like(u), None
+    if p == 2:
+        return 2 * u, torch.full_like(u, 2)
+    return p * u ** (p - 1), p * (p - 1) * u ** (p - 2)
+
+
+for _op, _derivatives in UNARY.items():
+    RULES[_op] = _unary(_derivatives)
+
+
+@rule(aten.pow.Scalar)
+def _scalar_power(ctx: Context, out: Tensor, base: float, u: Jet) -> Jet:
+    log_base = math.log(base)
+    return chain(ctx, out, u, out * log_base, out * log_base**2)
+
+
+# --- arithmetic -------------------------------------------------------------------------------------
+
+
+def _coefficients(arg: object, ndim: int, order: int) -> Tensor | None:
+    if not isinstance(arg, Jet):
+        return None
+    t = arg.first if order == 1 else arg.second
+    return None if t is None else lifted(t, ndim)
+
+
+def _signed_sum(out: Tensor, a: object, b: object, ca: float, cb: float) -> Jet:
+    """``ca * a + cb * b``."""
+    nd = out.ndim
+    orders = []
+    for order in (1, 2):
+        ta, tb = _coefficients(a, nd, order), _coefficients(b, nd, order)
+        orders.append(plus(scaled(ta, ca) if ca != 1 else ta, scaled(tb, cb) if cb != 1 else tb))
+    return Jet(out, orders[0], orders[1])
+
+
+@rule(aten.sub.Tensor, aten.sub.Scalar)
+def _sub(ctx: Context, out: Tensor, a: object, b: object, alpha: float = 1) -> Jet:
+    return _signed_sum(out, a, b, 1, -alpha)
+
+
+@rule(aten.rsub.Tensor, aten.rsub.Scalar)
+def _rsub(ctx: Context, out: Tensor, a: object, b: object, alpha: float = 1) -> Jet:
+    return _signed_sum(out, a, b, -alpha, 1)
+
+
+@rule(aten.add.Tensor, aten.add.Scalar)
+def _add(ctx: Context, out: Tensor, a: object, b: object, alpha: float = 1) -> Jet:
+    return _signed_sum(out, a, b, 1, alpha)
+
+
+@rule(aten.neg.default)
+def _neg(ctx: Context, out: Tensor, u: Jet) -> Jet:
+    return linear(out, u, operator.neg)
+
+
+@rule(aten.mul.Tensor, aten.mul.Scalar)
+def _mul(ctx: Context, out: Tensor, a: object, b: object) -> Jet:
+    return bilinear(ctx, out, a, b, operator.mul)
+
+
+def bilinear(
+    ctx: Context, out: Tensor, a: object, b: object, op: Callable[[Any, Any], Tensor]
+) -> Jet:
+    """Leibniz for an op bilinear in (a, b) that broadcasts a leading axis:
+    ``(ab)' = a'b + ab'``, ``(ab)'' = a''b + 2 a'b' + ab''``."""
+    nd = out.ndim
+    va, vb = value_of(a), value_of(b)
+    fa, fb = _coefficients(a, nd, 1), _coefficients(b, nd, 1)
+    sa, sb = _coefficients(a, nd, 2), _coefficients(b, nd, 2)
+    first = plus(None if fa is None else op(fa, vb), None if fb is None else op(va, fb))
+    cross = None
+    if fa is not None and fb is not None:
+        cross = 2 * (op(fa, fb).sum(0, keepdim=True) if ctx.collapsed else op(fa, fb))
+    second = plus(None if sa is None else op(sa, vb), None if sb is None else op(va, sb), cross)
+    return Jet(out, first, second)
+
+
+@rule(aten.div.Tensor, aten.div.Scalar)
+def _div(ctx: Context, out: Tensor, a: object, b: object) -> Jet:
+    if not isinstance(b, Jet):
+        return bilinear(ctx, out, a, b, operator.truediv)
+    return bilinear(ctx, out, a, apply(ctx, aten.reciprocal.default, b), operator.mul)
+
+
+@rule(aten.pow.Tensor_Tensor)
+def _tensor_power(ctx: Context, out: Tensor, base: object, exponent: object) -> Jet:
+    if not isinstance(exponent, Jet):
+        b = exponent
+        d1 = b * base.value ** (b - 1)
+        return chain(ctx, out, base, d1, b * (b - 1) * base.value ** (b - 2))
+    log_base = apply(ctx, aten.log.default, base)  # base^e = exp(e log base)
+    exponent_jet = apply(ctx, aten.mul.Tensor, exponent, log_base)
+    return chain(ctx, out, exponent_jet, out, out)
+
+
+@rule(aten.where.self)
+def _where(ctx: Context, out: Tensor, condition: Tensor, a: object, b: object) -> Jet:
+    nd = out.ndim
+
+    def select(order: int) -> Tensor | None:
+        ta, tb = _coefficients(a, nd, order), _coefficients(b, nd, order)
+        if ta is None and tb is None:
+            return None
+        zero = (ta if ta is not None else tb).new_zeros(())
+        return torch.where(condition, zero if ta is None else ta, zero if tb is None else tb)
+
+    return Jet(out, select(1), select(2))
+
+
+@rule(aten.masked_fill.Scalar)
+def _masked_fill(ctx: Context, out: Tensor, u: Jet, mask: Tensor, value: float) -> Jet:
+    return linear(out, u, lambda t: torch.where(mask, t.new_zeros(()), t))
+
+
+@rule(aten.native_dropout.default)
+def _dropout(ctx: Context, out: tuple, u: Jet, p: float, train: bool | None) -> tuple:
+    value, mask = out
+    if not train:
+        return Jet(value, u.first, u.second), mask
+    scale = mask.to(value.dtype) / (1 - p)
+    return linear(value, u, lambda t: t * scale), mask
+
+
+# --- matrix products ----------------------------------------------------------------------------
+
+
+def _matmul_jet(ctx: Context, out: Tensor, a: object, b: object) -> Jet:
+    """``a @ b`` for a (..., p, q), b (..., q, r): coefficients keep their broadcast dims except
+    the contracted one, so a first layer applied to shared directions runs once."""
+    nd = out.ndim
+    q_a = value_of(a).ndim - 1  # a's contracted dim (value dims)
+    q_b = value_of(b).ndim - 2
+
+    def contracted(arg: object, order: int, dim: int) -> Tensor | None:
+        t = _coefficients(arg, value_of(arg).ndim, order)
+        return None if t is None else expanded(t, value_of(arg).shape, [dim])
+
+    va, vb = value_of(a), value_of(b)
+    fa, fb = contracted(a, 1, q_a), contracted(b, 1, q_b)
+    sa, sb = contracted(a, 2, q_a), contracted(b, 2, q_b)
+    first = plus(None if fa is None else fa @ vb, None if fb is None else va @ fb)
+    cross = None
+    if fa is not None and fb is not None:
+        cross = 2 * ((fa @ fb).sum(0, keepdim=True) if ctx.collapsed else fa @ fb)
+    second = plus(None if sa is None else sa @ vb, None if sb is None else va @ sb, cross)
+    return Jet(out, lifted(first, nd), None if second is None else lifted(second, nd))
+
+
+@rule(aten.mm.default, aten.bmm.default)
+def _mm(ctx: Context, out: Tensor, a: object, b: object) -> Jet:
+    return _matmul_jet(ctx, out, a, b)
+
+
+@rule(aten.addmm.default, aten.baddbmm.default)
+def _addmm(
+    ctx: Context, out: Tensor, bias: object, a: object, b: object, beta: float = 1, alpha: float = 1
+) -> Jet:
+    product = _matmul_jet(ctx, out, a, b) if isinstance(a, Jet) or isinstance(b, Jet) else None
+    bias_part = bias if isinstance(bias, Jet) and beta != 0 else None
+    nd = out.ndim
+    orders = []
+    for order in (1, 2):
+        p = None if product is None else (product.first if order == 1 else product.second)
+        orders.append(plus(scaled(p, alpha) if alpha != 1 else p,
+                           scaled(_coefficients(bias_part, nd, order), beta)))  # fmt: skip
+    return Jet(out, orders[0], orders[1])
+
+
+@rule(aten.mv.default)
+def _mv(ctx: Context, out: Tensor, a: object, v: object) -> Jet:
+    column = apply(ctx, aten.unsqueeze.default, v, -1)
+    return apply(ctx, aten.squeeze.dim, apply(ctx, aten.mm.default, a, column), -1)
+
+
+@rule(aten.dot.default)
+def _dot(ctx: Context, out: Tensor, a: object, b: object) -> Jet:
+    return apply(ctx, aten.sum.default, apply(ctx, aten.mul.Tensor, a, b))
+
+
+# --- views and copies ---------------------------------------------------------------------------
+
+
+def _reshape_groups(src: Sequence[int], dst: Sequence[int]) -> list[tuple[list[int], list[int]]]:
+    """Consecutive dims of ``src`` and ``dst`` that a reshape maps onto each other."""
+    groups: list[tuple[list[int], list[int]]] = []
+    i = j = 0
+    while i < len(src) and j < len(dst):
+        gs, gd, ps, pd = [i], [j], src[i], dst[j]
+        i, j = i + 1, j + 1
+        while ps != pd:
+            if ps < pd:
+                gs.append(i)
+                ps *= src[i]
+                i += 1
+            else:
+                gd.append(j)
+                pd *= dst[j]
+                j += 1
+        groups.append((gs, gd))
+    groups += [([k], []) for k in range(i, len(src))] + [([], [k]) for k in range(j, len(dst))]
+    return groups
+
+
+def reshaped(t: Tensor, src: Sequence[int], dst: Sequence[int]) -> Tensor:
+    """A coefficient of a value reshaped ``src -> dst``; broadcast dims stay broadcast where
+    every dim they merge with is broadcast too."""
+    lead = t.shape[0]
+    if tuple(t.shape[1:]) == tuple(src) or 0 in src:
+        return expanded(t, src).reshape(lead, *dst)
+    sizes, expand_dims = [], []
+    for gs, gd in _reshape_groups(src, dst):
+        wide = [d for d in gs if src[d] != 1]
+        shared = [d for d in wide if t.shape[d + 1] == 1]
+        if wide and len(shared) == len(wide):  # constant along the whole group
+            sizes += [1] * len(gd)
+        else:
+            expand_dims += shared
+            sizes += [dst[d] for d in gd]
+    return expanded(t, src, expand_dims).reshape(lead, *sizes)
+
+
+@rule(aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.view_copy.default)
+def _view(ctx: Context, out: Tensor, u: Jet, size: object) -> Jet:
+    return linear(out, u, lambda t: reshaped(t, u.value.shape, out.shape))
+
+
+@rule(aten.permute.default, aten.permute_copy.default)
+def _permute(ctx: Context, out: Tensor, u: Jet, dims: Sequence[int]) -> Jet:
+    nd = u.value.ndim
+    order = [0, *(_dim(d, nd) + 1 for d in dims)]
+    return linear(out, u, lambda t: t.permute(order))
+
+
+@rule(aten.transpose.int, aten.transpose_copy.int)
+def _transpose(ctx: Context, out: Tensor, u: Jet, d0: int, d1: int) -> Jet:
+    nd = u.value.ndim
+    return linear(out, u, lambda t: t.transpose(_dim(d0, nd) + 1, _dim(d1, nd) + 1))
+
+
+@rule(aten.t.default)
+def _t(ctx: Context, out: Tensor, u: Jet) -> Jet:
+    return linear(out, u, lambda t: t.transpose(1, 2) if u.value.ndim == 2 else t)
+
+
+@rule(aten.expand.default, aten.expand_copy.default)
+def _expand(ctx: Context, out: Tensor, u: Jet, size: object, implicit: bool = False) -> Jet:
+    return linear(out, u, lambda t: lifted(t, out.ndim))  # new and size-1 dims stay broadcast
+
+
+@rule(aten.unsqueeze.default, aten.unsqueeze_copy.default)
+def _unsqueeze(ctx: Context, out: Tensor, u: Jet, dim: int) -> Jet:
+    return linear(out, u, lambda t: t.unsqueeze(_dim(dim, out.ndim) + 1))
+
+
+@rule(aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze_copy.dims)
+def _squeeze(ctx: Context, out: Tensor, u: Jet, dims: object = None) -> Jet:
+    nd = u.value.ndim
+    unit = [d for d in _dims(dims, nd) if u.value.shape[d] == 1]
+    return linear(out, u, lambda t: t.squeeze(tuple(d + 1 for d in unit)) if unit else t)
+
+
+@rule(aten.select.int, aten.select_copy.int)
+def _select(ctx: Context, out: Tensor, u: Jet, dim: int, index: int) -> Jet:
+    d = _dim(dim, u.value.ndim)
+
+    def fn(t: Tensor) -> Tensor:
+        return t.select(d + 1, 0 if d in _broadcast(t, u.value.shape) else index)
+
+    return linear(out, u, fn)
+
+
+@rule(aten.slice.Tensor, aten.slice_copy.Tensor)
+def _slice(
+    ctx: Context, out: Tensor, u: Jet, dim: int = 0, start: object = None, end: object = None,
+    step: int = 1,
+) -> Jet:  # fmt: skip
+    d = _dim(dim, u.value.ndim)
+
+    def fn(t: Tensor) -> Tensor:
+        if d in _broadcast(t, u.value.shape):
+            return t
+        return aten.slice.Tensor(t, d + 1, start, end, step)
+
+    return linear(out, u, fn)
+
+
+@rule(aten.clone.default, aten.alias.default)
+def _identity(ctx: Context, out: Tensor, u: Jet, *args: object, **kwargs: object) -> Jet:
+    return Jet(out, u.first, u.second)
+
+
+@rule(aten._to_copy.default)
+def _to_copy(ctx: Context, out: Tensor, u: Jet, **kwargs: object) -> Jet:
+    return linear(out, u, lambda t: t.to(dtype=out.dtype, device=out.device))
+
+
+@rule(aten.copy.default)
+def _copy(ctx: Context, out: Tensor, dst: object, src: object, non_blocking: bool = False) -> Any:
+    if not isinstance(src, Jet):
+        return out
+    return linear(out, src, lambda t: lifted(t, out.ndim).to(out.dtype))
+
+
+@rule(aten.diagonal.default, aten.diagonal_copy.default)
+def _diagonal(
+    ctx: Context, out: Tensor, u: Jet, offset: int = 0, dim1: int = 0, dim2: int = 1
+) -> Jet:
+    nd = u.value.ndim
+    d1, d2 = _dim(dim1, nd), _dim(dim2, nd)
+
+    def fn(t: Tensor) -> Tensor:
+        return expanded(t, u.value.shape, [d1, d2]).diagonal(offset, d1 + 1, d2 + 1)
+
+    return linear(out, u, fn)
+
+
+@rule(aten.constant_pad_nd.default)
+def _pad(ctx: Context, out: Tensor, u: Jet, pad: Sequence[int], value: float = 0) -> Jet:
+    nd = u.value.ndim
+    padded = [nd - 1 - i // 2 for i in range(len(pad))]
+
+    def fn(t: Tensor) -> Tensor:
+        return aten.constant_pad_nd.default(expanded(t, u.value.shape, padded), pad, 0.0)
+
+    return linear(out, u, fn)
+
+
+@rule(aten.cat.default)
+def _cat(ctx: Context, out: Tensor, tensors: Sequence[object], dim: int = 0) -> Jet:
+    nd = out.ndim
+    d = _dim(dim, nd)
+    parts = [t for t in tensors if value_of(t).numel() > 0 or value_of(t).ndim == nd]
+
+    def join(order: int) -> Tensor | None:
+        coefficients = [_coefficients(t, nd, order) for t in parts]
+        present = [c for c in coefficients if c is not None]
+        if not present:
+            return None
+        lead = max(c.shape[0] for c in present)
+        # a dim other than ``d`` stays broadcast only if it is broadcast in every part
+        sizes = [
+            1 if all(c is None or c.shape[i + 1] == 1 for c in coefficients) else out.shape[i]
+            for i in range(nd)
+        ]
+        pieces = []
+        for part, c in zip(parts, coefficients, strict=True):
+            shape = [lead, *sizes]
+            shape[d + 1] = value_of(part).shape[d]
+            pieces.append(present[0].new_zeros(()).expand(shape) if c is None else c.expand(shape))
+        return torch.cat(pieces, d + 1)
+
+    return Jet(out, join(1), join(2))
+
+
+@rule(aten.stack.default)
+def _stack(ctx: Context, out: Tensor, tensors: Sequence[object], dim: int = 0) -> Jet:
+    d = _dim(dim, out.ndim)
+    columns = [apply(ctx, aten.unsqueeze.default, t, d) for t in tensors]
+    return apply(ctx, aten.cat.default, columns, d)
+
+
+@rule(aten.split.Tensor, aten.split_with_sizes.default)
+def _split(ctx: Context, out: Sequence[Tensor], u: Jet, sizes: object, dim: int = 0) -> list:
+    d = _dim(dim, u.value.ndim)
+    starts = [0]
+    for piece in out:
+        starts.append(starts[-1] + piece.shape[d])
+    return [apply(ctx, aten.slice.Tensor, u, d, a, b) for a, b in itertools.pairwise(starts)]
+
+
+@rule(aten.unbind.int)
+def _unbind(ctx: Context, out: Sequence[Tensor], u: Jet, dim: int = 0) -> list:
+    d = _dim(dim, u.value.ndim)
+    return [apply(ctx, aten.select.int, u, d, i) for i in range(len(out))]
+
+
+@rule(aten.flip.default)
+def _flip(ctx: Context, out: Tensor, u: Jet, dims: Sequence[int]) -> Jet:
+    nd = u.value.ndim
+
+    def fn(t: Tensor) -> Tensor:  # flipping a broadcast (constant) dim changes nothing
+        flipped = [_dim(d, nd) + 1 for d in dims if _dim(d, nd) not in _broadcast(t, u.value.shape)]
+        return t.flip(flipped) if flipped else t
+
+    return linear(out, u, fn)
+
+
+@rule(aten.index.Tensor)
+def _index(ctx: Context, out: Tensor, u: Jet, indices: Sequence[Tensor | None]) -> Jet:
+    indexed = [d for d, i in enumerate(indices) if i is not None]
+    if any(indices[d].dtype == torch.bool for d in indexed):  # masks: let vmap place the dims
+        return linear(out, u, lambda t: vmap(lambda z: aten.index.Tensor(z, list(indices)))(
+            expanded(t, u.value.shape)))  # fmt: skip
+    # index tensors in non-adjacent dims put their broadcast dims first (numpy's rule), which
+    # for the coefficient means before its leading axis: move that axis back to the front
+    adjacent = indexed == list(range(indexed[0], indexed[-1] + 1))
+    index_ndim = len(torch.broadcast_shapes(*(indices[d].shape for d in indexed)))
+
+    def fn(t: Tensor) -> Tensor:
+        result = aten.index.Tensor(expanded(t, u.value.shape, indexed), [None, *indices])
+        return result if adjacent else result.movedim(index_ndim, 0)
+
+    return linear(out, u, fn)
+
+
+@rule(aten.index_select.default)
+def _index_select(ctx: Context, out: Tensor, u: Jet, dim: int, index: Tensor) -> Jet:
+    d = _dim(dim, u.value.ndim)
+    return linear(out, u, lambda t: expanded(t, u.value.shape, [d]).index_select(d + 1, index))
+
+
+@rule(aten.gather.default)
+def _gather(
+    ctx: Context, out: Tensor, u: Jet, dim: int, index: Tensor, sparse_grad: bool = False
+) -> Jet:
+    d = _dim(dim, u.value.ndim)
+
+    def fn(t: Tensor) -> Tensor:
+        return torch.gather(
+            expanded(t, u.value.shape), d + 1, index.expand(t.shape[0], *index.shape)
+        )
+
+    return linear(out, u, fn)
+
+
+# --- reductions -----------------------------------------------------------------------------------
+
+
+@rule(aten.sum.dim_IntList, aten.sum.default)
+def _sum(
+    ctx: Context, out: Tensor, u: Jet, dim: object = None, keepdim: bool = False, *,
+    dtype: torch.dtype | None = None,
+) -> Jet:  # fmt: skip
+    dims = _dims(dim, u.value.ndim)
+
+    def fn(t: Tensor) -> Tensor:
+        factor = math.prod(u.value.shape[d] for d in _broadcast(t, u.value.shape) if d in dims)
+        summed = t.sum([d + 1 for d in dims], keepdim=keepdim) if dims else t
+        summed = summed if factor == 1 else summed * factor
+        return summed if dtype is None else summed.to(dtype)
+
+    return linear(out, u, fn)
+
+
+@rule(aten.mean.dim, aten.mean.default)
+def _mean(
+    ctx: Context, out: Tensor, u: Jet, dim: object = None, keepdim: bool = False, *,
+    dtype: torch.dtype | None = None,
+) -> Jet:  # fmt: skip
+    dims = _dims(dim, u.value.ndim)
+
+    def fn(t: Tensor) -> Tensor:  # the mean of a broadcast (constant) dim is that constant
+        mean = t.mean([d + 1 for d in dims], keepdim=keepdim) if dims else t
+        return mean if dtype is None else mean.to(dtype)
+
+    return linear(out, u, fn)
+
+
+@rule(aten.cumsum.default)
+def _cumsum(ctx: Context, out: Tensor, u: Jet, dim: int, *, dtype: object = None) -> Jet:
+    d = _dim(dim, u.value.ndim)
+    return linear(out, u, lambda t: expanded(t, u.value.shape, [d]).cumsum(d + 1).to(out.dtype))
+
+
+def _kept(value: Tensor, shape: Sequence[int], dims: list[int]) -> Tensor:
+    """A reduction's value with its reduced dims back as size 1."""
+    return value.reshape([1 if d in dims else n for d, n in enumerate(shape)])
+
+
+@rule(aten.amax.default, aten.amin.default)
+def _amax(ctx: Context, out: Tensor, u: Jet, dim: object = (), keepdim: bool = False) -> Jet:
+    dims = _dims(dim, u.value.ndim)
+    # where the extremum is attained, split evenly between ties (autograd's convention)
+    hits = (u.value == _kept(out, u.value.shape, dims)).to(out.dtype)
+    weights = hits / hits.sum(dims, keepdim=True)
+    return linear(out, u, lambda t: (weights * t).sum([d + 1 for d in dims], keepdim=keepdim))
+
+
+@rule(aten.max.default, aten.min.default)
+def _max_all(ctx: Context, out: Tensor, u: Jet) -> Jet:
+    return _amax(ctx, out, u, list(range(u.value.ndim)), False)
+
+
+@rule(aten.max.dim, aten.min.dim)
+def _max_dim(ctx: Context, out: tuple, u: Jet, dim: int, keepdim: bool = False) -> tuple:
+    values, indices = out
+    d = _dim(dim, u.value.ndim)
+    picked = apply(ctx, aten.gather.default, u, d, indices if keepdim else indices.unsqueeze(d))
+    if not keepdim:
+        picked = apply(ctx, aten.squeeze.dim, picked, d)
+    return Jet(values, picked.first, picked.second), indices
+
+
+def _variance(root: bool) -> Rule:
+    """var = sum((u - mean)^2) / (n - correction), std its root; ``*_mean`` also the mean."""
+
+    def variance_rule(ctx: Context, out: Any, u: Jet, *args: object, **kwargs: object) -> Any:
+        dim, correction, keepdim = _variance_options(*args, **kwargs)
+        dims = _dims(dim, u.value.ndim)
+        mean = apply(ctx, aten.mean.dim, u, dims, True)
+        centred = apply(ctx, aten.sub.Tensor, u, mean)
+        squares = apply(ctx, aten.mul.Tensor, centred, centred)
+        count = math.prod(u.value.shape[d] for d in dims)
+        spread = apply(ctx, aten.div.Tensor, apply(ctx, aten.sum.dim_IntList, squares, dims,
+                                                   keepdim), max(count - correction, 0))  # fmt: skip
+        if root:
+            spread = apply(ctx, aten.sqrt.default, spread)
+        if not isinstance(out, tuple):
+            return Jet(out, spread.first, spread.second)
+        if not keepdim:
+            mean = apply(ctx, aten.squeeze.dims, mean, dims)
+        return Jet(out[0], spread.first, spread.second), Jet(out[1], mean.first, mean.second)
+
+    return variance_rule
+
+
+def _variance_options(
+    dim: object = None, unbiased: object = None, keepdim: bool = False, *,
+    correction: float | None = None,
+) -> tuple[object, float, bool]:  # fmt: skip
+    if isinstance(dim, bool):  # var.default(self, unbiased)
+        dim, unbiased = None, dim
+    if correction is None:
+        correction = 0 if unbiased is False else 1
+    return dim, correction, keepdim
+
+
+for _ops, _root in (
+    ((aten.var.correction, aten.var.dim, aten.var.default, aten.var_mean.correction,
+      aten.var_mean.dim), False),
+    ((aten.std.correction, aten.std.dim, aten.std.default, aten.std_mean.correction,
+      aten.std_mean.dim), True),
+):  # fmt: skip
+    rule(*_ops)(_variance(_root))
+
+
+def _lse(ctx: Context, u: Jet, dims: list[int], keepdim: bool, p: Tensor) -> tuple:
+    """Coefficients of log sum exp over ``dims``, ``p = softmax(u)``: first ``sum p t``, second
+    ``sum p s + sum p t^2 - (sum p t)^2``."""
+    shifted = [d + 1 for d in dims]
+    first = (p * u.first).sum(shifted, keepdim=keepdim)
+    spread = (p * ctx.square(u.first)).sum(shifted, keepdim=keepdim) - ctx.square(first)
+    own = None if u.second is None else (p * u.second).sum(shifted, keepdim=keepdim)
+    return first, plus(own, spread)
+
+
+@rule(aten.logsumexp.default)
+def _logsumexp(ctx: Context, out: Tensor, u: Jet, dim: object, keepdim: bool = False) -> Jet:
+    dims = _dims(dim, u.value.ndim)
+    p = torch.exp(u.value - _kept(out, u.value.shape, dims))
+    return Jet(out, *_lse(ctx, u, dims, keepdim, p))
+
+
+def _log_softmax_coefficients(ctx: Context, u: Jet, d: int, p: Tensor) -> tuple:
+    """``log softmax(u) = u - logsumexp(u)`` along ``d``."""
+    first, second = _lse(ctx, u, [d], True, p)
+    return lifted(u.first, p.ndim) - first, plus(u.second, scaled(second, -1))
+
+
+@rule(aten._log_softmax.default)
+def _log_softmax(ctx: Context, out: Tensor, u: Jet, dim: int, half_to_float: bool = False) -> Jet:
+    return Jet(out, *_log_softmax_coefficients(ctx, u, _dim(dim, out.ndim), torch.exp(out)))
+
+
+@rule(aten._softmax.default)
+def _softmax(ctx: Context, out: Tensor, u: Jet, dim: int, half_to_float: bool = False) -> Jet:
+    log_p = Jet(out, *_log_softmax_coefficients(ctx, u, _dim(dim, out.ndim), out))
+    return chain(ctx, out, log_p, out, out)  # softmax = exp(log softmax)
+
+
+@rule(aten.linalg_vector_norm.default)
+def _vector_norm(
+    ctx: Context, out: Tensor, u: Jet, ord: float = 2, dim: object = None, keepdim: bool = False,
+    *, dtype: torch.dtype | None = None,
+) -> Any:  # fmt: skip
+    if dtype is not None:
+        u = apply(ctx, aten._to_copy.default, u, dtype=dtype)
+    dims = _dims(dim, u.value.ndim)
+    if ord == 0:
+        return out
+    magnitude = apply(ctx, aten.abs.default, u)
+    if ord == math.inf:
+        return apply(ctx, aten.amax.default, magnitude, dims, keepdim)
+    if ord == -math.inf:
+        return apply(ctx, aten.amin.default, magnitude, dims, keepdim)
+    if ord == 1:
+        return apply(ctx, aten.sum.dim_IntList, magnitude, dims, keepdim)
+    base = u if ord == 2 else magnitude  # |u|^2 = u^2 is smooth at 0
+    total = apply(ctx, aten.sum.dim_IntList, apply(ctx, aten.pow.Tensor_Scalar, base, ord), dims,
+                  keepdim)  # fmt: skip
+    norm = apply(ctx, aten.pow.Tensor_Scalar, total, 1 / ord)
+    # autograd's convention: a zero norm has zero derivatives (they are unbounded there)
+    zero = out == 0
+    return Jet(
+        out,
+        torch.where(zero, 0.0, norm.first),
+        None if norm.second is None else torch.where(zero, 0.0, norm.second),
+    )
+
+
+@rule(aten._cdist_forward.default, aten._euclidean_dist.default)
+def _cdist(
+    ctx: Context, out: Tensor, a: object, b: object, p: float = 2, compute_mode: object = None
+) -> Any:
+    rows = apply(ctx, aten.unsqueeze.default, a, -2)  # (..., P, 1, M)
+    columns = apply(ctx, aten.unsqueeze.default, b, -3)  # (..., 1, R, M)
+    difference = apply(ctx, aten.sub.Tensor, rows, columns)
+    distance = apply(ctx, aten.linalg_vector_norm.default, difference, p, [-1])
+    return Jet(out, distance.first, distance.second) if isinstance(distance, Jet) else out
+
+
+# --- fallbacks built from torch.func on the op alone --------------------------------------------
+
+
+def _substitute(
+    op: Callable[..., Any], args: tuple, kwargs: dict
+) -> tuple[Callable[..., Any], tuple[Tensor, ...], list[Jet]]:
+    """``op`` as a function of its jet inputs' values (everything else fixed)."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Jet)]
+    jets = [leaves[i] for i in positions]
+    fixed = [value_of(leaf) for leaf in leaves]
+
+    def fn(*values: Tensor) -> Any:
+        current = list(fixed)
+        for i, v in zip(positions, values, strict=True):
+            current[i] = v
+        a, k = pytree.tree_unflatten(current, spec)
+        return op(*a, **k)
+
+    return fn, tuple(j.value for j in jets), jets
+
+
+def _elementwise_derivatives(
+    fn: Callable[..., Tensor], primals: tuple[Tensor, ...], shape: Sequence[int]
+) -> tuple[list[Tensor], dict[tuple[int, int], Tensor]]:
+    """An elementwise ``fn``'s partial derivatives ``g_i`` and ``h_ij`` (i <= j), each of the
+    output's shape: reverse over reverse, or forward over forward where a double backward is
+    missing (each output element depends on one element of each input)."""
+    spread = tuple(p.expand(shape) for p in primals)
+    every = tuple(range(len(primals)))
+
+    def total(*p: Tensor) -> Tensor:
+        return fn(*p).sum()
+
+    try:
+        gradient = list(grad(total, argnums=every)(*spread))
+        hessian = {}
+        for i in every:
+            row = grad(lambda *p, i=i: grad(total, argnums=i)(*p).sum(), argnums=every[i:])(*spread)
+            hessian.update({(i, j): h for j, h in zip(every[i:], row, strict=True)})
+        return gradient, hessian
+    except NotImplementedError:
+        pass
+    units = [tuple(torch.ones_like(p) if j == i else torch.zeros_like(p) for j, p in
+                   enumerate(spread)) for i in every]  # fmt: skip
+
+    def along(i: int) -> Callable[..., Tensor]:
+        return lambda *p: jvp(fn, p, units[i])[1]
+
+    gradient = [along(i)(*spread) for i in every]
+    hessian = {(i, j): jvp(along(i), spread, units[j])[1] for i in every for j in every[i:]}
+    return gradient, hessian
+
+
+def pointwise_fallback(ctx: Context, op: Callable[..., Any], out: Tensor, args: tuple,
+                       kwargs: dict) -> Jet:  # fmt: skip
+    """An elementwise op of one or more jet inputs, by the chain rule with its elementwise
+    gradient and Hessian (from ``torch.func`` on the op alone)."""
+    fn, primals, jets = _substitute(op, args, kwargs)
+    gradient, hessian = _elementwise_derivatives(fn, primals, out.shape)
+    nd = out.ndim
+    firsts = [lifted(j.first, nd) for j in jets]
+    first = plus(*(g * f for g, f in zip(gradient, firsts, strict=True)))
+    second = plus(
+        *(
+            g * lifted(j.second, nd)
+            for g, j in zip(gradient, jets, strict=True)
+            if j.second is not None
+        )
+    )
+    for (i, j), h in hessian.items():
+        term = h * ctx.product(firsts[i], firsts[j])
+        second = plus(second, term if i == j else 2 * term)
+    return Jet(out, first, second)
+
+
+def general_fallback(ctx: Context, op: Callable[..., Any], out: Any, args: tuple,
+                     kwargs: dict) -> Any:  # fmt: skip
+    """Any op: first order ``jvp`` along each direction, second order ``jvp`` of ``jvp`` along
+    each direction (the op's curvature) plus ``jvp`` of the inputs' second-order coefficients;
+    where forward-mode AD is missing for the op, its Jacobian and Hessian by reverse mode."""
+    fn, primals, jets = _substitute(op, args, kwargs)
+    outputs, spec = pytree.tree_flatten(out)
+    smooth = [i for i, o in enumerate(outputs) if isinstance(o, Tensor) and o.is_floating_point()]
+
+    def smooth_fn(*values: Tensor) -> tuple[Tensor, ...]:
+        flat = pytree.tree_leaves(fn(*values))
+        return tuple(flat[i] for i in smooth)
+
+    firsts = [expanded(lifted(j.first, j.value.ndim), j.value.shape) for j in jets]
+    seconds = None
+    if any(j.second is not None for j in jets):
+        lead = next(j.second.shape[0] for j in jets if j.second is not None)
+        seconds = [
+            j.value.new_zeros(()).expand(lead, *j.value.shape)
+            if j.second is None
+            else expanded(lifted(j.second, j.value.ndim), j.value.shape)
+            for j in jets
+        ]
+    try:
+        first, second = _forward_coefficients(ctx, smooth_fn, primals, firsts, seconds)
+    except NotImplementedError:
+        first, second = _reverse_coefficients(ctx, smooth_fn, primals, firsts, seconds)
+    result = list(outputs)
+    for i, f1, f2 in zip(smooth, first, second, strict=True):
+        result[i] = Jet(outputs[i], f1, f2)
+    return pytree.tree_unflatten(result, spec)
+
+
+def _forward_coefficients(ctx: Context, fn: Callable[..., tuple], primals: tuple,
+                          firsts: list, seconds: list | None) -> tuple:  # fmt: skip
+    def along(*tangents: Tensor) -> tuple[Tensor, ...]:
+        return jvp(fn, primals, tangents)[1]
+
+    def curvature(*tangents: Tensor) -> tuple[Tensor, ...]:
+        return jvp(lambda *p: jvp(fn, p, tangents)[1], primals, tangents)[1]
+
+    first = vmap(along)(*firsts)
+    second = vmap(curvature)(*firsts)
+    if ctx.collapsed:
+        second = tuple(s.sum(0, keepdim=True) for s in second)
+    if seconds is not None:
+        second = tuple(s + t for s, t in zip(second, vmap(along)(*seconds), strict=True))
+    return first, second
+
+
+def _reverse_coefficients(ctx: Context, fn: Callable[..., tuple], primals: tuple,
+                          firsts: list, seconds: list | None) -> tuple:  # fmt: skip
+    """From the op's Jacobian and Hessian (reverse over reverse), flattened per input."""
+    every = tuple(range(len(primals)))
+    jacobian = jacrev(fn, argnums=every)(*primals)  # [output][input]: out + in
+    hessian = jacrev(jacrev(fn, argnums=every), argnums=every)(*primals)  # [o][i][j]
+    first, second = [], []
+    for o, value in enumerate(fn(*primals)):
+        size = value.numel()
+        f = s = 0
+        for i, t in enumerate(firsts):
+            f = f + t.reshape(t.shape[0], -1) @ jacobian[o][i].reshape(size, -1).T
+            if seconds is not None:
+                s = s + seconds[i].reshape(seconds[i].shape[0], -1) @ jacobian[o][i].reshape(
+                    size, -1).T  # fmt: skip
+            for j, u in enumerate(firsts):
+                h = hessian[o][i][j].reshape(size, t[0].numel(), u[0].numel())
+                quad = torch.einsum("ka,oab,kb->ko", t.reshape(t.shape[0], -1), h,
+                                    u.reshape(u.shape[0], -1))  # fmt: skip
+                s = s + (quad.sum(0, keepdim=True) if ctx.collapsed else quad)
+        first.append(f.reshape(-1, *value.shape))
+        second.append(s.reshape(-1, *value.shape))
+    return first, second
