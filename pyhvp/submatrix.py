@@ -9,17 +9,20 @@ of one joint pass), and the forward is not repeated per tensor. ``joint=True`` p
 tensors as one vector instead, cross blocks included.
 
 With ``data``, the loss is summed over batches: one such pass per batch (and per chunk), the rows
-accumulated, so memory is bounded by one batch. Cost: one Hessian-vector product per selected
-component per batch, batched; memory ``c * P`` for the tangents and columns of a pass (P: entries
-of the selected tensors, c = ``chunk_size``, default all k) plus that pass's intermediates.
+accumulated, so memory is bounded by one batch. With ``group``, each rank sums its own batches, and
+one ``all_reduce`` adds the ranks' sums and symmetrises after (:mod:`pyhvp.distributed`). Cost: one
+Hessian-vector product per selected component per batch, batched; memory ``c * P`` for the
+tangents and columns of a pass (P: entries of the selected tensors, c = ``chunk_size``, default all
+k) plus that pass's intermediates.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping
+from functools import partial
 from itertools import accumulate
-from typing import Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
 from torch.func import functional_call
@@ -34,6 +37,10 @@ from pyhvp._checks import (
     require_tensor,
 )
 from pyhvp.backends import Backend, resolve_backend
+from pyhvp.distributed import Fingerprint, check_group, sum_over_ranks
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 Params = dict[str, torch.Tensor]
 
@@ -45,6 +52,7 @@ def sub_hessian(
     index: torch.Tensor,
     *,
     data: Iterable[Any] | None = None,
+    group: ProcessGroup | None = None,
     joint: bool = False,
     chunk_size: int | None = None,
     backend: str | Backend = "torch",
@@ -58,6 +66,7 @@ def sub_hessian(
     index: Mapping[str, torch.Tensor],
     *,
     data: Iterable[Any] | None = None,
+    group: ProcessGroup | None = None,
     joint: Literal[False] = False,
     chunk_size: int | None = None,
     backend: str | Backend = "torch",
@@ -71,6 +80,7 @@ def sub_hessian(
     index: Mapping[str, torch.Tensor],
     *,
     data: Iterable[Any] | None = None,
+    group: ProcessGroup | None = None,
     joint: Literal[True],
     chunk_size: int | None = None,
     backend: str | Backend = "torch",
@@ -83,6 +93,7 @@ def sub_hessian(
     index: torch.Tensor | Mapping[str, torch.Tensor],
     *,
     data: Iterable[Any] | None = None,
+    group: ProcessGroup | None = None,
     joint: bool = False,
     chunk_size: int | None = None,
     backend: str | Backend = "torch",
@@ -97,16 +108,41 @@ def sub_hessian(
     of ``params`` not named in ``index`` are held constant. With ``data`` (an iterable of batches,
     e.g. a ``DataLoader``), ``loss(params, batch)`` is called per batch and the result is the
     sub-Hessian of the SUM over every batch (one batch in memory at a time; divide by the data set
-    size for a mean). The result is symmetrised, ``(S + S.T) / 2``, so it is exactly symmetric; it
-    carries no autograd graph and ``params`` is not modified. ``chunk_size`` bounds how many
-    components of each tensor are pushed per pass. ``joint=True`` pushes all selected tensors as
-    one vector, whose tensors must then share one dtype and device.
+    size for a mean). With ``group`` (a ``torch.distributed`` process group), every rank passes its
+    own shard of batches and gets the same result: the sub-Hessian of the sum over all batches of
+    all ranks, combined by one ``all_reduce``; a rank that raises, or ranks that disagree on
+    params' shapes, ``index`` or ``joint``, make every rank raise instead of hang
+    (:mod:`pyhvp.distributed` says how, and what can still hang). The result is symmetrised,
+    ``(S + S.T) / 2``, so it is exactly symmetric; it carries no autograd graph and ``params`` is
+    not modified. ``chunk_size`` bounds how many components of each tensor are pushed per pass.
+    ``joint=True`` pushes all selected tensors as one vector, whose tensors must then share one
+    dtype and device.
 
     >>> loss = lambda p: p[0] ** 2 * p[1] + p[2] ** 3       # H: [[2 p1, 2 p0, 0], [2 p0, 0, 0], [0, 0, 6 p2]]
     >>> H = sub_hessian(loss, torch.tensor([1.0, 2.0, 3.0]), torch.tensor([2, 0, 1]))
     >>> torch.equal(H, torch.tensor([[18.0, 0.0, 0.0], [0.0, 4.0, 2.0], [0.0, 2.0, 0.0]]))
     True
     """
+    group = check_group(group)
+    local = partial(_local_sums, loss, params, index, data, joint, chunk_size, backend)
+    sums = local()[0] if group is None else sum_over_ranks(local, group, "sub_hessian")
+    blocks = [(s + s.mT) / 2 for s in sums]
+    if isinstance(params, torch.Tensor) or joint:
+        return blocks[0]
+    return dict(zip(index, blocks, strict=True))
+
+
+def _local_sums(
+    loss: Callable[..., torch.Tensor],
+    params: torch.Tensor | Mapping[str, torch.Tensor],
+    index: torch.Tensor | Mapping[str, torch.Tensor],
+    data: Iterable[Any] | None,
+    joint: bool,
+    chunk_size: int | None,
+    backend: str | Backend,
+) -> tuple[list[torch.Tensor], Fingerprint]:
+    """This process's part of :func:`sub_hessian`: its arguments checked, the unsymmetrised
+    block(s) summed over its batches, and what every rank of a group must agree on."""
     if not isinstance(joint, bool):
         raise ValueError(f"joint must be True or False, got {joint!r}")
     chunk_size = check_chunk_size(chunk_size)
@@ -116,25 +152,35 @@ def sub_hessian(
         tensor = require_floating("params", params).detach()
         flat = _check_index("index", index, tensor.numel(), "params")
         selection = _Selection(loss, (), ())
-        return _sub_hessians(selection, [tensor], [flat], [], batches, chunk_size, resolved)[0]
+        fingerprint = {
+            "params' shape, dtype": (tuple(tensor.shape), str(tensor.dtype)),
+            "index": flat.tolist(),
+        }
+        sums = _sub_hessians(selection, [tensor], [flat], [], batches, chunk_size, resolved)
+        return sums, fingerprint
     fixed, flats = _check_named(params, index, joint)
+    fingerprint = {
+        "joint": joint,
+        "params' names": list(fixed),
+        **{f"params[{n!r}] shape, dtype": (tuple(p.shape), str(p.dtype)) for n, p in fixed.items()},
+        **{f"index[{name!r}]": flat.tolist() for name, flat in flats.items()},
+    }
     names = list(flats)
     others = [p for name, p in fixed.items() if name not in flats]
     if not joint:
         selection = _Selection(loss, tuple(fixed), tuple(names))
         tensors = [fixed[name] for name in names]
-        blocks = _sub_hessians(
+        sums = _sub_hessians(
             selection, tensors, list(flats.values()), others, batches, chunk_size, resolved
         )
-        return dict(zip(names, blocks, strict=True))
+        return sums, fingerprint
     shapes = tuple(fixed[name].shape for name in names)
     selection = _Selection(loss, tuple(fixed), tuple(names), joint_shapes=shapes)
     vector = torch.cat([fixed[name].reshape(-1) for name in names])
     offsets = accumulate([0, *(fixed[name].numel() for name in names)])
     joint_index = torch.cat([flats[name] + o for name, o in zip(names, offsets, strict=False)])
-    return _sub_hessians(selection, [vector], [joint_index], others, batches, chunk_size, resolved)[
-        0
-    ]
+    sums = _sub_hessians(selection, [vector], [joint_index], others, batches, chunk_size, resolved)
+    return sums, fingerprint
 
 
 def module_loss(
@@ -304,8 +350,8 @@ def _sub_hessians(
     chunk_size: int | None,
     backend: Backend,
 ) -> list[torch.Tensor]:
-    """Symmetrised ``(k_i, k_i)`` Hessian block of each leaf over its selected entries, summed
-    over the batches; every pass is one call of the multi-leaf primitive."""
+    """``(k_i, k_i)`` Hessian block of each leaf over its selected entries (rows ``H e_j``, not yet
+    symmetrised), summed over the batches; every pass is one call of the multi-leaf primitive."""
     primitive = getattr(backend, "grad_and_block_hvps", None)
     if primitive is None:
         raise TypeError(
@@ -325,7 +371,7 @@ def _sub_hessians(
             _, columns = primitive(loss, tensors, tangents, (*others, *batch_values), None)
             for block, chunk, flat, column in zip(blocks, chunks, flats, columns, strict=True):
                 block[start : start + len(chunk)] += column.flatten(1)[:, flat]
-    return [(block + block.mT) / 2 for block in blocks]
+    return blocks
 
 
 def _one_hot(entries: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
