@@ -73,7 +73,7 @@ def test_a_closure_that_captures_itself_has_a_key():
 @settings(max_examples=200, deadline=None)
 @given(
     eager=st.floats(1e-4, 1.0),
-    speedup=st.floats(1.0, 100.0),
+    speedup=st.floats(0.25, 100.0),
     compile_cost=st.floats(1e-3, 30.0),
     calls=st.integers(1, 400),
 )
@@ -81,7 +81,8 @@ def test_auto_total_time_is_within_twice_the_better_fixed_choice(
     eager, speedup, compile_cost, calls
 ):
     """Ski rental, with the compile cost known: for any number of calls, "auto" costs at most
-    twice the better of always-eager and always-compiled, plus one eager call."""
+    twice the better of always-eager and always-compiled, plus one eager call and the timed trial
+    of a compiled kernel that turns out slower than eager (then declined)."""
     compiled_call = eager / speedup
     now = [0.0]
     cache = compile_policy.CompileCache()
@@ -110,7 +111,34 @@ def test_auto_total_time_is_within_twice_the_better_fixed_choice(
         for _ in range(calls):
             backend._run(eager_kernel, eager_kernel, scaled, (), (x,))
     best = min(calls * eager, compile_cost + calls * compiled_call)
-    assert now[0] <= 2 * best + eager + 1e-9
+    trial = (compile_policy.TRIAL_CALLS + 1) * compiled_call
+    assert now[0] <= 2 * best + eager + trial + 1e-9
+
+
+def test_a_compiled_kernel_slower_than_eager_is_declined_after_its_trial(
+    monkeypatch, compile_after_eager_calls
+):
+    compile_after_eager_calls(2)
+    runs = []
+
+    def slower_compile(kernel, f, static):
+        def run(x):
+            runs.append("compiled")
+            compile_policy.clock()  # each clock reading advances one second: 2 s per call
+            return x
+
+        return run
+
+    def eager_kernel(f, x):
+        runs.append("eager")
+        return x
+
+    monkeypatch.setattr(torch_backend, "_compile_bound", slower_compile)
+    backend = pyhvp.TorchBackend(compile="auto")
+    for _ in range(10):
+        backend._run(eager_kernel, eager_kernel, scaled, (), (torch.zeros(1),))
+    trial = 1 + compile_policy.TRIAL_CALLS  # the compiling call, then the timed ones
+    assert runs == ["eager"] * 2 + ["compiled"] * trial + ["eager"] * (10 - 2 - trial)
 
 
 def test_expected_compile_cost_is_the_median_of_measured_compiles():

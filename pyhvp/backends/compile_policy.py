@@ -13,6 +13,9 @@ script of ten calls never stalls on a compile and a loop of thousands still runs
   and :data:`WARM_COMPILE_SECONDS` when it holds graphs from earlier runs.
 * Eager time is wall time on the CPU; on CUDA it is read from CUDA events once they complete,
   so timing never synchronises the device.
+* Compiling is not always faster (e.g. a graph inductor fuses worse than autograd runs it): the
+  first :data:`TRIAL_CALLS` compiled calls are timed too, and a signature whose compiled median
+  is slower than its eager median goes back to eager for good.
 
 **Keys.** Functions are keyed by what they compute, not by object identity: a function rebuilt on
 every call from the same code over the same captured objects (a lambda in a training loop, a
@@ -30,7 +33,7 @@ import functools
 import statistics
 import time
 import types
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -113,40 +116,57 @@ def signature(
     return (kernel, function_key(f), static, tuple(describe(t) for t in inputs))
 
 
+TRIAL_CALLS = 3
+"""Compiled calls timed after the compile; if their median is slower than the eager median, the
+signature runs eagerly from then on (compiling is not always faster)."""
+
+
 @dataclass
-class Entry:
-    """What one signature has cost so far and its compiled kernel, once there is one."""
+class Account:
+    """Time spent on one way of running a signature: a total, and the last calls for a median."""
 
-    eager_seconds: float = 0.0
-    eager_calls: int = 0
+    seconds: float = 0.0
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=16))
     pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
-    compiled: Callable[..., object] | None = None
-    failed: bool = False
 
-    def mean_eager_seconds(self) -> float:
-        return self.eager_seconds / max(self.eager_calls, 1)
-
-    def timed_eager(self, run: Callable[[], object], device: torch.device) -> object:
-        """``run()``, its time added to this signature's eager account."""
-        if device.type == "cuda":
-            self._collect_completed()
-            stream = torch.cuda.current_stream(device)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(stream)
-            out = run()
-            end.record(stream)
-            self.pending.append((start, end))
-        else:
+    def timed(self, run: Callable[[], object], device: torch.device) -> object:
+        """``run()``, its time added to this account (CUDA: read from events once complete)."""
+        if device.type != "cuda":
             begin = clock()
             out = run()
-            self.eager_seconds += clock() - begin
-        self.eager_calls += 1
-        return out
-
-    def _collect_completed(self) -> None:
+            self._add(clock() - begin)
+            return out
         while self.pending and self.pending[0][1].query():
             start, end = self.pending.pop(0)
-            self.eager_seconds += start.elapsed_time(end) / 1e3
+            self._add(start.elapsed_time(end) / 1e3)
+        stream = torch.cuda.current_stream(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        out = run()
+        end.record(stream)
+        self.pending.append((start, end))
+        return out
+
+    def median(self) -> float:
+        return statistics.median(self.recent) if self.recent else 0.0
+
+    def _add(self, seconds: float) -> None:
+        self.seconds += seconds
+        self.recent.append(seconds)
+
+
+@dataclass
+class Entry:
+    """What one signature has cost each way so far, and its compiled kernel once there is one."""
+
+    eager: Account = field(default_factory=Account)
+    compiled_runs: Account = field(default_factory=Account)
+    compiled: Callable[..., object] | None = None
+    failed: bool = False
+    declined: bool = False
+
+    def on_trial(self) -> bool:
+        return len(self.compiled_runs.recent) < TRIAL_CALLS
 
 
 class CompileCache:
@@ -172,12 +192,16 @@ class CompileCache:
 
     def should_compile(self, entry: Entry) -> bool:
         """Ski rental: compile once the eager time spent reaches the expected compile cost."""
-        return entry.eager_seconds >= self.expected_compile_seconds()
+        return entry.eager.seconds >= self.expected_compile_seconds()
 
     def record_compile(self, entry: Entry, first_call_seconds: float) -> None:
-        self.measured_compile_seconds.append(
-            max(first_call_seconds - entry.mean_eager_seconds(), 0.0)
-        )
+        self.measured_compile_seconds.append(max(first_call_seconds - entry.eager.median(), 0.0))
+
+    @staticmethod
+    def judge(entry: Entry) -> None:
+        """After the trial calls: decline the compiled kernel if it is slower than eager."""
+        if not entry.on_trial() and entry.eager.recent:
+            entry.declined = entry.compiled_runs.median() > entry.eager.median()
 
 
 @functools.cache

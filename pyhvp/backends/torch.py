@@ -350,18 +350,25 @@ class TorchBackend:
         except TypeError:  # an unhashable function: nothing to cache it under
             return eager(*inputs)
         entry = _CACHE.entry(key)
-        waiting = self.compile == "auto" and entry.compiled is None
-        if entry.failed or (waiting and not _CACHE.should_compile(entry)):
-            device = next(t.device for t in inputs if isinstance(t, torch.Tensor))
-            return entry.timed_eager(lambda: eager(*inputs), device)
+        auto = self.compile == "auto"
+        device = next(t.device for t in inputs if isinstance(t, torch.Tensor))
+        waiting = auto and entry.compiled is None and not _CACHE.should_compile(entry)
+        if entry.failed or entry.declined or waiting:
+            return entry.eager.timed(lambda: eager(*inputs), device)
         first_call = entry.compiled is None
         if first_call:
             entry.compiled = _compile_bound(traced_kernel, f, static)
+        compiled = entry.compiled
         try:
-            start = compile_policy.clock()
-            out = entry.compiled(*inputs)
             if first_call:
+                start = compile_policy.clock()
+                out = compiled(*inputs)
                 _CACHE.record_compile(entry, compile_policy.clock() - start)
+            elif auto and entry.on_trial():
+                out = entry.compiled_runs.timed(lambda: compiled(*inputs), device)
+                _CACHE.judge(entry)
+            else:
+                out = compiled(*inputs)
             return out
         except torch.cuda.OutOfMemoryError:  # torch.OutOfMemoryError only exists from 2.5
             raise
