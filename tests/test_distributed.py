@@ -41,8 +41,8 @@ F64 = {"rtol": 1e-10, "atol": 1e-12}  # float64 sums of a few terms in another o
 
 
 def particles(n_b=101):
-    """The seed problem in float64: x (n_g, n_b, n_a, 3), 3 tangents per particle, mu (n_g, 1, 1, 3).
-    Shards cut x along n_b (dim 1), the tangents along dim 2."""
+    """The seed problem in float64: x (n_g, n_b, n_a, 3), 3 tangents per particle, mu
+    (n_g, 1, 1, 3). Shards cut x along n_b (dim 1), the tangents along dim 2."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, n_b, 3, 3, generator=g, dtype=torch.float64)
     v = torch.randn(3, *x.shape, generator=g, dtype=torch.float64)
