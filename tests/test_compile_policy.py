@@ -1,6 +1,8 @@
 """Specification of the torch backend's compile policy: ski rental, and keys by what f computes."""
 
 import functools
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -149,3 +151,18 @@ def test_expected_compile_cost_is_the_median_of_measured_compiles():
     )
     cache.measured_compile_seconds[:] = [1.0, 9.0, 3.0]
     assert cache.expected_compile_seconds() == 3.0
+
+
+def test_a_short_script_under_auto_never_loads_the_compiler():
+    """Ten quick calls stay eager and never import inductor (importing it alone takes seconds)."""
+    program = (
+        "import sys, torch, pyhvp\n"
+        "x = torch.randn(10, 3)\n"
+        "for _ in range(10):\n"
+        "    pyhvp.grad_and_hvp(lambda x: (x**3).sum(-1), x, x)\n"
+        "print('torch._inductor' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=120
+    )
+    assert done.stdout.strip() == "False", done.stderr[-2000:]

@@ -191,8 +191,14 @@ class CompileCache:
         return WARM_COMPILE_SECONDS if _inductor_cache_is_warm() else COLD_COMPILE_SECONDS
 
     def should_compile(self, entry: Entry) -> bool:
-        """Ski rental: compile once the eager time spent reaches the expected compile cost."""
-        return entry.eager.seconds >= self.expected_compile_seconds()
+        """Ski rental: compile once the eager time spent reaches the expected compile cost.
+
+        Below both defaults the answer is no without looking at inductor's cache: finding its
+        directory imports inductor (seconds), which a short script must not pay."""
+        spent = entry.eager.seconds
+        if not self.measured_compile_seconds and spent < WARM_COMPILE_SECONDS:
+            return False
+        return spent >= self.expected_compile_seconds()
 
     def record_compile(self, entry: Entry, first_call_seconds: float) -> None:
         self.measured_compile_seconds.append(max(first_call_seconds - entry.eager.median(), 0.0))

@@ -1,0 +1,112 @@
+"""The compile policy on its two ends: a short script never stalls, a long loop runs compiled.
+
+Every figure comes from a fresh Python process with an EMPTY inductor cache (its own temporary
+``TORCHINDUCTOR_CACHE_DIR``), as on a new machine, one thread on the CPU:
+
+1. Short script: 10 calls of the README example (1,000 particles, seed-000 function) with
+   ``compile=False``, ``"auto"`` and ``True``; total seconds of the 10 calls (imports excluded).
+   Goal: ``"auto"`` <= 2x eager.
+2. Long loop: 1e6 particles, ``"auto"``, calling for up to 90 s; when does a call first run at
+   compiled speed, i.e. <= 0.5x autograd double backward (timed in the same process)? Goal:
+   within 60 s. Beside it, ``compile=True`` and ``compile=False`` processes give the lines of
+   always-compiled and always-eager for the plot of total time against calls (the ski-rental
+   picture).
+
+Usage: python benchmarks/bench_compile_policy.py   (CPU; takes about 4 minutes)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from _timing import Report
+
+CHILD = r"""
+import json, sys, time
+import torch, pyhvp
+torch.set_num_threads(1)
+mode, n, calls, seconds = sys.argv[1], int(float(sys.argv[2])), int(sys.argv[3]), float(sys.argv[4])
+backend = pyhvp.TorchBackend(compile={"eager": False, "auto": "auto", "compiled": True}[mode])
+torch.manual_seed(0)
+def f_batch(x, mu):
+    return torch.exp(-((x - mu) ** 2).sum(-1))
+x = torch.randn(10, 10, n // 100, 3); mu = torch.randn(10, 1, 1, 3); v = torch.randn_like(x)
+def double_backward():
+    y = x.detach().requires_grad_()
+    (g,) = torch.autograd.grad(f_batch(y, mu).sum(), y, create_graph=True)
+    return torch.autograd.grad(g, y, v)
+stamps, begin = [], time.perf_counter()
+while len(stamps) < calls and time.perf_counter() - begin < seconds:
+    t0 = time.perf_counter()
+    pyhvp.grad_and_hvp(f_batch, x, v, mu, backend=backend)
+    stamps.append((t0 - begin, time.perf_counter() - t0))
+reference = []
+for _ in range(7):
+    t0 = time.perf_counter(); double_backward(); reference.append(time.perf_counter() - t0)
+print(json.dumps({"stamps": stamps, "double_backward": sorted(reference)[3]}))
+"""
+
+
+def run_child(mode: str, n: float, calls: int, seconds: float) -> dict:
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "OMP_NUM_THREADS": "1"}
+        done = subprocess.run(
+            [sys.executable, "-c", CHILD, mode, str(n), str(calls), str(seconds)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=seconds + 300,
+            check=True,
+        )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def short_script(report: Report) -> None:
+    totals = {
+        mode: sum(t for _, t in run_child(mode, 1e3, 10, 600)["stamps"])
+        for mode in ("eager", "auto", "compiled")
+    }
+    rows = [(f"compile={mode}, 10 calls", seconds * 1e3) for mode, seconds in totals.items()]
+    report.table(
+        "README example (1,000 particles), fresh process, empty inductor cache: total of 10 calls",
+        rows,
+        baseline="compile=eager, 10 calls",
+    )
+
+
+def long_loop(report: Report) -> None:
+    auto = run_child("auto", 1e6, 10**6, 90)
+    limit = 0.5 * auto["double_backward"]
+    fast = [start for start, took in auto["stamps"] if took <= limit]
+    reached = f"{fast[0]:.1f} s" if fast else "not within 90 s"
+    report.text(
+        f"\n1e6 particles, compile='auto', fresh process, empty inductor cache: "
+        f"{len(auto['stamps'])} calls in 90 s; double backward {auto['double_backward'] * 1e3:.1f}"
+        f" ms; first call at <= 0.5x double backward after {reached} (goal: 60 s)"
+    )
+    lines = {"pyhvp auto": auto["stamps"]}
+    for mode in ("eager", "compiled"):
+        lines[f"always {mode}"] = run_child(mode, 1e6, 10**6, 45)["stamps"]
+    for name, stamps in lines.items():
+        total = 0.0
+        for calls, (_, took) in enumerate(stamps, start=1):
+            total += took
+            if calls in (1, 10, 100, 1000) or calls == len(stamps):
+                report.point("1e6 particles: total time of the first N calls", "calls N",
+                             calls, [(name, total * 1e3)])  # fmt: skip
+        report.text(f"  {name}: {len(stamps)} calls, {total:.1f} s in all")
+
+
+def main() -> None:
+    report = Report("bench_compile_policy", "cpu")
+    short_script(report)
+    long_loop(report)
+    report.save()
+
+
+if __name__ == "__main__":
+    main()
