@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 Fingerprint = Mapping[str, Any]
-"""What every rank must agree on, by name (e.g. ``{"index['w']": (0, 4)}``); values compare with
+"""What every rank must agree on, by name (e.g. ``{"index['w']": [0, 4]}``); values compare with
 ``==`` and are shown in error messages."""
 
 

@@ -318,6 +318,20 @@ def test_a_world_of_one_gives_the_single_process_result(world_of_one):
     assert torch.equal(grouped, alone)
 
 
+def test_blocks_of_two_dtypes_travel_together_and_keep_their_dtypes(world_of_one):
+    """One all_reduce carries every block (in the promoted dtype); each comes back in its own."""
+    params = {"w": torch.randn(2, 3), "b": torch.randn(3).double()}
+    index = {"w": torch.tensor([0, 5]), "b": torch.tensor([1])}
+
+    def loss(p, batch):
+        return (batch * p["w"] ** 2).sum() + (p["b"] ** 3).sum()
+
+    batches = [torch.rand(2, 3), torch.rand(2, 3)]
+    alone = pyhvp.sub_hessian(loss, params, index, data=batches)
+    grouped = pyhvp.sub_hessian(loss, params, index, data=batches, group=world_of_one)
+    torch.testing.assert_close(grouped, alone, rtol=0, atol=0)
+
+
 def test_a_world_of_one_reraises_its_own_error(world_of_one):
     with pytest.raises(ZeroDivisionError):
         pyhvp.sub_hessian(lambda p: 1 / 0, torch.zeros(2), torch.tensor([0]), group=world_of_one)
