@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup example test bench lint
+.PHONY: setup example test bench
 
 setup: $(VENV)/.installed
 
@@ -24,5 +24,10 @@ test: setup
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest
 
-bench: setup
+$(VENV)/.bench-installed: $(VENV)/.installed
+	$(PY) -m pip install --quiet -e ".[test,julia,bench]"
+	touch $@
+
+# every benchmark; tables and plots land in benchmarks/results/
+bench: $(VENV)/.bench-installed
 	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done
