@@ -154,6 +154,8 @@ def _check_method(method: object, samples: object, generator: object) -> None:
 
 
 def _check_value(value: torch.Tensor, batch: tuple[int, ...]) -> None:
+    if not value.is_floating_point():
+        raise TypeError(f"f must return a real floating tensor, got {value.dtype}")
     if tuple(value.shape[: len(batch)]) != batch:
         raise ValueError(
             f"f must return batch_shape + out_shape with batch_shape = x.shape[:-event_dims] = "
@@ -232,6 +234,9 @@ def _hutch_plus_plus(
     """Hutch++ per instance on ``M = S^T H S`` (or H), from Hessian-vector products alone."""
     with torch.no_grad():
         out = f(x, *args)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"f must return a torch.Tensor, got {type(out).__name__}")
+    _check_value(out, space.batch)
     if tuple(out.shape) != space.batch:
         raise ValueError(
             f"method='hutch++' needs f to return one scalar per instance (shape "

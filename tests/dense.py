@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.func import hessian
+from torch.func import hessian, jacrev
 
 
 def to64(value):
@@ -100,3 +100,32 @@ def instance_hessian_diagonal(f, x, *args, event_dims=1):
     return blocks.diagonal(dim1=-2, dim2=-1).reshape(
         *blocks.shape[:-2], *x.shape[x.ndim - event_dims :]
     )
+
+
+def instance_laplacian(f, x, *args, event_dims=1):
+    """Traces of the dense per-instance Hessians: ``batch + out``, float64."""
+    blocks = instance_hessians(f, x, *args, event_dims=event_dims)
+    return blocks.diagonal(dim1=-2, dim2=-1).sum(-1)
+
+
+def instance_weighted_trace(f, x, factor, *args, event_dims=1):
+    """``tr(S^T H S)`` per instance and output, ``S = factor`` of shape ``event + (r,)`` or with
+    leading dims broadcasting against the batch dims: ``batch + out``, float64."""
+    blocks = instance_hessians(f, x, *args, event_dims=event_dims)  # batch + out + (N, N)
+    n_batch = x.ndim - event_dims
+    n_out = blocks.ndim - n_batch - 2
+    lead = factor.shape[: factor.ndim - event_dims - 1]
+    s = factor.double().reshape(*lead, -1, factor.shape[-1])
+    s = s.reshape((1,) * (n_batch - len(lead)) + tuple(lead) + (1,) * n_out + s.shape[-2:])
+    return (s.mT @ blocks @ s).diagonal(dim1=-2, dim2=-1).sum(-1)
+
+
+def instance_jacobian(f, x, *args, event_dims=1):
+    """Every output's gradient in its own instance's variables: ``batch + out + event``."""
+    batch = x.shape[: x.ndim - event_dims]
+    n_inst, n_var = math.prod(batch), math.prod(x.shape[x.ndim - event_dims :])
+    out_shape = f(x.double(), *map(to64, args)).shape[len(batch) :]
+    full = jacrev(lambda y: f(y, *map(to64, args)))(x.double())
+    idx = torch.arange(n_inst)
+    blocks = full.reshape(n_inst, -1, n_inst, n_var)[idx, :, idx, :]
+    return blocks.reshape(*batch, *out_shape, *x.shape[x.ndim - event_dims :])

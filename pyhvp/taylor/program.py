@@ -14,7 +14,7 @@ flow to them when they require grad. The record costs one forward of ``f`` (abou
 overhead), paid at every call.
 
 On a miss the record becomes an fx graph, replayed once through ``make_fx(functionalize(...))``
-with layer and group norm decomposed, into a functional aten program
+with layer and group norm and CPU attention decomposed, into a functional aten program
 -- the graph the jet rules (:mod:`.rules`) run on.
 """
 
@@ -32,6 +32,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pyhvp.taylor.kernel import JetKernel, build_kernel
+from pyhvp.taylor.rules import STOP_GRADIENT
 
 aten = torch.ops.aten
 Tensor = torch.Tensor
@@ -39,7 +40,9 @@ Tensor = torch.Tensor
 PROGRAMS_CACHED = 64
 """Programs remembered (least recently used dropped first)."""
 
-DECOMPOSITIONS = get_decompositions([aten.native_layer_norm, aten.native_group_norm])
+DECOMPOSITIONS = get_decompositions(
+    [aten.native_layer_norm, aten.native_group_norm, aten._scaled_dot_product_flash_attention_for_cpu]
+)
 """Composite ops rewritten into ops that have dedicated jet rules (var_mean, rsqrt, ...)."""
 
 
@@ -136,7 +139,7 @@ class _Recorder(TorchDispatchMode):
                 )
 
 
-@dataclass
+@dataclass(eq=False)
 class Program:
     """``f`` as a functional aten graph ``(x, *constants) -> f(x, *args)`` with its jet kernels."""
 
@@ -198,7 +201,10 @@ def _functional_graph(recorder: _Recorder, output: Hashable, x: Tensor) -> fx.Gr
     for i in range(len(recorder.constants)):
         nodes[("constant", i)] = graph.placeholder(f"constant_{i}")
     for k, (func, args, kwargs, outputs) in enumerate(recorder.events):
-        node = graph.call_function(func, _rebuild(args, nodes), dict(_rebuild(kwargs, nodes)))
+        # f's own detach (nothing else emits one while recording without grad) stops gradients;
+        # functionalization below emits detach as a mere alias, so f's is renamed first
+        target = STOP_GRADIENT if func is aten.detach.default else func
+        node = graph.call_function(target, _rebuild(args, nodes), dict(_rebuild(kwargs, nodes)))
         _name_outputs(graph, node, outputs, ("op", k), nodes)
     graph.output(nodes[output])
     graph.eliminate_dead_code()

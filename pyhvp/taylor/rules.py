@@ -66,6 +66,12 @@ class Context:
     def square(self, a: Tensor) -> Tensor:
         return self.product(a, a)
 
+    def pair(self, op: Callable[[Tensor, Tensor], Tensor], a: Tensor, b: Tensor) -> Tensor:
+        """``op(a_k, b_k)`` for a bilinear ``op`` that broadcasts the leading axis (summed over
+        k when collapsed)."""
+        out = op(a, b)
+        return out.sum(0, keepdim=True) if self.collapsed else out
+
 
 Rule = Callable[..., Any]
 RULES: dict[torch._ops.OpOverload, Rule] = {}
@@ -90,8 +96,22 @@ def value_of(arg: object) -> object:
     return arg.value if isinstance(arg, Jet) else arg
 
 
+@torch.library.custom_op("pyhvp::stop_gradient", mutates_args=())
+def stop_gradient(t: Tensor) -> Tensor:
+    """What ``f``'s own ``detach()`` becomes in a program: functionalization emits ``detach``
+    as a plain alias, so ``f``'s stop-gradients are renamed before it runs (:mod:`.program`)."""
+    return t.clone()
+
+
+@stop_gradient.register_fake
+def _(t: Tensor) -> Tensor:
+    return torch.empty_like(t)
+
+
 def apply(ctx: Context, op: Callable[..., Any], *args: object, **kwargs: object) -> Any:
     """``op`` on the values, and its rule on the coefficients when an input is a jet."""
+    if op is STOP_GRADIENT:  # the value, as a constant
+        return value_of(args[0]).detach()
     leaves = pytree.tree_leaves((args, kwargs))
     out = op(*pytree.tree_map(value_of, args), **pytree.tree_map(value_of, kwargs))
     if op is operator.getitem or not any(isinstance(a, Jet) for a in leaves):
@@ -108,7 +128,6 @@ def apply(ctx: Context, op: Callable[..., Any], *args: object, **kwargs: object)
 
 
 ZERO_DERIVATIVE = {
-    aten.detach.default,  # a stop-gradient: what follows treats it as a constant, like autograd
     aten.sign.default,
     aten.sgn.default,
     aten.floor.default,
@@ -373,9 +392,7 @@ def bilinear(
     fa, fb = _coefficients(a, nd, 1), _coefficients(b, nd, 1)
     sa, sb = _coefficients(a, nd, 2), _coefficients(b, nd, 2)
     first = plus(None if fa is None else op(fa, vb), None if fb is None else op(va, fb))
-    cross = None
-    if fa is not None and fb is not None:
-        cross = 2 * (op(fa, fb).sum(0, keepdim=True) if ctx.collapsed else op(fa, fb))
+    cross = None if fa is None or fb is None else 2 * ctx.pair(op, fa, fb)
     second = plus(None if sa is None else op(sa, vb), None if sb is None else op(va, sb), cross)
     return Jet(out, first, second)
 
@@ -444,9 +461,7 @@ def _matmul_jet(ctx: Context, out: Tensor, a: object, b: object) -> Jet:
     fa, fb = contracted(a, 1, q_a), contracted(b, 1, q_b)
     sa, sb = contracted(a, 2, q_a), contracted(b, 2, q_b)
     first = plus(None if fa is None else fa @ vb, None if fb is None else va @ fb)
-    cross = None
-    if fa is not None and fb is not None:
-        cross = 2 * ((fa @ fb).sum(0, keepdim=True) if ctx.collapsed else fa @ fb)
+    cross = None if fa is None or fb is None else 2 * ctx.pair(operator.matmul, fa, fb)
     second = plus(None if sa is None else sa @ vb, None if sb is None else va @ sb, cross)
     return Jet(out, lifted(first, nd), None if second is None else lifted(second, nd))
 
@@ -480,6 +495,71 @@ def _mv(ctx: Context, out: Tensor, a: object, v: object) -> Jet:
 @rule(aten.dot.default)
 def _dot(ctx: Context, out: Tensor, a: object, b: object) -> Jet:
     return apply(ctx, aten.sum.default, apply(ctx, aten.mul.Tensor, a, b))
+
+
+# --- linear algebra (what Slater determinants and their kin need) ------------------------------
+
+
+def _matrix_coefficients(u: Jet) -> tuple[Tensor, Tensor | None]:
+    """First- and second-order coefficients of a matrix jet with full matrix dims."""
+    shape, nd = u.value.shape, u.value.ndim
+    dims = [nd - 2, nd - 1]
+    second = None if u.second is None else expanded(u.second, shape, dims)
+    return expanded(u.first, shape, dims), second
+
+
+def _trace(m: Tensor) -> Tensor:
+    return m.diagonal(dim1=-2, dim2=-1).sum(-1)
+
+
+def _log_det_coefficients(ctx: Context, a: Jet) -> tuple[Tensor, Tensor]:
+    """log|det A|: first ``tr(A^-1 T)``, second ``tr(A^-1 S) - tr(A^-1 T A^-1 T)``."""
+    t, s = _matrix_coefficients(a)
+    m = torch.linalg.solve(a.value, t)  # A^-1 T, one per direction
+    second = -ctx.pair(operator.mul, m, m.mT).sum((-2, -1))
+    if s is not None:
+        second = second + _trace(torch.linalg.solve(a.value, s))
+    return _trace(m), second
+
+
+@rule(aten._linalg_det.default)
+def _det(ctx: Context, out: tuple, a: Jet) -> tuple:
+    """det' = det tr(A^-1 T); det'' = det (log det'' + log det'^2)."""
+    det = out[0]
+    first, second = _log_det_coefficients(ctx, a)
+    return (Jet(det, det * first, det * (second + ctx.square(first))), *out[1:])
+
+
+@rule(aten._linalg_slogdet.default)
+def _slogdet(ctx: Context, out: tuple, a: Jet) -> tuple:
+    sign, logabsdet = out[0], out[1]
+    return (sign, Jet(logabsdet, *_log_det_coefficients(ctx, a)), *out[2:])
+
+
+@rule(aten.linalg_inv_ex.default)
+def _inverse(ctx: Context, out: tuple, a: Jet, check_errors: bool = False) -> tuple:
+    """B = A^-1: B' = -B T B; B'' = 2 B T B T B - B S B."""
+    b = out[0]
+    t, s = _matrix_coefficients(a)
+    bt = b @ t
+    second = 2 * ctx.pair(operator.matmul, bt, bt) @ b
+    if s is not None:
+        second = second - b @ s @ b
+    return Jet(b, -bt @ b, second), out[1]
+
+
+@rule(aten._linalg_solve_ex.default)
+def _solve(ctx: Context, out: tuple, a: object, b: object, left: bool = True,
+           check_errors: bool = False) -> tuple:  # fmt: skip
+    """X = A^-1 B (left) or B A^-1, as the product of the inverse's jet with B's."""
+    inverse = apply(ctx, aten.linalg_inv_ex.default, a)[0]
+    vector = value_of(b).ndim == value_of(a).ndim - 1  # torch's rule for a batch of vectors
+    rhs = apply(ctx, aten.unsqueeze.default, b, -1) if vector else b
+    value = out[0].unsqueeze(-1) if vector else out[0]
+    x = _matmul_jet(ctx, value, *((inverse, rhs) if left else (rhs, inverse)))
+    if vector:
+        x = Jet(out[0], x.first.squeeze(-1), None if x.second is None else x.second.squeeze(-1))
+    return (x, *out[1:])
 
 
 # --- views and copies ---------------------------------------------------------------------------
@@ -589,7 +669,10 @@ def _slice(
     return linear(out, u, fn)
 
 
-@rule(aten.clone.default, aten.alias.default)
+STOP_GRADIENT = torch.ops.pyhvp.stop_gradient.default
+
+
+@rule(aten.clone.default, aten.alias.default, aten.detach.default)  # detach: an alias here
 def _identity(ctx: Context, out: Tensor, u: Jet, *args: object, **kwargs: object) -> Jet:
     return Jet(out, u.first, u.second)
 
@@ -1013,14 +1096,27 @@ def general_fallback(ctx: Context, op: Callable[..., Any], out: Any, args: tuple
             else expanded(lifted(j.second, j.value.ndim), j.value.shape)
             for j in jets
         ]
-    try:
-        first, second = _forward_coefficients(ctx, smooth_fn, primals, firsts, seconds)
-    except NotImplementedError:
+    first = second = None
+    if _nests_in_forward_mode(fn, primals, smooth):
+        try:
+            first, second = _forward_coefficients(ctx, smooth_fn, primals, firsts, seconds)
+        except NotImplementedError:
+            pass
+    if first is None:
         first, second = _reverse_coefficients(ctx, smooth_fn, primals, firsts, seconds)
     result = list(outputs)
     for i, f1, f2 in zip(smooth, first, second, strict=True):
         result[i] = Jet(outputs[i], f1, f2)
     return pytree.tree_unflatten(result, spec)
+
+
+def _nests_in_forward_mode(fn: Callable[..., Any], primals: tuple, smooth: list[int]) -> bool:
+    """Whether ``jvp`` of ``jvp`` of the op can be trusted: not when one of its floating outputs
+    is non-differentiable (e.g. ``_linalg_det``'s LU), since its forward-mode formula may use that
+    output, whose tangent the outer ``jvp`` then misses (torch 2.13 gets det's Hessian wrong)."""
+    with torch.enable_grad():
+        outputs = pytree.tree_leaves(fn(*(p.detach().requires_grad_() for p in primals)))
+    return all(outputs[i].requires_grad for i in smooth)
 
 
 def _forward_coefficients(ctx: Context, fn: Callable[..., tuple], primals: tuple,

@@ -1,0 +1,624 @@
+"""Specification of laplacian and grad_and_laplacian against dense float64 per-instance Hessians."""
+
+import re
+import subprocess
+import sys
+import warnings
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dense import instance_jacobian, instance_laplacian, instance_weighted_trace
+from torch import nn
+from torch.func import functional_call, grad, hessian, vmap
+
+import pyhvp
+from pyhvp import TorchBackend, taylor
+from pyhvp.backends import torch as torch_backend
+from pyhvp.backends.compile_policy import function_key
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def tolerance(dtype):
+    return {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 1e-9, "atol": 1e-10}
+
+
+def weights(*shape, seed, device, dtype):
+    """Fixed weights, drawn in float64 so the float32 function and its float64 reference agree."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=generator, dtype=torch.float64).to(device, dtype)
+
+
+# --- functions: (device, dtype) -> f(x, *args) returning batch_shape + out_shape ------------------
+
+
+def tanh_mlp(d_out, d_in=4, hidden=6):
+    def build(device, dtype):
+        torch.manual_seed(4)
+        net = nn.Sequential(nn.Linear(d_in, hidden), nn.Tanh(), nn.Linear(hidden, d_out))
+        net = net.requires_grad_(False).to(device, dtype)
+        return (lambda x: net(x).squeeze(-1)) if d_out == 1 else net
+
+    return build
+
+
+def sigmoid_layer(device, dtype):
+    """Seed 001's f_single_vector, written for one instance (per_instance)."""
+    w, b = weights(5, 3, seed=1, device=device, dtype=dtype), weights(5, seed=2, device=device,
+                                                                      dtype=dtype)  # fmt: skip
+    return pyhvp.per_instance(lambda x: torch.sigmoid(w @ x + b))
+
+
+def gaussian(x, mu):
+    """Seed-000 layout: 3 batch dims, mu broadcast over the middle ones."""
+    return torch.exp(-((x - mu) ** 2).sum(-1))
+
+
+def matrix_scalar(x, w):
+    return (torch.tanh(x @ w) ** 2).sum((-2, -1))
+
+
+def matrix_vector(x, w):
+    return torch.tanh(x @ w).sum(-2)
+
+
+def batched_arg(x, y):
+    return (torch.sin(x * y) + x**2 * y).sum(-1)
+
+
+def outer(x):
+    return torch.sin(x)[..., :, None] * torch.cos(x)[..., None, :]
+
+
+def products(device, dtype):
+    a, w, v = (weights(*s, seed=i, device=device, dtype=dtype) for i, s in
+               enumerate([(4, 4), (3, 4), (3,)]))  # fmt: skip
+    return lambda x: (
+        torch.einsum("bi,ij,bj->b", x, a, x)
+        + F.linear(torch.tanh(x), w) @ v
+        + (x @ a).pow(2).sum(-1)
+    )
+
+
+def unary(x):
+    return (
+        F.silu(x) + F.gelu(x) + F.gelu(2 * x, approximate="tanh") + F.softplus(3 * x)
+        + torch.sqrt(x * x + 1) + torch.abs(x) ** 3 + torch.log1p(x * x) + torch.erf(x)
+        + torch.sigmoid(x) * torch.exp(-x * x) + torch.rsqrt(2 + x) + F.elu(x) + torch.atan(x)
+    ).sum(-1)  # fmt: skip
+
+
+def logsumexp(device, dtype):
+    w = weights(4, 5, seed=6, device=device, dtype=dtype)
+    return lambda x: torch.logsumexp(x @ w, -1) + torch.logsumexp(x, -1, keepdim=True)[..., 0]
+
+
+def norms(device, dtype):
+    w = weights(4, 3, seed=7, device=device, dtype=dtype)
+    return lambda x: (
+        torch.linalg.vector_norm(x, dim=-1) + torch.linalg.vector_norm(x, 3, dim=-1)
+        + torch.linalg.norm(x @ w, dim=-1) + x.norm(dim=-1) ** 3 + torch.linalg.vector_norm(x, 1, -1)
+    )  # fmt: skip
+
+
+def reductions(x):
+    return (
+        x.sum(-1) ** 2 + x.mean(-1) ** 3 + x.amax(-1) * x.prod(-1) + x.var(-1) + x.std(-1)
+        + torch.var_mean(x, -1)[1] ** 2 + x.cumsum(-1).pow(2).sum(-1) + x.max(-1).values ** 2
+    )  # fmt: skip
+
+
+def indexing(x):
+    index = torch.tensor([[2, 0, 1, 1]], device=x.device).expand(x.shape[0], 4)
+    return torch.stack(
+        [
+            (x[:, [2, 0]] * x[:, 1:2]).sum(-1),
+            (x.gather(-1, index) ** 3).sum(-1),
+            (x.index_select(-1, index[0, :2]) * x[:, -1:]).prod(-1),
+            (x[:, None, :] * x[:, :, None])[:, 1, 2] * x[:, 0],
+        ],
+        -1,
+    )
+
+
+def where(x):
+    return torch.where(x > 0, x**3, torch.sin(x)).sum(-1) + torch.where(x[:, :1] < 0.3, x, 2.0).sum(
+        -1
+    )
+
+
+def cdist(device, dtype):
+    """Points of one instance (3 x 2) against fixed ones; torch cannot differentiate cdist twice
+    (no derivative of _cdist_backward), so the reference writes the distances out."""
+    others = weights(4, 2, seed=8, device=device, dtype=dtype)
+    return lambda x: torch.cdist(x.reshape(-1, 3, 2), others)
+
+
+def cdist_reference(device, dtype):
+    others = weights(4, 2, seed=8, device=device, dtype=dtype)
+    return lambda x: (x.reshape(-1, 3, 1, 2) - others).pow(2).sum(-1).sqrt()
+
+
+def shaping(x):
+    stacked = torch.stack([x, x**2], -1).reshape(x.shape[0], -1)
+    joined = torch.cat([torch.tanh(x), torch.cos(x).flip(-1)], -1)
+    return stacked.sum(-1, keepdim=True) * joined.permute(1, 0).t() + x.unsqueeze(1).expand(
+        -1, 2, -1
+    ).sum(1).repeat(1, 2)
+
+
+def normalisation(device, dtype):
+    w = weights(4, 5, seed=9, device=device, dtype=dtype)
+    return lambda x: (
+        F.layer_norm(x @ w, (5,)) * torch.softmax(x @ w, -1)
+        + F.log_softmax(x, -1).sum(-1, keepdim=True)
+    )
+
+
+def linear_algebra(x):
+    """det, slogdet, inverse, solve (Slater determinants), eigvalsh and attention."""
+    matrix = torch.stack([x[:, :2], x[:, 2:] ** 2 + 1], -2)  # (B, 2, 2)
+    gram = matrix @ matrix.mT + torch.eye(2, dtype=x.dtype, device=x.device)
+    ones = torch.ones(2, dtype=x.dtype, device=x.device)
+    return (
+        torch.linalg.det(matrix) + torch.linalg.slogdet(gram)[1] + torch.linalg.inv(gram).sum((-2, -1))
+        + torch.linalg.solve(gram, ones).sum(-1) + torch.linalg.eigvalsh(gram)[:, -1]
+        + F.scaled_dot_product_attention(matrix, gram, matrix).sum((-2, -1))
+    )  # fmt: skip
+
+
+def fallback_ops(x):
+    """Ops without a dedicated rule: torch.func on the op alone (pointwise and general)."""
+    return (
+        torch.atan2(x, 2 + x.flip(-1)).sum(-1) + torch.cumprod(1 + x / 4, -1).sum(-1)
+        + torch.special.xlogy(x * x + 1, x * x + 2).sum(-1) + torch.lgamma(3 + x).sum(-1)
+        + torch.logit(torch.sigmoid(x) / 2 + 0.2).sum(-1) + torch.roll(x, 1, -1).pow(3).sum(-1)
+    )  # fmt: skip
+
+
+def branching(x):
+    """Data-dependent control flow: each call records the branch its x takes."""
+    return (x**3).sum(-1) if x.sum() > 0 else torch.sin(x).sum(-1)
+
+
+def in_place(x):
+    y = x * 2
+    y += torch.tanh(x)
+    z = torch.relu_(y - 0.1)
+    out = torch.zeros(x.shape[0], 2, dtype=x.dtype, device=x.device)
+    out[:, 0] = (z * x).sum(-1)
+    out[:, 1] = x.pow(3).sum(-1)
+    return out
+
+
+def constant(x):
+    return torch.ones(x.shape[0], 2, dtype=x.dtype, device=x.device)
+
+
+def affine(x):
+    return 3 * x - 1
+
+
+@dataclass
+class Case:
+    name: str
+    build: object  # (device, dtype) -> f
+    x_shape: tuple
+    args_shapes: tuple = ()
+    event_dims: int = 1
+    kwargs: dict = field(default_factory=dict)
+    reference: object = (
+        None  # (device, dtype) -> a mathematically equal f torch.func can differentiate
+    )
+
+    def make(self, device, dtype, seed=5, batch=None):
+        torch.manual_seed(seed)
+        shape = self.x_shape if batch is None else (batch, *self.x_shape[1:])
+        x = torch.randn(shape, dtype=dtype, device=device)
+        args = tuple(torch.randn(s, dtype=dtype, device=device) for s in self.args_shapes)
+        return self.build(device, dtype), x, args
+
+    def reference_f(self, device):
+        return (self.reference or self.build)(device, torch.float64)
+
+
+def plain(f):
+    return lambda device, dtype: f
+
+
+CASES = [
+    Case("tanh MLP, scalar out", tanh_mlp(1), (5, 4)),
+    Case("tanh MLP, vector out", tanh_mlp(3), (5, 4)),
+    Case("tanh MLP, chunked by 3", tanh_mlp(3), (5, 4), kwargs={"chunk_size": 3}),
+    Case("event_dims=2 + shared arg, scalar", plain(matrix_scalar), (4, 2, 3), ((3, 3),), 2),
+    Case("event_dims=2 + batched arg, vector", plain(matrix_vector), (4, 2, 3), ((4, 3, 3),), 2),
+    Case("3 batch dims, broadcast arg (seed 000)", plain(gaussian), (2, 3, 4, 3), ((2, 1, 1, 3),)),
+    Case("batched arg of x's shape", plain(batched_arg), (5, 4), ((5, 4),)),
+    Case("per_instance, vector (seed 001)", sigmoid_layer, (6, 3)),
+    Case(
+        "per_instance, event_dims=2 + shared arg",
+        lambda d, t: pyhvp.per_instance(matrix_vector, event_dims=2, arg_event_dims=2),
+        (2, 2, 2, 3),
+        ((3, 3),),
+        2,
+    ),
+    Case("unbatched x", tanh_mlp(1), (4,)),
+    Case("2-D out_shape", plain(outer), (4, 3)),
+    Case("matmul, linear, einsum", products, (5, 4)),
+    Case("sqrt, abs, softplus, SiLU, GELU, ...", plain(unary), (5, 4)),
+    Case("logsumexp", logsumexp, (5, 4)),
+    Case("norms", norms, (5, 4)),
+    Case("reductions: sum, mean, amax, prod, var, std, cumsum, max", plain(reductions), (5, 4)),
+    Case("indexing and gathering", plain(indexing), (5, 4)),
+    Case("torch.where", plain(where), (5, 4)),
+    Case("cdist", cdist, (5, 6), reference=cdist_reference),
+    Case("cat, stack, reshape, permute, flip, expand", plain(shaping), (5, 4)),
+    Case("layer_norm, softmax, log_softmax", normalisation, (5, 4)),
+    Case("det, slogdet, inv, solve, eigvalsh, attention", plain(linear_algebra), (5, 4)),
+    Case("ops without a dedicated rule", plain(fallback_ops), (5, 4)),
+    Case("in-place ops inside f", plain(in_place), (5, 4)),
+    Case("constant f", plain(constant), (5, 4)),
+    Case("affine f", plain(affine), (5, 4)),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_exact_laplacian_matches_dense_trace(case, dtype, device):
+    f, x, args = case.make(device, dtype)
+    lap = pyhvp.laplacian(f, x, *args, event_dims=case.event_dims, **case.kwargs)
+    expected = instance_laplacian(case.reference_f(device), x, *args, event_dims=case.event_dims)
+    assert lap.dtype == dtype
+    torch.testing.assert_close(lap.double(), expected, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_grad_and_laplacian_are_value_gradient_and_trace(case, device):
+    f, x, args = case.make(device, torch.float64)
+    value, g, lap = pyhvp.grad_and_laplacian(f, x, *args, event_dims=case.event_dims, **case.kwargs)
+    reference = case.reference_f(device)
+    torch.testing.assert_close(value, f(x, *args))
+    torch.testing.assert_close(
+        g, instance_jacobian(reference, x, *args, event_dims=case.event_dims)
+    )
+    expected = instance_laplacian(reference, x, *args, event_dims=case.event_dims)
+    torch.testing.assert_close(lap, expected, **tolerance(torch.float64))
+
+
+def test_data_dependent_control_flow_follows_each_call(device):
+    up, down = torch.ones(3, 2, device=device), -torch.ones(3, 2, device=device)
+    for x in (up, down, up):  # each branch is its own program; neither is reused for the other
+        lap = pyhvp.laplacian(branching, x.double())
+        torch.testing.assert_close(lap, instance_laplacian(branching, x.double()))
+
+
+def test_replaced_or_updated_captured_tensors_are_never_stale(device):
+    w = torch.ones(3, device=device, dtype=torch.float64)
+    box = {"w": w}
+
+    def f(x):
+        return (torch.sin(x) * box["w"]).sum(-1)
+
+    x = torch.randn(4, 3, device=device, dtype=torch.float64)
+    first = pyhvp.laplacian(f, x)
+    w.mul_(2)  # updated in place
+    torch.testing.assert_close(pyhvp.laplacian(f, x), 2 * first)
+    box["w"] = torch.full((3,), -1.0, device=device, dtype=torch.float64)  # replaced
+    torch.testing.assert_close(pyhvp.laplacian(f, x), -first)
+
+
+def test_a_function_rebuilt_per_call_reuses_its_program():
+    x, w = torch.randn(4, 3), torch.randn(3, 3)
+    programs = {taylor.capture(lambda y: torch.tanh(y @ w), x, ()).program for _ in range(3)}
+    assert len(programs) == 1
+
+
+def test_expanded_x_equals_contiguous_x(device):
+    f = tanh_mlp(3)(device, torch.float64)
+    x = torch.randn(1, 4, device=device, dtype=torch.float64).expand(6, 4)
+    torch.testing.assert_close(pyhvp.laplacian(f, x), pyhvp.laplacian(f, x.contiguous()))
+
+
+# --- weighted traces tr(S S^T H) (factor=S) -------------------------------------------------------
+
+FACTORS = [
+    ("shared S, r=2", (5, 4), (4, 2), 1),
+    ("per-instance S, r=5", (5, 4), (5, 4, 5), 1),
+    ("event_dims=2, shared S", (3, 2, 2), (2, 2, 3), 2),
+]
+
+
+@pytest.mark.parametrize(("name", "x_shape", "s_shape", "event_dims"), FACTORS,
+                         ids=[c[0] for c in FACTORS])  # fmt: skip
+def test_weighted_trace_pushes_the_columns_of_the_factor(
+    name, x_shape, s_shape, event_dims, device
+):
+    f = tanh_mlp(3, d_in=4)(device, torch.float64)
+    g = (lambda x: f(x.reshape(*x.shape[:-2], 4))) if event_dims == 2 else f
+    x = torch.randn(x_shape, device=device, dtype=torch.float64)
+    s = torch.randn(s_shape, device=device, dtype=torch.float64)
+    lap = pyhvp.laplacian(g, x, factor=s, event_dims=event_dims)
+    torch.testing.assert_close(lap, instance_weighted_trace(g, x, s, event_dims=event_dims))
+
+
+def test_weighted_hutchinson_estimates_the_weighted_trace(device):
+    f = tanh_mlp(1)(device, torch.float64)
+    x, s = (torch.randn(shape, device=device, dtype=torch.float64) for shape in ((5, 4), (4, 3)))
+    exact = instance_weighted_trace(f, x, s)
+    for method, samples in (("hutchinson", 20_000), ("hutch++", 9)):  # rank(S^T H S) <= 3
+        estimate = pyhvp.laplacian(f, x, factor=s, method=method, samples=samples,
+                                   generator=torch.Generator().manual_seed(0))  # fmt: skip
+        assert relative_error(estimate, exact) < 0.05, method
+
+
+# --- estimators -----------------------------------------------------------------------------------
+
+
+def relative_error(estimate, exact):
+    return float((estimate - exact).norm() / exact.norm())
+
+
+def estimate(f, x, method, samples, seed):
+    generator = torch.Generator().manual_seed(seed)
+    return pyhvp.laplacian(f, x, method=method, samples=samples, generator=generator)
+
+
+def estimator_problem(device, n_vars=6, hidden=12, d_out=1):
+    f = tanh_mlp(d_out, d_in=n_vars, hidden=hidden)(device, torch.float64)
+    x = torch.randn(8, n_vars, dtype=torch.float64, device=device)
+    return f, x, instance_laplacian(f, x)
+
+
+STOCHASTIC = ["hutchinson", "hutch++"]
+
+
+@pytest.mark.parametrize("method", STOCHASTIC)
+def test_estimate_is_a_function_of_the_generator_state(method, device):
+    f, x, _ = estimator_problem(device)
+    first, again, other = (estimate(f, x, method, 9, seed) for seed in (1, 1, 2))
+    assert torch.equal(first, again) and not torch.equal(first, other)
+
+
+def test_hutchinson_is_exact_for_separable_functions(device):
+    """Rademacher probes have z_i^2 = 1: a diagonal Hessian's trace comes out exactly."""
+    x = torch.randn(5, 4, dtype=torch.float64, device=device)
+    lap = estimate(lambda x: torch.sin(x).sum(-1), x, "hutchinson", 1, 0)
+    torch.testing.assert_close(lap, -torch.sin(x).sum(-1))
+
+
+def test_hutchinson_is_unbiased_for_every_output(device):
+    """The mean of many one-probe estimates converges to the exact Laplacian, for each of the
+    vector outputs at once."""
+    f, x, exact = estimator_problem(device, d_out=3)
+    mean = torch.stack([estimate(f, x, "hutchinson", 1, seed) for seed in range(4000)]).mean(0)
+    assert relative_error(mean, exact) < 0.05
+
+
+# method -> (sample counts): the error should at least halve per step (measured: Hutchinson ~4x
+# per 16x samples, i.e. 1 / sqrt(samples); Hutch++ is exact once samples // 3 >= N = 6).
+SHRINK = {"hutchinson": (16, 256, 4096), "hutch++": (3, 9, 18)}
+
+
+@pytest.mark.parametrize(("method", "counts"), SHRINK.items(), ids=SHRINK.keys())
+def test_error_shrinks_as_samples_grow(method, counts, device):
+    f, x, exact = estimator_problem(device)
+    errors = [
+        sum(relative_error(estimate(f, x, method, s, seed), exact) for seed in range(4))
+        for s in counts
+    ]
+    assert errors[1] < errors[0] / 2 and errors[2] < errors[1] / 2, errors
+
+
+def test_hutch_plus_plus_is_exact_on_low_rank_hessians(device):
+    x = torch.randn(10, 7, dtype=torch.float64, device=device)
+    u = torch.randn(7, 2, dtype=torch.float64, device=device)
+
+    def low_rank(x):
+        return torch.log(torch.cosh(x @ u)).sum(-1)
+
+    torch.testing.assert_close(
+        estimate(low_rank, x, "hutch++", 6, 0), instance_laplacian(low_rank, x)
+    )
+
+
+# --- gradients through the Laplacian ----------------------------------------------------------
+
+
+def pinn_net(device):
+    torch.manual_seed(11)
+    return nn.Sequential(
+        nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 8), nn.SiLU(), nn.Linear(8, 1)
+    ).to(device, torch.float64)
+
+
+def reference_parameter_gradients(net, x):
+    """torch.func: d/dparams of sum(laplacian^2), the Laplacian from the dense Hessian."""
+
+    def loss(params):
+        def single(xi):
+            return functional_call(net, params, (xi,)).squeeze(-1)
+
+        return (vmap(hessian(single))(x).diagonal(dim1=-2, dim2=-1).sum(-1) ** 2).sum()
+
+    return grad(loss)({k: v.detach() for k, v in net.named_parameters()})
+
+
+@pytest.mark.parametrize("compile_mode", [False, True, "auto"])
+def test_pinn_spelling_gives_a_laplacian_differentiable_in_the_parameters(compile_mode, device):
+    net = pinn_net(device)  # parameters require grad, grad mode is on
+    x = torch.randn(6, 3, dtype=torch.float64, device=device)
+    lap = pyhvp.laplacian(net, x, backend=TorchBackend(compile=compile_mode))
+    assert lap.shape == (6, 1) and lap.requires_grad
+    names, params = zip(*net.named_parameters(), strict=True)
+    grads = torch.autograd.grad((lap**2).sum(), params, materialize_grads=True)
+    expected = reference_parameter_gradients(net, x)
+    for name, g in zip(names, grads, strict=True):
+        torch.testing.assert_close(g, expected[name], msg=name)
+
+
+def test_parameters_passed_as_args_get_gradients_too(device):
+    w = torch.randn(3, 4, dtype=torch.float64, device=device, requires_grad=True)
+    x = torch.randn(5, 3, dtype=torch.float64, device=device)
+
+    def f(x, w):
+        return torch.tanh(x @ w).pow(2).sum(-1)
+
+    (g,) = torch.autograd.grad(pyhvp.laplacian(f, x, w).sum(), w)
+    expected = grad(lambda w: instance_laplacian(lambda y: f(y, w), x).sum())(w.detach())
+    torch.testing.assert_close(g, expected)
+
+
+def test_gradient_in_x_is_the_third_derivative(device):
+    net = pinn_net(device).requires_grad_(False)
+    x = torch.randn(4, 3, dtype=torch.float64, device=device, requires_grad=True)
+    _, g, lap = pyhvp.grad_and_laplacian(net, x)
+    (dx,) = torch.autograd.grad(lap.sum() + g.pow(2).sum(), x)
+    expected = grad(
+        lambda y: instance_laplacian(net, y).sum() + instance_jacobian(net, y).pow(2).sum()
+    )(x.detach())
+    torch.testing.assert_close(dx, expected)
+
+
+def test_results_are_detached_when_nothing_needs_a_graph(device):
+    net = pinn_net(device)
+    x = torch.randn(4, 3, dtype=torch.float64, device=device)
+    with torch.no_grad():
+        assert not pyhvp.laplacian(net, x).requires_grad
+    assert not pyhvp.laplacian(net.requires_grad_(False), x).requires_grad
+
+
+# --- the compiled kernels ---------------------------------------------------------------------------
+
+
+def compiled_entries(kernels):
+    """The compile-cache entries of these jet kernels."""
+    keys = [function_key(k) for k in kernels]
+    return [
+        e for key, e in torch_backend._CACHE.entries.items() if any(mentions(key, k) for k in keys)
+    ]
+
+
+def mentions(key, part):
+    return key == part or (isinstance(key, tuple) and any(mentions(k, part) for k in key))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[7], CASES[13]], ids=lambda c: c.name)
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_compiled_kernels_match_dense_without_falling_back(case, dtype, device):
+    f, x, args = case.make(device, dtype, batch=7)  # a program no other test records
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lap = pyhvp.laplacian(f, x, *args, event_dims=case.event_dims,
+                              backend=TorchBackend(compile=True))  # fmt: skip
+    assert not [w for w in caught if "torch.compile failed" in str(w.message)]
+    entries = compiled_entries(taylor.capture(f, x, args).program.kernels.values())
+    assert entries and all(e.compiled is not None and not e.failed for e in entries)
+    expected = instance_laplacian(case.reference_f(device), x, *args, event_dims=case.event_dims)
+    torch.testing.assert_close(lap.double(), expected, **tolerance(dtype))
+
+
+@pytest.mark.slow
+def test_compiled_jet_kernels_do_not_crash_the_process_on_cpu():
+    """Inductor segfaults on compiled nested forward-mode AD on the CPU (pytorch#190856); jet
+    kernels are plain aten ops and compile safely -- checked in a subprocess, as a segfault
+    cannot be caught."""
+    program = (
+        "import torch, pyhvp\n"
+        "w = torch.randn(3, 3)\n"
+        "compiled, eager = pyhvp.TorchBackend(compile=True), pyhvp.TorchBackend(compile=False)\n"
+        "for _ in range(3):\n"
+        "    x = torch.randn(4, 3)\n"
+        "    for op in (pyhvp.hessian_diagonal, pyhvp.laplacian):\n"
+        "        out = op(lambda x: torch.tanh(x @ w) * x, x, backend=compiled)\n"
+        "        assert torch.allclose(out, op(lambda x: torch.tanh(x @ w) * x, x, backend=eager))\n"
+        "print('done')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=600
+    )
+    assert (done.returncode, done.stdout.strip()) == (0, "done"), done.stderr[-2000:]
+
+
+# --- errors: (case, call, exception type, text the message must contain) ---------------------
+
+X = torch.zeros(4, 3)
+
+
+def scalar_f(x):
+    return (x**2).sum(-1)
+
+
+class GradOnlyBackend:
+    """A backend without the optional collapsed_jet primitive, like backend='julia'."""
+
+    name = "grad-only"
+
+    def grad_and_hvp(self, *call):
+        return TorchBackend(compile=False).grad_and_hvp(*call)
+
+    def second_directional(self, *call):
+        raise AssertionError("not called")
+
+
+def modifies_x(x):
+    x.mul_(2)
+    return x.sum(-1)
+
+
+ERRORS = [
+    ("unknown method", lambda: pyhvp.laplacian(scalar_f, X, method="trace"), ValueError, "method"),
+    ("hutchinson without samples", lambda: pyhvp.laplacian(scalar_f, X, method="hutchinson"),
+     ValueError, "samples"),
+    ("bool samples", lambda: pyhvp.laplacian(scalar_f, X, method="hutchinson", samples=True),
+     ValueError, "samples"),
+    ("hutch++ with 2 samples", lambda: pyhvp.laplacian(scalar_f, X, method="hutch++", samples=2),
+     ValueError, "samples"),
+    ("samples with exact", lambda: pyhvp.laplacian(scalar_f, X, samples=4), ValueError, "samples"),
+    ("generator not a Generator",
+     lambda: pyhvp.laplacian(scalar_f, X, method="hutchinson", samples=3, generator=1),
+     TypeError, "generator"),
+    ("vector f with hutch++",
+     lambda: pyhvp.laplacian(lambda x: x * x, X, method="hutch++", samples=3), ValueError,
+     "one scalar per instance"),
+    ("integer x", lambda: pyhvp.laplacian(scalar_f, X.long()), TypeError, "x"),
+    ("x not a tensor", lambda: pyhvp.laplacian(scalar_f, [1.0, 2.0]), TypeError, "x"),
+    ("no variables per instance", lambda: pyhvp.laplacian(scalar_f, torch.zeros(4, 0)),
+     ValueError, "at least one variable"),
+    ("event_dims too large", lambda: pyhvp.laplacian(scalar_f, X, event_dims=3), ValueError,
+     "event_dims"),
+    ("chunk_size 0", lambda: pyhvp.laplacian(scalar_f, X, chunk_size=0), ValueError, "chunk_size"),
+    ("f drops the batch dim", lambda: pyhvp.laplacian(lambda x: x.sum(), X), ValueError,
+     "batch_shape"),
+    ("f returns a list", lambda: pyhvp.laplacian(lambda x: [x.sum(-1)], X), TypeError, "f"),
+    ("f returns integers", lambda: pyhvp.laplacian(lambda x: x.long().sum(-1), X), TypeError,
+     "f must return a real floating tensor, got torch.int64"),
+    ("f modifies x in place", lambda: pyhvp.laplacian(modifies_x, X.clone()), ValueError,
+     "modifies x in place"),
+    ("factor of the wrong shape", lambda: pyhvp.laplacian(scalar_f, X, factor=torch.ones(4, 2)),
+     ValueError, "factor must have shape event_shape + (r,) = (3, r)"),
+    ("factor of another dtype",
+     lambda: pyhvp.laplacian(scalar_f, X, factor=torch.ones(3, 2, dtype=torch.float64)),
+     ValueError, "factor must have x's dtype"),
+    ("backend without collapsed_jet", lambda: pyhvp.laplacian(scalar_f, X, backend=GradOnlyBackend()),
+     ValueError, "use backend='torch'"),
+    ("grad_and_laplacian on it",
+     lambda: pyhvp.grad_and_laplacian(scalar_f, X, backend=GradOnlyBackend()), ValueError,
+     "pyhvp.grad_and_laplacian needs the collapsed_jet primitive"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "call", "error", "text"), ERRORS, ids=[e[0] for e in ERRORS])
+def test_bad_input_raises_naming_the_argument(name, call, error, text):
+    with pytest.raises(error, match=re.escape(text)):
+        call()
+
+
+def test_hutch_plus_plus_needs_only_grad_and_hvp():
+    f, x, exact = estimator_problem("cpu")
+    generator = torch.Generator().manual_seed(0)
+    lap = pyhvp.laplacian(f, x, method="hutch++", samples=18, generator=generator,
+                          backend=GradOnlyBackend())  # fmt: skip
+    torch.testing.assert_close(lap, exact)
