@@ -2,12 +2,13 @@
 
 Vector-valued f: R^n -> R^m, n = m = 32 and 256: f = sigmoid(W x + b) and a 2-layer tanh MLP
 W2 tanh(W1 x + b1) + b2 (hidden = n). Rows: the closed form sigma''(z) W^2 (the limit; ratios
-divide by it), pyhvp exact (compile=True, and eager as a one-off call pays it; on the CPU the
-torch backend never compiles forward-over-forward -- it segfaults in inductor -- so there the
-vector rows run eagerly either way), the full Hessian
+divide by it), pyhvp exact (compile=True, and eager as a one-off call pays it) on the batched f
+and on the same function written for one instance with ``pyhvp.per_instance`` (both run the
+second-order Taylor engine with e_i shared by all instances, so W e_i is computed once), the full Hessian
 vmap(jacfwd(jacrev)) then its diagonal, forward-over-reverse with one-hot tangents, Hutchinson
 (scalar-only in pyhvp, so one estimate per output: m x samples HVPs) with its relative error,
-and JAX's jit of the same forward-over-forward if JAX is installed (CPU runs only). Rows marked "~" at n = 256
+and JAX's jit of the same forward-over-forward if JAX is installed (CPU runs only; the process
+is pinned to one core, so XLA runs on one thread like torch). Rows marked "~" at n = 256
 are timed on a few instances (or one output) and scaled linearly: the full runs would need
 B*M*N*N numbers (68 GB) or minutes.
 
@@ -22,8 +23,17 @@ Usage: python benchmarks/bench_diagonal.py [cuda]
 from __future__ import annotations
 
 import math
+import os
 import sys
 from dataclasses import dataclass
+
+# One core for torch and XLA alike (XLA's CPU runtime ignores the single-thread flags below):
+# pinned before JAX starts its thread pool.
+if hasattr(os, "sched_setaffinity"):
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+os.environ.setdefault(
+    "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+)
 
 import torch
 from _timing import median_ms, print_table
@@ -43,6 +53,7 @@ class Problem:
     f: object
     closed: object
     weights: dict
+    single: object = None  # the same f for one instance, batched with pyhvp.per_instance
 
 
 def d2_sigmoid(z):
@@ -64,7 +75,8 @@ def sigmoid_layer(n, device):
     def closed(x):  # d2 f_k / dx_i^2 = sigma''(z_k) W_ki^2
         return d2_sigmoid(x @ w.T + b)[..., :, None] * (w * w)
 
-    return Problem("sigmoid(Wx+b)", f, closed, {"w1": w, "b1": b})
+    single = pyhvp.per_instance(lambda x: torch.sigmoid(w @ x + b))
+    return Problem("sigmoid(Wx+b)", f, closed, {"w1": w, "b1": b}, single)
 
 
 def tanh_mlp(n, device, m=None, hidden=None):
@@ -88,7 +100,8 @@ def tanh_mlp(n, device, m=None, hidden=None):
         return out.squeeze(-2) if m == 1 else out
 
     name = "tanh MLP" if m > 1 else f"scalar tanh MLP, hidden {hidden}"
-    return Problem(name, f, closed, {"w1": w1, "b1": b1, "w2": w2, "b2": b2})
+    single = pyhvp.per_instance(lambda x: (w2 @ torch.tanh(w1 @ x + b1) + b2).squeeze(-1))
+    return Problem(name, f, closed, {"w1": w1, "b1": b1, "w2": w2, "b2": b2}, single)
 
 
 # --- baselines -------------------------------------------------------------------------------
@@ -169,10 +182,11 @@ def bench_vector(problem, n, device):
     compiled, eager = pyhvp.TorchBackend(compile=True), pyhvp.TorchBackend(compile=False)
     exact = problem.closed(x)
 
-    def ours(backend):
-        return pyhvp.hessian_diagonal(problem.f, x, chunk_size=CHUNK, backend=backend)
+    def ours(backend, f=problem.f):
+        return pyhvp.hessian_diagonal(f, x, chunk_size=CHUNK, backend=backend)
 
     torch.testing.assert_close(ours(compiled), exact, rtol=1e-3, atol=1e-5)
+    torch.testing.assert_close(ours(compiled, problem.single), exact, rtol=1e-3, atol=1e-5)
     big = n > 64  # full baselines need B*M*N*N numbers (68 GB at n = 256): time a few instances
     few, outputs = (2, range(1)) if big else (B, range(n))
     torch.testing.assert_close(full_hessian(problem.f, x[:few]), exact[:few], rtol=1e-3, atol=1e-5)
@@ -182,7 +196,11 @@ def bench_vector(problem, n, device):
         ("closed form", median_ms(lambda: problem.closed(x), device, **once)),
         ("pyhvp exact, compile=True", median_ms(lambda: ours(compiled), device, **once)),
         ("pyhvp exact, eager (one-off call)", median_ms(lambda: ours(eager), device, warmup=0)),
-    ]
+        ("pyhvp per_instance, compile=True", median_ms(lambda: ours(compiled, problem.single),
+                                                       device, **once)),
+        ("pyhvp per_instance, eager", median_ms(lambda: ours(eager, problem.single), device,
+                                                **once)),
+    ]  # fmt: skip
     baselines = {
         "full Hessian vmap(jacfwd(jacrev))": lambda: full_hessian(problem.f, x[:few]),
         "fwd-over-rev, one-hot tangents": lambda: fwd_over_rev_one_hot(problem.f, x[:few]),
@@ -256,6 +274,7 @@ def bench_estimators(n, device):
 
 
 def main(device: str) -> None:
+    torch.set_num_threads(1)
     torch.manual_seed(0)
     for n in (32, 256):
         for build in (sigmoid_layer, tanh_mlp):

@@ -41,7 +41,11 @@ PROGRAMS_CACHED = 64
 """Programs remembered (least recently used dropped first)."""
 
 DECOMPOSITIONS = get_decompositions(
-    [aten.native_layer_norm, aten.native_group_norm, aten._scaled_dot_product_flash_attention_for_cpu]
+    [
+        aten.native_layer_norm,
+        aten.native_group_norm,
+        aten._scaled_dot_product_flash_attention_for_cpu,
+    ]
 )
 """Composite ops rewritten into ops that have dedicated jet rules (var_mean, rsqrt, ...)."""
 

@@ -1,0 +1,329 @@
+"""Exact per-instance Laplacians (issue 12): pyhvp against torch.func compositions and folx.
+
+B = 1024 instances, CPU, one thread (torch.set_num_threads(1), and the process pinned to one
+core, so XLA runs on one too), float32 and float64. Problems: a 3-hidden-layer tanh MLP (width 64) with n = 16 and 64 inputs;
+sum_i exp(-(x_i - mu_i)^2) with n = 16 and 64; sum_{i<j} exp(-|r_i - r_j|^2) over 8 particles
+in 3-D (event_dims = 2, n = 24).
+
+Rows: the torch.func compositions -- vmap(hessian) then the trace; forward-over-forward (jvp of
+jvp along each e_i, in every instance at once); forward-over-reverse with one-hot tangents
+(jvp(grad) along each e_i, keep entry i) -- eagerly and torch.compile-d (compiled in a child
+process, since inductor segfaults on some of them on the CPU: a crash is reported as such);
+Hutchinson with 16 Rademacher probes (torch.func forward-over-reverse, and pyhvp's), with its
+relative error; pyhvp exact, eager (compile=False) and compiled (compile=True); folx's
+forward_laplacian under jax.jit when JAX and folx are installed. Every exact row is checked
+against pyhvp eager, and pyhvp against a float64 dense Hessian trace, before anything is timed.
+Ratios divide by the best torch.func composition; a last table compares pyhvp with folx.
+
+Eager PyTorch on the CPU allocates every intermediate with malloc; with glibc's defaults large
+buffers are mmap'd and page-faulted afresh on each call, which on the 2-core CI machine costs
+more than the arithmetic (JAX keeps its own pool). The allocator settings in effect are printed;
+set MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ (or preload jemalloc/tcmalloc) to compare.
+Usage: python benchmarks/bench_laplacian.py [--no-compiled-baselines]
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+# One core for torch and XLA alike (XLA's CPU runtime ignores the single-thread flags below):
+# pinned before JAX starts its thread pool.
+if hasattr(os, "sched_setaffinity"):
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+os.environ.setdefault(
+    "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+)
+
+import torch
+from _timing import median_ms, print_table
+from torch.func import grad, hessian, jvp, vmap
+
+import pyhvp
+
+B = 1024
+PROBES = 16
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+@dataclass
+class Problem:
+    """A batched f (batch + event -> batch), its event_dims, input and JAX twin (same weights)."""
+
+    name: str
+    f: object
+    event_dims: int
+    x: torch.Tensor
+    jax_f: object  # one instance -> scalar, built lazily (JAX is optional)
+
+
+def mlp(n, dtype):
+    g = torch.Generator().manual_seed(0)
+    shapes = [(64, n), (64, 64), (64, 64), (1, 64)]
+    weights = [(torch.randn(s, generator=g) / math.sqrt(s[1])).to(dtype) for s in shapes]
+    biases = [torch.randn(s[0], generator=g).to(dtype) for s in shapes]
+
+    def f(x):
+        h = x
+        for w, b in zip(weights[:-1], biases[:-1], strict=True):
+            h = torch.tanh(h @ w.T + b)
+        return (h @ weights[-1].T + biases[-1]).squeeze(-1)
+
+    def jax_f():
+        import jax.numpy as jnp
+
+        ws, bs = [jnp.asarray(w.numpy()) for w in weights], [jnp.asarray(b.numpy()) for b in biases]
+
+        def single(x):
+            h = x
+            for w, b in zip(ws[:-1], bs[:-1], strict=True):
+                h = jnp.tanh(h @ w.T + b)
+            return (h @ ws[-1].T + bs[-1])[0]
+
+        return single
+
+    return Problem(f"tanh MLP 3x64, n={n}", f, 1, torch.randn(B, n, generator=g).to(dtype), jax_f)
+
+
+def gaussians(n, dtype):
+    g = torch.Generator().manual_seed(1)
+    mu = torch.randn(n, generator=g).to(dtype)
+
+    def f(x):
+        return torch.exp(-((x - mu) ** 2)).sum(-1)
+
+    def jax_f():
+        import jax.numpy as jnp
+
+        m = jnp.asarray(mu.numpy())
+        return lambda x: jnp.exp(-((x - m) ** 2)).sum()
+
+    x = torch.randn(B, n, generator=g).to(dtype)
+    return Problem(f"sum_i exp(-(x_i-mu_i)^2), n={n}", f, 1, x, jax_f)
+
+
+def pairs(dtype):
+    g = torch.Generator().manual_seed(2)
+
+    def f(r):  # (..., 8, 3) -> (...)
+        d = r[..., :, None, :] - r[..., None, :, :]
+        return torch.triu(torch.exp(-(d**2).sum(-1)), 1).sum((-2, -1))
+
+    def jax_f():
+        import jax.numpy as jnp
+
+        def single(r):
+            d = r[:, None, :] - r[None, :, :]
+            return jnp.triu(jnp.exp(-(d**2).sum(-1)), 1).sum()
+
+        return single
+
+    x = torch.randn(B, 8, 3, generator=g).to(dtype)
+    return Problem("sum_{i<j} exp(-|r_i-r_j|^2), 8 x 3-D", f, 2, x, jax_f)
+
+
+PROBLEMS = {
+    "mlp16": lambda t: mlp(16, t),
+    "mlp64": lambda t: mlp(64, t),
+    "gauss16": lambda t: gaussians(16, t),
+    "gauss64": lambda t: gaussians(64, t),
+    "pairs": pairs,
+}
+
+
+# --- torch.func compositions (over flattened events: x as (B, n)) ------------------------------
+
+
+def flat(problem):
+    """f over (B, n) and x as (B, n)."""
+    event = problem.x.shape[1:]
+    return (lambda y: problem.f(y.reshape(-1, *event))), problem.x.reshape(B, -1)
+
+
+def basis(x):
+    n = x.shape[-1]
+    return torch.eye(n, dtype=x.dtype)[:, None, :].expand(n, *x.shape)
+
+
+def vmap_hessian(f, x):
+    return vmap(hessian(lambda xi: f(xi[None])[0]))(x).diagonal(dim1=-2, dim2=-1).sum(-1)
+
+
+def fwd_over_fwd(f, x):
+    def along(u):
+        return jvp(lambda y: jvp(f, (y,), (u,))[1], (x,), (u,))[1]
+
+    return vmap(along)(basis(x)).sum(0)
+
+
+def fwd_over_rev(f, x):
+    g = grad(lambda y: f(y).sum())
+    products = vmap(lambda u: jvp(g, (x,), (u,))[1])(basis(x))  # (n, B, n): H e_i
+    return products.diagonal(dim1=0, dim2=-1).sum(-1)
+
+
+def hutchinson(f, x, seed=0):
+    z = 2.0 * torch.randint(0, 2, (PROBES, *x.shape), generator=torch.Generator().manual_seed(seed))
+    z = (z - 1).to(x.dtype)
+    g = grad(lambda y: f(y).sum())
+    hz = vmap(lambda u: jvp(g, (x,), (u,))[1])(z)
+    return (z * hz).sum(-1).mean(0)
+
+
+COMPOSITIONS = {
+    "vmap(hessian)": vmap_hessian,
+    "fwd-fwd": fwd_over_fwd,
+    "fwd-rev one-hot": fwd_over_rev,
+}
+
+
+def tolerance(dtype):
+    return {"rtol": 1e-3, "atol": 1e-3} if dtype == torch.float32 else {"rtol": 1e-8, "atol": 1e-8}
+
+
+def relative_error(estimate, exact):
+    return float((estimate - exact).norm() / exact.norm())
+
+
+def pyhvp_exact(problem, compile_mode):
+    backend = pyhvp.TorchBackend(compile=compile_mode)
+    return lambda: pyhvp.laplacian(
+        problem.f, problem.x, event_dims=problem.event_dims, backend=backend
+    )
+
+
+def compiled_baselines(key, dtype_name, names):
+    """In a child process: each named composition compiled, checked and timed; prints one JSON
+    line when it starts and one with its time or error, so a crash names the one that crashed."""
+    problem = PROBLEMS[key](DTYPES[dtype_name])
+    f, x = flat(problem)
+    exact = pyhvp_exact(problem, False)()
+    for name in names:
+        print(json.dumps({"start": name}), flush=True)
+        compiled = torch.compile(lambda m=COMPOSITIONS[name]: m(f, x), dynamic=False)
+        try:
+            torch.testing.assert_close(compiled(), exact, **tolerance(x.dtype))
+            print(json.dumps({"name": name, "ms": median_ms(compiled)}), flush=True)
+        except Exception as error:  # a compile error is a result, not a benchmark failure
+            print(json.dumps({"name": name, "error": type(error).__name__}), flush=True)
+
+
+def run_compiled_baselines(key, dtype_name):
+    """``{composition: ms or why not}``, re-running the child past a composition that crashes it."""
+    results, remaining = {}, list(COMPOSITIONS)
+    while remaining:
+        done = subprocess.run(
+            [sys.executable, __file__, "--compiled-baselines", key, dtype_name, *remaining],
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
+        started = None
+        for line in done.stdout.splitlines():
+            record = json.loads(line)
+            started = record.get("start")
+            if "name" in record:
+                results[record["name"]] = record.get("ms", record.get("error"))
+        if done.returncode != 0 and started is not None:
+            results[started] = "segfault" if done.returncode == -11 else f"exit {done.returncode}"
+        remaining = [name for name in remaining if name not in results]
+    return results
+
+
+def folx_ms(problem):
+    try:
+        import folx
+        import jax
+        import jax.numpy as jnp
+    except ImportError:
+        return None, None
+    jax.config.update("jax_enable_x64", True)
+    single = problem.jax_f()
+    laplacian = jax.jit(jax.vmap(lambda xi: folx.forward_laplacian(single)(xi).laplacian))
+    xj = jnp.asarray(problem.x.numpy())
+    value = torch.from_numpy(jax.device_get(laplacian(xj)).copy())
+    return median_ms(lambda: jax.block_until_ready(laplacian(xj))), value
+
+
+def bench(key, dtype_name, with_compiled):
+    dtype = DTYPES[dtype_name]
+    problem = PROBLEMS[key](dtype)
+    f, x = flat(problem)
+    exact = pyhvp_exact(problem, False)()
+    f64, x64 = flat(PROBLEMS[key](torch.float64))  # same weights and points, in float64
+    torch.testing.assert_close(exact.double(), vmap_hessian(f64, x64), **tolerance(dtype))
+    rows = []
+    for name, method in COMPOSITIONS.items():
+        torch.testing.assert_close(method(f, x), exact, **tolerance(dtype))
+        rows.append((f"torch.func {name}", median_ms(lambda m=method: m(f, x))))
+    if with_compiled:
+        for name, result in run_compiled_baselines(key, dtype_name).items():
+            if isinstance(result, float):
+                rows.append((f"torch.func {name}, compiled", result))
+            else:
+                print(f"  torch.func {name}, compiled: not timed ({result})")
+    best = min(rows, key=lambda row: row[1])
+    error = relative_error(hutchinson(f, x), exact)
+    rows.append(
+        (f"torch.func hutchinson {PROBES} (err {error:.2f})", median_ms(lambda: hutchinson(f, x)))
+    )
+    generator = torch.Generator()
+
+    def ours_hutchinson():
+        return pyhvp.laplacian(problem.f, problem.x, event_dims=problem.event_dims,
+                               method="hutchinson", samples=PROBES,
+                               generator=generator.manual_seed(0))  # fmt: skip
+
+    error = relative_error(ours_hutchinson(), exact)
+    rows.append((f"pyhvp hutchinson {PROBES} (err {error:.2f})", median_ms(ours_hutchinson)))
+    ours = {}
+    for label, mode in (("eager", False), ("compiled", True)):
+        run = pyhvp_exact(problem, mode)
+        torch.testing.assert_close(run(), exact, **tolerance(dtype))
+        ours[label] = median_ms(run)
+        rows.append((f"pyhvp exact, {label}", ours[label]))
+    folx_time, folx_value = folx_ms(problem)
+    if folx_time is not None:
+        torch.testing.assert_close(folx_value.to(dtype), exact, **tolerance(dtype))
+        rows.append(("folx forward_laplacian (jax.jit)", folx_time))
+    title = f"{problem.name}: B={B}, cpu, {dtype_name}, 1 thread (ratios: / best torch.func)"
+    print_table(title, rows, baseline=best[0])
+    return {"pyhvp": min(ours.values()), "torch.func": best[1], "folx": folx_time}
+
+
+def allocator():
+    tuned = [k for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_") if k in os.environ]
+    preload = os.environ.get("LD_PRELOAD", "")
+    if tuned or preload:
+        return f"tuned ({', '.join(tuned + ([preload] if preload else []))})"
+    return "glibc defaults"
+
+
+def main(with_compiled):
+    torch.set_num_threads(1)
+    print(f"torch {torch.__version__}, malloc: {allocator()}")
+    summary = []
+    for dtype_name in DTYPES:
+        for key in PROBLEMS:
+            times = bench(key, dtype_name, with_compiled)
+            summary.append((key, dtype_name, times))
+    print("\nSummary (ms; pyhvp = the faster of its eager and compiled rows)")
+    print(f"  {'problem':8} {'dtype':8} | {'pyhvp':>8} | {'best torch.func':>15} | {'folx':>8} | "
+          f"{'torch.func / pyhvp':>18} | {'pyhvp / folx':>12}")  # fmt: skip
+    for key, dtype_name, t in summary:
+        folx_cell = f"{t['folx']:8.3f}" if t["folx"] is not None else f"{'-':>8}"
+        versus = f"{t['pyhvp'] / t['folx']:12.2f}" if t["folx"] is not None else f"{'-':>12}"
+        print(f"  {key:8} {dtype_name:8} | {t['pyhvp']:8.3f} | {t['torch.func']:15.3f} | {folx_cell} | "
+              f"{t['torch.func'] / t['pyhvp']:18.2f} | {versus}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 4 and sys.argv[1] == "--compiled-baselines":
+        torch.set_num_threads(1)
+        compiled_baselines(sys.argv[2], sys.argv[3], sys.argv[4:])
+    else:
+        main(with_compiled="--no-compiled-baselines" not in sys.argv)
