@@ -46,11 +46,11 @@ def hessian_diagonal(
     the result is ``batch_shape + out_shape + event_shape``, entry ``[b, k, i]`` = ``d^2 f_{b,k} /
     dx_{b,i}^2``. Unbatched ``x`` of shape ``(n,)`` gives ``out_shape + (n,)``.
 
-    ``method="exact"`` (N = prod(event_shape) passes over the whole batch; chosen by ``_choose``):
-    vector outputs use forward-over-forward along ``e_i`` (every output's ``d^2 f_k / dx_i^2``
-    from one pass); scalar outputs use forward-over-reverse with one-hot tangents, ``(H e_i)_i``
-    -- measured 1.7-2.8x faster on CPU for scalars, and the one primitive every backend implements.
-    Cost about N evaluations of ``f`` times a small constant (3-4); memory ``O(c * x.numel())``
+    ``method="exact"`` (N = prod(event_shape) directions pushed through the whole batch; chosen by
+    ``_choose``): second-order Taylor mode along ``e_i``, every output's ``d^2 f_k / dx_i^2`` from
+    one pass, ``e_i`` shared by every instance; on a backend without it (julia), scalar outputs use
+    forward-over-reverse with one-hot tangents, ``(H e_i)_i``.
+    Cost about N evaluations of ``f`` times a small constant; memory ``O(c * x.numel())``
     for the ``c = chunk_size`` (default N) directions pushed at once, plus their intermediates.
     ``f`` (a Python callable) is evaluated once beforehand to learn ``out_shape``.
 
@@ -144,15 +144,16 @@ def _out_shape(
     return tuple(out.shape[len(batch_shape) :])
 
 
-def _choose(out_shape: tuple[int, ...]) -> str:
-    """The primitive for exact diagonals: measured on CPU (benchmarks/bench_diagonal.py).
+def _choose(out_shape: tuple[int, ...]) -> tuple[str, ...]:
+    """The primitives for exact diagonals, in order of preference (benchmarks/bench_diagonal.py).
 
-    Scalar outputs: ``grad_and_hvp`` (forward-over-reverse, one-hot tangents) -- 1.7-2.8x faster
-    than forward-over-forward, eager and compiled, and implemented by every backend. Vector
-    outputs: ``second_directional`` (forward-over-forward), the only one that gives all M
-    outputs' second derivatives from one pass.
+    ``second_directional`` (second-order Taylor mode along e_i) for every output shape: it gives
+    all M outputs' second derivatives from one pass, and for scalar outputs too it measured
+    1.6-2.5x faster than forward-over-reverse with one-hot tangents on the CPU (scalar tanh MLP,
+    n = 32 and 256, eager and compiled). Scalar outputs fall back to ``grad_and_hvp`` on a
+    backend without ``second_directional`` (it raises NotImplementedError, as julia does).
     """
-    return "grad_and_hvp" if out_shape == () else "second_directional"
+    return ("second_directional",) if out_shape != () else ("second_directional", "grad_and_hvp")
 
 
 def _exact(
@@ -168,19 +169,26 @@ def _exact(
     n_vars = math.prod(event_shape)
     step = chunk_size or n_vars
     eye = torch.eye(n_vars, dtype=x.dtype, device=x.device)
+    primitives = list(_choose(out_shape))
     parts = []  # each (count, *batch, *out): d^2 f / dx_i^2 for the chunk's i
     for start in range(0, n_vars, step):
         basis = eye[start : start + step]  # e_i for i in this chunk, the same in every instance
         count = basis.shape[0]
         directions = basis.reshape(count, *(1,) * len(batch_shape), *event_shape)
-        if _choose(out_shape) == "grad_and_hvp":
+        while primitives[0] == "second_directional":
+            try:  # broadcast over instances: a first linear layer maps e_i once, not per instance
+                parts.append(backend.second_directional(f, x, directions, args, None))
+                break
+            except NotImplementedError:
+                if len(primitives) == 1:
+                    raise
+                primitives.pop(0)
+        else:
             tangents = directions.expand(count, *x.shape).contiguous()
             _, hv = backend.grad_and_hvp(f, x, tangents, args, event_dims, None)
             columns = hv.reshape(count, *batch_shape, n_vars)[..., start : start + count]
             # (H e_i)_i, copied out so that the (count, *x.shape) products can be freed
             parts.append(columns.diagonal(dim1=0, dim2=-1).movedim(-1, 0).contiguous())
-        else:  # broadcast over instances: a first linear layer maps e_i once, not per instance
-            parts.append(backend.second_directional(f, x, directions, args, None))
     second = parts[0] if len(parts) == 1 else torch.cat(parts)
     # batch + out + event as a view: a transposing copy would cost as much as the passes.
     return second.movedim(0, -1).reshape(*batch_shape, *out_shape, *event_shape)
