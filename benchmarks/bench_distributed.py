@@ -11,13 +11,15 @@ falls on every row alike (in the 1-process rows the other process waits in a bar
 sleeps); medians over the rounds. The 2-process result is checked against the 1-process one first.
 
 What bounds the figure: ideal is 2.0x the 1-thread baseline, because the machine has 2 cores;
-anything else running (the OS, another job) takes from the same 2 cores, and so does every row.
-Usage: python benchmarks/bench_distributed.py
+anything else running (the OS, another job) takes from the same 2 cores, and so does every row;
+the load average printed first tells whether something else was running. Usage: python
+benchmarks/bench_distributed.py
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 import statistics
 import sys
@@ -122,6 +124,7 @@ def run(model_name):
 
 def main():
     print(f"torch {torch.__version__}, {N_IMAGES} images in batches of {BATCH}, k={K} per tensor")
+    print(f"1-minute load average before the run: {os.getloadavg()[0]:.2f}")
     summary = []
     for model_name in MODELS:
         medians, results = run(model_name)
