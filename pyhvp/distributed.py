@@ -4,9 +4,9 @@ pyhvp runs on PyTorch's own distributed engine (gloo on the CPU, NCCL on CUDA) a
 process itself. Two patterns (README, "More than one device"):
 
 * **Instances sharded over ranks** need no communication. Per-instance operators (``grad_and_hvp``,
-  ``hvp``, ``hessian_diagonal``) compute instance ``b``'s result from instance ``b``'s inputs only,
-  so each rank calls them on its shard of the batch dims and the shards' results, gathered, are the
-  full batch's. Bit for bit when every kernel of ``f`` computes an element the same way wherever it
+  ``hvp``, ``hessian_diagonal``, ``laplacian``, ``grad_and_laplacian``) compute instance ``b``'s
+  result from instance ``b``'s inputs only, so each rank calls them on its shard of the batch dims
+  and the shards' results, gathered, are the full batch's. Bit for bit when every kernel of ``f`` computes an element the same way wherever it
   sits in memory: true of the seed problem (elementwise arithmetic, ``exp``, sums over the event
   dims), tested in float64 across two gloo processes. Otherwise equal to rounding (a few ulp):
   matrix products over the batch dims (BLAS picks kernels by row count and memory alignment), and

@@ -91,6 +91,16 @@ OPERATORS = [
         lambda f, x, v, mu, b=EAGER: (pyhvp.hessian_diagonal(f, x, mu, backend=b),),
         (1,),
     ),
+    Operator(
+        "laplacian, exact",
+        lambda f, x, v, mu, b=EAGER: (pyhvp.laplacian(f, x, mu, backend=b),),
+        (1,),
+    ),
+    Operator(
+        "grad_and_laplacian",
+        lambda f, x, v, mu, b=EAGER: tuple(pyhvp.grad_and_laplacian(f, x, mu, backend=b)),
+        (1, 1, 1),
+    ),
 ]
 COMPILED = pyhvp.TorchBackend(compile=True)
 COMPILED_OPERATOR = Operator(
@@ -132,7 +142,10 @@ def assert_same(actual, expected, bitwise):
 
 
 CUTS = {"1 | 100": [slice(0, 1), slice(1, 101)], "51 | 50": [slice(0, 51), slice(51, 101)]}
-CASES = [(op, fn) for op in OPERATORS for fn in FUNCTIONS] + [(OPERATORS[2], VECTOR)]
+VECTOR_OPERATORS = [op for op in OPERATORS if op.name.startswith(("hessian_diagonal", "laplacian"))]
+CASES = [(op, fn) for op in OPERATORS for fn in FUNCTIONS] + [
+    (op, VECTOR) for op in VECTOR_OPERATORS
+]
 
 
 @pytest.mark.parametrize("cut", CUTS.values(), ids=CUTS.keys())
