@@ -135,8 +135,7 @@ def _require_agreement(fingerprints: list[Fingerprint], ranks: list[int], caller
             )
             raise ValueError(
                 f"{caller}: the ranks of the group must agree on {key}, got {by_rank} (every "
-                f"rank passes params of the same shapes and dtypes and the same index and joint; "
-                f"only data differs)"
+                f"rank passes the same arguments but its own data)"
             )
 
 
