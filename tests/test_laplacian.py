@@ -51,6 +51,18 @@ def sigmoid_layer(device, dtype):
     return pyhvp.per_instance(lambda x: torch.sigmoid(w @ x + b))
 
 
+def per_instance_mlp(device, dtype):
+    """W2 tanh(W1 x + b1) for one instance: under vmap the tangent is the right operand of W2 @."""
+    w1, b1, w2 = (weights(*s, seed=10 + i, device=device, dtype=dtype) for i, s in
+                  enumerate([(6, 4), (6,), (3, 6)]))  # fmt: skip
+    return pyhvp.per_instance(lambda x: w2 @ torch.tanh(w1 @ x + b1))
+
+
+def factored_sums(x):
+    """Elementwise functions of shared directions, then sums and means (kept and dropped dims)."""
+    return torch.exp(-(x**2)).mean(-1, keepdim=True) + torch.sigmoid(x).sum((-2, -1), keepdim=True)
+
+
 def gaussian(x, mu):
     """Seed-000 layout: 3 batch dims, mu broadcast over the middle ones."""
     return torch.exp(-((x - mu) ** 2).sum(-1))
@@ -244,6 +256,8 @@ CASES = [
         ((3, 3),),
         2,
     ),
+    Case("per_instance MLP, W2 @ tanh(W1 x + b1)", per_instance_mlp, (5, 4)),
+    Case("factored sums and means", plain(factored_sums), (2, 3, 4), event_dims=2),
     Case("unbatched x", tanh_mlp(1), (4,)),
     Case("2-D out_shape", plain(outer), (4, 3)),
     Case("matmul, linear, einsum", products, (5, 4)),

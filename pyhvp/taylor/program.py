@@ -14,7 +14,7 @@ flow to them when they require grad. The record costs one forward of ``f`` (abou
 overhead), paid at every call.
 
 On a miss the record becomes an fx graph, replayed once through ``make_fx(functionalize(...))``
-with layer and group norm and CPU attention decomposed, into a functional aten program
+with layer, group and (evaluation-mode) batch norm and CPU attention decomposed, into a functional aten program
 -- the graph the jet rules (:mod:`.rules`) run on.
 """
 
@@ -44,6 +44,8 @@ DECOMPOSITIONS = get_decompositions(
     [
         aten.native_layer_norm,
         aten.native_group_norm,
+        aten._native_batch_norm_legit_no_training,
+        aten.native_batch_norm,
         aten._scaled_dot_product_flash_attention_for_cpu,
     ]
 )
@@ -165,11 +167,10 @@ _PROGRAMS: OrderedDict[Hashable, Program] = OrderedDict()
 
 @dataclass(frozen=True)
 class Capture:
-    """One call's program, the constants to pass it, and ``f(x, *args)`` from the record."""
+    """One call's program and the constants to pass it."""
 
     program: Program
     constants: tuple[Tensor, ...]
-    value: Tensor
 
     def kernel(self, collapsed: bool, x: Tensor, directions: Tensor) -> JetKernel:
         return self.program.kernel(collapsed, x, directions, self.constants)
@@ -195,7 +196,7 @@ def capture(f: Callable[..., Tensor], x: Tensor, args: Sequence[object]) -> Capt
     _PROGRAMS[key] = program
     while len(_PROGRAMS) > PROGRAMS_CACHED:
         _PROGRAMS.popitem(last=False)
-    return Capture(program, tuple(recorder.constants), out)
+    return Capture(program, tuple(recorder.constants))
 
 
 def _functional_graph(recorder: _Recorder, output: Hashable, x: Tensor) -> fx.GraphModule:

@@ -26,6 +26,7 @@ no op is unsupported, only slower.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 import operator
@@ -42,16 +43,40 @@ Tensor = torch.Tensor
 
 
 @dataclass(frozen=True)
+class Scaled:
+    """First-order coefficients kept as the product ``scale * base``.
+
+    ``scale`` broadcasts to the value's shape (no leading axis: an elementwise derivative),
+    ``base`` is a coefficient ``(K, *S)`` that is shared (size 1) along dims where ``scale``
+    varies -- directions shared by every instance, after an elementwise function. Multiplied out
+    it is K times the value's size; kept factored, its square is ``scale^2 * square(base)``, a
+    following linear layer is one wide matrix product and a sum is one matrix product.
+    """
+
+    scale: Tensor
+    base: Tensor
+
+    def dense(self) -> Tensor:
+        return times(lifted(self.base, self.scale.ndim), self.scale)
+
+
+@dataclass(frozen=True)
 class Jet:
     """A value and its Taylor coefficients along K directions.
 
-    ``first``: ``(K, *S)`` with ``S`` broadcastable to ``value.shape`` (same number of dims);
+    ``coefficient``: first order, ``(K, *S)`` with ``S`` broadcastable to ``value.shape`` (same
+    number of dims), or kept factored (:class:`Scaled`); :attr:`first` multiplies it out.
     ``second``: ``(K, *S)`` per direction or ``(1, *S)`` collapsed, ``None`` when it is zero.
     """
 
     value: Tensor
-    first: Tensor
+    coefficient: Tensor | Scaled
     second: Tensor | None
+
+    @functools.cached_property
+    def first(self) -> Tensor:
+        c = self.coefficient
+        return c if isinstance(c, Tensor) else c.dense()
 
 
 @dataclass(frozen=True)
@@ -192,6 +217,40 @@ def linear(out: Tensor, u: Jet, fn: Callable[[Tensor], Tensor]) -> Jet:
     return Jet(out, fn(u.first), None if u.second is None else fn(u.second))
 
 
+def rearrange(out: Tensor, u: Jet, fn: Callable[[Tensor], Tensor]) -> Jet:
+    """An op that only moves, selects or repeats elements (a view, an index): ``fn`` commutes
+    with elementwise products, so a :class:`Scaled` coefficient stays factored."""
+    c = u.coefficient
+    if isinstance(c, Scaled):
+        full = c.scale.expand(u.value.shape)[None]  # the leading axis fn expects
+        first: Tensor | Scaled = Scaled(fn(full)[0], fn(lifted(c.base, u.value.ndim)))
+    else:
+        first = fn(c)
+    return Jet(out, first, None if u.second is None else fn(u.second))
+
+
+def scaled_by(u: Jet, d: Tensor, ndim: int) -> Tensor | Scaled:
+    """``u``'s first-order coefficient times an elementwise factor ``d`` (broadcasting to the
+    ``ndim``-dim result): kept factored where the coefficient is shared along a dim where ``d``
+    varies (multiplying out would make it K times the value's size)."""
+    c = u.coefficient
+    if isinstance(c, Scaled):
+        return Scaled(c.scale * d, lifted(c.base, ndim))
+    t = lifted(c, ndim)
+    shape = (1,) * (ndim - d.ndim) + tuple(d.shape)
+    if any(t.shape[i + 1] == 1 and n > 1 for i, n in enumerate(shape)):
+        return Scaled(d.reshape(shape), t)
+    return times(t, d)
+
+
+def squared(ctx: Context, u: Jet, ndim: int) -> Tensor:
+    """``ctx.square`` of ``u``'s first-order coefficient, lifted to ``ndim`` dims."""
+    c = u.coefficient
+    if isinstance(c, Scaled):
+        return times(lifted(ctx.square(lifted(c.base, c.scale.ndim)), ndim), c.scale * c.scale)
+    return ctx.square(lifted(c, ndim))
+
+
 def times(t: Tensor, c: object) -> Tensor:
     """``t * c`` for a coefficient ``t``, expanded to the broadcast shape first: eagerly, torch
     picks a slow output layout when both operands broadcast along different dims (a
@@ -203,12 +262,11 @@ def times(t: Tensor, c: object) -> Tensor:
 
 def chain(ctx: Context, out: Tensor, u: Jet, d1: Tensor, d2: Tensor | None) -> Jet:
     """An elementwise ``y = g(u)`` with ``d1 = g'(u)``, ``d2 = g''(u)`` (None: zero)."""
-    first = times(lifted(u.first, d1.ndim), d1)
     second = plus(
         None if u.second is None else times(lifted(u.second, d1.ndim), d1),
-        None if d2 is None else times(ctx.square(lifted(u.first, d2.ndim)), d2),
+        None if d2 is None else times(squared(ctx, u, d2.ndim), d2),
     )
-    return Jet(out, first, second)
+    return Jet(out, scaled_by(u, d1, d1.ndim), second)
 
 
 def _dim(d: int, ndim: int) -> int:
@@ -385,11 +443,18 @@ def _add(ctx: Context, out: Tensor, a: object, b: object, alpha: float = 1) -> J
 
 @rule(aten.neg.default)
 def _neg(ctx: Context, out: Tensor, u: Jet) -> Jet:
-    return linear(out, u, operator.neg)
+    c = u.coefficient
+    first = Scaled(-c.scale, c.base) if isinstance(c, Scaled) else -c
+    return Jet(out, first, None if u.second is None else -u.second)
 
 
 @rule(aten.mul.Tensor, aten.mul.Scalar)
 def _mul(ctx: Context, out: Tensor, a: object, b: object) -> Jet:
+    jet, other = (a, b) if isinstance(a, Jet) else (b, a)
+    if not isinstance(other, Jet) and isinstance(jet.coefficient, Scaled):  # stays factored
+        c = jet.coefficient
+        second = None if jet.second is None else times(lifted(jet.second, out.ndim), other)
+        return Jet(out, Scaled(c.scale * other, lifted(c.base, out.ndim)), second)
     return bilinear(ctx, out, a, b, times)
 
 
@@ -477,12 +542,46 @@ def _matmul_jet(ctx: Context, out: Tensor, a: object, b: object) -> Jet:
         return None if t is None else expanded(t, value_of(arg).shape, [dim])
 
     va, vb = value_of(a), value_of(b)
-    fa, fb = contracted(a, 1, q_a), contracted(b, 1, q_b)
     sa, sb = contracted(a, 2, q_a), contracted(b, 2, q_b)
-    first = plus(None if fa is None else fa @ vb, None if fb is None else va @ fb)
-    cross = None if fa is None or fb is None else 2 * ctx.pair(operator.matmul, fa, fb)
+    first = _factored_matmul(a, b)
+    cross = None
+    if first is None:
+        fa, fb = contracted(a, 1, q_a), contracted(b, 1, q_b)
+        first = plus(None if fa is None else fa @ vb, None if fb is None else va @ fb)
+        cross = None if fa is None or fb is None else 2 * ctx.pair(operator.matmul, fa, fb)
     second = plus(None if sa is None else sa @ vb, None if sb is None else va @ sb, cross)
     return Jet(out, lifted(first, nd), None if second is None else lifted(second, nd))
+
+
+def _factored_matmul(a: object, b: object) -> Tensor | None:
+    """The first-order coefficient of ``a @ b`` when one operand is a jet with a :class:`Scaled`
+    coefficient whose base is shared along every dim but the contracted one, and the other a
+    matrix: ``(s * v_k) @ W = s @ (v_k W)`` for all k in ONE wide product -- 2.2x faster on this
+    CPU than K skinny ones (a (1024, 64) @ (64, 1024) against (16384, 64) @ (64, 64)), and the
+    K-fold product ``s * v_k`` is never formed. None otherwise."""
+    if isinstance(a, Jet) == isinstance(b, Jet):
+        return None
+    left = isinstance(a, Jet)
+    jet, weight = (a, value_of(b)) if left else (b, value_of(a))
+    c = jet.coefficient
+    if not isinstance(c, Scaled) or weight.ndim != 2:
+        return None
+    shape = jet.value.shape
+    contracted = len(shape) - 1 if left else len(shape) - 2
+    base = lifted(c.base, len(shape))
+    if any(base.shape[d + 1] != 1 for d in range(len(shape)) if d != contracted):
+        return None
+    k, q = base.shape[0], shape[contracted]
+    vectors = expanded(base, shape, [contracted]).reshape(k, q)  # v_k
+    scale = c.scale.expand(shape)
+    if left:  # scale (..., p, q) @ [v_k W] (q, K r) -> (..., p, K, r)
+        r = weight.shape[1]
+        stacked = (vectors[:, :, None] * weight).permute(1, 0, 2).reshape(q, k * r)
+        # K-major again (one copy): later products fold (K * ..., r) into one matrix product
+        return (scale @ stacked).reshape(*shape[:-1], k, r).movedim(-2, 0).contiguous()
+    p = weight.shape[0]  # [W v_k] (K p, q) @ scale (..., q, r) -> (..., K, p, r)
+    stacked = (weight * vectors[:, None, :]).reshape(k * p, q)
+    return (stacked @ scale).reshape(*shape[:-2], k, p, shape[-1]).movedim(-3, 0).contiguous()
 
 
 @rule(aten.mm.default, aten.bmm.default)
@@ -625,42 +724,42 @@ def reshaped(t: Tensor, src: Sequence[int], dst: Sequence[int]) -> Tensor:
 
 @rule(aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.view_copy.default)
 def _view(ctx: Context, out: Tensor, u: Jet, size: object) -> Jet:
-    return linear(out, u, lambda t: reshaped(t, u.value.shape, out.shape))
+    return rearrange(out, u, lambda t: reshaped(t, u.value.shape, out.shape))
 
 
 @rule(aten.permute.default, aten.permute_copy.default)
 def _permute(ctx: Context, out: Tensor, u: Jet, dims: Sequence[int]) -> Jet:
     nd = u.value.ndim
     order = [0, *(_dim(d, nd) + 1 for d in dims)]
-    return linear(out, u, lambda t: t.permute(order))
+    return rearrange(out, u, lambda t: t.permute(order))
 
 
 @rule(aten.transpose.int, aten.transpose_copy.int)
 def _transpose(ctx: Context, out: Tensor, u: Jet, d0: int, d1: int) -> Jet:
     nd = u.value.ndim
-    return linear(out, u, lambda t: t.transpose(_dim(d0, nd) + 1, _dim(d1, nd) + 1))
+    return rearrange(out, u, lambda t: t.transpose(_dim(d0, nd) + 1, _dim(d1, nd) + 1))
 
 
 @rule(aten.t.default)
 def _t(ctx: Context, out: Tensor, u: Jet) -> Jet:
-    return linear(out, u, lambda t: t.transpose(1, 2) if u.value.ndim == 2 else t)
+    return rearrange(out, u, lambda t: t.transpose(1, 2) if u.value.ndim == 2 else t)
 
 
 @rule(aten.expand.default, aten.expand_copy.default)
 def _expand(ctx: Context, out: Tensor, u: Jet, size: object, implicit: bool = False) -> Jet:
-    return linear(out, u, lambda t: lifted(t, out.ndim))  # new and size-1 dims stay broadcast
+    return rearrange(out, u, lambda t: lifted(t, out.ndim))  # new and size-1 dims stay broadcast
 
 
 @rule(aten.unsqueeze.default, aten.unsqueeze_copy.default)
 def _unsqueeze(ctx: Context, out: Tensor, u: Jet, dim: int) -> Jet:
-    return linear(out, u, lambda t: t.unsqueeze(_dim(dim, out.ndim) + 1))
+    return rearrange(out, u, lambda t: t.unsqueeze(_dim(dim, out.ndim) + 1))
 
 
 @rule(aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze_copy.dims)
 def _squeeze(ctx: Context, out: Tensor, u: Jet, dims: object = None) -> Jet:
     nd = u.value.ndim
     unit = [d for d in _dims(dims, nd) if u.value.shape[d] == 1]
-    return linear(out, u, lambda t: t.squeeze(tuple(d + 1 for d in unit)) if unit else t)
+    return rearrange(out, u, lambda t: t.squeeze(tuple(d + 1 for d in unit)) if unit else t)
 
 
 @rule(aten.select.int, aten.select_copy.int)
@@ -670,7 +769,7 @@ def _select(ctx: Context, out: Tensor, u: Jet, dim: int, index: int) -> Jet:
     def fn(t: Tensor) -> Tensor:
         return t.select(d + 1, 0 if d in _broadcast(t, u.value.shape) else index)
 
-    return linear(out, u, fn)
+    return rearrange(out, u, fn)
 
 
 @rule(aten.slice.Tensor, aten.slice_copy.Tensor)
@@ -685,7 +784,7 @@ def _slice(
             return t
         return aten.slice.Tensor(t, d + 1, start, end, step)
 
-    return linear(out, u, fn)
+    return rearrange(out, u, fn)
 
 
 STOP_GRADIENT = torch.ops.pyhvp.stop_gradient.default
@@ -693,7 +792,7 @@ STOP_GRADIENT = torch.ops.pyhvp.stop_gradient.default
 
 @rule(aten.clone.default, aten.alias.default, aten.detach.default)  # detach: an alias here
 def _identity(ctx: Context, out: Tensor, u: Jet, *args: object, **kwargs: object) -> Jet:
-    return Jet(out, u.first, u.second)
+    return Jet(out, u.coefficient, u.second)
 
 
 @rule(aten._to_copy.default)
@@ -718,7 +817,7 @@ def _diagonal(
     def fn(t: Tensor) -> Tensor:
         return expanded(t, u.value.shape, [d1, d2]).diagonal(offset, d1 + 1, d2 + 1)
 
-    return linear(out, u, fn)
+    return rearrange(out, u, fn)
 
 
 @rule(aten.constant_pad_nd.default)
@@ -789,7 +888,7 @@ def _flip(ctx: Context, out: Tensor, u: Jet, dims: Sequence[int]) -> Jet:
         flipped = [_dim(d, nd) + 1 for d in dims if _dim(d, nd) not in _broadcast(t, u.value.shape)]
         return t.flip(flipped) if flipped else t
 
-    return linear(out, u, fn)
+    return rearrange(out, u, fn)
 
 
 @rule(aten.index.Tensor)
@@ -807,13 +906,13 @@ def _index(ctx: Context, out: Tensor, u: Jet, indices: Sequence[Tensor | None]) 
         result = aten.index.Tensor(expanded(t, u.value.shape, indexed), [None, *indices])
         return result if adjacent else result.movedim(index_ndim, 0)
 
-    return linear(out, u, fn)
+    return rearrange(out, u, fn)
 
 
 @rule(aten.index_select.default)
 def _index_select(ctx: Context, out: Tensor, u: Jet, dim: int, index: Tensor) -> Jet:
     d = _dim(dim, u.value.ndim)
-    return linear(out, u, lambda t: expanded(t, u.value.shape, [d]).index_select(d + 1, index))
+    return rearrange(out, u, lambda t: expanded(t, u.value.shape, [d]).index_select(d + 1, index))
 
 
 @rule(aten.gather.default)
@@ -827,7 +926,7 @@ def _gather(
             expanded(t, u.value.shape), d + 1, index.expand(t.shape[0], *index.shape)
         )
 
-    return linear(out, u, fn)
+    return rearrange(out, u, fn)
 
 
 # --- reductions -----------------------------------------------------------------------------------
@@ -843,10 +942,40 @@ def _sum(
     def fn(t: Tensor) -> Tensor:
         factor = math.prod(u.value.shape[d] for d in _broadcast(t, u.value.shape) if d in dims)
         summed = t.sum([d + 1 for d in dims], keepdim=keepdim) if dims else t
-        summed = summed if factor == 1 else summed * factor
-        return summed if dtype is None else summed.to(dtype)
+        return summed if factor == 1 else summed * factor
 
-    return linear(out, u, fn)
+    return _reduced(out, u, fn, _factored_sum(u, dims, keepdim), dtype)
+
+
+def _reduced(out: Tensor, u: Jet, fn: Callable[[Tensor], Tensor], first: Tensor | None,
+             dtype: torch.dtype | None) -> Jet:  # fmt: skip
+    """A reduction's jet: ``first`` when a factored coefficient gave it, else ``fn`` of it."""
+    jet = Jet(out, fn(u.first) if first is None else first,
+              None if u.second is None else fn(u.second))  # fmt: skip
+    if dtype is None:
+        return jet
+    return Jet(out, jet.first.to(dtype), None if jet.second is None else jet.second.to(dtype))
+
+
+def _factored_sum(u: Jet, dims: list[int], keepdim: bool) -> Tensor | None:
+    """The first-order coefficient of a sum over ``dims`` when ``u``'s is :class:`Scaled` with a
+    base that varies only along ``dims``: ``sum_j s[.., j] v_k[j]`` for all k is one matrix
+    product, instead of forming the K-fold ``s * v_k``. None otherwise."""
+    c = u.coefficient
+    shape, nd = u.value.shape, u.value.ndim
+    if not isinstance(c, Scaled) or not dims:
+        return None
+    base = lifted(c.base, nd)
+    rest = [d for d in range(nd) if d not in dims]
+    if any(base.shape[d + 1] != 1 for d in rest):
+        return None
+    k, m = base.shape[0], math.prod(shape[d] for d in dims)
+    vectors = expanded(base, shape, dims).permute(0, *(d + 1 for d in rest + dims)).reshape(k, m)
+    scale = c.scale.expand(shape).permute(*rest, *dims).reshape(-1, m)
+    summed = (scale @ vectors.T).T.reshape(k, *(shape[d] for d in rest))
+    for d in dims if keepdim else ():
+        summed = summed.unsqueeze(d + 1)
+    return summed
 
 
 @rule(aten.mean.dim, aten.mean.default)
@@ -857,10 +986,11 @@ def _mean(
     dims = _dims(dim, u.value.ndim)
 
     def fn(t: Tensor) -> Tensor:  # the mean of a broadcast (constant) dim is that constant
-        mean = t.mean([d + 1 for d in dims], keepdim=keepdim) if dims else t
-        return mean if dtype is None else mean.to(dtype)
+        return t.mean([d + 1 for d in dims], keepdim=keepdim) if dims else t
 
-    return linear(out, u, fn)
+    summed = _factored_sum(u, dims, keepdim)
+    count = math.prod(u.value.shape[d] for d in dims)
+    return _reduced(out, u, fn, None if summed is None else summed / count, dtype)
 
 
 @rule(aten.cumsum.default)
@@ -1154,25 +1284,38 @@ def _forward_coefficients(ctx: Context, fn: Callable[..., tuple], primals: tuple
     return first, second
 
 
+REVERSE_FALLBACK_LIMIT = 2**26
+"""Most numbers the reverse-mode fallback may hold in one op's dense Hessian."""
+
+
 def _reverse_coefficients(ctx: Context, fn: Callable[..., tuple], primals: tuple,
                           firsts: list, seconds: list | None) -> tuple:  # fmt: skip
-    """From the op's Jacobian and Hessian (reverse over reverse), flattened per input."""
+    """From the op's dense Jacobian and Hessian (reverse over reverse), inputs flattened."""
+    outputs = fn(*primals)
+    sizes = [p.numel() for p in primals]
+    needed = sum(o.numel() for o in outputs) * sum(sizes) ** 2
+    if needed > REVERSE_FALLBACK_LIMIT:
+        raise RuntimeError(
+            f"pyhvp: an op of f has no jet rule and PyTorch's forward-mode derivative of it cannot "
+            f"be nested; the reverse-mode fallback would hold its dense Hessian ({needed} numbers, "
+            f"over the limit {REVERSE_FALLBACK_LIMIT}). Please report the op"
+        )
     every = tuple(range(len(primals)))
     jacobian = jacrev(fn, argnums=every)(*primals)  # [output][input]: out + in
     hessian = jacrev(jacrev(fn, argnums=every), argnums=every)(*primals)  # [o][i][j]
     first, second = [], []
-    for o, value in enumerate(fn(*primals)):
+    for o, value in enumerate(outputs):
         size = value.numel()
         f = s = 0
         for i, t in enumerate(firsts):
-            f = f + t.reshape(t.shape[0], -1) @ jacobian[o][i].reshape(size, -1).T
+            j_oi = jacobian[o][i].reshape(size, sizes[i]).T
+            f = f + t.reshape(t.shape[0], sizes[i]) @ j_oi
             if seconds is not None:
-                s = s + seconds[i].reshape(seconds[i].shape[0], -1) @ jacobian[o][i].reshape(
-                    size, -1).T  # fmt: skip
+                s = s + seconds[i].reshape(seconds[i].shape[0], sizes[i]) @ j_oi
             for j, u in enumerate(firsts):
-                h = hessian[o][i][j].reshape(size, t[0].numel(), u[0].numel())
-                quad = torch.einsum("ka,oab,kb->ko", t.reshape(t.shape[0], -1), h,
-                                    u.reshape(u.shape[0], -1))  # fmt: skip
+                h = hessian[o][i][j].reshape(size, sizes[i], sizes[j])
+                quad = torch.einsum("ka,oab,kb->ko", t.reshape(t.shape[0], sizes[i]), h,
+                                    u.reshape(u.shape[0], sizes[j]))  # fmt: skip
                 s = s + (quad.sum(0, keepdim=True) if ctx.collapsed else quad)
         first.append(f.reshape(-1, *value.shape))
         second.append(s.reshape(-1, *value.shape))
