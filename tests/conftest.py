@@ -21,9 +21,10 @@ def _seed():
     torch.manual_seed(0)
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def compile_cache(monkeypatch) -> compile_policy.CompileCache:
-    """A fresh, empty compile cache for this test (nothing compiled or timed before it)."""
+    """A fresh, empty compile cache for every test: nothing compiled, timed or measured before
+    it, so what "auto" does never depends on which tests ran first."""
     cache = compile_policy.CompileCache()
     monkeypatch.setattr(torch_backend, "_CACHE", cache)
     return cache
