@@ -370,7 +370,8 @@ def _sub_hessians(
             tangents = [_one_hot(chunk, t) for chunk, t in zip(chunks, tensors, strict=True)]
             _, columns = primitive(loss, tensors, tangents, (*others, *batch_values), None)
             for block, chunk, flat, column in zip(blocks, chunks, flats, columns, strict=True):
-                block[start : start + len(chunk)] += column.flatten(1)[:, flat]
+                if len(chunk):  # a leaf with fewer components than this chunk's start has none
+                    block[start : start + len(chunk)] += column.reshape(len(chunk), -1)[:, flat]
     return blocks
 
 

@@ -149,6 +149,7 @@ TENSOR_CASES = [
     TensorCase("every entry, chunked by 5", coupled, (3, 4), list(range(12)), {"chunk_size": 5}),
     TensorCase("k=1", lambda x: torch.exp(x).sum() * x[1], (3,), [1]),
     TensorCase("int32 index", coupled, (3, 4), torch.tensor([1, 10], dtype=torch.int32)),
+    TensorCase("0-d params", lambda x: torch.exp(x) * x, (), [0]),
 ]
 
 
