@@ -329,6 +329,16 @@ def test_a_function_rebuilt_per_call_reuses_its_program():
     assert len(programs) == 1
 
 
+@pytest.mark.parametrize("made_inside", [True, False], ids=["inference tensor", "normal tensor"])
+def test_inference_mode_gives_the_result_of_normal_mode(made_inside, device):
+    f = tanh_mlp(3)(device, torch.float64)
+    x = torch.randn(6, 4, device=device, dtype=torch.float64)
+    with torch.inference_mode():
+        inside = pyhvp.grad_and_laplacian(f, x.clone() if made_inside else x)
+    for got, expected in zip(inside, pyhvp.grad_and_laplacian(f, x), strict=True):
+        torch.testing.assert_close(got, expected)
+
+
 def test_expanded_x_equals_contiguous_x(device):
     f = tanh_mlp(3)(device, torch.float64)
     x = torch.randn(1, 4, device=device, dtype=torch.float64).expand(6, 4)

@@ -66,6 +66,12 @@ def _coefficients(ctx: Context, out: object, k: int) -> tuple[Tensor, Tensor, Te
     return out.value, first, second[0] if ctx.collapsed else second
 
 
+def traceable(t: Tensor) -> Tensor:
+    """``t`` as an input ``make_fx`` accepts: detached, and an ordinary tensor if it was made in
+    inference mode."""
+    return t.clone() if t.is_inference() else t.detach()
+
+
 class JetKernel:
     """A flat aten graph ``(x, directions, *constants) -> coefficients``; callable."""
 
@@ -100,7 +106,7 @@ def build_kernel(
         return (value, first, second) if collapsed else second
 
     with torch.no_grad():
-        graph = make_fx(jets)(x.detach(), directions.detach(), *(c.detach() for c in constants))
+        graph = make_fx(jets)(*map(traceable, (x, directions, *constants)))
     graph.graph.eliminate_dead_code()
     graph.recompile()
     return JetKernel(graph, collapsed)

@@ -31,7 +31,7 @@ from torch._decomp import get_decompositions
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pyhvp.taylor.kernel import JetKernel, build_kernel
+from pyhvp.taylor.kernel import JetKernel, build_kernel, traceable
 from pyhvp.taylor.rules import STOP_GRADIENT
 
 aten = torch.ops.aten
@@ -183,6 +183,8 @@ def capture(f: Callable[..., Tensor], x: Tensor, args: Sequence[object]) -> Capt
         out = f(x, *args)
     if not isinstance(out, Tensor):
         raise TypeError(f"f must return a torch.Tensor, got {type(out).__name__}")
+    if not out.is_floating_point():  # integers do not vary smoothly; complex is not supported
+        raise TypeError(f"f must return a real floating tensor, got {out.dtype}")
     output = recorder._describe(out)
     key = (
         _meta(x),
@@ -216,7 +218,7 @@ def _functional_graph(recorder: _Recorder, output: Hashable, x: Tensor) -> fx.Gr
     raw = fx.GraphModule(torch.nn.Module(), graph)
     with torch.no_grad():
         functional = make_fx(torch.func.functionalize(raw), decomposition_table=DECOMPOSITIONS)(
-            x.detach(), *(c.detach() for c in recorder.constants)
+            *map(traceable, (x, *recorder.constants))
         )
     functional.graph.eliminate_dead_code()
     functional.recompile()
