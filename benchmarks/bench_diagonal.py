@@ -37,7 +37,7 @@ os.environ.setdefault(
 )
 
 import torch
-from _timing import median_ms, print_table
+from _timing import Report, median_ms
 from torch.func import hessian, jacrev, jvp, vmap
 
 import pyhvp
@@ -178,7 +178,7 @@ def jax_fwd_over_fwd(problem, x, warmup=2, repeats=5):
 # --- the tables ------------------------------------------------------------------------------
 
 
-def bench_vector(problem, n, device):
+def bench_vector(problem, n, device, report):
     x = torch.randn(B, n, device=device)
     compiled, eager = pyhvp.TorchBackend(compile=True), pyhvp.TorchBackend(compile=False)
     exact = problem.closed(x)
@@ -218,10 +218,11 @@ def bench_vector(problem, n, device):
     jax_ms = jax_fwd_over_fwd(problem, x, **once) if device == "cpu" else None
     rows += [("jax jit fwd-over-fwd", jax_ms)] if jax_ms is not None else []
     title = f"{problem.name}: B={B}, n=m={n}, {device}, float32, chunk_size={CHUNK}"
-    print_table(title, rows, baseline="closed form")
+    report.table(title, rows, baseline="closed form")
+    report.point(f"diagonal, {problem.name} (m = n)", "n inputs", n, rows)
 
 
-def bench_scalar_choice(n, device):
+def bench_scalar_choice(n, device, report):
     """The primitive ``_choose`` picks for scalar f (Taylor second_directional) against the one it
     falls back to on backends without it (forward-over-reverse, one-hot tangents)."""
     x = torch.randn(B, n, device=device)
@@ -246,10 +247,11 @@ def bench_scalar_choice(n, device):
             (f"fwd-over-rev one-hot (fallback), {mode}", median_ms(other, device, **once)),
         ]
     title = f"scalar tanh MLP, exact: B={B}, n={n}, {device}, float32"
-    print_table(title, rows, baseline="closed form")
+    report.table(title, rows, baseline="closed form")
+    report.point("diagonal, scalar tanh MLP", "n inputs", n, rows)
 
 
-def bench_estimators(n, device):
+def bench_estimators(n, device, report):
     """Hutchinson against Diag++ at equal HVP counts, on a flat and a decaying spectrum."""
     x = torch.randn(B, n, device=device)
     eager = pyhvp.TorchBackend(compile=False)
@@ -273,18 +275,20 @@ def bench_estimators(n, device):
                 ms = median_ms(run, device, warmup=0, repeats=1)
                 rows.append((f"{method} {samples} HVPs, {label} (err {err:.3f})", ms))
     title = f"scalar tanh MLP, estimators (eager): B={B}, n={n}, {device}, float32"
-    print_table(title, rows, baseline="pyhvp exact, eager")
+    report.table(title, rows, baseline="pyhvp exact, eager")
 
 
 def main(device: str) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
+    report = Report("bench_diagonal", device)
     for n in (32, 256):
         for build in (sigmoid_layer, tanh_mlp):
-            bench_vector(build(n, device), n, device)
+            bench_vector(build(n, device), n, device, report)
     for n in (32, 256):
-        bench_scalar_choice(n, device)
-    bench_estimators(256, device)
+        bench_scalar_choice(n, device, report)
+    bench_estimators(256, device, report)
+    report.save()
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _timing import print_table
+from _timing import Report
 from torch import nn
 
 import pyhvp
@@ -123,8 +123,9 @@ def run(model_name):
 
 
 def main():
-    print(f"torch {torch.__version__}, {N_IMAGES} images in batches of {BATCH}, k={K} per tensor")
-    print(f"1-minute load average before the run: {os.getloadavg()[0]:.2f}")
+    report = Report("bench_distributed", "cpu")
+    report.text(f"{N_IMAGES} images in batches of {BATCH}, k={K} per tensor")
+    report.text(f"1-minute load average before the run: {os.getloadavg()[0]:.2f}")
     summary = []
     for model_name in MODELS:
         medians, results = run(model_name)
@@ -134,13 +135,14 @@ def main():
         )
         torch.testing.assert_close(sharded, single, rtol=1e-10, atol=1e-12)
         rows = list(medians.items())
-        print_table(f"{model_name}: sub-Hessian of the sum over the data set", rows, rows[0][0])
+        report.table(f"{model_name}: sub-Hessian of the sum over the data set", rows, rows[0][0])
         baseline = rows[0][1]
         summary.append((model_name, baseline / rows[1][1], baseline / rows[2][1]))
-    print("\nspeed-up over 1 process with 1 thread (ideal on this 2-core machine: 2.0)")
-    print(f"  {'model':22} | {'1 process, 2 threads':>20} | {'2 processes':>11}")
+    report.text("\nspeed-up over 1 process with 1 thread (ideal on this 2-core machine: 2.0)")
+    report.text(f"  {'model':22} | {'1 process, 2 threads':>20} | {'2 processes':>11}")
     for model_name, threads_speedup, ranks_speedup in summary:
-        print(f"  {model_name:22} | {threads_speedup:20.2f} | {ranks_speedup:11.2f}")
+        report.text(f"  {model_name:22} | {threads_speedup:20.2f} | {ranks_speedup:11.2f}")
+    report.save()
 
 
 if __name__ == "__main__":

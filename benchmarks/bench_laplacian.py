@@ -40,7 +40,7 @@ os.environ.setdefault(
 )
 
 import torch
-from _timing import median_ms, print_table
+from _timing import Report, median_ms
 from torch.func import grad, hessian, jvp, vmap
 
 import pyhvp
@@ -249,7 +249,7 @@ def folx_ms(problem):
     return median_ms(lambda: jax.block_until_ready(laplacian(xj))), value
 
 
-def bench(key, dtype_name, with_compiled):
+def bench(key, dtype_name, with_compiled, report):
     dtype = DTYPES[dtype_name]
     problem = PROBLEMS[key](dtype)
     f, x = flat(problem)
@@ -265,7 +265,7 @@ def bench(key, dtype_name, with_compiled):
             if isinstance(result, float):
                 rows.append((f"torch.func {name}, compiled", result))
             else:
-                print(f"  torch.func {name}, compiled: not timed ({result})")
+                report.text(f"  torch.func {name}, compiled: not timed ({result})")
     best = min(rows, key=lambda row: row[1])
     error = relative_error(hutchinson(f, x), exact)
     rows.append(
@@ -291,7 +291,10 @@ def bench(key, dtype_name, with_compiled):
         torch.testing.assert_close(folx_value.to(dtype), exact, **tolerance(dtype))
         rows.append(("folx forward_laplacian (jax.jit)", folx_time))
     title = f"{problem.name}: B={B}, cpu, {dtype_name}, 1 thread (ratios: / best torch.func)"
-    print_table(title, rows, baseline=best[0])
+    report.table(title, rows, baseline=best[0])
+    family, _, _ = problem.name.partition(", n=")
+    n_vars = problem.x[0].numel()
+    report.point(f"Laplacian, {family}, {dtype_name}", "n variables per instance", n_vars, rows)
     return {"pyhvp": min(ours.values()), "torch.func": best[1], "folx": folx_time}
 
 
@@ -305,20 +308,22 @@ def allocator():
 
 def main(with_compiled):
     torch.set_num_threads(1)
-    print(f"torch {torch.__version__}, malloc: {allocator()}")
+    report = Report("bench_laplacian", "cpu")
+    report.text(f"malloc: {allocator()}")
     summary = []
     for dtype_name in DTYPES:
         for key in PROBLEMS:
-            times = bench(key, dtype_name, with_compiled)
+            times = bench(key, dtype_name, with_compiled, report)
             summary.append((key, dtype_name, times))
-    print("\nSummary (ms; pyhvp = the faster of its eager and compiled rows)")
-    print(f"  {'problem':8} {'dtype':8} | {'pyhvp':>8} | {'best torch.func':>15} | {'folx':>8} | "
-          f"{'torch.func / pyhvp':>18} | {'pyhvp / folx':>12}")  # fmt: skip
+    report.text("\nSummary (ms; pyhvp = the faster of its eager and compiled rows)")
+    report.text(f"  {'problem':8} {'dtype':8} | {'pyhvp':>8} | {'best torch.func':>15} | {'folx':>8} | "
+                f"{'torch.func / pyhvp':>18} | {'pyhvp / folx':>12}")  # fmt: skip
     for key, dtype_name, t in summary:
         folx_cell = f"{t['folx']:8.3f}" if t["folx"] is not None else f"{'-':>8}"
         versus = f"{t['pyhvp'] / t['folx']:12.2f}" if t["folx"] is not None else f"{'-':>12}"
-        print(f"  {key:8} {dtype_name:8} | {t['pyhvp']:8.3f} | {t['torch.func']:15.3f} | {folx_cell} | "
-              f"{t['torch.func'] / t['pyhvp']:18.2f} | {versus}")  # fmt: skip
+        report.text(f"  {key:8} {dtype_name:8} | {t['pyhvp']:8.3f} | {t['torch.func']:15.3f} | "
+                    f"{folx_cell} | {t['torch.func'] / t['pyhvp']:18.2f} | {versus}")  # fmt: skip
+    report.save()
 
 
 if __name__ == "__main__":
