@@ -92,7 +92,7 @@ def check_tangents(name: str, v: object, x: torch.Tensor) -> tuple[torch.Tensor,
     return tangents, single
 
 
-def check_output_shape(what: str, out: object, expected: Sequence[int], hint: str) -> None:
+def check_output(what: str, out: object, expected: Sequence[int], hint: str) -> None:
     """``out`` must be a real floating tensor of shape ``expected``; ``hint`` says what the
     shape means."""
     if not isinstance(out, torch.Tensor):

@@ -30,7 +30,7 @@ from torch.utils import _pytree as pytree
 
 from pyhvp._checks import (
     check_chunk_size,
-    check_output_shape,
+    check_output,
     fmt_shape,
     require_floating,
     require_like,
@@ -337,7 +337,7 @@ class _Selection:
             out = self.loss(params)
         else:
             out = self.loss(params, pytree.tree_unflatten(list(batch), self.batch_spec))
-        check_output_shape("loss", out, (), "a scalar loss")
+        check_output("loss", out, (), "a scalar loss")
         return out
 
 

@@ -49,7 +49,7 @@ import torch
 from torch.func import grad, vjp, vmap
 
 from pyhvp import taylor
-from pyhvp._checks import check_output_shape
+from pyhvp._checks import check_output
 from pyhvp.backends import compile_policy
 from pyhvp.backends.compile_policy import CompileCache
 
@@ -72,7 +72,7 @@ class InstanceSum:
     def __call__(self, y: torch.Tensor, *args: object) -> torch.Tensor:
         out = self.f(y, *args)
         batch_shape = y.shape[: y.ndim - self.event_dims]
-        check_output_shape("f", out, batch_shape, "one value per instance: x.shape[:-event_dims]")
+        check_output("f", out, batch_shape, "one value per instance: x.shape[:-event_dims]")
         return out.sum()
 
 
@@ -317,7 +317,6 @@ class TorchBackend:
         f: Callable[..., object],
         static: tuple[Hashable, ...],
         inputs: tuple[object, ...],
-        compilable: bool = True,
     ) -> object:
         """Results carry autograd history exactly when grad mode is on and an input requires
         grad (eager then, graph kept); otherwise they are detached on every path, whatever f
@@ -330,7 +329,7 @@ class TorchBackend:
             inputs = tuple(
                 t.clone() if isinstance(t, torch.Tensor) and t.is_inference() else t for t in inputs
             )
-            out = self._dispatch(eager, traced_kernel, f, static, inputs, compilable)
+            out = self._dispatch(eager, traced_kernel, f, static, inputs)
         return _detached(out)
 
     def _dispatch(
@@ -340,9 +339,8 @@ class TorchBackend:
         f: Callable[..., object],
         static: tuple[Hashable, ...],
         inputs: tuple[object, ...],
-        compilable: bool,
     ) -> object:
-        if self.compile is False or not compilable:
+        if self.compile is False:
             return eager(*inputs)
         try:
             key = compile_policy.signature(traced_kernel.__name__, f, static, inputs)
