@@ -1,8 +1,10 @@
 """Specification of the torch backend's compile policy: ski rental, and keys by what f computes."""
 
 import functools
+import gc
 import subprocess
 import sys
+import weakref
 from dataclasses import dataclass
 
 import pytest
@@ -31,6 +33,14 @@ class Wrapper:
     option: int
 
 
+@dataclass
+class Mutable:
+    scale: float
+
+    def __call__(self, x):
+        return (self.scale * x**3).sum(-1)
+
+
 W = torch.ones(3)
 SAME_KEY = {
     "lambda rebuilt over the same captured tensor": (scaled(W), scaled(W)),
@@ -52,6 +62,8 @@ OTHER_KEY = {
     "same code, different function": (scaled(W), lambda x: (W * x).sum()),
     "bound methods of two objects": (model.loss, Model().loss),
     "dataclass wrappers with different options": (Wrapper(scaled(W), 1), Wrapper(scaled(W), 2)),
+    "captured -0.0 and 0.0": (scaled(-0.0), scaled(0.0)),
+    "mutable dataclasses (keyed by identity)": (Mutable(1.0), Mutable(1.0)),
 }
 
 
@@ -166,3 +178,60 @@ def test_a_short_script_under_auto_never_loads_the_compiler():
         [sys.executable, "-c", program], capture_output=True, text=True, timeout=120
     )
     assert done.stdout.strip() == "False", done.stderr[-2000:]
+
+
+def rebindable(scale):
+    """A function and a setter of the number it captures (a nonlocal rebinding)."""
+
+    def f(x):
+        return (scale * x**3).sum(-1)
+
+    def set_scale(value):
+        nonlocal scale
+        scale = value
+
+    return f, set_scale
+
+
+@pytest.mark.slow
+def test_a_kernel_never_serves_an_equal_keyed_function_whose_first_one_changed(compiled):
+    """f1 compiles, then its captured number is rebound; f2 has f1's old key and must not run
+    f1's kernel, which now computes with the new number."""
+    x = torch.randn(4, 3, dtype=torch.float64)
+    backend = pyhvp.TorchBackend(compile=True)
+    f1, set_scale = rebindable(1.0)
+    pyhvp.hvp(f1, x, x, backend=backend)
+    set_scale(5.0)
+    f2, _ = rebindable(1.0)
+    torch.testing.assert_close(pyhvp.hvp(f2, x, x, backend=backend), 6 * x * x)
+    assert len(compiled) == 2
+
+
+def test_a_cache_key_does_not_keep_captured_data_alive():
+    """A loss rebuilt per step over a new batch: once the step is over, its batch is freed."""
+    freed = []
+    for _ in range(3):
+        batch = torch.randn(64, 3)
+        weakref.finalize(batch, freed.append, True)
+        pyhvp.hvp(lambda x, b=batch: (b[:4] * x**3).sum(-1), torch.randn(4, 3), torch.ones(4, 3))
+    del batch
+    gc.collect()
+    assert freed == [True] * 3
+
+
+@pytest.mark.slow
+def test_python_numbers_are_signatures_of_their_own(compiled):
+    """Each value of a number arg compiles its own kernel (no recompiles of one kernel until
+    dynamo's limit), and each gives its own answer."""
+    x = torch.randn(4, 3, dtype=torch.float64)
+    backend = pyhvp.TorchBackend(compile=True)
+    for scale in (1.0, 2.0, 1.0):
+        hv = pyhvp.hvp(lambda x, c: (c * x**3).sum(-1), x, x, scale, backend=backend)
+        torch.testing.assert_close(hv, 6 * scale * x * x)
+    assert len(compiled) == 2
+
+
+@pytest.mark.parametrize("mode", [0, 1, 0.0, "yes", None])
+def test_compile_accepts_only_auto_true_false(mode):
+    with pytest.raises(ValueError, match="compile must be 'auto', True or False"):
+        pyhvp.TorchBackend(compile=mode)

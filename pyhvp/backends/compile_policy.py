@@ -20,11 +20,16 @@ script of ten calls never stalls on a compile and a loop of thousands still runs
 **Keys.** Functions are keyed by what they compute, not by object identity: a function rebuilt on
 every call from the same code over the same captured objects (a lambda in a training loop, a
 ``module_loss`` per step) has the key of the first one and reuses its compiled kernel. The key of
-a Python function is its code object, defaults and the *identity* of each object it captures
-(cells); of a bound method, its function and its ``self``; of a ``functools.partial``, its
-function, arguments and keywords; of a dataclass instance (pyhvp's own wrappers), its type and the
-keys of its fields; anything else is keyed by identity. Identity is conservative: equal-looking
-but distinct captured objects make a new key, never a wrong reuse.
+a Python function is its code object and the keys of its defaults and captured objects (cells);
+of a bound method, its function and the identity of its ``self``; of a ``functools.partial``, its
+function, arguments and keywords; of a frozen dataclass (pyhvp's own wrappers), its type and the
+keys of its attributes; of a pytree spec (a batch's structure), the spec; of an immutable scalar
+(int, float, str, dtype, ...), its type and exact value; anything else -- tensors, modules, lists,
+mutable dataclasses -- is keyed by identity, held weakly (a key never keeps captured data alive).
+Python numbers among the inputs are keyed by value too: each value is a signature of its own,
+rather than a recompile of one. A compiled kernel runs the function it was compiled for; before
+it serves an equal-keyed other function, that function's key is computed again, so state changed
+since (a rebound ``nonlocal``) recompiles instead of running stale code.
 """
 
 from __future__ import annotations
@@ -41,9 +46,11 @@ from pathlib import Path
 import torch
 from torch.utils import _pytree as pytree
 
+from pyhvp._keys import Identity, value_key
+
 COLD_COMPILE_SECONDS = 20.0
-"""Expected first compile in a fresh environment: the README example's third call took 19.5 s
-with an empty inductor cache on the 2-core CI machine (7.9 s on a warmer one)."""
+"""Expected first compile in a fresh environment: the README example's first compiled call took
+19.5 s with an empty inductor cache on the 2-core CI machine (7.9-16 s on others)."""
 
 WARM_COMPILE_SECONDS = 4.0
 """Expected first compile when inductor's graph cache holds earlier runs' graphs (measured 2.9 s
@@ -53,24 +60,6 @@ CACHE_SIZE = 64
 """Signatures remembered (least recently used dropped first)."""
 
 
-class _Identity:
-    """Hashes and compares by identity; holds the object so its id cannot be reused."""
-
-    __slots__ = ("obj",)
-
-    def __init__(self, obj: object) -> None:
-        self.obj = obj
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Identity) and other.obj is self.obj
-
-    def __hash__(self) -> int:
-        return id(self.obj)
-
-
-VALUE_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
-"""Immutable values keyed by (type, value); everything else that is not a function by identity."""
-
 clock = time.perf_counter
 """The clock eager and compile times are read from (tests substitute a fake one)."""
 
@@ -78,29 +67,36 @@ clock = time.perf_counter
 def function_key(f: object, _seen: frozenset[int] = frozenset()) -> Hashable:
     """What ``f`` computes, as a hashable key (see the module docstring)."""
     if id(f) in _seen:  # a closure that captures itself
-        return _Identity(f)
+        return Identity(f)
     seen = _seen | {id(f)}
     if isinstance(f, types.FunctionType):
-        cells = tuple(function_key(c.cell_contents, seen) for c in f.__closure__ or ())
+        cells = tuple(_cell_key(cell, seen) for cell in f.__closure__ or ())
         defaults = tuple(function_key(d, seen) for d in f.__defaults__ or ())
         kwdefaults = tuple((k, function_key(d, seen)) for k, d in (f.__kwdefaults__ or {}).items())
         return ("function", f.__code__, cells, defaults, kwdefaults)
     if isinstance(f, types.MethodType):
-        return ("method", function_key(f.__func__, seen), _Identity(f.__self__))
+        return ("method", function_key(f.__func__, seen), Identity(f.__self__))
     if isinstance(f, functools.partial):
         arguments = tuple(function_key(a, seen) for a in f.args)
         keywords = tuple((k, function_key(v, seen)) for k, v in f.keywords.items())
         return ("partial", function_key(f.func, seen), arguments, keywords)
     if isinstance(f, pytree.TreeSpec):  # a batch's structure: structural equality
         return ("value", pytree.TreeSpec, f)
-    if is_dataclass(f) and not isinstance(f, type):
-        values = tuple(function_key(getattr(f, x.name), seen) for x in fields(f))
-        return ("dataclass", type(f), values)
+    if is_dataclass(f) and not isinstance(f, type) and f.__dataclass_params__.frozen:
+        state = (
+            vars(f) if hasattr(f, "__dict__") else {x.name: getattr(f, x.name) for x in fields(f)}
+        )
+        return ("dataclass", type(f), tuple((k, function_key(v, seen)) for k, v in state.items()))
     if isinstance(f, tuple):
         return ("tuple", tuple(function_key(item, seen) for item in f))
-    if type(f) in VALUE_TYPES:
-        return ("value", type(f), f)
-    return _Identity(f)
+    return value_key(f) or Identity(f)
+
+
+def _cell_key(cell: types.CellType, seen: frozenset[int]) -> Hashable:
+    try:
+        return function_key(cell.cell_contents, seen)
+    except ValueError:  # a cell not assigned yet
+        return ("empty cell",)
 
 
 def signature(
@@ -111,7 +107,7 @@ def signature(
     def describe(value: object) -> Hashable:
         if isinstance(value, torch.Tensor):
             return ("tensor", tuple(value.shape), value.dtype, value.device)
-        return ("value", type(value).__name__)
+        return function_key(value)
 
     return (kernel, function_key(f), static, tuple(describe(t) for t in inputs))
 
@@ -162,6 +158,7 @@ class Entry:
     eager: Account = field(default_factory=Account)
     compiled_runs: Account = field(default_factory=Account)
     compiled: Callable[..., object] | None = None
+    compiled_for: Callable[..., object] | None = None  # the function the kernel runs
     failed: bool = False
     declined: bool = False
 

@@ -38,11 +38,14 @@ Compilation (``TorchBackend(compile=...)``; the rule itself is :mod:`.compile_po
 
 from __future__ import annotations
 
+import os
+import sys
 import types
 import warnings
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -202,6 +205,16 @@ def _detached(out: object) -> object:
     return out.detach() if isinstance(out, torch.Tensor) else out
 
 
+def _stacklevel_outside_pyhvp() -> int:
+    """The ``warnings.warn`` stacklevel, for the caller of this function, that names the first
+    frame outside the pyhvp package: the user's call."""
+    package = str(Path(__file__).resolve().parents[1]) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def _require_torch_function(f: object) -> None:
     if callable(f):
         return
@@ -222,7 +235,7 @@ class TorchBackend:
     name = "torch"
 
     def __init__(self, compile: CompileMode = "auto") -> None:
-        if compile not in ("auto", True, False):
+        if not (isinstance(compile, bool) or compile == "auto"):
             raise ValueError(f"compile must be 'auto', True or False, got {compile!r}")
         self.compile = compile
 
@@ -351,11 +364,16 @@ class TorchBackend:
         auto = self.compile == "auto"
         device = next(t.device for t in inputs if isinstance(t, torch.Tensor))
         waiting = auto and entry.compiled is None and not _CACHE.should_compile(entry)
-        if entry.failed or entry.declined or waiting:
+        if entry.failed or (auto and entry.declined) or waiting:
             return entry.eager.timed(lambda: eager(*inputs), device)
-        first_call = entry.compiled is None
+        # the kernel runs the function it was compiled for: an equal-keyed other one only while
+        # that function still has the key (its captured state may have changed since)
+        stale = entry.compiled_for is not f and (
+            compile_policy.function_key(entry.compiled_for) != key[1]
+        )
+        first_call = entry.compiled is None or stale
         if first_call:
-            entry.compiled = _compile_bound(traced_kernel, f, static)
+            entry.compiled, entry.compiled_for = _compile_bound(traced_kernel, f, static), f
         compiled = entry.compiled
         try:
             if first_call:
@@ -377,6 +395,6 @@ class TorchBackend:
                 f"pyhvp: torch.compile failed for {getattr(f, '__name__', f)!s} "
                 f"({type(error).__name__}: {error}); running this signature eagerly",
                 RuntimeWarning,
-                stacklevel=5,
+                stacklevel=_stacklevel_outside_pyhvp(),
             )
             return result

@@ -31,6 +31,7 @@ from torch._decomp import get_decompositions
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from pyhvp._keys import Identity, Value, value_key
 from pyhvp.taylor.kernel import JetKernel, build_kernel, traceable
 from pyhvp.taylor.rules import STOP_GRADIENT
 
@@ -52,25 +53,6 @@ DECOMPOSITIONS = get_decompositions(
 """Composite ops rewritten into ops that have dedicated jet rules (var_mean, rsqrt, ...)."""
 
 
-class _Same:
-    """An argument of no value type (e.g. a Generator): equal only to itself."""
-
-    __slots__ = ("obj",)
-
-    def __init__(self, obj: object) -> None:
-        self.obj = obj
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Same) and other.obj is self.obj
-
-    def __hash__(self) -> int:
-        return id(self.obj)
-
-
-VALUE_TYPES = (
-    type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.layout,
-    torch.memory_format,
-)  # fmt: skip
 X = ("x",)
 
 
@@ -113,9 +95,7 @@ class _Recorder(TorchDispatchMode):
             return label
         if isinstance(value, (list, tuple)):
             return (type(value) is list, tuple(self._describe(v) for v in value))
-        if isinstance(value, VALUE_TYPES):
-            return ("value", type(value), value)
-        return ("object", _Same(value))
+        return value_key(value) or ("object", Identity(value))
 
     def _outputs(self, out: object, label: tuple) -> Hashable:
         """Labels output tensors (an in-place op's result replaces its input's label)."""
@@ -128,7 +108,7 @@ class _Recorder(TorchDispatchMode):
                 type(out) is list,
                 tuple(self._outputs(o, (*label, i)) for i, o in enumerate(out)),
             )
-        return ("value", type(out), out) if isinstance(out, VALUE_TYPES) else ("object",)
+        return value_key(out) or ("object",)
 
     def _refuse_input_writes(self, func: object, args: tuple, kwargs: dict) -> None:
         for i, argument in enumerate(func._schema.arguments):
@@ -226,11 +206,11 @@ def _functional_graph(recorder: _Recorder, output: Hashable, x: Tensor) -> fx.Gr
 
 
 def _rebuild(described: Hashable, nodes: dict) -> object:
+    if isinstance(described, Value):
+        return described.value
     if described in nodes:
         return nodes[described]
     kind = described[0]
-    if kind == "value":
-        return described[2]
     if kind == "object":
         return described[1].obj
     items = [_rebuild(item, nodes) for item in described[1]]
@@ -239,6 +219,8 @@ def _rebuild(described: Hashable, nodes: dict) -> object:
 
 def _name_outputs(graph: fx.Graph, node: object, outputs: Hashable, label: tuple,
                   nodes: dict) -> None:  # fmt: skip
+    if isinstance(outputs, Value):  # a non-tensor result: nothing to name
+        return
     if outputs[0] == "tensor":
         nodes[label] = node
     elif outputs[0] in (True, False):
