@@ -97,13 +97,10 @@ def per_instance(
         raise TypeError(f"f_single must be callable, got {type(f_single).__name__}")
     if isinstance(event_dims, bool) or not isinstance(event_dims, int) or event_dims < 1:
         raise ValueError(f"event_dims must be a positive int, got {event_dims!r}")
-    if arg_event_dims is not None and not isinstance(arg_event_dims, int):
-        if not isinstance(arg_event_dims, Sequence):
-            raise ValueError(
-                f"arg_event_dims must be None, an int >= 0 or one int >= 0 per arg, "
-                f"got {arg_event_dims!r}"
-            )
-        arg_event_dims = tuple(arg_event_dims)
+    if isinstance(arg_event_dims, Sequence) and not isinstance(arg_event_dims, str):
+        arg_event_dims = per_arg_event_dims(tuple(arg_event_dims), event_dims, len(arg_event_dims))
+    elif arg_event_dims is not None:  # checked now, not at the first call
+        per_arg_event_dims(arg_event_dims, event_dims, 1)
     return PerInstance(f_single, event_dims, arg_event_dims)
 
 
@@ -156,14 +153,21 @@ def check_instances(
     ...
     pyhvp.instances.InstanceCouplingError: f couples instances: its value for instance (1,) depends on x at instance (0,) (5 of 5 instances leak into others)...
     """
+    if not callable(f):
+        raise TypeError(f"f must be a Python function of torch tensors, got {type(f).__name__}")
     x = require_floating("x", x)
     event_dims = check_event_dims(event_dims, x)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(
+            f"generator must be a torch.Generator or None, got {type(generator).__name__}"
+        )
     batch_shape = x.shape[: x.ndim - event_dims]
     n_instances = math.prod(batch_shape)
     if n_instances < 2:
         return
-    with torch.enable_grad():
-        y = x.detach().requires_grad_()
+    with torch.inference_mode(False), torch.enable_grad():  # also inside inference mode
+        y = x.clone() if x.is_inference() else x.detach()
+        y.requires_grad_()
         out = f(y, *args)
         if not isinstance(out, torch.Tensor) or tuple(out.shape[: len(batch_shape)]) != tuple(
             batch_shape
@@ -197,17 +201,20 @@ def check_instances(
             for side in (0, 1)
         ]
         sizes = [leak_sizes(receivers) for receivers in sides]
-        threshold = 64 * torch.finfo(x.dtype).eps * max(float(size.max()) for size in sizes)
+        # rounding scale from the finite sizes; a non-finite size outside the receivers leaks
+        finite = [size[size.isfinite()] for size in sizes]
+        largest = max((float(size.max()) for size in finite if size.numel()), default=0.0)
+        threshold = 64 * torch.finfo(x.dtype).eps * largest
         leakers = torch.zeros(n_instances, dtype=torch.bool, device=x.device)
         for receivers, size in zip(sides, sizes, strict=True):
-            leakers |= (size > threshold) & ~receivers
+            leakers |= ~(size <= threshold) & ~receivers
         if not bool(leakers.any()):
             return
         source = int(torch.nonzero(leakers)[0])
         candidates = torch.nonzero(flat_index != source).flatten()  # bisect for one receiver
         while len(candidates) > 1:
             first, second = candidates.tensor_split(2)
-            if bool(leak_sizes(torch.isin(flat_index, first))[source] > threshold):
+            if not bool(leak_sizes(torch.isin(flat_index, first))[source] <= threshold):
                 candidates = first
             else:
                 candidates = second
@@ -215,7 +222,7 @@ def check_instances(
         message = (
             f"f couples instances: its value for instance {_at(receiver, batch_shape)} depends "
             f"on x at instance {_at(source, batch_shape)}"
-            if bool(leak_sizes(flat_index == receiver)[source] > threshold)
+            if not bool(leak_sizes(flat_index == receiver)[source] <= threshold)
             else f"f couples instances: x at instance {_at(source, batch_shape)} changes f's "
             f"value for other instances"
         )

@@ -19,6 +19,7 @@ k) plus that pass's intermediates.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from itertools import accumulate
@@ -148,6 +149,7 @@ def _local_sums(
     chunk_size = check_chunk_size(chunk_size)
     resolved = resolve_backend(backend)
     batches = _check_data(data)
+    _check_loss(loss, batches is not None)
     if isinstance(params, torch.Tensor):
         tensor = require_floating("params", params).detach()
         flat = _check_index("index", index, tensor.numel(), "params")
@@ -302,6 +304,21 @@ def _check_data(data: object) -> Iterable[Any] | None:
     return data
 
 
+def _check_loss(loss: object, with_batch: bool) -> None:
+    """``loss`` is callable as ``loss(params)``, or ``loss(params, batch)`` with ``data``."""
+    call = "loss(params, batch) (data is given)" if with_batch else "loss(params)"
+    if not callable(loss):
+        raise TypeError(f"loss must be callable as {call}, got {type(loss).__name__}")
+    try:
+        signature = inspect.signature(loss)
+    except (TypeError, ValueError):  # builtins and C functions: nothing to check up front
+        return
+    try:
+        signature.bind(*(None,) * (2 if with_batch else 1))
+    except TypeError:
+        raise TypeError(f"loss must be callable as {call}, got loss{signature}") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class _Selection:
     """``loss`` as a function of the leaves, then the other params, then the batch's tensors.
@@ -363,6 +380,8 @@ def _sub_hessians(
     step = chunk_size or max(len(flat) for flat in flats)
     for batch in [None] if batches is None else batches:
         batch_values, spec = ([], None) if batches is None else pytree.tree_flatten(batch)
+        # the result carries no graph: batch tensors are data, never differentiated through
+        batch_values = [v.detach() if isinstance(v, torch.Tensor) else v for v in batch_values]
         loss = dataclasses.replace(selection, batch_spec=spec)
         for start in range(0, max(len(flat) for flat in flats), step):
             # one chunk of one-hot tangents per leaf: memory O(chunk_size * P), not O(k * P)

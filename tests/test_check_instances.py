@@ -46,6 +46,11 @@ COUPLED = {
         None,
     ),
     "one pair: 1 -> 5": (one_pair, X, ((5,), (1,))),
+    "mean-centring, next to an infinite own gradient": (
+        lambda x: torch.sqrt(x.abs()).sum(-1) + (x - x.mean(0)).sum(-1) ** 2,
+        torch.cat([torch.zeros(1, 3, dtype=torch.float64), X[1:]]),
+        None,
+    ),
 }
 
 
@@ -64,6 +69,16 @@ def test_coupled_instances_are_named(f, x, pair):
         assert f"instance {receiver} depends on x at instance {source}" in str(info.value)
 
 
+@pytest.mark.parametrize("made_inside", [True, False], ids=["inference tensor", "normal tensor"])
+def test_inference_mode_changes_nothing(made_inside):
+    f = COUPLED["mean-centring"][0]
+    with torch.inference_mode():
+        x = X.clone() if made_inside else X
+        with pytest.raises(pyhvp.InstanceCouplingError):
+            pyhvp.check_instances(f, x)
+        assert pyhvp.check_instances(INDEPENDENT["vector-valued"][0], x) is None
+
+
 def test_a_coupling_is_caught_in_float32_at_a_large_batch():
     """The mean's share of one instance is 1/B, but the probe moves half the batch at once."""
     x = torch.randn(100_000, 2)
@@ -71,6 +86,17 @@ def test_a_coupling_is_caught_in_float32_at_a_large_batch():
         pyhvp.check_instances(lambda x: ((x - x.mean(0)) ** 2).sum(-1), x)
 
 
-def test_an_f_that_drops_the_batch_is_refused():
-    with pytest.raises(ValueError, match=re.escape("batch_shape = (8,)")):
-        pyhvp.check_instances(lambda x: x.sum(), X)
+BAD = {
+    "f drops the batch": (lambda: pyhvp.check_instances(lambda x: x.sum(), X), ValueError,
+                          "batch_shape = (8,)"),
+    "f not callable": (lambda: pyhvp.check_instances(3, X), TypeError, "f must be a Python function"),
+    "generator not a Generator": (lambda: pyhvp.check_instances(torch.sin, X, generator=3),
+                                  TypeError, "generator must be a torch.Generator"),
+    "x not floating": (lambda: pyhvp.check_instances(torch.sin, X.long()), TypeError, "x"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("call", "error", "text"), BAD.values(), ids=BAD.keys())
+def test_bad_input_is_refused_naming_it(call, error, text):
+    with pytest.raises(error, match=re.escape(text)):
+        call()

@@ -303,9 +303,19 @@ ERRORS = {
         ["args[0]", "(3, 1)", "(2, 4)"],
     ),
     "per_instance arg_event_dims negative": (
-        lambda: pyhvp.per_instance(gaussian_single, arg_event_dims=-1)(X, MU),
+        lambda: pyhvp.per_instance(gaussian_single, arg_event_dims=-1),
         ValueError,
         ["arg_event_dims", "-1"],
+    ),
+    "per_instance arg_event_dims a bool, refused when built": (
+        lambda: pyhvp.per_instance(gaussian_single, arg_event_dims=True),
+        ValueError,
+        ["arg_event_dims", "True"],
+    ),
+    "per_instance arg_event_dims a string, refused when built": (
+        lambda: pyhvp.per_instance(gaussian_single, arg_event_dims="ab"),
+        ValueError,
+        ["arg_event_dims", "'ab'"],
     ),
     "per_instance arg_event_dims not an int": (
         lambda: pyhvp.per_instance(gaussian_single, arg_event_dims=1.5)(X, MU),

@@ -215,9 +215,14 @@ def test_model_parameters_are_untouched(device):
     assert all(torch.equal(p, before[n]) and g is None for n, (p, g) in after.items())
 
 
-def test_result_carries_no_graph_when_params_require_grad(device):
+def test_result_carries_no_graph_when_params_or_batches_require_grad(device):
     x = torch.randn(3, 4, device=device, requires_grad=True)
     assert not pyhvp.sub_hessian(coupled, x, torch.tensor([0, 1], device=device)).requires_grad
+    batch = torch.randn(3, 4, device=device, requires_grad=True)
+    H = pyhvp.sub_hessian(
+        lambda p, b: coupled(p * b), x, torch.tensor([0, 1], device=device), data=[batch]
+    )
+    assert not H.requires_grad
 
 
 # --- errors: (case, call, exception type, text the message must contain) ---------------------
@@ -318,6 +323,21 @@ ERRORS = {
         lambda: pyhvp.sub_hessian(lambda x: 1.0, W, torch.tensor([0])),
         TypeError,
         "loss",
+    ),
+    "data given, loss without a batch": (
+        lambda: pyhvp.sub_hessian(square, W, torch.tensor([0]), data=[W]),
+        TypeError,
+        "loss must be callable as loss(params, batch) (data is given), got loss(x)",
+    ),
+    "no data, loss wants a batch": (
+        lambda: pyhvp.sub_hessian(lambda p, batch: square(p), W, torch.tensor([0])),
+        TypeError,
+        "loss must be callable as loss(params), got loss(p, batch)",
+    ),
+    "loss not callable": (
+        lambda: pyhvp.sub_hessian("loss", W, torch.tensor([0])),
+        TypeError,
+        "loss must be callable",
     ),
     "chunk_size 0": (
         lambda: pyhvp.sub_hessian(square, W, torch.tensor([0]), chunk_size=0),
