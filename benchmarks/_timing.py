@@ -11,6 +11,7 @@ log-log, one panel per problem, every method beside the baselines.
 from __future__ import annotations
 
 import platform
+import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -35,7 +36,8 @@ def median_ms(
 ) -> float:
     """Median wall time of ``fn()`` in milliseconds, after ``warmup`` untimed calls.
 
-    Stops early once ``budget_s`` seconds of timed calls have passed (at least 3 timed calls).
+    Stops after ``repeats`` timed calls, or once ``budget_s`` seconds have passed and at least
+    3 were made.
     """
     return interleaved_ms({"fn": fn}, device, warmup, repeats, budget_s)["fn"]
 
@@ -49,8 +51,8 @@ def interleaved_ms(
 ) -> dict[str, float]:
     """Median wall time (ms) of each function, timed round-robin: one call of each per round.
 
-    ``warmup`` untimed calls each first; stops after ``rounds`` rounds or once ``budget_s``
-    seconds have passed (at least 3 rounds).
+    ``warmup`` untimed calls each first; stops after ``rounds`` rounds, or once ``budget_s``
+    seconds have passed and at least 3 rounds were made.
     """
     for fn in fns.values():
         for _ in range(warmup):
@@ -82,10 +84,6 @@ def format_table(title: str, rows: Sequence[tuple[str, float]], baseline: str) -
         for name, ms in rows
     ]
     return "\n".join(lines)
-
-
-def print_table(title: str, rows: Sequence[tuple[str, float]], baseline: str) -> None:
-    print(format_table(title, rows, baseline))
 
 
 class Report:
@@ -128,11 +126,16 @@ class Report:
             return
         if not self.panels:
             return
-        fig, axes = plt.subplots(
-            1, len(self.panels), figsize=(5.5 * len(self.panels), 4.2), squeeze=False
-        )
-        for ax, (panel, (x_label, series)) in zip(axes[0], self.panels.items(), strict=True):
-            for method, points in series.items():
+        columns = min(3, len(self.panels))
+        rows = -(-len(self.panels) // columns)
+        fig, axes = plt.subplots(rows, columns, figsize=(5.5 * columns, 4.2 * rows), squeeze=False)
+        for ax in axes.flat[len(self.panels) :]:
+            ax.set_visible(False)
+        for ax, (panel, (x_label, series)) in zip(axes.flat, self.panels.items(), strict=False):
+            lines: dict[str, list[tuple[float, float]]] = {}
+            for method, points in series.items():  # "hutchinson (err 0.31)" -> "hutchinson"
+                lines.setdefault(re.sub(r"\s*\([^()]*\)$", "", method), []).extend(points)
+            for method, points in lines.items():
                 xs, ms = zip(*sorted(points), strict=True)
                 style = "-o" if method.startswith("pyhvp") else "--."
                 ax.loglog(xs, ms, style, label=method, linewidth=2 if "pyhvp" in method else 1)

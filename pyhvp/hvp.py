@@ -38,8 +38,9 @@ def grad_and_hvp(
     Shapes: ``f(x, *args)`` has shape ``x.shape[:-event_dims]``; ``v`` has x's shape (one tangent
     per instance) or ``(k, *x.shape)`` (k tangents per instance); returns ``g`` of x's shape and
     ``hv`` of v's shape. ``chunk_size`` bounds how many of the k tangents are pushed at once.
-    The torch backend runs reverse-over-reverse autograd eagerly and a compiled
-    forward-over-reverse kernel for repeated calls (see :mod:`pyhvp.backends.torch`). Inputs are never modified.
+    The torch backend runs reverse-over-reverse, eagerly with autograd and, once repeated calls
+    pay for it, as a compiled ``vjp(grad(f))`` (see :mod:`pyhvp.backends.torch`). Inputs are
+    never modified.
 
     >>> x = torch.tensor([[1.0, 2.0], [3.0, 4.0]])          # 2 instances, f = sum(x**3)
     >>> g, hv = grad_and_hvp(lambda x: (x**3).sum(-1), x, torch.ones_like(x))

@@ -20,11 +20,11 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log, remember t
   status+=("$name: exit ${PIPESTATUS[0]}")
 }
 
-step tests-cuda 200 python3 -m pytest tests -q -p no:cacheprovider -k cuda
+step tests-cuda 180 python3 -m pytest tests -q -p no:cacheprovider -k cuda
 step example 60 python3 examples/particles_hvp.py 1e6 --compiled
 # the CPU-only benchmarks (compile policy, torch.distributed with gloo) are left out
 for bench in hvp diagonal laplacian sub_hessian; do
-  step "bench_$bench" 80 python3 "benchmarks/bench_$bench.py" cuda
+  step "bench_$bench" 60 python3 "benchmarks/bench_$bench.py" cuda
 done
 cp benchmarks/results/*-cuda.* "$logs/" 2>/dev/null
 

@@ -354,5 +354,6 @@ class JuliaBackend:
     ) -> torch.Tensor:
         raise NotImplementedError(
             "backend='julia' implements grad_and_hvp only; second_directional "
-            "(forward-over-forward: hessian_diagonal of a vector-valued f) needs backend='torch'"
+            "(second directional derivatives: hessian_diagonal of a vector-valued f) needs "
+            "backend='torch'"
         )
