@@ -1,0 +1,233 @@
+"""What the per-instance second-order operators share (:mod:`pyhvp.diagonal`,
+:mod:`pyhvp.laplacian`): their argument and output checks, the space of directions of one
+instance, random probes, Hessian-vector products in that space, and the sketch that Hutch++ and
+Diag++ deflate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from pyhvp._checks import fmt_shape, require_floating, require_like
+from pyhvp.backends import Backend
+
+EXACT = "exact"
+HUTCHINSON = "hutchinson"
+
+
+def check_method(method: object, samples: object, generator: object, sketched: str) -> None:
+    """``method`` is ``"exact"``, ``"hutchinson"`` or the operator's sketched estimator
+    (``"hutch++"``, ``"diag++"``); ``samples`` (Hessian-vector products or probes, >= 3 for the
+    sketch) and ``generator`` go with the estimators only."""
+    methods = (EXACT, HUTCHINSON, sketched)
+    if method not in methods:
+        raise ValueError(f"method must be one of {list(methods)}, got {method!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(
+            f"generator must be a torch.Generator or None, got {type(generator).__name__}"
+        )
+    if method == EXACT:
+        if samples is not None or generator is not None:
+            raise ValueError(
+                f"samples and generator apply to the stochastic methods {list(methods[1:])}; "
+                f"method='exact' got samples={samples!r}, generator={generator!r}"
+            )
+        return
+    least = 3 if method == sketched else 1
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < least:
+        raise ValueError(
+            f"samples must be an int >= {least} (probes, one Hessian-vector product each) for "
+            f"method={method!r}, got {samples!r}"
+        )
+
+
+def check_value(out: object, batch: Sequence[int], scalar_hint: str | None = None) -> torch.Tensor:
+    """``f``'s output: a real floating tensor of shape ``batch + out_shape``; with
+    ``scalar_hint`` (why, and what to do instead), ``out_shape`` must be ``()``."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"f must return a torch.Tensor, got {type(out).__name__}")
+    if not out.is_floating_point():
+        raise TypeError(f"f must return a real floating tensor, got {out.dtype}")
+    batch = tuple(batch)
+    if tuple(out.shape[: len(batch)]) != batch:
+        raise ValueError(
+            f"f must return batch_shape + out_shape with batch_shape = x.shape[:-event_dims] = "
+            f"{fmt_shape(batch)}, got {fmt_shape(out.shape)}"
+        )
+    if scalar_hint is not None and out.ndim != len(batch):
+        raise ValueError(
+            f"{scalar_hint}: f must return one scalar per instance (shape {fmt_shape(batch)}); "
+            f"f returns out_shape {fmt_shape(out.shape[len(batch) :])} per instance"
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class Checked:
+    """``f``, with its output checked at every call (:func:`check_value`): in the recording of
+    the Taylor engine, so a wrong shape is reported before any kernel is built, and on the
+    Hessian-vector-product path, with no extra evaluation of ``f``. Frozen: calls that check the
+    same ``f`` the same way share compile-cache entries."""
+
+    f: Callable[..., torch.Tensor]
+    batch: tuple[int, ...]
+    scalar_hint: str | None = None
+
+    @property
+    def __name__(self) -> str:  # what warnings print
+        return getattr(self.f, "__name__", type(self.f).__name__)
+
+    def __call__(self, y: torch.Tensor, *args: object) -> torch.Tensor:
+        return check_value(self.f(y, *args), self.batch, self.scalar_hint)
+
+
+def checked(f: object, batch: Sequence[int], scalar_hint: str | None = None) -> object:
+    """``f`` wrapped in :class:`Checked`; a backend-native function (not a Python callable,
+    e.g. :func:`pyhvp.julia_function`) returns one scalar per instance by contract and is
+    passed as it is."""
+    return Checked(f, tuple(batch), scalar_hint) if callable(f) else f
+
+
+def draw_probes(
+    kind: str, shape: Sequence[int], like: torch.Tensor, generator: torch.Generator | None
+) -> torch.Tensor:
+    """Rademacher signs (``kind="rademacher"``) or standard normals of ``shape`` in ``like``'s
+    dtype, drawn on the generator's device (one stream for CPU and CUDA inputs alike), then moved
+    to ``like``'s device."""
+    device = generator.device if generator is not None else like.device
+    shape = tuple(shape)
+    if kind == "gaussian":
+        draws = torch.randn(shape, generator=generator, device=device, dtype=like.dtype)
+    else:
+        draws = (
+            2 * torch.randint(0, 2, shape, generator=generator, device=device, dtype=like.dtype) - 1
+        )
+    return draws.to(like.device)
+
+
+class Space:
+    """The d directions of one instance that an operator runs over: its N variables, or the r
+    columns of a ``factor`` S (a trace is then ``tr(S^T H S)``). Coefficient vectors
+    ``(k, *batch?, d)`` map to x-space directions ``(k, *batch or 1s, *event)``, and x-space
+    vectors project back (by ``S^T`` with a factor)."""
+
+    def __init__(
+        self, x: torch.Tensor, event_dims: int, factor: torch.Tensor | None = None
+    ) -> None:
+        self.batch = tuple(x.shape[: x.ndim - event_dims])
+        self.event = tuple(x.shape[x.ndim - event_dims :])
+        self.like = x
+        n_vars = math.prod(self.event)
+        if n_vars == 0:
+            raise ValueError(
+                f"x must have at least one variable per instance, got x of shape "
+                f"{fmt_shape(x.shape)} with event_dims={event_dims}"
+            )
+        self.factor = None if factor is None else self._check_factor(factor, n_vars)
+        self.dim = n_vars if factor is None else factor.shape[-1]
+
+    def _check_factor(self, factor: object, n_vars: int) -> torch.Tensor:
+        factor = require_floating("factor", factor)
+        require_like("factor", factor, "x", self.like)
+        lead = factor.shape[: factor.ndim - len(self.event) - 1]
+        ok = (
+            factor.ndim >= len(self.event) + 1
+            and tuple(factor.shape[len(lead) : -1]) == self.event
+            and factor.shape[-1] >= 1
+            and len(lead) <= len(self.batch)
+            and all(a in (1, b) for a, b in zip(reversed(lead), reversed(self.batch), strict=False))
+        )
+        if not ok:
+            raise ValueError(
+                f"factor must have shape event_shape + (r,) = {fmt_shape((*self.event, 'r'))}, "
+                f"optionally with leading dims broadcasting against x's batch dims "
+                f"{fmt_shape(self.batch)}, got {fmt_shape(factor.shape)}"
+            )
+        # (*batch or 1s, N, r)
+        padded = (1,) * (len(self.batch) - len(lead)) + tuple(lead)
+        return factor.reshape(*padded, n_vars, factor.shape[-1])
+
+    def basis(self) -> torch.Tensor:
+        """``(d, 1, ..., 1, d)``: e_j, the same in every instance."""
+        eye = torch.eye(self.dim, dtype=self.like.dtype, device=self.like.device)
+        return eye.reshape(self.dim, *(1,) * len(self.batch), self.dim)
+
+    def directions(self, coefficients: torch.Tensor) -> torch.Tensor:
+        """``(k, *b, d)`` -> x-space ``(k, *b', *event)``."""
+        if self.factor is not None:
+            coefficients = (self.factor @ coefficients.unsqueeze(-1)).squeeze(-1)
+        return coefficients.reshape(*coefficients.shape[:-1], *self.event)
+
+    def project(self, vectors: torch.Tensor) -> torch.Tensor:
+        """x-space ``(k, *batch, *event)`` -> ``(k, *batch, d)`` (``S^T v`` with a factor)."""
+        flat = vectors.reshape(*vectors.shape[: vectors.ndim - len(self.event)], -1)
+        if self.factor is None:
+            return flat
+        return (flat.unsqueeze(-2) @ self.factor).squeeze(-2)
+
+    def probes(self, kind: str, count: int, generator: torch.Generator | None) -> torch.Tensor:
+        """``count`` random coefficient vectors ``(count, *batch, d)`` (:func:`draw_probes`)."""
+        return draw_probes(kind, (count, *self.batch, self.dim), self.like, generator)
+
+
+Products = Callable[[torch.Tensor], torch.Tensor]
+
+
+def hessian_products(
+    backend: Backend,
+    f: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    args: tuple[object, ...],
+    space: Space,
+    chunk_size: int | None,
+) -> Products:
+    """``(k, *batch, d)`` coefficient vectors -> ``M`` times each, ``M = S^T H S`` (or H) per
+    instance, from the backend's Hessian-vector products of a scalar-per-instance ``f``."""
+
+    def products(coefficients: torch.Tensor) -> torch.Tensor:
+        tangents = space.directions(coefficients).expand(len(coefficients), *x.shape)
+        _, hv = backend.grad_and_hvp(f, x, tangents.contiguous(), args, len(space.event),
+                                     chunk_size)  # fmt: skip
+        return space.project(hv)
+
+    return products
+
+
+class Sketch(NamedTuple):
+    """Hutch++ / Diag++ after their two rounds of products, per instance: ``q`` an orthonormal
+    basis ``(*batch, d, r)`` of the sketched range of M, ``mq = M q``, and the ``m`` residual
+    probes ``z`` ``(*batch, d, m)`` as they were pushed (deflated first when asked), ``mz``."""
+
+    q: torch.Tensor
+    mq: torch.Tensor
+    z: torch.Tensor
+    mz: torch.Tensor
+
+
+def sketch(
+    products: Products,
+    space: Space,
+    samples: int,
+    generator: torch.Generator | None,
+    deflate_probes: bool,
+) -> Sketch:
+    """The range sketch that Hutch++ (Meyer, Musco, Musco & Woodruff 2021) and Diag++ (Baston &
+    Nakatsukasa 2022) share: a third of the ``samples`` products go to ``M G`` for Gaussian G
+    (which spans a rank-r range a.s. for r <= samples // 3; Rademacher may not), ``Q =
+    orth(M G)``; then ONE round pushes Q and the remaining Rademacher probes, deflated by
+    ``(I - Q Q^T)`` first if ``deflate_probes``. No residual probes once Q spans all d
+    directions (the estimate is then exact)."""
+    sketch_size = samples // 3
+    q = torch.linalg.qr(products(space.probes("gaussian", sketch_size, generator)).movedim(0, -1)).Q
+    rank = q.shape[-1]  # min(sketch_size, d)
+    residual = samples - sketch_size - rank if rank < space.dim else 0
+    z = space.probes("rademacher", residual, generator).movedim(0, -1)  # (*batch, d, m)
+    if deflate_probes:
+        z = z - q @ (q.mT @ z)
+    pushed = products(torch.cat([q, z], -1).movedim(-1, 0)).movedim(0, -1)
+    return Sketch(q, pushed[..., :rank], z, pushed[..., rank:])
