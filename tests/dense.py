@@ -7,6 +7,7 @@ is only meant for small problems.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch.func import hessian, jacrev
@@ -129,3 +130,212 @@ def instance_jacobian(f, x, *args, event_dims=1):
     idx = torch.arange(n_inst)
     blocks = full.reshape(n_inst, -1, n_inst, n_var)[idx, :, idx, :]
     return blocks.reshape(*batch, *out_shape, *x.shape[x.ndim - event_dims :])
+
+
+# --- what the Taylor engine must differentiate like autograd (shared by the Laplacian and
+# diagonal specs): f, the point, and a mathematically equal f that torch.func differentiates ---
+
+
+def _at(device, values=None, shape=(4, 4), seed=3):
+    """A float64 point: ``values``, or standard normals of ``shape``."""
+    if values is not None:
+        return torch.tensor(values, dtype=torch.float64, device=device)
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=generator, dtype=torch.float64).to(device)
+
+
+def _weights(*shape, device, seed=11):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=generator, dtype=torch.float64).to(device)
+
+
+def _powers(x):
+    """``x ** p`` for a tensor of exponents 0..3, at points where x is 0 (autograd masks
+    ``p x^(p-1)`` where p = 0 and ``p (p-1) x^(p-2)`` where p is 0 or 1)."""
+    p = torch.arange(4, dtype=x.dtype, device=x.device)
+    return (x[..., None] ** p).sum((-2, -1))
+
+
+def _zero_base(x):
+    """A zero base: ``0 ** x`` (as a Python number and as a tensor) has zero derivatives where
+    x >= 0; and ``2 ** x``."""
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    return (0.0 ** x.abs() + zero ** x.abs() + 2.0**x).sum(-1)
+
+
+def _solves(device):
+    """Constant batched A (2, 3, 3) against each instance's 1-D right-hand side (a vector per
+    batch of A) and against a (3, 3) one (matrices: A.ndim - 1 dims but not A.shape[:-1])."""
+    a = _weights(2, 3, 3, device=device) + 3 * torch.eye(3, dtype=torch.float64, device=device)
+
+    def f(x):
+        rows = []
+        for xi in x:  # one instance at a time: each solve broadcasts its own right-hand side
+            vector = torch.linalg.solve(a, xi[:3]).pow(2).sum()
+            matrix = torch.linalg.solve(a, xi[:3, None] * xi[None, 1:]).pow(2).sum()
+            rows.append(vector + matrix)
+        return torch.stack(rows)
+
+    return f
+
+
+def _singular_det(x):
+    """det of a matrix with two equal rows in instance 0 (det = 0 there), others invertible."""
+    second = torch.cat([x[:1, :2], x[1:, 2:] + 3], 0)
+    return torch.linalg.det(torch.stack([x[:, :2], second], -2)) + x.pow(3).sum(-1)
+
+
+def _no_grad_inside(x):
+    with torch.no_grad():
+        scale = x.pow(2).sum(-1, keepdim=True)  # a constant, as autograd has it
+        detached_view = x[..., :1]
+    return (x.pow(3) * scale).sum(-1) + (detached_view * x).sum(-1)
+
+
+def _no_grad_reference(x):
+    scale = x.pow(2).sum(-1, keepdim=True).detach()
+    return (x.pow(3) * scale).sum(-1) + (x[..., :1].detach() * x).sum(-1)
+
+
+def _in_place_without_grad(x):
+    """An in-place write under no_grad keeps the tensor's derivatives (autograd does not see
+    it): PyTorch's cosine_similarity clamps its norms so."""
+    norm = x.norm(dim=-1, keepdim=True)
+    with torch.no_grad():
+        norm.clamp_min_(0.5)
+    return (x / norm).pow(3).sum(-1) + torch.nn.functional.cosine_similarity(x, x.flip(-1) + 1)
+
+
+def _in_place_reference(x):
+    norm = x.norm(dim=-1, keepdim=True)
+    norm = norm + (norm.clamp_min(0.5) - norm).detach()
+    eps = 1e-8
+    y = x.flip(-1) + 1
+    n1, n2 = x.norm(dim=-1), y.norm(dim=-1)
+    n1 = n1 + (n1.clamp_min(eps) - n1).detach()
+    n2 = n2 + (n2.clamp_min(eps) - n2).detach()
+    return (x / norm).pow(3).sum(-1) + ((x / n1[..., None]) * (y / n2[..., None])).sum(-1)
+
+
+def _churn(x):
+    """Temporaries die every step, so Python reuses their ids; ``acc.data`` makes new objects
+    (constants) that may take such an id -- they must not inherit the dead tensor's label."""
+    acc = x
+    for _ in range(12):
+        t = torch.sin(acc) * 0.5
+        acc = acc + t * t
+        del t
+        acc = acc + 0.1 * torch.cos(acc.data)
+    return acc.pow(2).sum(-1)
+
+
+def _churn_reference(x):
+    acc = x
+    for _ in range(12):
+        t = torch.sin(acc) * 0.5
+        acc = acc + t * t
+        acc = acc + 0.1 * torch.cos(acc.detach())
+    return acc.pow(2).sum(-1)
+
+
+def _strided_write(x):
+    y = x.clone()
+    y.view(x.shape[0], 2, 2).add_(1.0)
+    y.as_strided((x.shape[0], 2), (4, 2)).mul_(3)
+    return (y**3).sum(-1)
+
+
+def _strided_reference(x):
+    y = x + 1.0
+    y = torch.stack([y[:, 0] * 3, y[:, 1], y[:, 2] * 3, y[:, 3]], -1)
+    return (y**3).sum(-1)
+
+
+def _func_grad_inside(device):
+    w = _weights(4, 4, device=device)
+
+    def energy(xi):
+        return torch.tanh(xi @ w).pow(2).sum()
+
+    return lambda x: torch.vmap(torch.func.grad(energy))(x).pow(2).sum(-1)
+
+
+class _Exp2(torch.autograd.Function):
+    """2 exp(a), with a backward of its own (its forward runs without grad, like no_grad)."""
+
+    @staticmethod
+    def forward(ctx, a):
+        out = 2 * torch.exp(a)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        return grad * out
+
+
+def _transformer(device, attention):
+    """An evaluation-mode encoder layer (or attention alone): PyTorch would take its fused
+    inference path, which has no derivatives."""
+    torch.manual_seed(0)
+    if attention:
+        layer = torch.nn.MultiheadAttention(4, 2, batch_first=True)
+    else:
+        layer = torch.nn.TransformerEncoderLayer(4, 2, dim_feedforward=8, dropout=0.0,
+                                                 batch_first=True)  # fmt: skip
+    layer = layer.eval().requires_grad_(False).to(device, torch.float64)
+
+    def f(x):
+        out = layer(x, x, x, need_weights=False)[0] if attention else layer(x)
+        return out.pow(2).sum((-2, -1))
+
+    def reference(x):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([SDPBackend.MATH]):
+            return f(x)
+
+    return f, reference
+
+
+@dataclass
+class TaylorCase:
+    """``build(device) -> (f, reference)``: f and a mathematically equal f for torch.func (None:
+    f itself); ``point(device) -> x``."""
+
+    name: str
+    build: object
+    point: object = _at
+    event_dims: int = 1
+
+
+def _same(f, reference=None):
+    return lambda device: (f, reference)
+
+
+ZEROS = [[0.0, 1.0, -2.0, 0.0], [0.5, 0.0, 3.0, -1.0]]
+TAYLOR_CASES = [
+    TaylorCase("x ** tensor, at x = 0", _same(_powers), lambda d: _at(d, ZEROS)),
+    TaylorCase("0 ** x, 2 ** x, at x = 0", _same(_zero_base), lambda d: _at(d, ZEROS)),
+    TaylorCase("solve: vector and matrix right-hand sides against a batch of A",
+               lambda d: (_solves(d), None)),
+    TaylorCase("det with a singular instance", _same(_singular_det)),
+    TaylorCase("torch.no_grad() inside f", _same(_no_grad_inside, _no_grad_reference)),
+    TaylorCase("in-place write under no_grad, cosine_similarity",
+               _same(_in_place_without_grad, _in_place_reference)),
+    TaylorCase("temporaries dying, ids reused", _same(_churn, _churn_reference)),
+    TaylorCase("write through an as_strided view", _same(_strided_write, _strided_reference)),
+    TaylorCase("torch.func.grad inside f", lambda d: (_func_grad_inside(d), None)),
+    TaylorCase("autograd.Function inside f", _same(lambda x: _Exp2.apply(x.sin()).sum(-1),
+                                                    lambda x: (2 * torch.exp(x.sin())).sum(-1))),
+    TaylorCase("many 3x3 LU factorizations (per-matrix reverse-mode rule)",
+               _same(lambda x: torch.linalg.lu(x.reshape(-1, 3, 3)).U.pow(2).sum((-2, -1))),
+               lambda d: _at(d, shape=(64, 9))),
+    TaylorCase("TransformerEncoderLayer, eval mode", lambda d: _transformer(d, False),
+               lambda d: _at(d, shape=(2, 3, 4)), event_dims=2),
+    TaylorCase("MultiheadAttention, eval mode", lambda d: _transformer(d, True),
+               lambda d: _at(d, shape=(2, 3, 4)), event_dims=2),
+]  # fmt: skip
+"""What :mod:`pyhvp.taylor` must differentiate as autograd does (dense references need at most
+the first 8 instances: instances are independent)."""

@@ -283,11 +283,9 @@ class TorchBackend:
         args: Sequence[object],
         chunk_size: int | None,
     ) -> torch.Tensor:
-        captured = self._capture(f, x, args)
-        parts = [
-            self._jets(captured, False, x, part)
-            for part in directions.split(chunk_size or max(len(directions), 1))
-        ]
+        """``d^2/dt^2 f(x + t u)`` per direction ``(k, *out)``: see :mod:`pyhvp.backends`.
+        Second-order Taylor mode; ``f`` is recorded once for all chunks of directions."""
+        parts = self._jets(f, x, directions, args, chunk_size, collapsed=False)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def collapsed_jet(
@@ -299,11 +297,7 @@ class TorchBackend:
         chunk_size: int | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(f(x), first (k, *out), sum over directions of second)``: see :mod:`pyhvp.backends`."""
-        captured = self._capture(f, x, args)
-        parts = [
-            self._jets(captured, True, x, part)
-            for part in directions.split(chunk_size or max(len(directions), 1))
-        ]
+        parts = self._jets(f, x, directions, args, chunk_size, collapsed=True)
         if len(parts) == 1:
             return parts[0]
         first = torch.cat([p[1] for p in parts])
@@ -312,16 +306,30 @@ class TorchBackend:
     def _capture(
         self, f: Callable[..., torch.Tensor], x: torch.Tensor, args: Sequence[object]
     ) -> taylor.Capture:
+        """``f``'s program (recorded at every call, :func:`pyhvp.taylor.capture`); ``x`` enters
+        as a fresh alias, so ``x`` in ``args`` or captured by ``f`` is a constant there."""
         _require_torch_function(f)
         with torch.inference_mode(False):
             return taylor.capture(f, x.clone() if x.is_inference() else x, args)
 
     def _jets(
-        self, captured: taylor.Capture, collapsed: bool, x: torch.Tensor, directions: torch.Tensor
-    ) -> object:
-        with torch.inference_mode(False):
-            kernel = captured.kernel(collapsed, x, directions)
-        return self._run(_jet_kernel, _jet_kernel, kernel, (), (x, directions, *captured.constants))
+        self,
+        f: Callable[..., torch.Tensor],
+        x: torch.Tensor,
+        directions: torch.Tensor,
+        args: Sequence[object],
+        chunk_size: int | None,
+        collapsed: bool,
+    ) -> list[object]:
+        """The jet kernel's results per chunk of ``chunk_size`` directions, from one capture."""
+        captured = self._capture(f, x, args)
+        parts = []
+        for part in directions.split(chunk_size or max(len(directions), 1)):
+            with torch.inference_mode(False):
+                kernel = captured.kernel(collapsed, x, part)
+            inputs = (x, part, *captured.constants)
+            parts.append(self._run(_jet_kernel, _jet_kernel, kernel, (), inputs))
+        return parts
 
     def _run(
         self,

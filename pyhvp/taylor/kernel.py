@@ -50,10 +50,10 @@ def run_jets(
         for used in node.all_input_nodes:
             if last_use[used] == i:
                 del env[used]
-    return _coefficients(ctx, result, directions.shape[0])
+    return _output_coefficients(ctx, result, directions.shape[0])
 
 
-def _coefficients(ctx: Context, out: object, k: int) -> tuple[Tensor, Tensor, Tensor]:
+def _output_coefficients(ctx: Context, out: object, k: int) -> tuple[Tensor, Tensor, Tensor]:
     if not isinstance(out, Jet):  # f does not depend on x: every derivative is zero
         zeros = out.new_zeros((k, *out.shape))
         return out, zeros, zeros[0] if ctx.collapsed else zeros

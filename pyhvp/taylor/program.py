@@ -4,23 +4,34 @@ cached program (and its compiled jet kernels) applies to a new call.
 Every call runs ``f`` once, eagerly, under a light ``TorchDispatchMode`` that records each aten
 op, its non-tensor arguments, the shapes of its outputs, and where each tensor argument comes
 from: ``x``, an earlier op, or a *constant* (any other tensor: args, captured parameters,
-tensors made from Python data). That record is the cache key. Equal records mean the same
-program: same ops in the same order with the same options, so data-dependent control flow,
-replaced parameters, changed Python state or a different ``x`` layout can never reuse a stale
-program -- they record differently and build a new one. Constants are inputs of the program,
-passed anew at every call, so a program is reused across calls whatever tensor objects ``f``
-captures (a lambda rebuilt per call, parameters updated in place or replaced), and gradients
-flow to them when they require grad. The record costs one forward of ``f`` (about 5 us per op of
-overhead), paid at every call.
+tensors made from Python data -- and ``x`` itself when it reaches ``f`` through ``args`` or a
+closure: ``f`` gets a fresh alias of ``x`` as its variable, so derivatives are partial ones).
+That record is the cache key. Equal records mean the same program: same ops in the same order
+with the same options, so data-dependent control flow, replaced parameters, changed Python state
+or a different ``x`` layout can never reuse a stale program -- they record differently and build
+a new one. Constants are inputs of the program, passed anew at every call, so a program is reused
+across calls whatever tensor objects ``f`` captures (a lambda rebuilt per call, parameters
+updated in place or replaced), and gradients flow to them when they require grad. The record
+costs one forward of ``f`` (about 5 us per op of overhead), paid at every call; it holds labels,
+not tensors, so ``f``'s intermediates are freed as ``f`` runs.
+
+``f`` runs with grad mode on, so that its own ``torch.no_grad()`` shows: what it computes without
+grad is a constant, as for autograd (see :class:`_Recorder`). Writes to ``x`` or to a constant,
+directly or through a view, are refused (:class:`InPlaceInputError`); so is autograd's backward
+pass inside ``f`` (``torch.func.grad`` is fine).
 
 On a miss the record becomes an fx graph, replayed once through ``make_fx(functionalize(...))``
-with layer, group and (evaluation-mode) batch norm and CPU attention decomposed, into a functional aten program
--- the graph the jet rules (:mod:`.rules`) run on.
+(on fake tensors where shapes do not depend on values) with layer, group and (evaluation-mode)
+batch norm and CPU attention decomposed, into a functional aten program -- the graph the jet
+rules (:mod:`.rules`) run on.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import operator
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -29,11 +40,13 @@ import torch
 from torch import fx
 from torch._decomp import get_decompositions
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pyhvp._keys import Identity, Value, value_key
 from pyhvp.taylor.kernel import JetKernel, build_kernel, traceable
-from pyhvp.taylor.rules import STOP_GRADIENT
+from pyhvp.taylor.rules import SINGULAR_DET, STOP_GRADIENT, WITH_DERIVATIVES_OF
 
 aten = torch.ops.aten
 Tensor = torch.Tensor
@@ -54,75 +67,239 @@ DECOMPOSITIONS = get_decompositions(
 
 
 X = ("x",)
+STOP = "stop"
+"""Marks an argument read as a constant: ``(STOP, label)`` becomes ``stop_gradient(node)``."""
+KEEP = "keep"
+"""Notes an op that writes in place under ``no_grad``: the tensors it writes keep their
+derivatives (autograd does not see the write), with the new values."""
+
+DET, DETACH = aten._linalg_det.default, aten.detach.default
+SINGULAR_CHECKED = {DET: SINGULAR_DET}
+"""Ops recorded as another when an instance is singular (``det == 0``): the record says so, so
+the program (a different op with a rule that holds there) is keyed by it."""
+_current_autograd_node = torch._C._current_autograd_node
+
+BACKWARD = {
+    torch.autograd.grad: "torch.autograd.grad",
+    torch.autograd.backward: "torch.autograd.backward",
+    Tensor.backward: "Tensor.backward",
+}
 
 
 def _meta(t: Tensor) -> Hashable:
     return (tuple(t.shape), t.stride(), t.dtype, t.device)
 
 
+def _storage(t: Tensor) -> int:
+    """Where ``t``'s elements live (0: nowhere to write, or a tensor without plain storage)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
 class InPlaceInputError(ValueError):
     """f modified x or a tensor it reads in place."""
 
 
-class _Recorder(TorchDispatchMode):
-    """Records the aten ops ``f`` runs: the cache key and, on a miss, the program."""
+def _grad_disabled_by_f() -> bool:
+    """Whether the op being dispatched runs under ``torch.no_grad()`` / ``inference_mode()``
+    that ``f`` entered (recording runs with grad enabled). An ``autograd.Function``'s forward also
+    runs without grad but, unlike ``no_grad``, without forward-mode AD too: its ops are
+    differentiated like any others."""
+    if torch.is_grad_enabled():
+        return False
+    return torch._C._is_fwd_grad_enabled() or torch.is_inference_mode_enabled()
 
-    def __init__(self, x: Tensor) -> None:
+
+@functools.cache
+def _argument_kinds(func: torch._ops.OpOverload) -> tuple[tuple[str, ...], dict[str, str]]:
+    """Per schema argument: ``"write"`` (mutated), ``"alias"`` (a view's base) or ``"read"``."""
+
+    def kind(argument: object) -> str:
+        info = argument.alias_info
+        return "read" if info is None else ("write" if info.is_write else "alias")
+
+    kinds = tuple(kind(a) for a in func._schema.arguments)
+    return kinds, {a.name: k for a, k in zip(func._schema.arguments, kinds, strict=True)}
+
+
+class _Recorder(TorchDispatchMode):
+    """Records the aten ops ``f`` runs: the cache key and, on a miss, the program.
+
+    Tensors are told apart by ``id``; an op's output is held weakly and its label dropped when it
+    dies (its id may then be reused), so intermediates are freed as ``f`` runs.
+
+    What ``f`` computes without grad follows autograd. An op run under ``torch.no_grad()`` reads
+    every tensor through ``stop_gradient`` (its results are constants); a tensor it writes in
+    place keeps the derivatives it had, with the new value (``KEEP`` notes such ops; PyTorch's
+    own cosine_similarity clamps a norm so). Views made without grad, by ``detach`` or of such
+    views are *stopped*: every later op that neither views nor writes them reads them through
+    ``stop_gradient`` -- the view itself stays a view, so writes through it or its base remain
+    visible in the replay.
+    """
+
+    def __init__(self, x: Tensor, watch_backward: bool) -> None:
         super().__init__()
-        self.labels: dict[int, Hashable] = {id(x): X}
-        self.alive: list[object] = [x]  # ids stay unique while recording
+        self.watch_backward = watch_backward
+        self.saw_backward = False
+        # id -> (label, weak reference to the tensor, or None for x and the constants, which
+        # stay alive): an id whose tensor died may be reused by an unrelated tensor
+        self.labels: dict[int, tuple[Hashable, weakref.ref | None]] = {id(x): (X, None)}
         self.constants: list[Tensor] = []
+        self.inputs = {_storage(x)} - {0}  # storages f must not write: x's and the constants'
+        self.x_storage = _storage(x)
+        self.stopped: set[Hashable] = set()  # labels of views made without grad
         self.events: list[tuple] = []
+        self._stops_outputs = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
-        if func._schema.is_mutable:
+        if self.watch_backward and _current_autograd_node() is not None:
+            self.saw_backward = True  # (in case f swallows the exception)
+            raise _BackwardInside
+        mutable = func._schema.is_mutable
+        if mutable:
             self._refuse_input_writes(func, args, kwargs)
-        described = (self._describe(args), self._describe(tuple(sorted(kwargs.items()))))
+        items = tuple(sorted(kwargs.items()))
+        no_grad = not torch.is_grad_enabled() and _grad_disabled_by_f()
+        note = KEEP if no_grad and mutable else None
+        if no_grad or self.stopped:
+            positional, named = _argument_kinds(func)
+            self._stops_outputs = func is DETACH
+            described = (  # as self._describe((args, items)) would, with stops
+                (False, tuple(self._describe(a, (k, no_grad))
+                              for a, k in zip(args, positional, strict=False))),
+                (False, tuple((False, (value_key(n), self._describe(v, (named[n], no_grad))))
+                              for n, v in items)),
+            )  # fmt: skip
+            stops_outputs = self._stops_outputs
+        else:
+            described = (self._describe(args), self._describe(items))
+            stops_outputs = func is DETACH
         out = func(*args, **kwargs)
-        k = len(self.events)
-        self.events.append((func, *described, self._outputs(out, ("op", k))))
+        label = ("op", len(self.events))
+        if func is DET:  # which rule holds depends on the values
+            note = bool((out[0] == 0).any())
+        self.events.append((func, *described, self._outputs(out, label, stops_outputs), note))
         return out
 
-    def _describe(self, value: object) -> Hashable:
+    def _describe(self, value: object, kind: tuple[str, bool] | None = None) -> Hashable:
+        """A tensor's label, a container's items, a scalar's value, or an object's identity.
+        With ``kind = (role, no_grad)`` (its schema role in the op being recorded), a tensor the
+        op reads as a constant is ``(STOP, label)``; a stopped one it views (or views and reads
+        without grad), or writes, makes the op's outputs stopped."""
         if isinstance(value, Tensor):
-            label = self.labels.get(id(value))
+            label = self._label(value)
             if label is None:
                 label = ("constant", len(self.constants))
-                self.labels[id(value)] = label
+                self.labels[id(value)] = (label, None)
                 self.constants.append(value)
-                self.alive.append(value)
+                self.inputs.add(_storage(value))
+                self.inputs.discard(0)
+            if kind is None:
+                return label
+            role, no_grad = kind
+            stopped = label in self.stopped
+            if role == "read" and (no_grad or stopped):
+                return (STOP, label)
+            if stopped or (no_grad and role == "alias"):
+                self._stops_outputs = True
             return label
         if isinstance(value, (list, tuple)):
-            return (type(value) is list, tuple(self._describe(v) for v in value))
+            return (type(value) is list, tuple(self._describe(v, kind) for v in value))
         return value_key(value) or ("object", Identity(value))
 
-    def _outputs(self, out: object, label: tuple) -> Hashable:
+    def _outputs(self, out: object, label: tuple, stopped: bool) -> Hashable:
         """Labels output tensors (an in-place op's result replaces its input's label)."""
         if isinstance(out, Tensor):
-            self.labels[id(out)] = label
-            self.alive.append(out)
+            self.labels[id(out)] = (label, weakref.ref(out))
+            if stopped:
+                self.stopped.add(label)
             return ("tensor", tuple(out.shape), out.dtype)
         if isinstance(out, (list, tuple)):
             return (
                 type(out) is list,
-                tuple(self._outputs(o, (*label, i)) for i, o in enumerate(out)),
+                tuple(self._outputs(o, (*label, i), stopped) for i, o in enumerate(out)),
             )
         return value_key(out) or ("object",)
 
+    def _label(self, t: Tensor) -> Hashable | None:
+        """``t``'s label; None for a tensor not seen yet (possibly reusing a dead one's id)."""
+        entry = self.labels.get(id(t))
+        if entry is None or (entry[1] is not None and entry[1]() is not t):
+            return None
+        return entry[0]
+
     def _refuse_input_writes(self, func: object, args: tuple, kwargs: dict) -> None:
-        for i, argument in enumerate(func._schema.arguments):
-            if argument.alias_info is None or not argument.alias_info.is_write:
+        positional, named = _argument_kinds(func)
+        written = [a for a, k in zip(args, positional, strict=False) if k == "write"]
+        written += [v for n, v in kwargs.items() if named.get(n) == "write"]
+        for value in pytree.tree_leaves(written):
+            if not isinstance(value, Tensor):
                 continue
-            value = args[i] if i < len(args) else kwargs.get(argument.name)
-            label = self.labels.get(id(value)) if isinstance(value, Tensor) else None
-            if label is not None and label[0] in ("x", "constant"):
-                what = "x" if label == X else f"a tensor of shape {tuple(value.shape)} that f reads"
-                raise InPlaceInputError(
-                    f"f modifies {what} in place ({func}); pyhvp evaluates f several times and "
-                    f"needs it to leave its inputs unchanged (a module in training mode updating "
-                    f"its statistics? call module.eval())"
-                )
+            label = self._label(value)
+            storage = _storage(value)
+            outside = label is None or label == X or label[0] == "constant"
+            if not outside and storage not in self.inputs:
+                continue
+            if label == X:
+                what = "x"
+            elif storage != 0 and storage == self.x_storage:
+                what = "x (through a view of it)"
+            elif label is None:
+                what = f"a tensor of shape {tuple(value.shape)} that it did not create"
+            else:
+                what = f"a tensor of shape {tuple(value.shape)} that it reads (or a view of one)"
+            raise InPlaceInputError(
+                f"f modifies {what} in place ({func}); pyhvp evaluates f several times and "
+                f"needs it to leave its inputs unchanged (a module in training mode updating "
+                f"its statistics? call module.eval())"
+            )
+
+
+class _NoAutogradInside(TorchFunctionMode):
+    """Refuses ``torch.autograd.grad`` / ``.backward()`` inside ``f``: autograd's backward pass
+    detaches the tensors it saved, which the program would read as constants (silently wrong
+    derivatives). ``torch.func.grad`` runs as ordinary ops and is allowed."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if func in BACKWARD and torch._C._functorch.peek_interpreter_stack() is None:
+            raise RuntimeError(
+                f"f calls {BACKWARD[func]}: autograd inside f is not "
+                f"supported by the Taylor engine (pyhvp.laplacian, grad_and_laplacian and "
+                f"hessian_diagonal's exact method), whose program cannot follow derivatives "
+                f"through autograd's backward pass. Use torch.func.grad (or torch.func.vjp, "
+                f"jacrev) inside f instead"
+            )
+        return func(*args, **(kwargs or {}))
+
+
+class _BackwardInside(BaseException):
+    """Autograd's engine ran inside ``f``: ``torch.func.grad`` (fine) or ``torch.autograd.grad``
+    (refused). Only a ``TorchFunctionMode`` tells them apart, and it costs every torch call, so
+    ``f`` is recorded without it and, when this is raised, recorded again with it."""
+
+
+def _record(f: Callable[..., Tensor], variable: Tensor, args: Sequence[object],
+            tell_backward_apart: bool) -> tuple[_Recorder, object]:  # fmt: skip
+    """``f(variable, *args)`` under the recorder: grad mode on (so that ``f``'s own ``no_grad``
+    shows), and the fused multi-head-attention inference path off (it has no derivatives)."""
+    recorder = _Recorder(variable, watch_backward=not tell_backward_apart)
+    mha = getattr(torch.backends, "mha", None)
+    fastpath = mha.get_fastpath_enabled() if mha is not None else None
+    guard = _NoAutogradInside() if tell_backward_apart else contextlib.nullcontext()
+    try:
+        if mha is not None:
+            mha.set_fastpath_enabled(False)
+        with torch.enable_grad(), guard, recorder:
+            out = f(variable, *args)
+    finally:
+        if mha is not None:
+            mha.set_fastpath_enabled(fastpath)
+    if recorder.saw_backward:
+        raise _BackwardInside
+    return recorder, out
 
 
 @dataclass(eq=False)
@@ -157,15 +334,22 @@ class Capture:
 
 
 def capture(f: Callable[..., Tensor], x: Tensor, args: Sequence[object]) -> Capture:
-    """Run ``f(x, *args)`` once under the recorder; return its (cached or new) program."""
-    recorder = _Recorder(x)
-    with torch.no_grad(), recorder:
-        out = f(x, *args)
+    """Run ``f(x, *args)`` once under the recorder; return its (cached or new) program.
+
+    ``f`` gets a fresh alias of ``x`` as its variable: the tensor ``x`` itself, passed again in
+    ``args`` or captured by ``f``, is a constant there (partial derivatives, as on the
+    Hessian-vector-product path).
+    """
+    variable = x.detach()
+    try:
+        recorder, out = _record(f, variable, args, tell_backward_apart=False)
+    except _BackwardInside:
+        recorder, out = _record(f, variable, args, tell_backward_apart=True)
     if not isinstance(out, Tensor):
         raise TypeError(f"f must return a torch.Tensor, got {type(out).__name__}")
     if not out.is_floating_point():  # integers do not vary smoothly; complex is not supported
         raise TypeError(f"f must return a real floating tensor, got {out.dtype}")
-    output = recorder._describe(out)
+    output = recorder._describe(out, ("read", False))  # a view made without grad: constant
     key = (
         _meta(x),
         tuple(recorder.events),
@@ -187,25 +371,65 @@ def _functional_graph(recorder: _Recorder, output: Hashable, x: Tensor) -> fx.Gr
     nodes: dict[Hashable, object] = {X: graph.placeholder("x")}
     for i in range(len(recorder.constants)):
         nodes[("constant", i)] = graph.placeholder(f"constant_{i}")
-    for k, (func, args, kwargs, outputs) in enumerate(recorder.events):
-        # f's own detach (nothing else emits one while recording without grad) stops gradients;
-        # functionalization below emits detach as a mere alias, so f's is renamed first
-        target = STOP_GRADIENT if func is aten.detach.default else func
-        node = graph.call_function(target, _rebuild(args, nodes), dict(_rebuild(kwargs, nodes)))
+    for k, (func, args, kwargs, outputs, note) in enumerate(recorder.events):
+        target = SINGULAR_CHECKED[func] if note is True else func
+        positional = _rebuild(args, nodes, graph)
+        named = dict(_rebuild(kwargs, nodes, graph))
+        if note == KEEP:
+            node = _write_keeping_derivatives(graph, func, positional, named)
+        else:
+            node = graph.call_function(target, positional, named)
         _name_outputs(graph, node, outputs, ("op", k), nodes)
-    graph.output(nodes[output])
+    graph.output(_rebuild(output, nodes, graph))
     graph.eliminate_dead_code()
     raw = fx.GraphModule(torch.nn.Module(), graph)
-    with torch.no_grad():
-        functional = make_fx(torch.func.functionalize(raw), decomposition_table=DECOMPOSITIONS)(
-            *map(traceable, (x, *recorder.constants))
-        )
+    inputs = [traceable(t) for t in (x, *recorder.constants)]
+
+    def replay(tracing_mode: str) -> fx.GraphModule:
+        functional = torch.func.functionalize(raw)
+        with torch.no_grad():
+            return make_fx(functional, decomposition_table=DECOMPOSITIONS,
+                           tracing_mode=tracing_mode)(*inputs)  # fmt: skip
+
+    try:  # on fake tensors: shapes are all it needs, and f's intermediates are not held again
+        functional = replay("fake")
+    except Exception:  # data-dependent shapes (masks, nonzero): on real values
+        functional = replay("real")
     functional.graph.eliminate_dead_code()
     functional.recompile()
     return functional
 
 
-def _rebuild(described: Hashable, nodes: dict) -> object:
+def _write_keeping_derivatives(graph: fx.Graph, func: torch._ops.OpOverload, args: tuple,
+                               kwargs: dict) -> object:  # fmt: skip
+    """An in-place op ``f`` ran under ``no_grad``: it writes a constant copy of each tensor it
+    writes (what it reads is already constant), and each written tensor then takes the new value
+    with its old derivatives -- what autograd, which does not see the write, differentiates.
+    Returns the node of the op's result (the first written tensor's new value when the op
+    returns one tensor, as in-place ops do)."""
+    positional, named = _argument_kinds(func)
+    args, written = list(args), []
+    for i, kind in enumerate(positional[: len(args)]):
+        if kind == "write" and isinstance(args[i], fx.Node):
+            copy = graph.call_function(STOP_GRADIENT, (args[i],))
+            written.append((args[i], copy))
+            args[i] = copy
+    for name, value in kwargs.items():
+        if named.get(name) == "write" and isinstance(value, fx.Node):
+            copy = graph.call_function(STOP_GRADIENT, (value,))
+            written.append((value, copy))
+            kwargs[name] = copy
+    result = graph.call_function(func, tuple(args), kwargs)
+    updated = [
+        graph.call_function(aten.copy_.default, (node, graph.call_function(WITH_DERIVATIVES_OF,
+                                                                           (copy, node))))
+        for node, copy in written
+    ]  # fmt: skip
+    returns = func._schema.returns
+    return updated[0] if updated and len(returns) == 1 and returns[0].alias_info else result
+
+
+def _rebuild(described: Hashable, nodes: dict, graph: fx.Graph) -> object:
     if isinstance(described, Value):
         return described.value
     if described in nodes:
@@ -213,7 +437,9 @@ def _rebuild(described: Hashable, nodes: dict) -> object:
     kind = described[0]
     if kind == "object":
         return described[1].obj
-    items = [_rebuild(item, nodes) for item in described[1]]
+    if kind == STOP:  # read as a constant: functionalization keeps no alias of it
+        return graph.call_function(STOP_GRADIENT, (nodes[described[1]],))
+    items = [_rebuild(item, nodes, graph) for item in described[1]]
     return items if kind is True else tuple(items)
 
 

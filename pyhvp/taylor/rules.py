@@ -19,8 +19,10 @@ derivatives, products by Leibniz, matrix products, views, reductions, indexing, 
 logsumexp, norms, cdist, det and kin); every other op falls back to rules built from
 ``torch.func`` on that op alone -- elementwise ops (``Tag.pointwise``) by their elementwise
 derivatives, all others by ``jvp`` and ``jvp`` of ``jvp`` along each direction, or by the op's
-Jacobian and Hessian in reverse mode where PyTorch's nested forward mode cannot be trusted -- so
-no op is unsupported, only slower.
+Jacobian and Hessian in reverse mode where PyTorch's nested forward mode cannot be trusted (one
+matrix at a time for batched ``torch.linalg`` ops) -- so a real op is not unsupported, only
+slower. Complex intermediates are refused (:func:`apply`): their jets would need complex
+coefficients, which no rule carries.
 """
 
 from __future__ import annotations
@@ -143,7 +145,19 @@ def apply(ctx: Context, op: Callable[..., Any], *args: object, **kwargs: object)
     out = op(*pytree.tree_map(value_of, args), **pytree.tree_map(value_of, kwargs))
     if not any(isinstance(a, Jet) for a in pytree.tree_leaves((args, kwargs))):
         return out
-    if not any(t.is_floating_point() for t in pytree.tree_leaves(out) if isinstance(t, Tensor)):
+    results = [t for t in pytree.tree_leaves(out) if isinstance(t, Tensor)]
+    complex_result = next((t for t in results if t.is_complex()), None)
+    if complex_result is not None:
+        raise TypeError(
+            f"complex intermediates are not supported by the Taylor engine (pyhvp.laplacian, "
+            f"grad_and_laplacian, hessian_diagonal's exact method): f computes a "
+            f"{complex_result.dtype} tensor from x ({op}), whose jets would need complex "
+            f"coefficients. Write f in real arithmetic (real and imaginary parts as real "
+            f"tensors), or, for one scalar per instance, use an estimator built on "
+            f"Hessian-vector products: laplacian(..., method='hutch++'), "
+            f"hessian_diagonal(..., method='hutchinson' or 'diag++')"
+        )
+    if not any(t.is_floating_point() for t in results):
         return out  # integer or boolean results do not vary smoothly with x
     if op in ZERO_DERIVATIVE:
         return out
@@ -402,14 +416,23 @@ for _op, _derivatives in UNARY.items():
 
 @rule(aten.pow.Scalar)
 def _scalar_power(ctx: Context, out: Tensor, base: float, u: Jet) -> Jet:
-    log_base = math.log(base)
-    return chain(ctx, out, u, out * log_base, out * log_base**2)
+    """``base ** u``: ``out log(base)`` and ``out log(base)^2``. Autograd's conventions where
+    the logarithm is not finite: a zero base has zero derivatives where ``u >= 0`` (infinite
+    ones where ``u < 0``), a negative base NaN ones (``log`` of a negative number)."""
+    if base > 0:
+        log_base = math.log(base)
+        return chain(ctx, out, u, out * log_base, out * log_base**2)
+    if base < 0:
+        return chain(ctx, out, u, out * math.nan, out * math.nan)
+    flat = u.value >= 0
+    return chain(ctx, out, u, torch.where(flat, 0.0, out * -math.inf),
+                 torch.where(flat, 0.0, out * math.inf))  # fmt: skip
 
 
 # --- arithmetic -------------------------------------------------------------------------------------
 
 
-def _coefficients(arg: object, ndim: int, order: int) -> Tensor | None:
+def _coefficient_of(arg: object, ndim: int, order: int) -> Tensor | None:
     if not isinstance(arg, Jet):
         return None
     t = arg.first if order == 1 else arg.second
@@ -421,7 +444,7 @@ def _signed_sum(out: Tensor, a: object, b: object, ca: float, cb: float) -> Jet:
     nd = out.ndim
     orders = []
     for order in (1, 2):
-        ta, tb = _coefficients(a, nd, order), _coefficients(b, nd, order)
+        ta, tb = _coefficient_of(a, nd, order), _coefficient_of(b, nd, order)
         orders.append(plus(scaled(ta, ca) if ca != 1 else ta, scaled(tb, cb) if cb != 1 else tb))
     return Jet(out, orders[0], orders[1])
 
@@ -470,8 +493,8 @@ def bilinear(
     ``(ab)' = a'b + ab'``, ``(ab)'' = a''b + 2 a'b' + ab''``."""
     nd = out.ndim
     va, vb = value_of(a), value_of(b)
-    fa, fb = _coefficients(a, nd, 1), _coefficients(b, nd, 1)
-    sa, sb = _coefficients(a, nd, 2), _coefficients(b, nd, 2)
+    fa, fb = _coefficient_of(a, nd, 1), _coefficient_of(b, nd, 1)
+    sa, sb = _coefficient_of(a, nd, 2), _coefficient_of(b, nd, 2)
     # coefficients first (see times): a' b and b' a, then a'' b and b'' a
     first = plus(None if fa is None else op(fa, vb), None if fb is None else swap(op)(fb, va))
     cross = None if fa is None or fb is None else 2 * ctx.pair(op, fa, fb)
@@ -490,10 +513,20 @@ def _div(ctx: Context, out: Tensor, a: object, b: object) -> Jet:
 
 @rule(aten.pow.Tensor_Tensor)
 def _tensor_power(ctx: Context, out: Tensor, base: object, exponent: object) -> Jet:
+    """``base ** exponent``, masked like autograd's ``pow_backward``: a constant exponent ``b``
+    gives ``b u^(b-1)`` except 0 where ``b == 0`` and ``b (b-1) u^(b-2)`` except 0 where ``b`` is
+    0 or 1 (``0 * inf`` at ``u = 0`` otherwise); a constant zero base has zero derivatives where
+    the exponent is >= 0."""
     if not isinstance(exponent, Jet):
-        b = exponent
-        d1 = b * base.value ** (b - 1)
-        return chain(ctx, out, base, d1, b * (b - 1) * base.value ** (b - 2))
+        b, u = exponent, base.value
+        d1 = torch.where(b == 0, 0.0, b * u ** (b - 1))
+        d2 = torch.where((b == 0) | (b == 1), 0.0, b * (b - 1) * u ** (b - 2))
+        return chain(ctx, out, base, d1, d2)
+    if not isinstance(base, Jet):  # exponent e: out log(base), out log(base)^2
+        log_base = torch.log(base)
+        flat = (base == 0) & (exponent.value >= 0)
+        d1 = torch.where(flat, 0.0, out * log_base)
+        return chain(ctx, out, exponent, d1, torch.where(flat, 0.0, d1 * log_base))
     log_base = apply(ctx, aten.log.default, base)  # base^e = exp(e log base)
     exponent_jet = apply(ctx, aten.mul.Tensor, exponent, log_base)
     return chain(ctx, out, exponent_jet, out, out)
@@ -504,7 +537,7 @@ def _where(ctx: Context, out: Tensor, condition: Tensor, a: object, b: object) -
     nd = out.ndim
 
     def select(order: int) -> Tensor | None:
-        ta, tb = _coefficients(a, nd, order), _coefficients(b, nd, order)
+        ta, tb = _coefficient_of(a, nd, order), _coefficient_of(b, nd, order)
         if ta is None and tb is None:
             return None
         zero = (ta if ta is not None else tb).new_zeros(())
@@ -538,8 +571,9 @@ def _matmul_jet(ctx: Context, out: Tensor, a: object, b: object) -> Jet:
     q_b = value_of(b).ndim - 2
 
     def contracted(arg: object, order: int, dim: int) -> Tensor | None:
-        t = _coefficients(arg, value_of(arg).ndim, order)
-        return None if t is None else expanded(t, value_of(arg).shape, [dim])
+        t = _coefficient_of(arg, value_of(arg).ndim, order)
+        # lifted to the result's dims: an operand with fewer batch dims broadcasts (solve)
+        return None if t is None else lifted(expanded(t, value_of(arg).shape, [dim]), nd)
 
     va, vb = value_of(a), value_of(b)
     sa, sb = contracted(a, 2, q_a), contracted(b, 2, q_b)
@@ -600,7 +634,7 @@ def _addmm(
     for order in (1, 2):
         p = None if product is None else (product.first if order == 1 else product.second)
         orders.append(plus(scaled(p, alpha) if alpha != 1 else p,
-                           scaled(_coefficients(bias_part, nd, order), beta)))  # fmt: skip
+                           scaled(_coefficient_of(bias_part, nd, order), beta)))  # fmt: skip
     return Jet(out, orders[0], orders[1])
 
 
@@ -630,22 +664,79 @@ def _trace(m: Tensor) -> Tensor:
     return m.diagonal(dim1=-2, dim2=-1).sum(-1)
 
 
+def _solved(a: Tensor, b: Tensor) -> Tensor:
+    """``A^-1 B`` without raising (nor synchronising) on a singular A: non-finite there."""
+    return torch.linalg.solve_ex(a, b)[0]
+
+
 def _log_det_coefficients(ctx: Context, a: Jet) -> tuple[Tensor, Tensor]:
-    """log|det A|: first ``tr(A^-1 T)``, second ``tr(A^-1 S) - tr(A^-1 T A^-1 T)``."""
+    """log|det A|: first ``tr(A^-1 T)``, second ``tr(A^-1 S) - tr(A^-1 T A^-1 T)`` (non-finite
+    for a singular A, where log|det| is -inf, as autograd's)."""
     t, s = _matrix_coefficients(a)
-    m = torch.linalg.solve(a.value, t)  # A^-1 T, one per direction
+    m = _solved(a.value, t)  # A^-1 T, one per direction
     second = -ctx.pair(operator.mul, m, m.mT).sum((-2, -1))
     if s is not None:
-        second = second + _trace(torch.linalg.solve(a.value, s))
+        second = second + _trace(_solved(a.value, s))
     return _trace(m), second
 
 
 @rule(aten._linalg_det.default)
 def _det(ctx: Context, out: tuple, a: Jet) -> tuple:
-    """det' = det tr(A^-1 T); det'' = det (log det'' + log det'^2)."""
+    """det' = det tr(A^-1 T); det'' = det (log det'' + log det'^2). Only for invertible
+    instances: a record with a singular one runs :func:`singular_det` instead."""
     det = out[0]
     first, second = _log_det_coefficients(ctx, a)
     return (Jet(det, det * first, det * (second + ctx.square(first))), *out[1:])
+
+
+@torch.library.custom_op("pyhvp::singular_det", mutates_args=())
+def singular_det(a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``aten._linalg_det`` where some instance is singular (``det == 0``, where ``A^-1`` of
+    :func:`_det`'s rule does not exist). The recorder renames the op when it sees one
+    (:mod:`.program`), so the program -- keyed by the record -- runs this op's rule, which holds
+    there."""
+    det, lu, pivots = aten._linalg_det.default(a)
+    return det, lu, pivots
+
+
+@singular_det.register_fake
+def _(a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return aten._linalg_det.default(a)
+
+
+SINGULAR_DET = torch.ops.pyhvp.singular_det.default
+
+
+@rule(SINGULAR_DET)
+def _singular_det(ctx: Context, out: tuple, a: Jet) -> tuple:
+    """det through the SVD ``A = U diag(s) V^T``, exact for singular A too: with ``P = U^T T V``
+    and ``c_i``, ``c_ij`` the products of the singular values but the i-th (and j-th), ``det(A +
+    tT) = det(U) det(V) det(diag(s) + tP)`` has first derivative ``sum_i P_ii c_i`` and second
+    ``sum_{i != j} (P_ii P_jj - P_ij P_ji) c_ij`` (times ``det(U) det(V)``)."""
+    t, s = _matrix_coefficients(a)
+    u, sigma, vh = torch.linalg.svd(a.value)
+    sign = torch.linalg.det(u) * torch.linalg.det(vh)
+    n = sigma.shape[-1]
+    eye = torch.eye(n, dtype=torch.bool, device=sigma.device)
+    c1 = torch.where(eye, 1.0, sigma[..., None, :]).prod(-1)  # (..., n)
+    skip = eye[:, None, :] | eye[None, :, :]  # (i, j, k): k is i or j
+    c2 = torch.where(skip, 1.0, sigma[..., None, None, :]).prod(-1)  # (..., n, n)
+
+    def rotated(m: Tensor) -> Tensor:
+        return u.mT @ m @ vh.mT
+
+    def diagonal(m: Tensor) -> Tensor:
+        return m.diagonal(dim1=-2, dim2=-1)
+
+    def minors(m: Tensor, w: Tensor) -> Tensor:  # P_ii W_jj - P_ij W_ji, per pair (i, j)
+        return diagonal(m)[..., :, None] * diagonal(w)[..., None, :] - m * w.mT
+
+    p = rotated(t)
+    first = sign * (diagonal(p) * c1).sum(-1)
+    second = sign * (ctx.pair(minors, p, p) * c2).sum((-2, -1))
+    if s is not None:
+        second = second + sign * (diagonal(rotated(s)) * c1).sum(-1)
+    return (Jet(out[0], first, second), *out[1:])
 
 
 @rule(aten._linalg_slogdet.default)
@@ -671,12 +762,16 @@ def _solve(ctx: Context, out: tuple, a: object, b: object, left: bool = True,
            check_errors: bool = False) -> tuple:  # fmt: skip
     """X = A^-1 B (left) or B A^-1, as the product of the inverse's jet with B's."""
     inverse = apply(ctx, aten.linalg_inv_ex.default, a)[0]
-    vector = value_of(b).ndim == value_of(a).ndim - 1  # torch's rule for a batch of vectors
-    rhs = apply(ctx, aten.unsqueeze.default, b, -1) if vector else b
-    value = out[0].unsqueeze(-1) if vector else out[0]
+    va, vb = value_of(a), value_of(b)
+    # torch's rule (linalg_solve_is_vector_rhs): B is a (batch of) vector(s) iff it is 1-D or
+    # has exactly A's shape without its last dim
+    vector = vb.ndim == 1 or tuple(vb.shape) == tuple(va.shape[:-1])
+    dim = -1 if left else -2  # a column, or a row for X A = B
+    rhs = apply(ctx, aten.unsqueeze.default, b, dim) if vector else b
+    value = out[0].unsqueeze(dim) if vector else out[0]
     x = _matmul_jet(ctx, value, *((inverse, rhs) if left else (rhs, inverse)))
     if vector:
-        x = Jet(out[0], x.first.squeeze(-1), None if x.second is None else x.second.squeeze(-1))
+        x = Jet(out[0], x.first.squeeze(dim), None if x.second is None else x.second.squeeze(dim))
     return (x, *out[1:])
 
 
@@ -790,6 +885,28 @@ def _slice(
 STOP_GRADIENT = torch.ops.pyhvp.stop_gradient.default
 
 
+@torch.library.custom_op("pyhvp::with_derivatives_of", mutates_args=())
+def with_derivatives_of(value: Tensor, source: Tensor) -> Tensor:
+    """``value``, with ``source``'s derivatives: what a tensor written in place under
+    ``no_grad`` holds (:mod:`.program`)."""
+    return value.clone()
+
+
+@with_derivatives_of.register_fake
+def _(value: Tensor, source: Tensor) -> Tensor:
+    return torch.empty_like(value)
+
+
+WITH_DERIVATIVES_OF = torch.ops.pyhvp.with_derivatives_of.default
+
+
+@rule(WITH_DERIVATIVES_OF)
+def _with_derivatives_of(ctx: Context, out: Tensor, value: object, source: object) -> Any:
+    if not isinstance(source, Jet):
+        return out
+    return Jet(out, source.coefficient, source.second)
+
+
 @rule(aten.clone.default, aten.alias.default, aten.detach.default)  # detach: an alias here
 def _identity(ctx: Context, out: Tensor, u: Jet, *args: object, **kwargs: object) -> Jet:
     return Jet(out, u.coefficient, u.second)
@@ -831,6 +948,39 @@ def _pad(ctx: Context, out: Tensor, u: Jet, pad: Sequence[int], value: float = 0
     return linear(out, u, fn)
 
 
+@rule(aten.as_strided_scatter.default)
+def _as_strided_scatter(
+    ctx: Context, out: Tensor, base: object, src: object, size: Sequence[int],
+    stride: Sequence[int], storage_offset: int | None = None,
+) -> Jet:  # fmt: skip
+    """A write through an ``as_strided`` view (functionalized): linear in ``(base, src)``. Each
+    coefficient is made contiguous, ``(L, *base.shape)``, so the direction axis is one more
+    stride (``base.numel()``) of the same strided write -- when ``base`` itself is contiguous
+    from offset 0, as the strides then address the same elements (vmap has no batching rule)."""
+    value = value_of(base)
+    if not value.is_contiguous() or value.storage_offset() != 0:
+        raise RuntimeError(
+            f"pyhvp: f writes through an as_strided view of a tensor of shape "
+            f"{tuple(value.shape)} and strides {value.stride()} (storage offset "
+            f"{value.storage_offset()}); the Taylor engine supports such writes into contiguous "
+            f"tensors only. Write through ordinary views (slicing, view, select) instead"
+        )
+    nd = value.ndim
+
+    def scattered(order: int) -> Tensor | None:
+        cb, cs = _coefficient_of(base, nd, order), _coefficient_of(src, len(size), order)
+        if cb is None and cs is None:
+            return None
+        lead = max(c.shape[0] for c in (cb, cs) if c is not None)
+        zero = value.new_zeros(())
+        cb = (zero if cb is None else cb).expand(lead, *value.shape).contiguous()
+        cs = (zero if cs is None else cs).expand(lead, *size)
+        return aten.as_strided_scatter.default(cb, cs, (lead, *size), (value.numel(), *stride),
+                                               storage_offset)  # fmt: skip
+
+    return Jet(out, scattered(1), scattered(2))
+
+
 @rule(aten.cat.default)
 def _cat(ctx: Context, out: Tensor, tensors: Sequence[object], dim: int = 0) -> Jet:
     nd = out.ndim
@@ -838,7 +988,7 @@ def _cat(ctx: Context, out: Tensor, tensors: Sequence[object], dim: int = 0) -> 
     parts = [t for t in tensors if value_of(t).numel() > 0 or value_of(t).ndim == nd]
 
     def join(order: int) -> Tensor | None:
-        coefficients = [_coefficients(t, nd, order) for t in parts]
+        coefficients = [_coefficient_of(t, nd, order) for t in parts]
         present = [c for c in coefficients if c is not None]
         if not present:
             return None
@@ -1226,7 +1376,8 @@ def general_fallback(ctx: Context, op: Callable[..., Any], out: Any, args: tuple
                      kwargs: dict) -> Any:  # fmt: skip
     """Any op: first order ``jvp`` along each direction, second order ``jvp`` of ``jvp`` along
     each direction (the op's curvature) plus ``jvp`` of the inputs' second-order coefficients;
-    where forward-mode AD is missing for the op, its Jacobian and Hessian by reverse mode."""
+    where forward-mode AD is missing for the op or cannot be trusted, its Jacobian and Hessian
+    by reverse mode -- one matrix at a time for batched matrix ops."""
     fn, primals, jets = _substitute(op, args, kwargs)
     outputs, spec = pytree.tree_flatten(out)
     smooth = [i for i, o in enumerate(outputs) if isinstance(o, Tensor) and o.is_floating_point()]
@@ -1250,7 +1401,12 @@ def general_fallback(ctx: Context, op: Callable[..., Any], out: Any, args: tuple
         with contextlib.suppress(NotImplementedError):  # no forward-mode formula for the op
             coefficients = _forward_coefficients(ctx, smooth_fn, primals, firsts, seconds)
     if coefficients is None:
-        coefficients = _reverse_coefficients(ctx, smooth_fn, primals, firsts, seconds)
+        batch = _matrix_batch(op, args, kwargs, [outputs[i] for i in smooth])
+        if batch:
+            coefficients = _reverse_per_instance(ctx, op, args, kwargs, smooth, batch, firsts,
+                                                 seconds)  # fmt: skip
+        else:
+            coefficients = _reverse_coefficients(ctx, smooth_fn, primals, firsts, seconds)
     first, second = coefficients
     result = list(outputs)
     for i, f1, f2 in zip(smooth, first, second, strict=True):
@@ -1285,7 +1441,83 @@ def _forward_coefficients(ctx: Context, fn: Callable[..., tuple], primals: tuple
 
 
 REVERSE_FALLBACK_LIMIT = 2**26
-"""Most numbers the reverse-mode fallback may hold in one op's dense Hessian."""
+"""Most numbers the reverse-mode fallback may hold in one op's dense Hessian (of one instance,
+for the batched matrix ops of :data:`MATRIX_OPS`)."""
+
+MATRIX_OPS = frozenset(
+    {
+        "linalg_lu", "linalg_lu_factor_ex", "linalg_lu_solve", "lu_unpack", "linalg_qr",
+        "_linalg_svd", "linalg_eig", "_linalg_eigh", "linalg_eigvals", "linalg_cholesky_ex",
+        "linalg_inv_ex", "linalg_matrix_exp", "linalg_solve_triangular", "triangular_solve",
+        "cholesky_solve", "cholesky_inverse", "linalg_householder_product",
+        "linalg_ldl_factor_ex", "linalg_ldl_solve", "_linalg_det", "_linalg_slogdet",
+        "_linalg_solve_ex", "linalg_matrix_power", "geqrf", "linalg_pinv",
+    }
+)  # fmt: skip
+"""Ops on ``(*, m, n)`` matrices whose leading dims ``*`` are batch dims: each matrix is
+computed alone (PyTorch's documented convention for torch.linalg)."""
+
+
+def _matrix_batch(op: Callable[..., Any], args: tuple, kwargs: dict,
+                  outputs: list[Tensor]) -> tuple[int, ...]:  # fmt: skip
+    """The batch dims over which the reverse-mode fallback may run one matrix at a time: the
+    leading dims of the op's first tensor argument but its last two, when ``op`` is one of
+    :data:`MATRIX_OPS` and every tensor argument and output starts
+    with them (no broadcasting); ``()`` otherwise."""
+    schema = getattr(op, "_schema", None)
+    name = schema.name.partition("::")[2] if schema is not None else None
+    if name not in MATRIX_OPS:
+        return ()
+    tensors = [value_of(t) for t in pytree.tree_leaves((args, kwargs))]
+    tensors = [t for t in tensors if isinstance(t, Tensor)]
+    batch = tuple(tensors[0].shape[:-2])
+    if all(tuple(t.shape[: len(batch)]) == batch for t in tensors + outputs):
+        return batch
+    return ()
+
+
+def _reverse_per_instance(ctx: Context, op: Callable[..., Any], args: tuple, kwargs: dict,
+                          smooth: list[int], batch: tuple[int, ...], firsts: list,
+                          seconds: list | None) -> tuple:  # fmt: skip
+    """:func:`_reverse_coefficients` vmapped over the batch dims of a batched matrix op: one
+    matrix's Jacobian and Hessian at a time, not the whole batch's (which is block-diagonal,
+    and (batch size)^2 times larger)."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    tensors = [i for i, leaf in enumerate(leaves) if isinstance(value_of(leaf), Tensor)]
+    jets = [i for i in tensors if isinstance(leaves[i], Jet)]
+    count, nb = math.prod(batch), len(batch)
+
+    def instances(t: Tensor, lead: int) -> Tensor:  # batch dims (after ``lead`` dims) as one
+        return t.reshape(*t.shape[:lead], count, *t.shape[lead + nb :])
+
+    def one(values: list[Tensor], t1: list[Tensor], t2: list[Tensor] | None) -> tuple:
+        fixed = [value_of(leaf) for leaf in leaves]
+        for i, v in zip(tensors, values, strict=True):
+            fixed[i] = v
+
+        def fn(*primals: Tensor) -> tuple[Tensor, ...]:
+            current = list(fixed)
+            for i, v in zip(jets, primals, strict=True):
+                current[i] = v
+            a, k = pytree.tree_unflatten(current, spec)
+            flat = pytree.tree_leaves(op(*a, **k))
+            return tuple(flat[i] for i in smooth)
+
+        primals = tuple(fixed[i] for i in jets)
+        first, second = _reverse_coefficients(ctx, fn, primals, t1, t2)
+        return tuple(first), tuple(second)
+
+    values = [instances(value_of(leaves[i]), 0) for i in tensors]
+    t1 = [instances(t, 1) for t in firsts]
+    if seconds is None:
+        first, second = vmap(lambda v, a: one(v, a, None), in_dims=(0, 1), out_dims=1)(values, t1)
+    else:
+        t2 = [instances(t, 1) for t in seconds]
+        first, second = vmap(one, in_dims=(0, 1, 1), out_dims=1)(values, t1, t2)
+    return (
+        [f.reshape(f.shape[0], *batch, *f.shape[2:]) for f in first],
+        [s.reshape(s.shape[0], *batch, *s.shape[2:]) for s in second],
+    )
 
 
 def _reverse_coefficients(ctx: Context, fn: Callable[..., tuple], primals: tuple,
@@ -1298,7 +1530,9 @@ def _reverse_coefficients(ctx: Context, fn: Callable[..., tuple], primals: tuple
         raise RuntimeError(
             f"pyhvp: an op of f has no jet rule and PyTorch's forward-mode derivative of it cannot "
             f"be nested; the reverse-mode fallback would hold its dense Hessian ({needed} numbers, "
-            f"over the limit {REVERSE_FALLBACK_LIMIT}). Please report the op"
+            f"over the limit {REVERSE_FALLBACK_LIMIT}): its inputs are treated as one block "
+            f"unless it is a batched torch.linalg op, whose matrices are taken one at a time. "
+            f"Please report the op"
         )
     every = tuple(range(len(primals)))
     jacobian = jacrev(fn, argnums=every)(*primals)  # [output][input]: out + in
