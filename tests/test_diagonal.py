@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from dense import instance_hessian_diagonal
+from dense import TAYLOR_CASES, instance_hessian_diagonal
 from torch import nn
 
 import pyhvp
@@ -253,6 +253,56 @@ def test_compiled_path_matches_dense_without_falling_back(case, dtype, device):
     torch.testing.assert_close(d.double(), case.reference(x, device=device), **tolerance(dtype))
 
 
+@pytest.mark.parametrize("case", TAYLOR_CASES, ids=lambda c: c.name)
+def test_taylor_engine_differentiates_like_autograd(case, device):
+    """no_grad, in-place writes, powers at 0, singular det, ... (tests/dense.py), per
+    direction; dense references on the first 8 instances."""
+    f, reference = case.build(device)
+    x = case.point(device)
+    d = pyhvp.hessian_diagonal(f, x, event_dims=case.event_dims)
+    expected = instance_hessian_diagonal(reference or f, x[:8], event_dims=case.event_dims)
+    torch.testing.assert_close(d[:8], expected, **tolerance(torch.float64))
+
+
+@pytest.mark.parametrize("method", ["exact", "diag++"])
+@pytest.mark.parametrize("captured", [False, True], ids=["x passed again", "x captured"])
+def test_x_reaching_f_another_way_is_a_constant(method, captured, device):
+    """The partial derivatives in x, whichever the path (Taylor or Hessian-vector products)."""
+    x = torch.randn(5, 4, dtype=torch.float64, device=device)
+
+    def f(y, z):
+        return (y * y * z).sum(-1) + torch.sin(y * z).sum(-1)
+
+    call, args = ((lambda y: f(y, x)), ()) if captured else (f, (x,))
+    options = {} if method == "exact" else {"samples": 12}
+    d = pyhvp.hessian_diagonal(call, x, *args, method=method, **options)
+    torch.testing.assert_close(d, instance_hessian_diagonal(f, x, x.clone()))
+
+
+# method -> whether captured parameters alone give the result a graph (the exact method runs the
+# Taylor engine, whose kernels take them as inputs; the estimators' Hessian-vector products keep
+# a graph only when x or an arg requires grad, and then reach the captured parameters too)
+CAPTURED_ALONE = {"exact": True, "hutchinson": False, "diag++": False}
+
+
+@pytest.mark.parametrize(("method", "alone"), CAPTURED_ALONE.items(), ids=CAPTURED_ALONE.keys())
+def test_which_results_reach_captured_parameters(method, alone, device):
+    torch.manual_seed(4)
+    net = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 1)).to(device, torch.float64)
+    x = torch.randn(4, 3, dtype=torch.float64, device=device)
+    options = {} if method == "exact" else {"samples": 6}
+
+    def f(x, s):
+        return net(x * s).squeeze(-1)
+
+    ones = torch.ones(3, dtype=torch.float64, device=device)
+    assert pyhvp.hessian_diagonal(f, x, ones, method=method, **options).requires_grad == alone
+    scale = ones.clone().requires_grad_()
+    d = pyhvp.hessian_diagonal(f, x, scale, method=method, **options)
+    weight_grad, scale_grad = torch.autograd.grad(d.sum(), [net[0].weight, scale])
+    assert weight_grad.abs().sum() > 0 and scale_grad.abs().sum() > 0
+
+
 # --- estimators --------------------------------------------------------------------------------
 
 
@@ -367,6 +417,18 @@ def vector_f(x):
     return torch.stack([x.sum(-1), x.prod(-1)], -1)
 
 
+def complex_intermediate(x):
+    """(4, 3) -> (4, 2): z^2 for z = x_0 + i x_1, as its real and imaginary parts."""
+    return torch.view_as_real(torch.view_as_complex(x[..., :2].contiguous()) ** 2)
+
+
+def calls_autograd_grad(x):
+    with torch.enable_grad():
+        y = x.clone().requires_grad_()
+        (g,) = torch.autograd.grad(torch.tanh(y).pow(2).sum(), y, create_graph=True)
+    return g.sum(-1)
+
+
 ERRORS = [
     ("unknown method", lambda: pyhvp.hessian_diagonal(f_batch_scalar, X, method="newton"),
      ValueError, "method"),
@@ -403,6 +465,13 @@ ERRORS = [
     ("f drops the batch dim", lambda: pyhvp.hessian_diagonal(lambda x: x.sum(0), X),
      ValueError, "batch_shape"),
     ("f returns a list", lambda: pyhvp.hessian_diagonal(lambda x: [x.sum()], X), TypeError, "f"),
+    ("complex intermediate, vector f", lambda: pyhvp.hessian_diagonal(complex_intermediate, X),
+     TypeError, "complex intermediates are not supported by the Taylor engine"),
+    ("complex intermediate, scalar f",
+     lambda: pyhvp.hessian_diagonal(lambda x: complex_intermediate(x).sum(-1), X), TypeError,
+     "complex intermediates are not supported by the Taylor engine"),
+    ("torch.autograd.grad inside f", lambda: pyhvp.hessian_diagonal(calls_autograd_grad, X),
+     RuntimeError, "Use torch.func.grad"),
     ("float64 arg with float32 x",
      lambda: pyhvp.hessian_diagonal(gaussian, X, torch.zeros(3, dtype=torch.float64)),
      ValueError, "args[0]"),

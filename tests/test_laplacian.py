@@ -4,12 +4,18 @@ import re
 import subprocess
 import sys
 import warnings
+import weakref
 from dataclasses import dataclass, field
 
 import pytest
 import torch
 import torch.nn.functional as F
-from dense import instance_jacobian, instance_laplacian, instance_weighted_trace
+from dense import (
+    TAYLOR_CASES,
+    instance_jacobian,
+    instance_laplacian,
+    instance_weighted_trace,
+)
 from torch import nn
 from torch.func import functional_call, grad, hessian, vmap
 
@@ -17,6 +23,7 @@ import pyhvp
 from pyhvp import TorchBackend, taylor
 from pyhvp.backends import torch as torch_backend
 from pyhvp.backends.compile_policy import function_key
+from pyhvp.taylor import program
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -345,6 +352,128 @@ def test_expanded_x_equals_contiguous_x(device):
     torch.testing.assert_close(pyhvp.laplacian(f, x), pyhvp.laplacian(f, x.contiguous()))
 
 
+# --- what the Taylor engine differentiates like autograd ------------------------------------------
+
+
+@pytest.mark.parametrize("case", TAYLOR_CASES, ids=lambda c: c.name)
+def test_taylor_engine_differentiates_like_autograd(case, device):
+    """no_grad, in-place writes, powers at 0, singular det, solve's right-hand sides, attention
+    in eval mode, ... (tests/dense.py); dense references on the first 8 instances."""
+    f, reference = case.build(device)
+    x = case.point(device)
+    lap = pyhvp.laplacian(f, x, event_dims=case.event_dims)
+    value, g, lap_too = pyhvp.grad_and_laplacian(f, x, event_dims=case.event_dims)
+    few = x[:8]
+    expected = instance_laplacian(reference or f, few, event_dims=case.event_dims)
+    torch.testing.assert_close(lap[:8], expected, **tolerance(torch.float64))
+    torch.testing.assert_close(lap_too, lap)
+    torch.testing.assert_close(value, f(x))
+    jacobian = instance_jacobian(reference or f, few, event_dims=case.event_dims)
+    torch.testing.assert_close(g[:8], jacobian, **tolerance(torch.float64))
+
+
+def x_again(x):
+    """f(y, z) with z = x passed again: partial derivatives in y hold z fixed."""
+    return (lambda y, z: (y * y * z).sum(-1) + torch.sin(y * z).sum(-1)), (x,)
+
+
+def x_captured(x):
+    return (lambda y: (y * y * x).sum(-1) + torch.sin(y * x).sum(-1)), ()
+
+
+SELF_REFERENCES = {"x passed again as an arg": x_again, "x captured by f": x_captured}
+
+
+@pytest.mark.parametrize("build", SELF_REFERENCES.values(), ids=SELF_REFERENCES.keys())
+def test_x_reaching_f_another_way_is_a_constant(build, device):
+    """The partial derivatives in x, on the Taylor and the Hessian-vector-product paths alike."""
+    x = torch.randn(5, 4, dtype=torch.float64, device=device)
+    f, args = build(x)
+    fixed, fixed_args = build(x.clone())  # the other occurrence, another tensor
+    expected = instance_laplacian(fixed, x, *fixed_args)
+    torch.testing.assert_close(pyhvp.laplacian(f, x, *args), expected)
+    torch.testing.assert_close(pyhvp.grad_and_laplacian(f, x, *args).laplacian, expected)
+    torch.testing.assert_close(pyhvp.laplacian(f, x, *args, method="hutch++", samples=12),
+                               expected)  # fmt: skip
+
+
+def test_power_of_a_negative_base_is_nan_like_autograd(device):
+    x = torch.randn(3, 4, dtype=torch.float64, device=device)
+
+    def f(x):
+        return ((-2.0) ** x).sum(-1) + (x**2).sum(-1)
+
+    lap = pyhvp.laplacian(f, x)
+    assert lap.isnan().all()
+    torch.testing.assert_close(lap, instance_laplacian(f, x), equal_nan=True)
+
+
+def test_slogdet_of_a_singular_instance_is_not_finite_there_and_exact_elsewhere(device):
+    """log|det| is -inf at a singular matrix (autograd's derivatives there are infinite too)."""
+    x = torch.randn(4, 4, dtype=torch.float64, device=device)
+
+    def f(x, singular=True):
+        second = torch.cat([x[:1, :2] if singular else x[:1, 2:] + 3, x[1:, 2:] + 3], 0)
+        return torch.linalg.slogdet(torch.stack([x[:, :2], second], -2))[1]  # instance 0: rank 1
+
+    lap = pyhvp.laplacian(f, x)
+    assert not lap[0].isfinite()
+    torch.testing.assert_close(lap[1:], instance_laplacian(f, x, False)[1:])
+
+
+def test_the_recorder_frees_intermediates_as_f_runs(device):
+    """Only labels are kept: an intermediate f drops is freed during the record."""
+    freed = []
+
+    def f(x):
+        y = torch.sin(x) * 2
+        alive = weakref.ref(y)
+        z = torch.exp(y)
+        del y
+        freed.append(alive() is None)
+        return z.sum(-1)
+
+    x = torch.randn(3, 4, dtype=torch.float64, device=device)
+    lap = pyhvp.laplacian(f, x)
+    assert freed == [True]
+    torch.testing.assert_close(lap, instance_laplacian(f, x))
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1])
+def test_f_is_evaluated_once_per_call(chunk_size, device):
+    """One record serves every chunk of directions; nothing else runs f."""
+    calls = []
+    net = tanh_mlp(3)(device, torch.float64)
+
+    def f(x):
+        calls.append(1)
+        return net(x)
+
+    x = torch.randn(5, 4, dtype=torch.float64, device=device)
+    for operator in (pyhvp.laplacian, pyhvp.grad_and_laplacian, pyhvp.hessian_diagonal):
+        calls.clear()
+        operator(f, x, chunk_size=chunk_size)
+        assert len(calls) == 1, operator.__name__
+
+
+def test_a_misshaped_output_is_refused_before_any_kernel_is_built(monkeypatch):
+    def build_kernel(*args):
+        raise AssertionError("a kernel was built")
+
+    monkeypatch.setattr(program, "build_kernel", build_kernel)
+    for operator in (pyhvp.laplacian, pyhvp.grad_and_laplacian, pyhvp.hessian_diagonal):
+        with pytest.raises(ValueError, match="batch_shape"):
+            operator(lambda x: x.sum(), torch.randn(4, 3))
+
+
+def test_a_refused_write_leaves_x_unchanged(device):
+    x = torch.randn(4, 3, device=device)
+    before = x.clone()
+    with pytest.raises(taylor.InPlaceInputError):
+        pyhvp.laplacian(writes_through_a_view_of_x, x)
+    assert torch.equal(x, before)
+
+
 # --- weighted traces tr(S S^T H) (factor=S) -------------------------------------------------------
 
 FACTORS = [
@@ -513,6 +642,30 @@ def test_results_are_detached_when_nothing_needs_a_graph(device):
     assert not pyhvp.laplacian(net.requires_grad_(False), x).requires_grad
 
 
+# method -> whether captured parameters alone give the result a graph: the methods that run the
+# Taylor engine pass them to its kernels as inputs; hutch++'s Hessian-vector products keep a graph
+# only when x or an arg requires grad (and then reach the captured parameters too).
+CAPTURED_ALONE = {"exact": True, "hutchinson": True, "hutch++": False}
+
+
+@pytest.mark.parametrize(("method", "alone"), CAPTURED_ALONE.items(), ids=CAPTURED_ALONE.keys())
+def test_which_results_reach_captured_parameters(method, alone, device):
+    net = pinn_net(device)
+    weight = net[0].weight  # the Laplacian depends on it (not on the last layer's bias)
+    x = torch.randn(4, 3, dtype=torch.float64, device=device)
+    options = {} if method == "exact" else {"samples": 6}
+
+    def f(x, s):
+        return net(x * s).squeeze(-1)
+
+    ones = torch.ones(3, dtype=torch.float64, device=device)
+    assert pyhvp.laplacian(f, x, ones, method=method, **options).requires_grad == alone
+    scale = ones.clone().requires_grad_()
+    lap = pyhvp.laplacian(f, x, scale, method=method, **options)
+    weight_grad, scale_grad = torch.autograd.grad(lap.sum(), [weight, scale])
+    assert weight_grad.abs().sum() > 0 and scale_grad.abs().sum() > 0
+
+
 # --- the compiled kernels ---------------------------------------------------------------------------
 
 
@@ -592,6 +745,37 @@ def modifies_x(x):
     return x.sum(-1)
 
 
+def writes_through_a_view_of_x(x):
+    x[..., 0].mul_(1.0)  # the same values, still a write to the caller's x
+    return (x**3).sum(-1)
+
+
+CAPTURED = torch.ones(3)
+
+
+def writes_through_a_view_of_a_captured_tensor(x):
+    CAPTURED[:1].add_(0.0)
+    return (x * CAPTURED).sum(-1)
+
+
+def calls_autograd_grad(x):
+    with torch.enable_grad():
+        y = x.clone().requires_grad_()
+        (g,) = torch.autograd.grad(torch.tanh(y).sum(), y, create_graph=True)
+    return g.sum(-1)
+
+
+def calls_backward(x):
+    w = torch.ones(3, requires_grad=True)
+    with torch.enable_grad():
+        (w * 2).sum().backward()
+    return (x * w.grad).sum(-1)
+
+
+def complex_intermediate(x):
+    return torch.fft.fft(x).abs().pow(2).sum(-1)
+
+
 ERRORS = [
     ("unknown method", lambda: pyhvp.laplacian(scalar_f, X, method="trace"), ValueError, "method"),
     ("hutchinson without samples", lambda: pyhvp.laplacian(scalar_f, X, method="hutchinson"),
@@ -621,6 +805,17 @@ ERRORS = [
      "f must return a real floating tensor, got torch.int64"),
     ("f modifies x in place", lambda: pyhvp.laplacian(modifies_x, X.clone()), ValueError,
      "modifies x in place"),
+    ("f writes through a view of x", lambda: pyhvp.laplacian(writes_through_a_view_of_x, X.clone()),
+     ValueError, "f modifies x (through a view of it) in place"),
+    ("f writes through a view of a captured tensor",
+     lambda: pyhvp.laplacian(writes_through_a_view_of_a_captured_tensor, X), ValueError,
+     "f modifies a tensor of shape (1,) that it reads (or a view of one) in place"),
+    ("complex intermediate", lambda: pyhvp.laplacian(complex_intermediate, X), TypeError,
+     "complex intermediates are not supported by the Taylor engine"),
+    ("torch.autograd.grad inside f", lambda: pyhvp.grad_and_laplacian(calls_autograd_grad, X),
+     RuntimeError, "f calls torch.autograd.grad: autograd inside f is not supported"),
+    ("backward() inside f", lambda: pyhvp.laplacian(calls_backward, X), RuntimeError,
+     "f calls Tensor.backward"),
     ("factor of the wrong shape", lambda: pyhvp.laplacian(scalar_f, X, factor=torch.ones(4, 2)),
      ValueError, "factor must have shape event_shape + (r,) = (3, r)"),
     ("factor of another dtype",
