@@ -2,17 +2,23 @@
 
 A backend computes two batched-tangent primitives; every operator of pyhvp is built on them:
 
-* ``grad_and_hvp(f, x, tangents, args, event_dims, chunk_size)`` -- forward-over-reverse.
+* ``grad_and_hvp(f, x, tangents, args, event_dims, chunk_size)`` -- gradients and
+  Hessian-vector products (torch: reverse-over-reverse; julia: Enzyme forward-over-reverse on
+  the CPU, nested ForwardDiff duals on CUDA).
   ``f(x, *args)`` returns one value per instance (shape ``x.shape[:-event_dims]``);
   ``tangents`` has shape ``(k, *x.shape)``. Returns the gradient of ``f(x).sum()`` (x's shape) and
   the k Hessian-vector products ``(k, *x.shape)``. Instances are independent, so the Hessian of
   the sum is block-diagonal and these are exactly the per-instance gradients and HVPs.
-* ``second_directional(f, x, directions, args, chunk_size)`` -- forward-over-forward.
-  ``f(x, *args)`` may return any shape ``out``; ``directions`` has shape ``(k, *x.shape)``, or
-  is broadcast over instances: size 1 in any batch dim (``(k, 1, ..., 1, *event)``: the same
-  direction in every instance, e.g. a basis vector ``e_i``), which a backend may exploit or
-  expand. Returns ``d^2/dt^2 f(x + t u)`` at ``t=0`` for every direction ``u``: shape
-  ``(k, *out)``.
+* ``second_directional(f, x, directions, args, chunk_size)`` -- second directional
+  derivatives. ``f(x, *args)`` may return any shape ``out``; ``directions`` has shape
+  ``(k, *x.shape)``, or is broadcast over instances: size 1 in any batch dim
+  (``(k, 1, ..., 1, *event)``: the same direction in every instance, e.g. a basis vector
+  ``e_i``), which a backend may exploit or expand. Returns ``d^2/dt^2 f(x + t u)`` at ``t=0``
+  for every direction ``u``: shape ``(k, *out)``, at most ``chunk_size`` directions pushed at
+  once. How is the backend's choice: the torch backend runs second-order Taylor mode
+  (:mod:`pyhvp.taylor`: value, first- and second-order coefficients in one forward pass, ``f``
+  recorded once per call), not nested forward-mode AD; a backend without it raises
+  ``NotImplementedError`` (julia), and scalar diagonals then use ``grad_and_hvp``.
 
 One primitive is optional (:func:`require_primitive` checks for it and names the backend that
 has it):
@@ -22,7 +28,8 @@ has it):
   (shape ``out``), the first derivatives along each direction ``(k, *out)``, and the SUM over
   directions of the second derivatives ``sum_u d^2/dt^2 f(x + t u)`` (shape ``out``). With the
   basis ``e_i`` that is each instance's gradient and Laplacian; with columns of ``S`` it is
-  ``tr(S^T H S)``; with random probes a Hutchinson sum.
+  ``tr(S^T H S)``; with random probes a Hutchinson sum. The torch backend runs it in the same
+  Taylor mode, summing the second-order coefficients as it goes (a forward Laplacian).
 
 Backends are chosen by name (``backend="torch"``) or passed as a value
 (``backend=TorchBackend(compile=True)``), as in DifferentiationInterface.jl.
