@@ -37,7 +37,7 @@ from pyhvp._checks import (
     require_like,
     require_tensor,
 )
-from pyhvp.backends import Backend, resolve_backend
+from pyhvp.backends import Backend, require_primitive, resolve_backend
 from pyhvp.distributed import Fingerprint, check_group, sum_over_ranks
 
 if TYPE_CHECKING:
@@ -369,12 +369,7 @@ def _sub_hessians(
 ) -> list[torch.Tensor]:
     """``(k_i, k_i)`` Hessian block of each leaf over its selected entries (rows ``H e_j``, not yet
     symmetrised), summed over the batches; every pass is one call of the multi-leaf primitive."""
-    primitive = getattr(backend, "grad_and_block_hvps", None)
-    if primitive is None:
-        raise TypeError(
-            f"sub_hessian needs a backend with the multi-leaf primitive grad_and_block_hvps "
-            f"(backend='torch'); backend {getattr(backend, 'name', backend)!r} has none"
-        )
+    primitive = require_primitive(backend, "grad_and_block_hvps", "sub_hessian")
     flats = [flat.to(t.device) for flat, t in zip(flats, tensors, strict=True)]
     blocks = [t.new_zeros(len(flat), len(flat)) for flat, t in zip(flats, tensors, strict=True)]
     step = chunk_size or max(len(flat) for flat in flats)

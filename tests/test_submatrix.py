@@ -239,6 +239,18 @@ def square(x):
     return (x**2).sum()
 
 
+class HvpOnlyBackend:
+    """A backend with the two required primitives only, like backend='julia'."""
+
+    name = "hvp-only"
+
+    def grad_and_hvp(self, *call):
+        return pyhvp.TorchBackend(compile=False).grad_and_hvp(*call)
+
+    def second_directional(self, *call):
+        raise NotImplementedError("hvp-only backend")
+
+
 ERRORS = {
     "index out of range": (
         lambda: pyhvp.sub_hessian(square, W, torch.tensor([0, 6])),
@@ -338,6 +350,11 @@ ERRORS = {
         lambda: pyhvp.sub_hessian("loss", W, torch.tensor([0])),
         TypeError,
         "loss must be callable",
+    ),
+    "backend without the multi-leaf primitive": (
+        lambda: pyhvp.sub_hessian(square, W, torch.tensor([0]), backend=HvpOnlyBackend()),
+        ValueError,
+        "sub_hessian needs the grad_and_block_hvps primitive, which backend='hvp-only'",
     ),
     "chunk_size 0": (
         lambda: pyhvp.sub_hessian(square, W, torch.tensor([0]), chunk_size=0),

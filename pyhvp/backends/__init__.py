@@ -20,8 +20,15 @@ A backend computes two batched-tangent primitives; every operator of pyhvp is bu
   recorded once per call), not nested forward-mode AD; a backend without it raises
   ``NotImplementedError`` (julia), and scalar diagonals then use ``grad_and_hvp``.
 
-One primitive is optional (:func:`require_primitive` checks for it and names the backend that
-has it):
+Two primitives are optional (:func:`require_primitive` checks for them and names the backend
+that has them):
+
+* ``grad_and_block_hvps(f, leaves, tangents, args, chunk_size)`` -- the multi-leaf primitive
+  of :func:`pyhvp.sub_hessian`. ``f(*leaves, *args)`` is a scalar; ``tangents[i]`` has shape
+  ``(k_i, *leaves[i].shape)`` (``k_i`` may be 0). Returns every leaf's gradient and, per leaf,
+  its own diagonal Hessian block times its tangents, ``d^2 f / d leaf_i^2 @ v``, from one forward
+  and one first backward shared by all leaves (the torch backend prunes each second pass to its
+  leaf). ``grad_and_hvp`` is its one-leaf case over the sum of instances.
 
 * ``collapsed_jet(f, x, directions, args, chunk_size)`` -- collapsed second-order Taylor mode.
   Same inputs as ``second_directional``; returns ``(value, first, second)``: ``f(x, *args)``
@@ -75,7 +82,7 @@ class Backend(Protocol):
 
 BACKEND_NAMES = ("torch", "julia")
 
-OPTIONAL_PRIMITIVES = {"collapsed_jet": "torch"}
+OPTIONAL_PRIMITIVES = {"collapsed_jet": "torch", "grad_and_block_hvps": "torch"}
 """Optional primitive -> a backend that implements it."""
 
 
