@@ -95,8 +95,8 @@ class Report:
             f"{name}: torch {torch.__version__}, {torch.get_num_threads()} thread(s), "
             f"{self.device}, {platform.processor() or platform.machine()}"
         ]
-        # panel title -> (x label, {method: [(x, ms), ...]})
-        self.panels: dict[str, tuple[str, dict[str, list[tuple[float, float]]]]] = {}
+        # panel title -> (x label, y label, {method: [(x, ms), ...]})
+        self.panels: dict[str, tuple[str, str, dict[str, list[tuple[float, float]]]]] = {}
         print(self.texts[0])
 
     def text(self, line: str) -> None:
@@ -106,9 +106,16 @@ class Report:
     def table(self, title: str, rows: Sequence[tuple[str, float]], baseline: str) -> None:
         self.text(format_table(title, rows, baseline))
 
-    def point(self, panel: str, x_label: str, x: float, rows: Sequence[tuple[str, float]]) -> None:
+    def point(
+        self,
+        panel: str,
+        x_label: str,
+        x: float,
+        rows: Sequence[tuple[str, float]],
+        y_label: str = "ms per call (median)",
+    ) -> None:
         """Add ``(x, ms)`` for every method of ``rows`` to the scaling plot ``panel``."""
-        _, series = self.panels.setdefault(panel, (x_label, {}))
+        *_, series = self.panels.setdefault(panel, (x_label, y_label, {}))
         for method, ms in rows:
             series.setdefault(method, []).append((x, ms))
 
@@ -131,7 +138,9 @@ class Report:
         fig, axes = plt.subplots(rows, columns, figsize=(5.5 * columns, 4.2 * rows), squeeze=False)
         for ax in axes.flat[len(self.panels) :]:
             ax.set_visible(False)
-        for ax, (panel, (x_label, series)) in zip(axes.flat, self.panels.items(), strict=False):
+        for ax, (panel, (x_label, y_label, series)) in zip(
+            axes.flat, self.panels.items(), strict=False
+        ):
             lines: dict[str, list[tuple[float, float]]] = {}
             for method, points in series.items():  # "hutchinson (err 0.31)" -> "hutchinson"
                 lines.setdefault(re.sub(r"\s*\([^()]*\)$", "", method), []).extend(points)
@@ -139,7 +148,7 @@ class Report:
                 xs, ms = zip(*sorted(points), strict=True)
                 style = "-o" if method.startswith("pyhvp") else "--."
                 ax.loglog(xs, ms, style, label=method, linewidth=2 if "pyhvp" in method else 1)
-            ax.set(title=panel, xlabel=x_label, ylabel="ms per call (median)")
+            ax.set(title=panel, xlabel=x_label, ylabel=y_label)
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=7)
         fig.suptitle(self.texts[0], fontsize=8)
