@@ -267,6 +267,7 @@ class TorchBackend:
     ) -> Blocks:
         """Gradients of the scalar ``f(*leaves, *args)`` and, per leaf, ``d^2 f / d leaf_i^2``
         times ``tangents[i]`` (shape ``(k_i, *leaves[i].shape)``, ``k_i`` may be 0)."""
+        _require_torch_function(f)
         return self._run(
             _grad_and_block_hvps_eager,
             _grad_and_block_hvps_traced,
@@ -342,7 +343,6 @@ class TorchBackend:
         """Results carry autograd history exactly when grad mode is on and an input requires
         grad (eager then, graph kept); otherwise they are detached on every path, whatever f
         captures. Inference tensors are cloned into normal ones outside inference mode."""
-        _require_torch_function(f)
         eager = partial(eager_kernel, f, *static)
         if _needs_autograd(inputs):
             return eager(*inputs)
