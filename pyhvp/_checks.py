@@ -105,6 +105,29 @@ def check_output(what: str, out: object, expected: Sequence[int], hint: str) -> 
         )
 
 
+def check_batched_output(
+    out: object, batch: Sequence[int], scalar_hint: str | None = None
+) -> torch.Tensor:
+    """``f``'s output: a real floating tensor of shape ``batch + out_shape``; with
+    ``scalar_hint`` (why, and what to do instead), ``out_shape`` must be ``()``."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"f must return a torch.Tensor, got {type(out).__name__}")
+    if not out.is_floating_point():
+        raise TypeError(f"f must return a real floating tensor, got {out.dtype}")
+    batch = tuple(batch)
+    if tuple(out.shape[: len(batch)]) != batch:
+        raise ValueError(
+            f"f must return batch_shape + out_shape with batch_shape = {fmt_shape(batch)} "
+            f"(x.shape[:-event_dims]), got {fmt_shape(out.shape)}"
+        )
+    if scalar_hint is not None and out.ndim != len(batch):
+        raise ValueError(
+            f"{scalar_hint}: f must return one scalar per instance (shape {fmt_shape(batch)}); "
+            f"f returns out_shape {fmt_shape(out.shape[len(batch) :])} per instance"
+        )
+    return out
+
+
 def check_chunk_size(chunk_size: object) -> int | None:
     if chunk_size is None:
         return None

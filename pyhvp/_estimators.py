@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from pyhvp._checks import fmt_shape, require_floating, require_like
+from pyhvp._checks import check_batched_output, fmt_shape, require_floating, require_like
 from pyhvp.backends import Backend
 
 EXACT = "exact"
@@ -46,30 +46,9 @@ def check_method(method: object, samples: object, generator: object, sketched: s
         )
 
 
-def check_value(out: object, batch: Sequence[int], scalar_hint: str | None = None) -> torch.Tensor:
-    """``f``'s output: a real floating tensor of shape ``batch + out_shape``; with
-    ``scalar_hint`` (why, and what to do instead), ``out_shape`` must be ``()``."""
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"f must return a torch.Tensor, got {type(out).__name__}")
-    if not out.is_floating_point():
-        raise TypeError(f"f must return a real floating tensor, got {out.dtype}")
-    batch = tuple(batch)
-    if tuple(out.shape[: len(batch)]) != batch:
-        raise ValueError(
-            f"f must return batch_shape + out_shape with batch_shape = x.shape[:-event_dims] = "
-            f"{fmt_shape(batch)}, got {fmt_shape(out.shape)}"
-        )
-    if scalar_hint is not None and out.ndim != len(batch):
-        raise ValueError(
-            f"{scalar_hint}: f must return one scalar per instance (shape {fmt_shape(batch)}); "
-            f"f returns out_shape {fmt_shape(out.shape[len(batch) :])} per instance"
-        )
-    return out
-
-
 @dataclass(frozen=True)
 class Checked:
-    """``f``, with its output checked at every call (:func:`check_value`): in the recording of
+    """``f``, with its output checked at every call (``check_batched_output``): in the recording of
     the Taylor engine, so a wrong shape is reported before any kernel is built, and on the
     Hessian-vector-product path, with no extra evaluation of ``f``. Frozen: calls that check the
     same ``f`` the same way share compile-cache entries."""
@@ -83,7 +62,7 @@ class Checked:
         return getattr(self.f, "__name__", type(self.f).__name__)
 
     def __call__(self, y: torch.Tensor, *args: object) -> torch.Tensor:
-        return check_value(self.f(y, *args), self.batch, self.scalar_hint)
+        return check_batched_output(self.f(y, *args), self.batch, self.scalar_hint)
 
 
 def checked(f: object, batch: Sequence[int], scalar_hint: str | None = None) -> object:

@@ -17,8 +17,8 @@ import torch
 from torch.func import vmap
 
 from pyhvp._checks import (
+    check_batched_output,
     check_event_dims,
-    fmt_shape,
     pad_arg_to_batch,
     per_arg_event_dims,
     require_floating,
@@ -168,15 +168,7 @@ def check_instances(
     with torch.inference_mode(False), torch.enable_grad():  # also inside inference mode
         y = x.clone() if x.is_inference() else x.detach()
         y.requires_grad_()
-        out = f(y, *args)
-        if not isinstance(out, torch.Tensor) or tuple(out.shape[: len(batch_shape)]) != tuple(
-            batch_shape
-        ):
-            raise ValueError(
-                f"f must return batch_shape + out_shape with batch_shape = "
-                f"{fmt_shape(batch_shape)}, got "
-                f"{fmt_shape(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}"
-            )
+        out = check_batched_output(f(y, *args), batch_shape)
         if not out.requires_grad:  # constant in x: nothing can leak
             return
         per_instance_out = out.reshape(n_instances, -1)
