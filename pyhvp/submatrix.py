@@ -372,13 +372,14 @@ def _sub_hessians(
     primitive = require_primitive(backend, "grad_and_block_hvps", "sub_hessian")
     flats = [flat.to(t.device) for flat, t in zip(flats, tensors, strict=True)]
     blocks = [t.new_zeros(len(flat), len(flat)) for flat, t in zip(flats, tensors, strict=True)]
-    step = chunk_size or max(len(flat) for flat in flats)
+    most = max(len(flat) for flat in flats)
+    step = chunk_size or most
     for batch in [None] if batches is None else batches:
         batch_values, spec = ([], None) if batches is None else pytree.tree_flatten(batch)
         # the result carries no graph: batch tensors are data, never differentiated through
         batch_values = [v.detach() if isinstance(v, torch.Tensor) else v for v in batch_values]
         loss = dataclasses.replace(selection, batch_spec=spec)
-        for start in range(0, max(len(flat) for flat in flats), step):
+        for start in range(0, most, step):
             # one chunk of one-hot tangents per leaf: memory O(chunk_size * P), not O(k * P)
             chunks = [flat[start : start + step] for flat in flats]
             tangents = [_one_hot(chunk, t) for chunk, t in zip(chunks, tensors, strict=True)]
