@@ -36,9 +36,21 @@ The mechanism, and why:
   ``x`` or to a tensor ``f`` reads, directly or through a view (:class:`InPlaceInputError`),
   writes through ``as_strided`` views of non-contiguous tensors, and an op whose reverse-mode
   fallback would need a dense Hessian over the size limit.
+
+Where things are:
+
+* :mod:`.jets` -- :class:`Jet`, :class:`Context` and the algebra of coefficients;
+* :mod:`.registry` -- which rule carries an op (:func:`apply`), and the rule table;
+* :mod:`.rules` -- the dedicated rules, one module per op family;
+* :mod:`.fallbacks` -- rules built from ``torch.func`` for ops without a dedicated one;
+* :mod:`.custom_ops` -- the program's own ops (stop-gradient, singular det, ...);
+* :mod:`.recorder` -- runs ``f`` once and notes its aten ops;
+* :mod:`.program` -- the record as a functional aten graph, and the program cache;
+* :mod:`.kernel` -- the rules traced over a program into a flat aten graph.
 """
 
 from pyhvp.taylor.kernel import JetKernel
-from pyhvp.taylor.program import Capture, InPlaceInputError, capture
+from pyhvp.taylor.program import Capture, capture
+from pyhvp.taylor.recorder import InPlaceInputError
 
 __all__ = ["Capture", "InPlaceInputError", "JetKernel", "capture"]

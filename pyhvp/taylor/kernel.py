@@ -16,7 +16,9 @@ import torch
 from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from pyhvp.taylor.rules import Context, Jet, apply
+from pyhvp.taylor import rules  # noqa: F401 (registers the dedicated rules)
+from pyhvp.taylor.jets import Context, Jet
+from pyhvp.taylor.registry import apply
 
 Tensor = torch.Tensor
 

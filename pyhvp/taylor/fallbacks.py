@@ -1,0 +1,285 @@
+"""Rules for ops that have no dedicated one, built from ``torch.func`` on that op alone:
+elementwise ops (``Tag.pointwise``) by their elementwise derivatives; every other op by its
+Jacobian and Hessian in reverse mode (one matrix at a time for batched ``torch.linalg`` ops), or
+by ``jvp`` and ``jvp`` of ``jvp`` along each direction where PyTorch's nested forward mode can be
+trusted -- so a real op is not unsupported, only slower."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.func import grad, jacrev, jvp, vmap
+from torch.utils import _pytree as pytree
+
+from pyhvp.taylor.jets import (
+    Context,
+    Jet,
+    broadcast_times,
+    expanded,
+    lifted,
+    plus,
+    value_of,
+)
+
+Tensor = torch.Tensor
+
+
+def _substitute(
+    op: Callable[..., Any], args: tuple, kwargs: dict
+) -> tuple[Callable[..., Any], tuple[Tensor, ...], list[Jet]]:
+    """``op`` as a function of its jet inputs' values (everything else fixed)."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Jet)]
+    jets = [leaves[i] for i in positions]
+    fixed = [value_of(leaf) for leaf in leaves]
+
+    def fn(*values: Tensor) -> Any:
+        current = list(fixed)
+        for i, v in zip(positions, values, strict=True):
+            current[i] = v
+        a, k = pytree.tree_unflatten(current, spec)
+        return op(*a, **k)
+
+    return fn, tuple(j.value for j in jets), jets
+
+
+def _elementwise_derivatives(
+    fn: Callable[..., Tensor], primals: tuple[Tensor, ...], shape: Sequence[int]
+) -> tuple[list[Tensor], dict[tuple[int, int], Tensor]]:
+    """An elementwise ``fn``'s partial derivatives ``g_i`` and ``h_ij`` (i <= j), each of the
+    output's shape: reverse over reverse, or forward over forward where a double backward is
+    missing (each output element depends on one element of each input)."""
+    spread = tuple(p.expand(shape) for p in primals)
+    every = tuple(range(len(primals)))
+
+    def total(*p: Tensor) -> Tensor:
+        return fn(*p).sum()
+
+    try:
+        gradient = list(grad(total, argnums=every)(*spread))
+        hessian = {}
+        for i in every:
+            row = grad(lambda *p, i=i: grad(total, argnums=i)(*p).sum(), argnums=every[i:])(*spread)
+            hessian.update({(i, j): h for j, h in zip(every[i:], row, strict=True)})
+        return gradient, hessian
+    except NotImplementedError:
+        pass
+    units = [tuple(torch.ones_like(p) if j == i else torch.zeros_like(p) for j, p in
+                   enumerate(spread)) for i in every]  # fmt: skip
+
+    def along(i: int) -> Callable[..., Tensor]:
+        return lambda *p: jvp(fn, p, units[i])[1]
+
+    gradient = [along(i)(*spread) for i in every]
+    hessian = {(i, j): jvp(along(i), spread, units[j])[1] for i in every for j in every[i:]}
+    return gradient, hessian
+
+
+def pointwise_fallback(ctx: Context, op: Callable[..., Any], out: Tensor, args: tuple,
+                       kwargs: dict) -> Jet:  # fmt: skip
+    """An elementwise op of one or more jet inputs, by the chain rule with its elementwise
+    gradient and Hessian (from ``torch.func`` on the op alone)."""
+    fn, primals, jets = _substitute(op, args, kwargs)
+    gradient, hessian = _elementwise_derivatives(fn, primals, out.shape)
+    nd = out.ndim
+    firsts = [lifted(j.first, nd) for j in jets]
+    first = plus(*(broadcast_times(f, g) for g, f in zip(gradient, firsts, strict=True)))
+    second = plus(
+        *(
+            broadcast_times(lifted(j.second, nd), g)
+            for g, j in zip(gradient, jets, strict=True)
+            if j.second is not None
+        )
+    )
+    for (i, j), h in hessian.items():
+        term = broadcast_times(ctx.product(firsts[i], firsts[j]), h)
+        second = plus(second, term if i == j else 2 * term)
+    return Jet(out, first, second)
+
+
+def general_fallback(ctx: Context, op: Callable[..., Any], out: Any, args: tuple,
+                     kwargs: dict) -> Any:  # fmt: skip
+    """Any op: first order ``jvp`` along each direction, second order ``jvp`` of ``jvp`` along
+    each direction (the op's curvature) plus ``jvp`` of the inputs' second-order coefficients;
+    where forward-mode AD is missing for the op or cannot be trusted, its Jacobian and Hessian
+    by reverse mode -- one matrix at a time for batched matrix ops."""
+    fn, primals, jets = _substitute(op, args, kwargs)
+    outputs, spec = pytree.tree_flatten(out)
+    smooth = [i for i, o in enumerate(outputs) if isinstance(o, Tensor) and o.is_floating_point()]
+
+    def smooth_fn(*values: Tensor) -> tuple[Tensor, ...]:
+        flat = pytree.tree_leaves(fn(*values))
+        return tuple(flat[i] for i in smooth)
+
+    firsts = [expanded(lifted(j.first, j.value.ndim), j.value.shape) for j in jets]
+    seconds = None
+    if any(j.second is not None for j in jets):
+        lead = next(j.second.shape[0] for j in jets if j.second is not None)
+        seconds = [
+            j.value.new_zeros(()).expand(lead, *j.value.shape)
+            if j.second is None
+            else expanded(lifted(j.second, j.value.ndim), j.value.shape)
+            for j in jets
+        ]
+    coefficients = None
+    if _nests_in_forward_mode(fn, primals, smooth):
+        with contextlib.suppress(NotImplementedError):  # no forward-mode formula for the op
+            coefficients = _forward_coefficients(ctx, smooth_fn, primals, firsts, seconds)
+    if coefficients is None:
+        batch = _matrix_batch(op, args, kwargs, [outputs[i] for i in smooth])
+        if batch:
+            coefficients = _reverse_per_instance(ctx, op, args, kwargs, smooth, batch, firsts,
+                                                 seconds)  # fmt: skip
+        else:
+            coefficients = _reverse_coefficients(ctx, smooth_fn, primals, firsts, seconds)
+    first, second = coefficients
+    result = list(outputs)
+    for i, f1, f2 in zip(smooth, first, second, strict=True):
+        result[i] = Jet(outputs[i], f1, f2)
+    return pytree.tree_unflatten(result, spec)
+
+
+def _nests_in_forward_mode(fn: Callable[..., Any], primals: tuple, smooth: list[int]) -> bool:
+    """Whether ``jvp`` of ``jvp`` of the op can be trusted: not when one of its floating outputs
+    is non-differentiable (e.g. ``_linalg_det``'s LU), since its forward-mode formula may use that
+    output, whose tangent the outer ``jvp`` then misses (torch 2.13 gets det's Hessian wrong)."""
+    with torch.enable_grad():
+        outputs = pytree.tree_leaves(fn(*(p.detach().requires_grad_() for p in primals)))
+    return all(outputs[i].requires_grad for i in smooth)
+
+
+def _forward_coefficients(ctx: Context, fn: Callable[..., tuple], primals: tuple,
+                          firsts: list, seconds: list | None) -> tuple:  # fmt: skip
+    def along(*tangents: Tensor) -> tuple[Tensor, ...]:
+        return jvp(fn, primals, tangents)[1]
+
+    def curvature(*tangents: Tensor) -> tuple[Tensor, ...]:
+        return jvp(lambda *p: jvp(fn, p, tangents)[1], primals, tangents)[1]
+
+    first = vmap(along)(*firsts)
+    second = vmap(curvature)(*firsts)
+    if ctx.collapsed:
+        second = tuple(s.sum(0, keepdim=True) for s in second)
+    if seconds is not None:
+        second = tuple(s + t for s, t in zip(second, vmap(along)(*seconds), strict=True))
+    return first, second
+
+
+REVERSE_FALLBACK_LIMIT = 2**26
+"""Most numbers the reverse-mode fallback may hold in one op's dense Hessian (of one instance,
+for the batched matrix ops of :data:`MATRIX_OPS`)."""
+
+MATRIX_OPS = frozenset(
+    {
+        "linalg_lu", "linalg_lu_factor_ex", "linalg_lu_solve", "lu_unpack", "linalg_qr",
+        "_linalg_svd", "linalg_eig", "_linalg_eigh", "linalg_eigvals", "linalg_cholesky_ex",
+        "linalg_inv_ex", "linalg_matrix_exp", "linalg_solve_triangular", "triangular_solve",
+        "cholesky_solve", "cholesky_inverse", "linalg_householder_product",
+        "linalg_ldl_factor_ex", "linalg_ldl_solve", "_linalg_det", "_linalg_slogdet",
+        "_linalg_solve_ex", "linalg_matrix_power", "geqrf", "linalg_pinv",
+    }
+)  # fmt: skip
+"""Ops on ``(*, m, n)`` matrices whose leading dims ``*`` are batch dims: each matrix is
+computed alone (PyTorch's documented convention for torch.linalg)."""
+
+
+def _matrix_batch(op: Callable[..., Any], args: tuple, kwargs: dict,
+                  outputs: list[Tensor]) -> tuple[int, ...]:  # fmt: skip
+    """The batch dims over which the reverse-mode fallback may run one matrix at a time: the
+    leading dims of the op's first tensor argument but its last two, when ``op`` is one of
+    :data:`MATRIX_OPS` and every tensor argument and output starts
+    with them (no broadcasting); ``()`` otherwise."""
+    schema = getattr(op, "_schema", None)
+    name = schema.name.partition("::")[2] if schema is not None else None
+    if name not in MATRIX_OPS:
+        return ()
+    tensors = [value_of(t) for t in pytree.tree_leaves((args, kwargs))]
+    tensors = [t for t in tensors if isinstance(t, Tensor)]
+    batch = tuple(tensors[0].shape[:-2])
+    if all(tuple(t.shape[: len(batch)]) == batch for t in tensors + outputs):
+        return batch
+    return ()
+
+
+def _reverse_per_instance(ctx: Context, op: Callable[..., Any], args: tuple, kwargs: dict,
+                          smooth: list[int], batch: tuple[int, ...], firsts: list,
+                          seconds: list | None) -> tuple:  # fmt: skip
+    """:func:`_reverse_coefficients` vmapped over the batch dims of a batched matrix op: one
+    matrix's Jacobian and Hessian at a time, not the whole batch's (which is block-diagonal,
+    and (batch size)^2 broadcast_times larger)."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    tensors = [i for i, leaf in enumerate(leaves) if isinstance(value_of(leaf), Tensor)]
+    jets = [i for i in tensors if isinstance(leaves[i], Jet)]
+    count, nb = math.prod(batch), len(batch)
+
+    def instances(t: Tensor, lead: int) -> Tensor:  # batch dims (after ``lead`` dims) as one
+        return t.reshape(*t.shape[:lead], count, *t.shape[lead + nb :])
+
+    def one(values: list[Tensor], t1: list[Tensor], t2: list[Tensor] | None) -> tuple:
+        fixed = [value_of(leaf) for leaf in leaves]
+        for i, v in zip(tensors, values, strict=True):
+            fixed[i] = v
+
+        def fn(*primals: Tensor) -> tuple[Tensor, ...]:
+            current = list(fixed)
+            for i, v in zip(jets, primals, strict=True):
+                current[i] = v
+            a, k = pytree.tree_unflatten(current, spec)
+            flat = pytree.tree_leaves(op(*a, **k))
+            return tuple(flat[i] for i in smooth)
+
+        primals = tuple(fixed[i] for i in jets)
+        first, second = _reverse_coefficients(ctx, fn, primals, t1, t2)
+        return tuple(first), tuple(second)
+
+    values = [instances(value_of(leaves[i]), 0) for i in tensors]
+    t1 = [instances(t, 1) for t in firsts]
+    if seconds is None:
+        first, second = vmap(lambda v, a: one(v, a, None), in_dims=(0, 1), out_dims=1)(values, t1)
+    else:
+        t2 = [instances(t, 1) for t in seconds]
+        first, second = vmap(one, in_dims=(0, 1, 1), out_dims=1)(values, t1, t2)
+    return (
+        [f.reshape(f.shape[0], *batch, *f.shape[2:]) for f in first],
+        [s.reshape(s.shape[0], *batch, *s.shape[2:]) for s in second],
+    )
+
+
+def _reverse_coefficients(ctx: Context, fn: Callable[..., tuple], primals: tuple,
+                          firsts: list, seconds: list | None) -> tuple:  # fmt: skip
+    """From the op's dense Jacobian and Hessian (reverse over reverse), inputs flattened."""
+    outputs = fn(*primals)
+    sizes = [p.numel() for p in primals]
+    needed = sum(o.numel() for o in outputs) * sum(sizes) ** 2
+    if needed > REVERSE_FALLBACK_LIMIT:
+        raise RuntimeError(
+            f"pyhvp: an op of f has no jet rule and PyTorch's forward-mode derivative of it cannot "
+            f"be nested; the reverse-mode fallback would hold its dense Hessian ({needed} numbers, "
+            f"over the limit {REVERSE_FALLBACK_LIMIT}): its inputs are treated as one block "
+            f"unless it is a batched torch.linalg op, whose matrices are taken one at a time. "
+            f"Please report the op"
+        )
+    every = tuple(range(len(primals)))
+    jacobian = jacrev(fn, argnums=every)(*primals)  # [output][input]: out + in
+    hessian = jacrev(jacrev(fn, argnums=every), argnums=every)(*primals)  # [o][i][j]
+    first, second = [], []
+    for o, value in enumerate(outputs):
+        size = value.numel()
+        f = s = 0
+        for i, t in enumerate(firsts):
+            j_oi = jacobian[o][i].reshape(size, sizes[i]).T
+            f = f + t.reshape(t.shape[0], sizes[i]) @ j_oi
+            if seconds is not None:
+                s = s + seconds[i].reshape(seconds[i].shape[0], sizes[i]) @ j_oi
+            for j, u in enumerate(firsts):
+                h = hessian[o][i][j].reshape(size, sizes[i], sizes[j])
+                quad = torch.einsum("ka,oab,kb->ko", t.reshape(t.shape[0], sizes[i]), h,
+                                    u.reshape(u.shape[0], sizes[j]))  # fmt: skip
+                s = s + (quad.sum(0, keepdim=True) if ctx.collapsed else quad)
+        first.append(f.reshape(-1, *value.shape))
+        second.append(s.reshape(-1, *value.shape))
+    return first, second

@@ -1,0 +1,208 @@
+"""Jets: a value with its first- and second-order Taylor coefficients, and the algebra of
+coefficients that every rule shares.
+
+A tensor that depends on ``x`` is a :class:`Jet`; one that does not stays a plain tensor (a
+constant: no coefficients are stored or computed for it). Coefficients are *tangent-like*
+tensors: a leading axis (the ``K`` directions, or size 1) followed by the value's dims, where any
+dim may have size 1 while the value's is larger -- the coefficient is then the same along that dim
+(**broadcast-shaped**). Directions shared by every instance enter as ``(K, 1, ..., 1, *event)``,
+so ``W e_i`` of a first linear layer is computed once, not once per instance; each rule keeps a
+size-1 dim where that is exact and expands it (a free view) where the op needs the full dim.
+
+Second order comes in two modes (:class:`Context`): *per direction* (``d^2/dt^2 f(x + t u_k)`` for
+every k, leading axis K: Hessian diagonals) and *collapsed* (the sum over k, leading axis 1:
+Laplacians and traces). Rules are written once for both: they combine first-order coefficients
+only through :meth:`Context.product` and :meth:`Context.pair`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class FactoredCoefficient:
+    """First-order coefficients kept as the product ``factor * shared``.
+
+    ``factor`` broadcasts to the value's shape (no leading axis: an elementwise derivative);
+    ``shared`` is a coefficient ``(K, *S)`` that is shared (size 1) along dims where ``factor``
+    varies -- directions shared by every instance, after an elementwise function. Multiplied out
+    it is K times the value's size; kept factored, its square is ``factor^2 * square(shared)``, a
+    following linear layer is one wide matrix product and a sum is one matrix product.
+    """
+
+    factor: Tensor
+    shared: Tensor
+
+    def dense(self) -> Tensor:
+        return broadcast_times(lifted(self.shared, self.factor.ndim), self.factor)
+
+
+@dataclass(frozen=True)
+class Jet:
+    """A value and its Taylor coefficients along K directions.
+
+    ``coefficient``: first order, ``(K, *S)`` with ``S`` broadcastable to ``value.shape`` (same
+    number of dims), or kept factored (:class:`FactoredCoefficient`); :attr:`first` multiplies it out.
+    ``second``: ``(K, *S)`` per direction or ``(1, *S)`` collapsed, ``None`` when it is zero.
+    """
+
+    value: Tensor
+    coefficient: Tensor | FactoredCoefficient
+    second: Tensor | None
+
+    @functools.cached_property
+    def first(self) -> Tensor:
+        c = self.coefficient
+        return c if isinstance(c, Tensor) else c.dense()
+
+
+@dataclass(frozen=True)
+class Context:
+    """The second-order mode: per direction (``collapsed=False``) or summed over directions."""
+
+    collapsed: bool
+
+    def product(self, a: Tensor, b: Tensor) -> Tensor:
+        """The second-order term ``a_k * b_k`` of two first-order coefficients (summed over k
+        when collapsed)."""
+        out = a * b
+        return out.sum(0, keepdim=True) if self.collapsed else out
+
+    def square(self, a: Tensor) -> Tensor:
+        return self.product(a, a)
+
+    def pair(self, op: Callable[[Tensor, Tensor], Tensor], a: Tensor, b: Tensor) -> Tensor:
+        """``op(a_k, b_k)`` for a bilinear ``op`` that broadcasts the leading axis (summed over
+        k when collapsed)."""
+        out = op(a, b)
+        return out.sum(0, keepdim=True) if self.collapsed else out
+
+
+def value_of(arg: object) -> object:
+    return arg.value if isinstance(arg, Jet) else arg
+
+
+def lifted(t: Tensor, ndim: int) -> Tensor:
+    """``t`` (leading axis + dims) with unit dims inserted after the leading axis up to
+    ``1 + ndim`` dims: aligned for broadcasting against a value of ``ndim`` dims."""
+    missing = ndim + 1 - t.ndim
+    return t[(slice(None), *(None,) * missing)] if missing else t
+
+
+def expanded(t: Tensor, shape: Sequence[int], dims: Sequence[int] | None = None) -> Tensor:
+    """``t`` with its broadcast dims (all, or those in ``dims``) expanded to ``shape`` (a view)."""
+    sizes = list(t.shape)
+    for d in range(len(shape)) if dims is None else dims:
+        sizes[d + 1] = shape[d]
+    return t.expand(sizes)
+
+
+def plus(*terms: Tensor | None) -> Tensor | None:
+    """Sum of the terms that are not None (None: zero); None when all are."""
+    present = [t for t in terms if t is not None]
+    if not present:
+        return None
+    total = present[0]
+    for t in present[1:]:
+        total = total + t
+    return total
+
+
+def times_or_none(t: Tensor | None, c: object) -> Tensor | None:
+    """``t * c``; None (zero) stays None."""
+    return None if t is None else t * c
+
+
+def linear(out: Tensor, u: Jet, fn: Callable[[Tensor], Tensor]) -> Jet:
+    """An op linear in its jet input: ``fn`` maps coefficients (leading axis kept)."""
+    return Jet(out, fn(u.first), None if u.second is None else fn(u.second))
+
+
+def rearrange(out: Tensor, u: Jet, fn: Callable[[Tensor], Tensor]) -> Jet:
+    """An op that only moves, selects or repeats elements (a view, an index): ``fn`` commutes
+    with elementwise products, so a :class:`FactoredCoefficient` coefficient stays factored."""
+    c = u.coefficient
+    if isinstance(c, FactoredCoefficient):
+        full = c.factor.expand(u.value.shape)[None]  # the leading axis fn expects
+        first: Tensor | FactoredCoefficient = FactoredCoefficient(
+            fn(full)[0], fn(lifted(c.shared, u.value.ndim))
+        )
+    else:
+        first = fn(c)
+    return Jet(out, first, None if u.second is None else fn(u.second))
+
+
+def first_times(u: Jet, d: Tensor, ndim: int) -> Tensor | FactoredCoefficient:
+    """``u``'s first-order coefficient times an elementwise factor ``d`` (broadcasting to the
+    ``ndim``-dim result): kept factored where the coefficient is shared along a dim where ``d``
+    varies (multiplying out would make it K times the value's size)."""
+    c = u.coefficient
+    if isinstance(c, FactoredCoefficient):
+        return FactoredCoefficient(c.factor * d, lifted(c.shared, ndim))
+    t = lifted(c, ndim)
+    shape = (1,) * (ndim - d.ndim) + tuple(d.shape)
+    if any(t.shape[i + 1] == 1 and n > 1 for i, n in enumerate(shape)):
+        return FactoredCoefficient(d.reshape(shape), t)
+    return broadcast_times(t, d)
+
+
+def first_squared(ctx: Context, u: Jet, ndim: int) -> Tensor:
+    """``ctx.square`` of ``u``'s first-order coefficient, lifted to ``ndim`` dims."""
+    c = u.coefficient
+    if isinstance(c, FactoredCoefficient):
+        return broadcast_times(
+            lifted(ctx.square(lifted(c.shared, c.factor.ndim)), ndim), c.factor * c.factor
+        )
+    return ctx.square(lifted(c, ndim))
+
+
+def broadcast_times(t: Tensor, c: object) -> Tensor:
+    """``t * c`` for a coefficient ``t``, expanded to the broadcast shape first: eagerly, torch
+    picks a slow output layout when both operands broadcast along different dims (a
+    (16, 1, 64) * (1024, 64) product took 1.37 ms, 0.07 ms once expanded)."""
+    if isinstance(c, Tensor):
+        t = t.expand(torch.broadcast_shapes(t.shape, c.shape))
+    return t * c
+
+
+def chain(ctx: Context, out: Tensor, u: Jet, d1: Tensor, d2: Tensor | None) -> Jet:
+    """An elementwise ``y = g(u)`` with ``d1 = g'(u)``, ``d2 = g''(u)`` (None: zero)."""
+    second = plus(
+        None if u.second is None else broadcast_times(lifted(u.second, d1.ndim), d1),
+        None if d2 is None else broadcast_times(first_squared(ctx, u, d2.ndim), d2),
+    )
+    return Jet(out, first_times(u, d1, d1.ndim), second)
+
+
+def axis(d: int, ndim: int) -> int:
+    return d % ndim if ndim else 0
+
+
+def axes(dims: object, ndim: int) -> list[int]:
+    """Normalised reduction dims; None or [] mean all."""
+    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        return list(range(ndim))
+    if isinstance(dims, int):
+        dims = [dims]
+    return sorted({axis(d, ndim) for d in dims})
+
+
+def broadcast_dims(t: Tensor, shape: Sequence[int]) -> list[int]:
+    """Value dims along which the coefficient ``t`` is broadcast (size 1, value larger)."""
+    return [d for d, n in enumerate(shape) if t.shape[d + 1] == 1 and n != 1]
+
+
+def coefficient_of(arg: object, ndim: int, order: int) -> Tensor | None:
+    """``arg``'s first- (``order`` 1) or second-order coefficient lifted to ``ndim`` value dims;
+    None for a constant or a zero coefficient."""
+    if not isinstance(arg, Jet):
+        return None
+    t = arg.first if order == 1 else arg.second
+    return None if t is None else lifted(t, ndim)

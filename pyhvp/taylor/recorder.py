@@ -1,0 +1,260 @@
+"""The recorder: runs ``f`` once under a light ``TorchDispatchMode`` and notes each aten op, its
+non-tensor arguments, the shapes of its outputs, and where each tensor argument comes from: ``x``,
+an earlier op, or a *constant* (any other tensor: args, captured parameters, tensors made from
+Python data -- and ``x`` itself when it reaches ``f`` through ``args`` or a closure).
+
+``f`` runs with grad mode on, so that its own ``torch.no_grad()`` shows: what it computes without
+grad is a constant, as for autograd (see :class:`Recorder`). Writes to ``x`` or to a constant,
+directly or through a view, are refused (:class:`InPlaceInputError`); so is autograd's backward
+pass inside ``f`` (``torch.func.grad`` is fine). The record is the program cache's key
+(:mod:`.program`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from collections.abc import Callable, Hashable, Sequence
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from pyhvp._keys import Identity, value_key
+from pyhvp.taylor.custom_ops import SINGULAR_DET
+
+aten = torch.ops.aten
+Tensor = torch.Tensor
+
+X = ("x",)
+STOP = "stop"
+"""Marks an argument read as a constant: ``(STOP, label)`` becomes ``stop_gradient(node)``."""
+KEEP = "keep"
+"""Notes an op that writes in place under ``no_grad``: the tensors it writes keep their
+derivatives (autograd does not see the write), with the new values."""
+
+DET, DETACH = aten._linalg_det.default, aten.detach.default
+SINGULAR_CHECKED = {DET: SINGULAR_DET}
+"""Ops recorded as another when an instance is singular (``det == 0``): the record says so, so
+the program (a different op with a rule that holds there) is keyed by it."""
+_current_autograd_node = torch._C._current_autograd_node
+
+BACKWARD = {
+    torch.autograd.grad: "torch.autograd.grad",
+    torch.autograd.backward: "torch.autograd.backward",
+    Tensor.backward: "Tensor.backward",
+}
+
+
+def _storage(t: Tensor) -> int:
+    """Where ``t``'s elements live (0: nowhere to write, or a tensor without plain storage)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
+class InPlaceInputError(ValueError):
+    """f modified x or a tensor it reads in place."""
+
+
+def _grad_disabled_by_f() -> bool:
+    """Whether the op being dispatched runs under ``torch.no_grad()`` / ``inference_mode()``
+    that ``f`` entered (recording runs with grad enabled). An ``autograd.Function``'s forward also
+    runs without grad but, unlike ``no_grad``, without forward-mode AD too: its ops are
+    differentiated like any others."""
+    if torch.is_grad_enabled():
+        return False
+    return torch._C._is_fwd_grad_enabled() or torch.is_inference_mode_enabled()
+
+
+@functools.cache
+def argument_kinds(func: torch._ops.OpOverload) -> tuple[tuple[str, ...], dict[str, str]]:
+    """Per schema argument: ``"write"`` (mutated), ``"alias"`` (a view's base) or ``"read"``."""
+
+    def kind(argument: object) -> str:
+        info = argument.alias_info
+        return "read" if info is None else ("write" if info.is_write else "alias")
+
+    kinds = tuple(kind(a) for a in func._schema.arguments)
+    return kinds, {a.name: k for a, k in zip(func._schema.arguments, kinds, strict=True)}
+
+
+class Recorder(TorchDispatchMode):
+    """Records the aten ops ``f`` runs: the cache key and, on a miss, the program.
+
+    Tensors are told apart by ``id``; an op's output is held weakly and its label dropped when it
+    dies (its id may then be reused), so intermediates are freed as ``f`` runs.
+
+    What ``f`` computes without grad follows autograd. An op run under ``torch.no_grad()`` reads
+    every tensor through ``stop_gradient`` (its results are constants); a tensor it writes in
+    place keeps the derivatives it had, with the new value (``KEEP`` notes such ops; PyTorch's
+    own cosine_similarity clamps a norm so). Views made without grad, by ``detach`` or of such
+    views are *stopped*: every later op that neither views nor writes them reads them through
+    ``stop_gradient`` -- the view itself stays a view, so writes through it or its base remain
+    visible in the replay.
+    """
+
+    def __init__(self, x: Tensor, watch_backward: bool) -> None:
+        super().__init__()
+        self.watch_backward = watch_backward
+        self.saw_backward = False
+        # id -> (label, weak reference to the tensor, or None for x and the constants, which
+        # stay alive): an id whose tensor died may be reused by an unrelated tensor
+        self.labels: dict[int, tuple[Hashable, weakref.ref | None]] = {id(x): (X, None)}
+        self.constants: list[Tensor] = []
+        self.inputs = {_storage(x)} - {0}  # storages f must not write: x's and the constants'
+        self.x_storage = _storage(x)
+        self.stopped: set[Hashable] = set()  # labels of views made without grad
+        self.events: list[tuple] = []
+        self._stops_outputs = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        if self.watch_backward and _current_autograd_node() is not None:
+            self.saw_backward = True  # (in case f swallows the exception)
+            raise BackwardInside
+        mutable = func._schema.is_mutable
+        if mutable:
+            self._refuse_input_writes(func, args, kwargs)
+        items = tuple(sorted(kwargs.items()))
+        no_grad = not torch.is_grad_enabled() and _grad_disabled_by_f()
+        note = KEEP if no_grad and mutable else None
+        if no_grad or self.stopped:
+            positional, named = argument_kinds(func)
+            self._stops_outputs = func is DETACH
+            described = (  # as self._describe((args, items)) would, with stops
+                (False, tuple(self._describe(a, (k, no_grad))
+                              for a, k in zip(args, positional, strict=False))),
+                (False, tuple((False, (value_key(n), self._describe(v, (named[n], no_grad))))
+                              for n, v in items)),
+            )  # fmt: skip
+            stops_outputs = self._stops_outputs
+        else:
+            described = (self._describe(args), self._describe(items))
+            stops_outputs = func is DETACH
+        out = func(*args, **kwargs)
+        label = ("op", len(self.events))
+        if func is DET:  # which rule holds depends on the values
+            note = bool((out[0] == 0).any())
+        self.events.append((func, *described, self._outputs(out, label, stops_outputs), note))
+        return out
+
+    def _describe(self, value: object, kind: tuple[str, bool] | None = None) -> Hashable:
+        """A tensor's label, a container's items, a scalar's value, or an object's identity.
+        With ``kind = (role, no_grad)`` (its schema role in the op being recorded), a tensor the
+        op reads as a constant is ``(STOP, label)``; a stopped one it views (or views and reads
+        without grad), or writes, makes the op's outputs stopped."""
+        if isinstance(value, Tensor):
+            label = self._label(value)
+            if label is None:
+                label = ("constant", len(self.constants))
+                self.labels[id(value)] = (label, None)
+                self.constants.append(value)
+                self.inputs.add(_storage(value))
+                self.inputs.discard(0)
+            if kind is None:
+                return label
+            role, no_grad = kind
+            stopped = label in self.stopped
+            if role == "read" and (no_grad or stopped):
+                return (STOP, label)
+            if stopped or (no_grad and role == "alias"):
+                self._stops_outputs = True
+            return label
+        if isinstance(value, (list, tuple)):
+            return (type(value) is list, tuple(self._describe(v, kind) for v in value))
+        return value_key(value) or ("object", Identity(value))
+
+    def _outputs(self, out: object, label: tuple, stopped: bool) -> Hashable:
+        """Labels output tensors (an in-place op's result replaces its input's label)."""
+        if isinstance(out, Tensor):
+            self.labels[id(out)] = (label, weakref.ref(out))
+            if stopped:
+                self.stopped.add(label)
+            return ("tensor", tuple(out.shape), out.dtype)
+        if isinstance(out, (list, tuple)):
+            return (
+                type(out) is list,
+                tuple(self._outputs(o, (*label, i), stopped) for i, o in enumerate(out)),
+            )
+        return value_key(out) or ("object",)
+
+    def _label(self, t: Tensor) -> Hashable | None:
+        """``t``'s label; None for a tensor not seen yet (possibly reusing a dead one's id)."""
+        entry = self.labels.get(id(t))
+        if entry is None or (entry[1] is not None and entry[1]() is not t):
+            return None
+        return entry[0]
+
+    def _refuse_input_writes(self, func: object, args: tuple, kwargs: dict) -> None:
+        positional, named = argument_kinds(func)
+        written = [a for a, k in zip(args, positional, strict=False) if k == "write"]
+        written += [v for n, v in kwargs.items() if named.get(n) == "write"]
+        for value in pytree.tree_leaves(written):
+            if not isinstance(value, Tensor):
+                continue
+            label = self._label(value)
+            storage = _storage(value)
+            outside = label is None or label == X or label[0] == "constant"
+            if not outside and storage not in self.inputs:
+                continue
+            if label == X:
+                what = "x"
+            elif storage != 0 and storage == self.x_storage:
+                what = "x (through a view of it)"
+            elif label is None:
+                what = f"a tensor of shape {tuple(value.shape)} that it did not create"
+            else:
+                what = f"a tensor of shape {tuple(value.shape)} that it reads (or a view of one)"
+            raise InPlaceInputError(
+                f"f modifies {what} in place ({func}); pyhvp evaluates f several times and "
+                f"needs it to leave its inputs unchanged (a module in training mode updating "
+                f"its statistics? call module.eval())"
+            )
+
+
+class _NoAutogradInside(TorchFunctionMode):
+    """Refuses ``torch.autograd.grad`` / ``.backward()`` inside ``f``: autograd's backward pass
+    detaches the tensors it saved, which the program would read as constants (silently wrong
+    derivatives). ``torch.func.grad`` runs as ordinary ops and is allowed."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if func in BACKWARD and torch._C._functorch.peek_interpreter_stack() is None:
+            raise RuntimeError(
+                f"f calls {BACKWARD[func]}: autograd inside f is not "
+                f"supported by the Taylor engine (pyhvp.laplacian, grad_and_laplacian and "
+                f"hessian_diagonal's exact method), whose program cannot follow derivatives "
+                f"through autograd's backward pass. Use torch.func.grad (or torch.func.vjp, "
+                f"jacrev) inside f instead"
+            )
+        return func(*args, **(kwargs or {}))
+
+
+class BackwardInside(BaseException):
+    """Autograd's engine ran inside ``f``: ``torch.func.grad`` (fine) or ``torch.autograd.grad``
+    (refused). Only a ``TorchFunctionMode`` tells them apart, and it costs every torch call, so
+    ``f`` is recorded without it and, when this is raised, recorded again with it."""
+
+
+def record(f: Callable[..., Tensor], variable: Tensor, args: Sequence[object],
+            tell_backward_apart: bool) -> tuple[Recorder, object]:  # fmt: skip
+    """``f(variable, *args)`` under the recorder: grad mode on (so that ``f``'s own ``no_grad``
+    shows), and the fused multi-head-attention inference path off (it has no derivatives)."""
+    recorder = Recorder(variable, watch_backward=not tell_backward_apart)
+    mha = getattr(torch.backends, "mha", None)
+    fastpath = mha.get_fastpath_enabled() if mha is not None else None
+    guard = _NoAutogradInside() if tell_backward_apart else contextlib.nullcontext()
+    try:
+        if mha is not None:
+            mha.set_fastpath_enabled(False)
+        with torch.enable_grad(), guard, recorder:
+            out = f(variable, *args)
+    finally:
+        if mha is not None:
+            mha.set_fastpath_enabled(fastpath)
+    if recorder.saw_backward:
+        raise BackwardInside
+    return recorder, out

@@ -1,0 +1,89 @@
+"""Which rule carries an op's jets: the rule table, the ops with zero derivatives, and
+:func:`apply`, which runs an op on values and its rule on coefficients -- a dedicated rule where
+one is registered, the fallbacks of :mod:`.fallbacks` otherwise."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from pyhvp.taylor.custom_ops import STOP_GRADIENT
+from pyhvp.taylor.fallbacks import general_fallback, pointwise_fallback
+from pyhvp.taylor.jets import Context, Jet, value_of
+
+aten = torch.ops.aten
+Tensor = torch.Tensor
+
+
+Rule = Callable[..., Any]
+RULES: dict[torch._ops.OpOverload, Rule] = {}
+
+
+def rule(*ops: torch._ops.OpOverload) -> Callable[[Rule], Rule]:
+    """Register ``fn(ctx, out, *args, **kwargs)`` for ``ops``: ``out`` is the op's value, args
+    hold :class:`Jet` where the op's input depends on x; it returns the output jet(s)."""
+
+    def register(fn: Rule) -> Rule:
+        for op in ops:
+            RULES[op] = fn
+        return fn
+
+    return register
+
+
+def apply(ctx: Context, op: Callable[..., Any], *args: object, **kwargs: object) -> Any:
+    """``op`` on the values, and its rule on the coefficients when an input is a jet."""
+    if op is STOP_GRADIENT:  # the value, as a constant
+        return value_of(args[0]).detach()
+    out = op(*pytree.tree_map(value_of, args), **pytree.tree_map(value_of, kwargs))
+    if not any(isinstance(a, Jet) for a in pytree.tree_leaves((args, kwargs))):
+        return out
+    results = [t for t in pytree.tree_leaves(out) if isinstance(t, Tensor)]
+    complex_result = next((t for t in results if t.is_complex()), None)
+    if complex_result is not None:
+        raise TypeError(
+            f"complex intermediates are not supported by the Taylor engine (pyhvp.laplacian, "
+            f"grad_and_laplacian, hessian_diagonal's exact method): f computes a "
+            f"{complex_result.dtype} tensor from x ({op}), whose jets would need complex "
+            f"coefficients. Write f in real arithmetic (real and imaginary parts as real "
+            f"tensors), or, for one scalar per instance, use an estimator built on "
+            f"Hessian-vector products: laplacian(..., method='hutch++'), "
+            f"hessian_diagonal(..., method='hutchinson' or 'diag++')"
+        )
+    if not any(t.is_floating_point() for t in results):
+        return out  # integer or boolean results do not vary smoothly with x
+    if op in ZERO_DERIVATIVE:
+        return out
+    if op in RULES:
+        return RULES[op](ctx, out, *args, **kwargs)
+    if torch.Tag.pointwise in getattr(op, "tags", ()):
+        return pointwise_fallback(ctx, op, out, args, kwargs)
+    return general_fallback(ctx, op, out, args, kwargs)
+
+
+ZERO_DERIVATIVE = {
+    aten.sign.default,
+    aten.sgn.default,
+    aten.floor.default,
+    aten.ceil.default,
+    aten.round.default,
+    aten.round.decimals,
+    aten.trunc.default,
+    aten.bernoulli.default,
+    aten.bernoulli.p,
+    aten.zeros_like.default,
+    aten.ones_like.default,
+    aten.empty_like.default,
+    aten.full_like.default,
+    aten.rand_like.default,
+    aten.randn_like.default,
+    aten.new_zeros.default,
+    aten.new_ones.default,
+    aten.new_empty.default,
+    aten.new_full.default,
+    aten.fill.Scalar,
+}
+"""Ops whose floating output is locally constant in their inputs (or ignores their values)."""

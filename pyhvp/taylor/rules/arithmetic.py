@@ -1,0 +1,125 @@
+"""Sums, products (Leibniz), quotients and powers of jets."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from pyhvp.taylor.jets import (
+    Context,
+    FactoredCoefficient,
+    Jet,
+    broadcast_times,
+    chain,
+    coefficient_of,
+    lifted,
+    plus,
+    times_or_none,
+    value_of,
+)
+from pyhvp.taylor.registry import apply, rule
+
+aten = torch.ops.aten
+Tensor = torch.Tensor
+
+
+def _signed_sum(out: Tensor, a: object, b: object, ca: float, cb: float) -> Jet:
+    """``ca * a + cb * b``."""
+    nd = out.ndim
+    orders = []
+    for order in (1, 2):
+        ta, tb = coefficient_of(a, nd, order), coefficient_of(b, nd, order)
+        orders.append(
+            plus(times_or_none(ta, ca) if ca != 1 else ta, times_or_none(tb, cb) if cb != 1 else tb)
+        )
+    return Jet(out, orders[0], orders[1])
+
+
+@rule(aten.sub.Tensor, aten.sub.Scalar)
+def _sub(ctx: Context, out: Tensor, a: object, b: object, alpha: float = 1) -> Jet:
+    return _signed_sum(out, a, b, 1, -alpha)
+
+
+@rule(aten.rsub.Tensor, aten.rsub.Scalar)
+def _rsub(ctx: Context, out: Tensor, a: object, b: object, alpha: float = 1) -> Jet:
+    return _signed_sum(out, a, b, -alpha, 1)
+
+
+@rule(aten.add.Tensor, aten.add.Scalar)
+def _add(ctx: Context, out: Tensor, a: object, b: object, alpha: float = 1) -> Jet:
+    return _signed_sum(out, a, b, 1, alpha)
+
+
+@rule(aten.neg.default)
+def _neg(ctx: Context, out: Tensor, u: Jet) -> Jet:
+    c = u.coefficient
+    first = FactoredCoefficient(-c.factor, c.shared) if isinstance(c, FactoredCoefficient) else -c
+    return Jet(out, first, None if u.second is None else -u.second)
+
+
+@rule(aten.mul.Tensor, aten.mul.Scalar)
+def _mul(ctx: Context, out: Tensor, a: object, b: object) -> Jet:
+    jet, other = (a, b) if isinstance(a, Jet) else (b, a)
+    if not isinstance(other, Jet) and isinstance(
+        jet.coefficient, FactoredCoefficient
+    ):  # stays factored
+        c = jet.coefficient
+        second = (
+            None if jet.second is None else broadcast_times(lifted(jet.second, out.ndim), other)
+        )
+        return Jet(out, FactoredCoefficient(c.factor * other, lifted(c.shared, out.ndim)), second)
+    return bilinear(ctx, out, a, b, broadcast_times)
+
+
+def swap(op: Callable[[Any, Any], Tensor]) -> Callable[[Any, Any], Tensor]:
+    """``op`` with its arguments given the other way round (``broadcast_times`` commutes)."""
+    return op if op is broadcast_times else lambda b, a: op(a, b)
+
+
+def bilinear(
+    ctx: Context, out: Tensor, a: object, b: object, op: Callable[[Any, Any], Tensor]
+) -> Jet:
+    """Leibniz for an op bilinear in (a, b) that broadcasts a leading axis:
+    ``(ab)' = a'b + ab'``, ``(ab)'' = a''b + 2 a'b' + ab''``."""
+    nd = out.ndim
+    va, vb = value_of(a), value_of(b)
+    fa, fb = coefficient_of(a, nd, 1), coefficient_of(b, nd, 1)
+    sa, sb = coefficient_of(a, nd, 2), coefficient_of(b, nd, 2)
+    # coefficients first (see broadcast_times): a' b and b' a, then a'' b and b'' a
+    first = plus(None if fa is None else op(fa, vb), None if fb is None else swap(op)(fb, va))
+    cross = None if fa is None or fb is None else 2 * ctx.pair(op, fa, fb)
+    second = plus(
+        None if sa is None else op(sa, vb), None if sb is None else swap(op)(sb, va), cross
+    )
+    return Jet(out, first, second)
+
+
+@rule(aten.div.Tensor, aten.div.Scalar)
+def _div(ctx: Context, out: Tensor, a: object, b: object) -> Jet:
+    if not isinstance(b, Jet):
+        return bilinear(ctx, out, a, b, operator.truediv)
+    return bilinear(ctx, out, a, apply(ctx, aten.reciprocal.default, b), broadcast_times)
+
+
+@rule(aten.pow.Tensor_Tensor)
+def _tensor_power(ctx: Context, out: Tensor, base: object, exponent: object) -> Jet:
+    """``base ** exponent``, masked like autograd's ``pow_backward``: a constant exponent ``b``
+    gives ``b u^(b-1)`` except 0 where ``b == 0`` and ``b (b-1) u^(b-2)`` except 0 where ``b`` is
+    0 or 1 (``0 * inf`` at ``u = 0`` otherwise); a constant zero base has zero derivatives where
+    the exponent is >= 0."""
+    if not isinstance(exponent, Jet):
+        b, u = exponent, base.value
+        d1 = torch.where(b == 0, 0.0, b * u ** (b - 1))
+        d2 = torch.where((b == 0) | (b == 1), 0.0, b * (b - 1) * u ** (b - 2))
+        return chain(ctx, out, base, d1, d2)
+    if not isinstance(base, Jet):  # exponent e: out log(base), out log(base)^2
+        log_base = torch.log(base)
+        flat = (base == 0) & (exponent.value >= 0)
+        d1 = torch.where(flat, 0.0, out * log_base)
+        return chain(ctx, out, exponent, d1, torch.where(flat, 0.0, d1 * log_base))
+    log_base = apply(ctx, aten.log.default, base)  # base^e = exp(e log base)
+    exponent_jet = apply(ctx, aten.mul.Tensor, exponent, log_base)
+    return chain(ctx, out, exponent_jet, out, out)

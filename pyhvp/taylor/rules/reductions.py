@@ -1,0 +1,247 @@
+"""Reductions: sums, means, extrema, variances, log-sum-exp and softmax, norms and distances."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from pyhvp.taylor.jets import (
+    Context,
+    FactoredCoefficient,
+    Jet,
+    axes,
+    axis,
+    broadcast_dims,
+    broadcast_times,
+    chain,
+    expanded,
+    lifted,
+    linear,
+    plus,
+    times_or_none,
+)
+from pyhvp.taylor.registry import Rule, apply, rule
+
+aten = torch.ops.aten
+Tensor = torch.Tensor
+
+
+@rule(aten.sum.dim_IntList, aten.sum.default)
+def _sum(
+    ctx: Context, out: Tensor, u: Jet, dim: object = None, keepdim: bool = False, *,
+    dtype: torch.dtype | None = None,
+) -> Jet:  # fmt: skip
+    dims = axes(dim, u.value.ndim)
+
+    def fn(t: Tensor) -> Tensor:
+        factor = math.prod(u.value.shape[d] for d in broadcast_dims(t, u.value.shape) if d in dims)
+        summed = t.sum([d + 1 for d in dims], keepdim=keepdim) if dims else t
+        return summed if factor == 1 else summed * factor
+
+    return _reduced(out, u, fn, _factored_sum(u, dims, keepdim), dtype)
+
+
+def _reduced(out: Tensor, u: Jet, fn: Callable[[Tensor], Tensor], first: Tensor | None,
+             dtype: torch.dtype | None) -> Jet:  # fmt: skip
+    """A reduction's jet: ``first`` when a factored coefficient gave it, else ``fn`` of it."""
+    jet = Jet(out, fn(u.first) if first is None else first,
+              None if u.second is None else fn(u.second))  # fmt: skip
+    if dtype is None:
+        return jet
+    return Jet(out, jet.first.to(dtype), None if jet.second is None else jet.second.to(dtype))
+
+
+def _factored_sum(u: Jet, dims: list[int], keepdim: bool) -> Tensor | None:
+    """The first-order coefficient of a sum over ``dims`` when ``u``'s is :class:`FactoredCoefficient` with a
+    shared part that varies only along ``dims``: ``sum_j s[.., j] v_k[j]`` for all k is one matrix
+    product, instead of forming the K-fold ``s * v_k``. None otherwise."""
+    c = u.coefficient
+    shape, nd = u.value.shape, u.value.ndim
+    if not isinstance(c, FactoredCoefficient) or not dims:
+        return None
+    shared = lifted(c.shared, nd)
+    rest = [d for d in range(nd) if d not in dims]
+    if any(shared.shape[d + 1] != 1 for d in rest):
+        return None
+    k, m = shared.shape[0], math.prod(shape[d] for d in dims)
+    vectors = expanded(shared, shape, dims).permute(0, *(d + 1 for d in rest + dims)).reshape(k, m)
+    factor = c.factor.expand(shape).permute(*rest, *dims).reshape(-1, m)
+    summed = (factor @ vectors.T).T.reshape(k, *(shape[d] for d in rest))
+    for d in dims if keepdim else ():
+        summed = summed.unsqueeze(d + 1)
+    return summed
+
+
+@rule(aten.mean.dim, aten.mean.default)
+def _mean(
+    ctx: Context, out: Tensor, u: Jet, dim: object = None, keepdim: bool = False, *,
+    dtype: torch.dtype | None = None,
+) -> Jet:  # fmt: skip
+    dims = axes(dim, u.value.ndim)
+
+    def fn(t: Tensor) -> Tensor:  # the mean of a broadcast (constant) dim is that constant
+        return t.mean([d + 1 for d in dims], keepdim=keepdim) if dims else t
+
+    summed = _factored_sum(u, dims, keepdim)
+    count = math.prod(u.value.shape[d] for d in dims)
+    return _reduced(out, u, fn, None if summed is None else summed / count, dtype)
+
+
+@rule(aten.cumsum.default)
+def _cumsum(ctx: Context, out: Tensor, u: Jet, dim: int, *, dtype: object = None) -> Jet:
+    d = axis(dim, u.value.ndim)
+    return linear(out, u, lambda t: expanded(t, u.value.shape, [d]).cumsum(d + 1).to(out.dtype))
+
+
+def _kept(value: Tensor, shape: Sequence[int], dims: list[int]) -> Tensor:
+    """A reduction's value with its reduced dims back as size 1."""
+    return value.reshape([1 if d in dims else n for d, n in enumerate(shape)])
+
+
+@rule(aten.amax.default, aten.amin.default)
+def _amax(ctx: Context, out: Tensor, u: Jet, dim: object = (), keepdim: bool = False) -> Jet:
+    dims = axes(dim, u.value.ndim)
+    # where the extremum is attained, split evenly between ties (autograd's convention)
+    hits = (u.value == _kept(out, u.value.shape, dims)).to(out.dtype)
+    weights = hits / hits.sum(dims, keepdim=True)
+    return linear(
+        out, u, lambda t: broadcast_times(t, weights).sum([d + 1 for d in dims], keepdim=keepdim)
+    )
+
+
+@rule(aten.max.default, aten.min.default)
+def _max_all(ctx: Context, out: Tensor, u: Jet) -> Jet:
+    return _amax(ctx, out, u, list(range(u.value.ndim)), False)
+
+
+@rule(aten.max.dim, aten.min.dim)
+def _max_dim(ctx: Context, out: tuple, u: Jet, dim: int, keepdim: bool = False) -> tuple:
+    values, indices = out
+    d = axis(dim, u.value.ndim)
+    picked = apply(ctx, aten.gather.default, u, d, indices if keepdim else indices.unsqueeze(d))
+    if not keepdim:
+        picked = apply(ctx, aten.squeeze.dim, picked, d)
+    return Jet(values, picked.first, picked.second), indices
+
+
+def _variance(root: bool) -> Rule:
+    """var = sum((u - mean)^2) / (n - correction), std its root; ``*_mean`` also the mean."""
+
+    def variance_rule(ctx: Context, out: Any, u: Jet, *args: object, **kwargs: object) -> Any:
+        dim, correction, keepdim = _variance_options(*args, **kwargs)
+        dims = axes(dim, u.value.ndim)
+        mean = apply(ctx, aten.mean.dim, u, dims, True)
+        centred = apply(ctx, aten.sub.Tensor, u, mean)
+        squares = apply(ctx, aten.mul.Tensor, centred, centred)
+        count = math.prod(u.value.shape[d] for d in dims)
+        spread = apply(ctx, aten.div.Tensor, apply(ctx, aten.sum.dim_IntList, squares, dims,
+                                                   keepdim), max(count - correction, 0))  # fmt: skip
+        if root:
+            spread = apply(ctx, aten.sqrt.default, spread)
+        if not isinstance(out, tuple):
+            return Jet(out, spread.first, spread.second)
+        if not keepdim:
+            mean = apply(ctx, aten.squeeze.dims, mean, dims)
+        return Jet(out[0], spread.first, spread.second), Jet(out[1], mean.first, mean.second)
+
+    return variance_rule
+
+
+def _variance_options(
+    dim: object = None, unbiased: object = None, keepdim: bool = False, *,
+    correction: float | None = None,
+) -> tuple[object, float, bool]:  # fmt: skip
+    if isinstance(dim, bool):  # var.default(self, unbiased)
+        dim, unbiased = None, dim
+    if correction is None:
+        correction = 0 if unbiased is False else 1
+    return dim, correction, keepdim
+
+
+for _ops, _root in (
+    ((aten.var.correction, aten.var.dim, aten.var.default, aten.var_mean.correction,
+      aten.var_mean.dim), False),
+    ((aten.std.correction, aten.std.dim, aten.std.default, aten.std_mean.correction,
+      aten.std_mean.dim), True),
+):  # fmt: skip
+    rule(*_ops)(_variance(_root))
+
+
+def _lse(ctx: Context, u: Jet, dims: list[int], keepdim: bool, p: Tensor) -> tuple:
+    """Coefficients of log sum exp over ``dims``, ``p = softmax(u)``: first ``sum p t``, second
+    ``sum p s + sum p t^2 - (sum p t)^2``."""
+    shifted = [d + 1 for d in dims]
+    first = broadcast_times(u.first, p).sum(shifted, keepdim=keepdim)
+    spread = broadcast_times(ctx.square(u.first), p).sum(shifted, keepdim=keepdim) - ctx.square(
+        first
+    )
+    own = None if u.second is None else broadcast_times(u.second, p).sum(shifted, keepdim=keepdim)
+    return first, plus(own, spread)
+
+
+@rule(aten.logsumexp.default)
+def _logsumexp(ctx: Context, out: Tensor, u: Jet, dim: object, keepdim: bool = False) -> Jet:
+    dims = axes(dim, u.value.ndim)
+    p = torch.exp(u.value - _kept(out, u.value.shape, dims))
+    return Jet(out, *_lse(ctx, u, dims, keepdim, p))
+
+
+def _log_softmax_coefficients(ctx: Context, u: Jet, d: int, p: Tensor) -> tuple:
+    """``log softmax(u) = u - logsumexp(u)`` along ``d``."""
+    first, second = _lse(ctx, u, [d], True, p)
+    return lifted(u.first, p.ndim) - first, plus(u.second, times_or_none(second, -1))
+
+
+@rule(aten._log_softmax.default)
+def _log_softmax(ctx: Context, out: Tensor, u: Jet, dim: int, half_to_float: bool = False) -> Jet:
+    return Jet(out, *_log_softmax_coefficients(ctx, u, axis(dim, out.ndim), torch.exp(out)))
+
+
+@rule(aten._softmax.default)
+def _softmax(ctx: Context, out: Tensor, u: Jet, dim: int, half_to_float: bool = False) -> Jet:
+    log_p = Jet(out, *_log_softmax_coefficients(ctx, u, axis(dim, out.ndim), out))
+    return chain(ctx, out, log_p, out, out)  # softmax = exp(log softmax)
+
+
+@rule(aten.linalg_vector_norm.default)
+def _vector_norm(
+    ctx: Context, out: Tensor, u: Jet, ord: float = 2, dim: object = None, keepdim: bool = False,
+    *, dtype: torch.dtype | None = None,
+) -> Any:  # fmt: skip
+    if dtype is not None:
+        u = apply(ctx, aten._to_copy.default, u, dtype=dtype)
+    dims = axes(dim, u.value.ndim)
+    if ord == 0:
+        return out
+    magnitude = apply(ctx, aten.abs.default, u)
+    if ord == math.inf:
+        return apply(ctx, aten.amax.default, magnitude, dims, keepdim)
+    if ord == -math.inf:
+        return apply(ctx, aten.amin.default, magnitude, dims, keepdim)
+    if ord == 1:
+        return apply(ctx, aten.sum.dim_IntList, magnitude, dims, keepdim)
+    base = u if ord == 2 else magnitude  # |u|^2 = u^2 is smooth at 0
+    total = apply(ctx, aten.sum.dim_IntList, apply(ctx, aten.pow.Tensor_Scalar, base, ord), dims,
+                  keepdim)  # fmt: skip
+    norm = apply(ctx, aten.pow.Tensor_Scalar, total, 1 / ord)
+    # autograd's convention: a zero norm has zero derivatives (they are unbounded there)
+    zero = out == 0
+    return Jet(
+        out,
+        torch.where(zero, 0.0, norm.first),
+        None if norm.second is None else torch.where(zero, 0.0, norm.second),
+    )
+
+
+@rule(aten._cdist_forward.default, aten._euclidean_dist.default)
+def _cdist(
+    ctx: Context, out: Tensor, a: object, b: object, p: float = 2, compute_mode: object = None
+) -> Any:
+    rows = apply(ctx, aten.unsqueeze.default, a, -2)  # (..., P, 1, M)
+    columns = apply(ctx, aten.unsqueeze.default, b, -3)  # (..., 1, R, M)
+    difference = apply(ctx, aten.sub.Tensor, rows, columns)
+    distance = apply(ctx, aten.linalg_vector_norm.default, difference, p, [-1])
+    return Jet(out, distance.first, distance.second) if isinstance(distance, Jet) else out
