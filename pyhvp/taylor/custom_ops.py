@@ -1,5 +1,5 @@
 """The custom ops a program uses besides aten's: what ``f``'s ``detach`` becomes, what a tensor
-written in place under ``no_grad`` holds, and ``det`` where an instance is singular.
+written in place under ``no_grad`` holds, and ``det`` where an instance is (nearly) singular.
 
 This module must not use ``from __future__ import annotations``: ``torch.library.custom_op``
 infers each op's schema from the annotations, and string annotations defeat it on older torch.
@@ -41,19 +41,34 @@ def _(value: Tensor, source: Tensor) -> Tensor:
 WITH_DERIVATIVES_OF = torch.ops.pyhvp.with_derivatives_of.default
 
 
-@torch.library.custom_op("pyhvp::singular_det", mutates_args=())
-def singular_det(a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``aten._linalg_det`` where some instance is singular (``det == 0``, where ``A^-1`` of
-    :func:`_det`'s rule does not exist). The recorder renames the op when it sees one
-    (:mod:`.program`), so the program -- keyed by the record -- runs this op's rule, which holds
-    there."""
+@torch.library.custom_op("pyhvp::det_by_svd", mutates_args=())
+def det_by_svd(a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``aten._linalg_det`` where some instance is singular or nearly so
+    (:func:`det_needs_svd`): the same values, but its jet rule goes through the SVD, which stays
+    exact there, where the rule through ``A^-1`` cancels catastrophically. The recorder renames
+    the op when it sees such an instance (:mod:`.recorder`), so the program -- keyed by the
+    record -- runs this op's rule."""
     det, lu, pivots = aten._linalg_det.default(a)
     return det, lu, pivots
 
 
-@singular_det.register_fake
+@det_by_svd.register_fake
 def _(a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return aten._linalg_det.default(a)
 
 
-SINGULAR_DET = torch.ops.pyhvp.singular_det.default
+DET_BY_SVD = torch.ops.pyhvp.det_by_svd.default
+
+
+def det_needs_svd(lu: Tensor) -> bool:
+    """Whether some matrix of a ``_linalg_det`` call is (nearly) singular, judged from its LU
+    factors: the smallest pivot below ``eps^(1/3)`` times the largest. The inverse's rule then
+    loses about ``eps * cond`` relative accuracy to cancellation (NaN for an exact or an
+    LAPACK-rounded zero pivot), so the SVD form is used -- whatever LAPACK returns for the
+    pivot: MKL gives ``-1.9e-17``, not ``0``, for two equal rows."""
+    if lu.shape[-1] == 0 or lu.numel() == 0:
+        return False
+    pivots = lu.diagonal(dim1=-2, dim2=-1).abs()
+    tolerance = torch.finfo(lu.dtype).eps ** (1 / 3)
+    small = pivots.amin(-1) <= tolerance * pivots.amax(-1)
+    return bool((small | ~pivots.isfinite().all(-1)).any())

@@ -6,7 +6,6 @@ trusted -- so a real op is not unsupported, only slower."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -26,6 +25,11 @@ from pyhvp.taylor.jets import (
 )
 
 Tensor = torch.Tensor
+
+
+class UnsupportedOpError(RuntimeError):
+    """An op of ``f`` that the Taylor engine cannot carry exactly; the message names it and says
+    what to do instead."""
 
 
 def _substitute(
@@ -84,7 +88,10 @@ def pointwise_fallback(ctx: Context, op: Callable[..., Any], out: Tensor, args: 
     """An elementwise op of one or more jet inputs, by the chain rule with its elementwise
     gradient and Hessian (from ``torch.func`` on the op alone)."""
     fn, primals, jets = _substitute(op, args, kwargs)
-    gradient, hessian = _elementwise_derivatives(fn, primals, out.shape)
+    try:
+        gradient, hessian = _elementwise_derivatives(fn, primals, out.shape)
+    except Exception as error:  # autograd has no (double) derivative for it
+        raise _no_derivatives(op, error) from error
     nd = out.ndim
     firsts = [lifted(j.first, nd) for j in jets]
     first = plus(*(broadcast_times(f, g) for g, f in zip(gradient, firsts, strict=True)))
@@ -103,10 +110,10 @@ def pointwise_fallback(ctx: Context, op: Callable[..., Any], out: Tensor, args: 
 
 def general_fallback(ctx: Context, op: Callable[..., Any], out: Any, args: tuple,
                      kwargs: dict) -> Any:  # fmt: skip
-    """Any op: first order ``jvp`` along each direction, second order ``jvp`` of ``jvp`` along
-    each direction (the op's curvature) plus ``jvp`` of the inputs' second-order coefficients;
-    where forward-mode AD is missing for the op or cannot be trusted, its Jacobian and Hessian
-    by reverse mode -- one matrix at a time for batched matrix ops."""
+    """Any op, from its Jacobian and Hessian by reverse mode (double backward: PyTorch's most
+    tested path) -- one matrix at a time for batched matrix ops; ops whose dense Hessian would
+    pass :data:`REVERSE_FALLBACK_LIMIT` by ``jvp`` and ``jvp`` of ``jvp`` along each direction,
+    if they are in :data:`NESTED_FORWARD_EXACT`, and are refused otherwise."""
     fn, primals, jets = _substitute(op, args, kwargs)
     outputs, spec = pytree.tree_flatten(out)
     smooth = [i for i, o in enumerate(outputs) if isinstance(o, Tensor) and o.is_floating_point()]
@@ -125,17 +132,33 @@ def general_fallback(ctx: Context, op: Callable[..., Any], out: Any, args: tuple
             else expanded(lifted(j.second, j.value.ndim), j.value.shape)
             for j in jets
         ]
-    coefficients = None
-    if _nests_in_forward_mode(fn, primals, smooth):
-        with contextlib.suppress(NotImplementedError):  # no forward-mode formula for the op
-            coefficients = _forward_coefficients(ctx, smooth_fn, primals, firsts, seconds)
-    if coefficients is None:
-        batch = _matrix_batch(op, args, kwargs, [outputs[i] for i in smooth])
-        if batch:
+    smooth_outputs = [outputs[i] for i in smooth]
+    batch = _matrix_batch(op, args, kwargs, smooth_outputs)
+    instances = math.prod(batch)
+    needed = (sum(o.numel() for o in smooth_outputs) * sum(p.numel() for p in primals) ** 2) // max(
+        instances, 1
+    ) ** 3
+    try:
+        if needed <= REVERSE_FALLBACK_LIMIT and batch:
             coefficients = _reverse_per_instance(ctx, op, args, kwargs, smooth, batch, firsts,
                                                  seconds)  # fmt: skip
-        else:
+        elif needed <= REVERSE_FALLBACK_LIMIT:
             coefficients = _reverse_coefficients(ctx, smooth_fn, primals, firsts, seconds)
+        elif _packet_name(op) in NESTED_FORWARD_EXACT:
+            coefficients = _forward_coefficients(ctx, smooth_fn, primals, firsts, seconds)
+        else:
+            raise UnsupportedOpError(
+                f"pyhvp: {op} has no jet rule, and the reverse-mode fallback would hold its "
+                f"dense Hessian ({needed} numbers, over the limit {REVERSE_FALLBACK_LIMIT}). "
+                f"Register a rule for it (pyhvp.register_jet_rule; linear=True if it is linear "
+                f"in its floating inputs), apply f to fewer elements at a time, or use an "
+                f"estimator built on Hessian-vector products (laplacian(..., method='hutch++'), "
+                f"hessian_diagonal(..., method='hutchinson' or 'diag++'))"
+            )
+    except UnsupportedOpError:
+        raise
+    except Exception as error:  # autograd has no (double) derivative for it, or it raised
+        raise _no_derivatives(op, error) from error
     first, second = coefficients
     result = list(outputs)
     for i, f1, f2 in zip(smooth, first, second, strict=True):
@@ -143,13 +166,23 @@ def general_fallback(ctx: Context, op: Callable[..., Any], out: Any, args: tuple
     return pytree.tree_unflatten(result, spec)
 
 
-def _nests_in_forward_mode(fn: Callable[..., Any], primals: tuple, smooth: list[int]) -> bool:
-    """Whether ``jvp`` of ``jvp`` of the op can be trusted: not when one of its floating outputs
-    is non-differentiable (e.g. ``_linalg_det``'s LU), since its forward-mode formula may use that
-    output, whose tangent the outer ``jvp`` then misses (torch 2.13 gets det's Hessian wrong)."""
-    with torch.enable_grad():
-        outputs = pytree.tree_leaves(fn(*(p.detach().requires_grad_() for p in primals)))
-    return all(outputs[i].requires_grad for i in smooth)
+def _no_derivatives(op: object, error: Exception) -> UnsupportedOpError:
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return UnsupportedOpError(
+        f"pyhvp: {op} has no jet rule, and autograd cannot give its second derivatives "
+        f"({type(error).__name__}: {reason}). Register a rule for it "
+        f"(pyhvp.register_jet_rule), or write f without it"
+    )
+
+
+def _packet_name(op: object) -> str | None:
+    schema = getattr(op, "_schema", None)
+    return None if schema is None else schema.name.partition("::")[2]
+
+
+NESTED_FORWARD_EXACT: frozenset[str] = frozenset()
+"""Ops whose nested forward mode (``jvp`` of ``jvp``) the OpInfo sweep proves exact: the fallback
+uses it where their dense Hessian is too large for reverse mode."""
 
 
 def _forward_coefficients(ctx: Context, fn: Callable[..., tuple], primals: tuple,
@@ -193,9 +226,7 @@ def _matrix_batch(op: Callable[..., Any], args: tuple, kwargs: dict,
     leading dims of the op's first tensor argument but its last two, when ``op`` is one of
     :data:`MATRIX_OPS` and every tensor argument and output starts
     with them (no broadcasting); ``()`` otherwise."""
-    schema = getattr(op, "_schema", None)
-    name = schema.name.partition("::")[2] if schema is not None else None
-    if name not in MATRIX_OPS:
+    if _packet_name(op) not in MATRIX_OPS:
         return ()
     tensors = [value_of(t) for t in pytree.tree_leaves((args, kwargs))]
     tensors = [t for t in tensors if isinstance(t, Tensor)]
@@ -254,15 +285,6 @@ def _reverse_coefficients(ctx: Context, fn: Callable[..., tuple], primals: tuple
     """From the op's dense Jacobian and Hessian (reverse over reverse), inputs flattened."""
     outputs = fn(*primals)
     sizes = [p.numel() for p in primals]
-    needed = sum(o.numel() for o in outputs) * sum(sizes) ** 2
-    if needed > REVERSE_FALLBACK_LIMIT:
-        raise RuntimeError(
-            f"pyhvp: an op of f has no jet rule and PyTorch's forward-mode derivative of it cannot "
-            f"be nested; the reverse-mode fallback would hold its dense Hessian ({needed} numbers, "
-            f"over the limit {REVERSE_FALLBACK_LIMIT}): its inputs are treated as one block "
-            f"unless it is a batched torch.linalg op, whose matrices are taken one at a time. "
-            f"Please report the op"
-        )
     every = tuple(range(len(primals)))
     jacobian = jacrev(fn, argnums=every)(*primals)  # [output][input]: out + in
     hessian = jacrev(jacrev(fn, argnums=every), argnums=every)(*primals)  # [o][i][j]

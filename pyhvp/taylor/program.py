@@ -20,9 +20,9 @@ directly or through a view, are refused (:class:`InPlaceInputError`); so is auto
 pass inside ``f`` (``torch.func.grad`` is fine).
 
 On a miss the record becomes an fx graph, replayed once through ``make_fx(functionalize(...))``
-(on fake tensors where shapes do not depend on values) with layer, group and (evaluation-mode)
-batch norm and CPU attention decomposed, into a functional aten program -- the graph the jet
-rules (:mod:`.rules`) run on.
+(on fake tensors where shapes do not depend on values) with every op that has no jet rule
+decomposed where PyTorch has a decomposition for it (:func:`decompositions`), into a functional
+aten program -- the graph the jet rules (:mod:`.rules`) run on.
 """
 
 from __future__ import annotations
@@ -34,15 +34,15 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import fx
-from torch._decomp import get_decompositions
+from torch._decomp import core_aten_decompositions, get_decompositions
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from pyhvp._keys import Value
 from pyhvp.taylor.custom_ops import STOP_GRADIENT, WITH_DERIVATIVES_OF
 from pyhvp.taylor.kernel import JetKernel, build_kernel, traceable
 from pyhvp.taylor.recorder import (
+    BY_CONDITIONING,
     KEEP,
-    SINGULAR_CHECKED,
     STOP,
     BackwardInside,
     Recorder,
@@ -50,6 +50,7 @@ from pyhvp.taylor.recorder import (
     argument_kinds,
     record,
 )
+from pyhvp.taylor.registry import RULES, ZERO_DERIVATIVE
 
 aten = torch.ops.aten
 Tensor = torch.Tensor
@@ -57,16 +58,44 @@ Tensor = torch.Tensor
 PROGRAMS_CACHED = 64
 """Programs remembered (least recently used dropped first)."""
 
-DECOMPOSITIONS = get_decompositions(
-    [
-        aten.native_layer_norm,
-        aten.native_group_norm,
-        aten._native_batch_norm_legit_no_training,
-        aten.native_batch_norm,
-        aten._scaled_dot_product_flash_attention_for_cpu,
-    ]
+
+EXTRA_DECOMPOSITIONS = (
+    aten.native_layer_norm.default,
+    aten.native_group_norm.default,
+    aten.native_batch_norm.default,
+    aten._native_batch_norm_legit_no_training.default,
+    aten._native_batch_norm_legit_functional.default,
+    aten.embedding.default,
+    aten.max_pool2d_with_indices.default,
+    aten.max_pool3d_with_indices.default,
+    aten.grid_sampler_2d.default,
+    aten.slice_scatter.default,
+    aten.diagonal_scatter.default,
+    aten.repeat.default,
+    aten.upsample_bilinear2d.vec,
+    aten.upsample_nearest2d.vec,
 )
-"""Composite ops rewritten into ops that have dedicated jet rules (var_mean, rsqrt, ...)."""
+"""Decompositions outside the core ATen table whose ops all have rules."""
+
+
+def decompositions() -> dict[torch._ops.OpOverload, Callable[..., object]]:
+    """PyTorch's core ATen decompositions (``torch._decomp``, plus :data:`EXTRA_DECOMPOSITIONS`)
+    of every op without a jet rule, applied while the program is replayed: composite ops
+    (``mse_loss`` and the other losses, ``addr``, ``index_add``, norms, attention's math path,
+    ...) become ops that have rules before any fallback is needed. Elementwise ops keep
+    autograd's own elementwise derivatives (:func:`~pyhvp.taylor.fallbacks.pointwise_fallback`);
+    random ops and ops with zero derivatives are left alone."""
+    table = {**core_aten_decompositions(), **get_decompositions(list(EXTRA_DECOMPOSITIONS))}
+    return {
+        op: decomposition
+        for op, decomposition in table.items()
+        if isinstance(op, torch._ops.OpOverload)
+        and op not in RULES
+        and op not in ZERO_DERIVATIVE
+        and not op._schema.is_mutable
+        and torch.Tag.pointwise not in op.tags
+        and torch.Tag.nondeterministic_seeded not in op.tags
+    }
 
 
 def _meta(t: Tensor) -> Hashable:
@@ -143,7 +172,7 @@ def _functional_graph(recorder: Recorder, output: Hashable, x: Tensor) -> fx.Gra
     for i in range(len(recorder.constants)):
         nodes[("constant", i)] = graph.placeholder(f"constant_{i}")
     for k, (func, args, kwargs, outputs, note) in enumerate(recorder.events):
-        target = SINGULAR_CHECKED[func] if note is True else func
+        target = BY_CONDITIONING[func] if note is True else func
         positional = _rebuild(args, nodes, graph)
         named = dict(_rebuild(kwargs, nodes, graph))
         if note == KEEP:
@@ -159,7 +188,7 @@ def _functional_graph(recorder: Recorder, output: Hashable, x: Tensor) -> fx.Gra
     def replay(tracing_mode: str) -> fx.GraphModule:
         functional = torch.func.functionalize(raw)
         with torch.no_grad():
-            return make_fx(functional, decomposition_table=DECOMPOSITIONS,
+            return make_fx(functional, decomposition_table=decompositions(),
                            tracing_mode=tracing_mode)(*inputs)  # fmt: skip
 
     try:  # on fake tensors: shapes are all it needs, and f's intermediates are not held again

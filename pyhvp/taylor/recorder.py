@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pyhvp._keys import Identity, value_key
-from pyhvp.taylor.custom_ops import SINGULAR_DET
+from pyhvp.taylor.custom_ops import DET_BY_SVD, det_needs_svd
 
 aten = torch.ops.aten
 Tensor = torch.Tensor
@@ -36,9 +36,9 @@ KEEP = "keep"
 derivatives (autograd does not see the write), with the new values."""
 
 DET, DETACH = aten._linalg_det.default, aten.detach.default
-SINGULAR_CHECKED = {DET: SINGULAR_DET}
-"""Ops recorded as another when an instance is singular (``det == 0``): the record says so, so
-the program (a different op with a rule that holds there) is keyed by it."""
+BY_CONDITIONING = {DET: DET_BY_SVD}
+"""Ops recorded as another when an instance is (nearly) singular: the record says so, so the
+program (a different op, with a rule that holds there) is keyed by it."""
 _current_autograd_node = torch._C._current_autograd_node
 
 BACKWARD = {
@@ -138,7 +138,7 @@ class Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         label = ("op", len(self.events))
         if func is DET:  # which rule holds depends on the values
-            note = bool((out[0] == 0).any())
+            note = det_needs_svd(out[1])
         self.events.append((func, *described, self._outputs(out, label, stops_outputs), note))
         return out
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from pyhvp.taylor.custom_ops import STOP_GRADIENT
+from pyhvp.taylor.custom_ops import DET_BY_SVD, STOP_GRADIENT, WITH_DERIVATIVES_OF
 from pyhvp.taylor.fallbacks import general_fallback, pointwise_fallback
 from pyhvp.taylor.jets import Context, Jet, value_of
 
@@ -38,7 +38,8 @@ def apply(ctx: Context, op: Callable[..., Any], *args: object, **kwargs: object)
     """``op`` on the values, and its rule on the coefficients when an input is a jet."""
     if op is STOP_GRADIENT:  # the value, as a constant
         return value_of(args[0]).detach()
-    out = op(*pytree.tree_map(value_of, args), **pytree.tree_map(value_of, kwargs))
+    out = VALUE_FORMS.get(op, op)(*pytree.tree_map(value_of, args),
+                                  **pytree.tree_map(value_of, kwargs))  # fmt: skip
     if not any(isinstance(a, Jet) for a in pytree.tree_leaves((args, kwargs))):
         return out
     results = [t for t in pytree.tree_leaves(out) if isinstance(t, Tensor)]
@@ -62,6 +63,24 @@ def apply(ctx: Context, op: Callable[..., Any], *args: object, **kwargs: object)
     if torch.Tag.pointwise in getattr(op, "tags", ()):
         return pointwise_fallback(ctx, op, out, args, kwargs)
     return general_fallback(ctx, op, out, args, kwargs)
+
+
+def _copied(dst: Tensor, src: Tensor, non_blocking: bool = False) -> Tensor:
+    return src.to(dtype=dst.dtype, device=dst.device).expand(dst.shape).clone()
+
+
+def _with_derivatives_of(value: Tensor, source: Tensor) -> Tensor:
+    return value.detach() + (source - source.detach())
+
+
+VALUE_FORMS: dict[object, Callable[..., Any]] = {
+    aten.copy.default: _copied,
+    WITH_DERIVATIVES_OF: _with_derivatives_of,
+    DET_BY_SVD: aten._linalg_det.default,
+}
+"""Ops computed in the kernel by an equivalent that autograd differentiates, so that gradients
+reach parameters through the kernel's values: ``aten.copy`` (what functionalized in-place writes
+become) has no derivative formula, and the program's own ops none either."""
 
 
 ZERO_DERIVATIVE = {

@@ -4,10 +4,12 @@ solve."""
 from __future__ import annotations
 
 import operator
+from typing import Any
 
 import torch
 
-from pyhvp.taylor.custom_ops import SINGULAR_DET
+from pyhvp.taylor.custom_ops import DET_BY_SVD
+from pyhvp.taylor.fallbacks import general_fallback
 from pyhvp.taylor.jets import (
     Context,
     Jet,
@@ -16,6 +18,7 @@ from pyhvp.taylor.jets import (
 )
 from pyhvp.taylor.registry import apply, rule
 from pyhvp.taylor.rules.matmul import matmul_jet
+from pyhvp.taylor.rules.reductions import products_but
 
 aten = torch.ops.aten
 Tensor = torch.Tensor
@@ -51,27 +54,25 @@ def _log_det_coefficients(ctx: Context, a: Jet) -> tuple[Tensor, Tensor]:
 
 @rule(aten._linalg_det.default)
 def _det(ctx: Context, out: tuple, a: Jet) -> tuple:
-    """det' = det tr(A^-1 T); det'' = det (log det'' + log det'^2). Only for invertible
-    instances: a record with a singular one runs :func:`singular_det` instead."""
+    """det' = det tr(A^-1 T); det'' = det (log det'' + log det'^2). Only for
+    well-conditioned instances: a record with a (nearly) singular one runs
+    :func:`~pyhvp.taylor.custom_ops.det_by_svd` instead."""
     det = out[0]
     first, second = _log_det_coefficients(ctx, a)
     return (Jet(det, det * first, det * (second + ctx.square(first))), *out[1:])
 
 
-@rule(SINGULAR_DET)
-def _singular_det(ctx: Context, out: tuple, a: Jet) -> tuple:
-    """det through the SVD ``A = U diag(s) V^T``, exact for singular A too: with ``P = U^T T V``
-    and ``c_i``, ``c_ij`` the products of the singular values but the i-th (and j-th), ``det(A +
-    tT) = det(U) det(V) det(diag(s) + tP)`` has first derivative ``sum_i P_ii c_i`` and second
-    ``sum_{i != j} (P_ii P_jj - P_ij P_ji) c_ij`` (times ``det(U) det(V)``)."""
+@rule(DET_BY_SVD)
+def _det_by_svd(ctx: Context, out: tuple, a: Jet) -> tuple:
+    """det through the SVD ``A = U diag(s) V^T``, exact for (nearly) singular A: with
+    ``P = U^T T V`` and ``c_i``, ``c_ij`` the products of the singular values but the i-th (and
+    j-th), ``det(A + tT) = det(U) det(V) det(diag(s) + tP)`` has first derivative
+    ``sum_i P_ii c_i`` and second ``sum_{i != j} (P_ii P_jj - P_ij P_ji) c_ij`` (times
+    ``det(U) det(V)``)."""
     t, s = _matrix_coefficients(a)
     u, sigma, vh = torch.linalg.svd(a.value)
     sign = torch.linalg.det(u) * torch.linalg.det(vh)
-    n = sigma.shape[-1]
-    eye = torch.eye(n, dtype=torch.bool, device=sigma.device)
-    c1 = torch.where(eye, 1.0, sigma[..., None, :]).prod(-1)  # (..., n)
-    skip = eye[:, None, :] | eye[None, :, :]  # (i, j, k): k is i or j
-    c2 = torch.where(skip, 1.0, sigma[..., None, None, :]).prod(-1)  # (..., n, n)
+    c1, c2 = products_but(sigma)
 
     def rotated(m: Tensor) -> Tensor:
         return u.mT @ m @ vh.mT
@@ -124,3 +125,32 @@ def _solve(ctx: Context, out: tuple, a: object, b: object, left: bool = True,
     if vector:
         x = Jet(out[0], x.first.squeeze(dim), None if x.second is None else x.second.squeeze(dim))
     return (x, *out[1:])
+
+
+@rule(aten._linalg_eigh.default)
+def _eigenvalues(ctx: Context, out: tuple, a: Jet, uplo: str = "L", compute_v: bool = True) -> Any:
+    """Eigenvalues of a symmetric matrix (``eigvalsh``: ``compute_v=False``), by perturbation
+    theory in autograd's convention (the whole coefficient ``T`` perturbs ``A``): with
+    ``M = V^T T V``, ``l_i' = M_ii`` and ``l_i'' = (V^T S V)_ii + sum_{j != i} M_ji (M_ij + M_ji) /
+    (l_i - l_j)``. Eigenvectors, when computed, go to the fallback."""
+    if compute_v:
+        return general_fallback(ctx, aten._linalg_eigh.default, out, (a, uplo, compute_v), {})
+    t, s = _matrix_coefficients(a)
+    eigenvalues, vectors = torch.linalg.eigh(a.value, UPLO=uplo)
+    n = eigenvalues.shape[-1]
+    off = ~torch.eye(n, dtype=torch.bool, device=eigenvalues.device)
+    gaps = eigenvalues[..., :, None] - eigenvalues[..., None, :]  # l_i - l_j
+    inverse_gaps = torch.where(off, 1 / torch.where(off, gaps, 1.0), 0.0)
+
+    def rotated(m: Tensor) -> Tensor:
+        return vectors.mT @ m @ vectors
+
+    def curvature(m: Tensor, w: Tensor) -> Tensor:  # sum_j M_ji (W_ij + W_ji) / (l_i - l_j)
+        return (m.mT * (w + w.mT) * inverse_gaps).sum(-1)
+
+    m = rotated(t)
+    first = m.diagonal(dim1=-2, dim2=-1)
+    second = ctx.pair(curvature, m, m)
+    if s is not None:
+        second = second + rotated(s).diagonal(dim1=-2, dim2=-1)
+    return Jet(out[0], first, second), out[1]

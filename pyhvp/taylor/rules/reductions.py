@@ -226,9 +226,16 @@ def _vector_norm(
     base = u if ord == 2 else magnitude  # |u|^2 = u^2 is smooth at 0
     total = apply(ctx, aten.sum.dim_IntList, apply(ctx, aten.pow.Tensor_Scalar, base, ord), dims,
                   keepdim)  # fmt: skip
-    norm = apply(ctx, aten.pow.Tensor_Scalar, total, 1 / ord)
-    # autograd's convention: a zero norm has zero derivatives (they are unbounded there)
+    # autograd's convention: a zero norm has zero derivatives (they are unbounded there); the
+    # root is taken of a total that is 1 there, so that no inf * 0 reaches the kernel's own
+    # derivatives (gradients through the Laplacian) through the unselected branch of a where
     zero = out == 0
+    safe = Jet(
+        torch.where(zero, 1.0, total.value),
+        torch.where(zero, 0.0, total.first),
+        None if total.second is None else torch.where(zero, 0.0, total.second),
+    )
+    norm = apply(ctx, aten.pow.Tensor_Scalar, safe, 1 / ord)
     return Jet(
         out,
         torch.where(zero, 0.0, norm.first),
@@ -245,3 +252,50 @@ def _cdist(
     difference = apply(ctx, aten.sub.Tensor, rows, columns)
     distance = apply(ctx, aten.linalg_vector_norm.default, difference, p, [-1])
     return Jet(out, distance.first, distance.second) if isinstance(distance, Jet) else out
+
+
+def products_but(values: Tensor) -> tuple[Tensor, Tensor]:
+    """``c_i = prod_{k != i} v_k`` and ``c_ij = prod_{k != i, j} v_k`` (0 on the diagonal) over
+    the last dim of ``values``, from prefix, suffix and between-products: no division (exact at
+    zeros), ``O(n^2)`` per row."""
+    n = values.shape[-1]
+    ones = values.new_ones((*values.shape[:-1], 1))
+    before = torch.cat([ones, values[..., :-1]], -1).cumprod(-1)  # prod_{k < i}
+    after = torch.cat([values[..., 1:], ones], -1).flip(-1).cumprod(-1).flip(-1)  # prod_{k > i}
+    index = torch.arange(n, device=values.device)
+    later = index[None, :] > index[:, None]  # (i, k): k > i
+    between = torch.where(later, values[..., None, :], 1.0).cumprod(-1)  # prod_{i < k <= j}
+    between = torch.cat([values.new_ones((*values.shape, 1)), between[..., :-1]], -1)  # k < j
+    pairs = torch.where(later, before[..., :, None] * between * after[..., None, :], 0.0)
+    return before * after, pairs + pairs.mT
+
+
+@rule(aten.prod.dim_int, aten.prod.default)
+def _prod(
+    ctx: Context, out: Tensor, u: Jet, dim: int | None = None, keepdim: bool = False, *,
+    dtype: torch.dtype | None = None,
+) -> Jet:  # fmt: skip
+    """``y = prod_i u_i``: first ``sum_i t_i c_i``, second ``sum_i s_i c_i + sum_{i != j} t_i t_j
+    c_ij`` with the products-but-one and -two of :func:`products_but` (exact where factors are
+    zero, unlike ``y / u_i``)."""
+    if dtype is not None:
+        u = apply(ctx, aten._to_copy.default, u, dtype=dtype)
+    if dim is None:
+        u, d = apply(ctx, aten.view.default, u, [-1]), 0
+    else:
+        d = axis(dim, u.value.ndim)
+    order = [*(k for k in range(u.value.ndim) if k != d), d]
+    u = apply(ctx, aten.permute.default, u, order)  # the reduced dim last
+    c1, c2 = products_but(u.value)
+    t = expanded(lifted(u.first, u.value.ndim), u.value.shape, [u.value.ndim - 1])
+    first = (t * c1).sum(-1)
+
+    def quadratic(a: Tensor, b: Tensor) -> Tensor:  # sum_ij a_i c_ij b_j
+        return (a.unsqueeze(-2) @ (c2 @ b.unsqueeze(-1)))[..., 0, 0]
+
+    second = ctx.pair(quadratic, t, t)
+    if u.second is not None:
+        second = second + (lifted(u.second, u.value.ndim) * c1).sum(-1)
+    if keepdim and dim is not None:
+        first, second = first.unsqueeze(d + 1), second.unsqueeze(d + 1)
+    return Jet(out, first, second)
