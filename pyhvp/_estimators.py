@@ -144,7 +144,8 @@ class Space:
 
     def project(self, vectors: torch.Tensor) -> torch.Tensor:
         """x-space ``(k, *batch, *event)`` -> ``(k, *batch, d)`` (``S^T v`` with a factor)."""
-        flat = vectors.reshape(*vectors.shape[: vectors.ndim - len(self.event)], -1)
+        lead = vectors.shape[: vectors.ndim - len(self.event)]
+        flat = vectors.reshape(*lead, math.prod(self.event))  # not -1: lead may hold a 0
         if self.factor is None:
             return flat
         return (flat.unsqueeze(-2) @ self.factor).squeeze(-2)

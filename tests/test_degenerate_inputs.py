@@ -115,3 +115,46 @@ def test_half_precision_runs_to_its_precision(op, dtype):
     result = call(cubic, x.to(dtype), "torch")
     assert result.dtype == dtype
     torch.testing.assert_close(result.double(), reference(cubic, x), rtol=HALF[dtype], atol=0)
+
+
+ESTIMATORS = {
+    "diagonal exact": (lambda f, x: pyhvp.hessian_diagonal(f, x), (0, 3)),
+    "diagonal hutchinson": (
+        lambda f, x: pyhvp.hessian_diagonal(f, x, method="hutchinson", samples=4),
+        (0, 3),
+    ),
+    "diagonal diag++": (
+        lambda f, x: pyhvp.hessian_diagonal(f, x, method="diag++", samples=4),
+        (0, 3),
+    ),
+    "laplacian exact": (lambda f, x: pyhvp.laplacian(f, x), (0,)),
+    "laplacian hutchinson": (
+        lambda f, x: pyhvp.laplacian(f, x, method="hutchinson", samples=4),
+        (0,),
+    ),
+    "laplacian hutch++": (lambda f, x: pyhvp.laplacian(f, x, method="hutch++", samples=4), (0,)),
+}
+
+
+@pytest.mark.parametrize(("call", "shape"), ESTIMATORS.values(), ids=ESTIMATORS.keys())
+def test_an_empty_batch_gives_an_empty_result_on_every_method(call, shape, device):
+    """Issue 16 item 4: the stochastic methods raised a reshape error on x of shape (0, 3)."""
+    result = call(cubic, torch.randn(0, 3, dtype=torch.float64, device=device))
+    assert result.shape == shape
+
+
+@pytest.mark.parametrize("method", ["exact", "hutchinson", "diag++"])
+def test_a_scalar_diagonal_of_an_expanded_x_equals_the_contiguous_one(method, device):
+    """Issue 16 item 4: one (4, 3) instance expanded from (1, 3) raised 'more than one element of
+    the written-to tensor refers to a single memory location' on the scalar path."""
+    x = torch.randn(1, 3, dtype=torch.float64, device=device).expand(4, 3)[None]
+
+    def f(y):
+        return cubic(y).sum(-1)
+
+    kwargs = {} if method == "exact" else {"samples": 6}
+    results = []
+    for layout in (x, x.contiguous()):
+        torch.manual_seed(1)
+        results.append(pyhvp.hessian_diagonal(f, layout, event_dims=2, method=method, **kwargs))
+    torch.testing.assert_close(*results)
