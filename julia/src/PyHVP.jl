@@ -24,7 +24,7 @@ import DLPack
 using CUDA:
     @cuda, CuArray, blockDim, blockIdx, device!, launch_configuration, synchronize, threadIdx
 using Enzyme: BatchDuplicated, Const, Duplicated, Forward, Reverse, autodiff, gradient!
-using ForwardDiff: Dual, partials, value
+using ForwardDiff: ForwardDiff, Dual, Tag, partials, value
 using StaticArrays: SArray
 
 export grad_and_hvp!, grad_and_hvp_dlpack!, instance_grad_and_hvp
