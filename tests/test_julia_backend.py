@@ -33,8 +33,8 @@ needs_julia = pytest.mark.skipif(
 gaussian_jl = pyhvp.julia_function("(x, mu) -> exp(-sum(abs2, x .- mu))")
 
 
-def gaussian(x, mu):
-    return torch.exp(-((x - mu) ** 2).sum(-1))
+def gaussian(x, mu, event_dims=1):
+    return torch.exp(-((x - mu) ** 2).flatten(-event_dims).sum(-1))
 
 
 # ------------------------------------------------------------------ where Julia cannot start
@@ -222,28 +222,37 @@ def test_every_juliacall_option_pyhvp_sets_is_one_juliacall_reads():
 
 # ------------------------------------------------------------------ cross-checks vs torch
 
-CASES = [  # name: (x shape, mu shape, k tangents or None for v of x's shape)
-    ("seed000-single-tangent", (2, 3, 4, 3), (2, 1, 1, 3), None),
-    ("seed000-k3", (2, 3, 4, 3), (2, 1, 1, 3), 3),
-    ("seed000-k11-chunked", (2, 3, 2, 3), (2, 1, 1, 3), 11),
-    ("shared-mu-of-shape-d", (4, 3), (3,), 2),
-    ("one-instance-x-of-shape-1-d", (1, 3), (3,), None),
+CASES = [  # name: (x shape, mu shape, k tangents or None for v of x's shape, event dims)
+    ("seed000-single-tangent", (2, 3, 4, 3), (2, 1, 1, 3), None, 1),
+    ("seed000-k3", (2, 3, 4, 3), (2, 1, 1, 3), 3, 1),
+    ("seed000-k11-chunked", (2, 3, 2, 3), (2, 1, 1, 3), 11, 1),
+    ("shared-mu-of-shape-d", (4, 3), (3,), 2, 1),
+    ("one-instance-x-of-shape-1-d", (1, 3), (3,), None, 1),
+    # matrix instances: Enzyme.jl#2071 (open) reports wrong forward-over-reverse HVPs for
+    # matrix inputs on Julia 1.11
+    ("event-dims-2-shared-mu", (4, 2, 3), (2, 3), 3, 2),
+    ("event-dims-2-per-instance-mu", (2, 2, 3), (2, 2, 3), None, 2),
 ]
 
 
-def julia_and_dense_hvp(x_shape, mu_shape, k, dtype=torch.float64, device="cpu"):
+def julia_and_dense_hvp(x_shape, mu_shape, k, dtype=torch.float64, device="cpu", event_dims=1):
     x = torch.randn(x_shape, dtype=dtype, device=device) / 2
     mu = torch.randn(mu_shape, dtype=dtype, device=device) / 2
     v = torch.randn(((k,) if k else ()) + x_shape, dtype=dtype, device=device)
-    _, hv = pyhvp.grad_and_hvp(gaussian_jl, x, v, mu, backend="julia")
-    return hv.double(), instance_hvp(gaussian, x, v, mu)
+    _, hv = pyhvp.grad_and_hvp(gaussian_jl, x, v, mu, event_dims=event_dims, backend="julia")
+    expected = instance_hvp(
+        lambda y, m: gaussian(y, m, event_dims), x, v, mu, event_dims=event_dims
+    )
+    return hv.double(), expected
 
 
 @needs_julia
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
-@pytest.mark.parametrize(("case", "x_shape", "mu_shape", "k"), CASES, ids=[c[0] for c in CASES])
-def test_julia_matches_dense_reference(device, dtype, case, x_shape, mu_shape, k):
-    hv, expected = julia_and_dense_hvp(x_shape, mu_shape, k, dtype, device)
+@pytest.mark.parametrize(
+    ("case", "x_shape", "mu_shape", "k", "event_dims"), CASES, ids=[c[0] for c in CASES]
+)
+def test_julia_matches_dense_reference(device, dtype, case, x_shape, mu_shape, k, event_dims):
+    hv, expected = julia_and_dense_hvp(x_shape, mu_shape, k, dtype, device, event_dims)
     tol = 1e-4 if dtype == torch.float32 else 1e-10
     torch.testing.assert_close(hv, expected, rtol=tol, atol=tol)
 

@@ -1,6 +1,7 @@
 """Static checks of the bundled Julia package (no Julia needed): it parses, fatou finds no
-undefined name, device code never nests Enzyme, every package name device code uses is listed
-in julia/README.md with its upstream GPU test, and its dependencies match pyhvp/juliapkg.json."""
+undefined name, device code never nests Enzyme, never maps or splats a tuple whose length is a
+type parameter, every package name device code uses is listed in julia/README.md with its
+upstream GPU test, and its dependencies match pyhvp/juliapkg.json."""
 
 import json
 import re
@@ -297,6 +298,105 @@ def test_device_names_are_those_reachable_from_a_cuda_kernel(parser, tmp_path):
         "threadIdx": "CUDA",
         "Dual": "ForwardDiff",
     }
+
+
+TUPLE_CONSUMERS = {"map", "foreach"}
+
+
+def type_length_tuples(definition) -> set[str]:
+    """The names in one function definition that hold a tuple whose length is a type parameter:
+    arguments typed `NTuple{N, ...}` with `N` a name (not a literal), and locals assigned an
+    `ntuple(...)`."""
+    names = set()
+    for node in walk(definition):
+        if node.type == "typed_expression" and node.named_children[-1].type == (
+            "parametrized_type_expression"
+        ):
+            kind, parameters = node.named_children[-1].named_children[:2]
+            length = parameters.named_children[0] if parameters.named_children else None
+            if text(kind) == "NTuple" and length is not None and length.type == "identifier":
+                names.add(text(node.named_children[0]))
+        elif node.type == "assignment" and node.children[0].type == "identifier":
+            value = node.children[-1]
+            if value.type == "call_expression" and callee_name(value) == "ntuple":
+                names.add(text(node.children[0]))
+    return names
+
+
+def tuple_maps_and_splats(code: JuliaCode) -> list[str]:
+    """Where device code (what a `@cuda` kernel reaches) `map`s/`foreach`es over or splats a
+    tuple whose length is a type parameter. Base's `map(f, t::Any32)` (32 or more elements)
+    collects into a `Vector{Any}` and splats it: a heap allocation and a dynamic call that
+    device code cannot compile. `ntuple(i -> ..., Val(N))` unrolls at any length."""
+    found = []
+    reached = {
+        (path, definition.start_point, definition.end_point): (path, definition)
+        for path, kernel in kernels(code)
+        for path, definition in code.reachable(path, kernel)
+        if defined_name(definition) is not None
+    }
+    for path, definition in reached.values():
+        tuples = type_length_tuples(definition)
+        for node in walk(definition):
+            if node.type == "call_expression" and callee_name(node) in TUPLE_CONSUMERS:
+                mapped = [text(a) for a in positional_arguments(node)[1:] if text(a) in tuples]
+                found.extend(f"{callee_name(node)} over {m} at {where(path, node)}" for m in mapped)
+            elif node.type == "splat_expression" and text(node.named_children[0]) in tuples:
+                found.append(f"splat of {text(node.named_children[0])} at {where(path, node)}")
+    return sorted(found)
+
+
+LAUNCH = "launch(h, x, v) = @cuda k(h, x, v)\n"
+
+TUPLE_CASES = [  # name: (Julia source with a kernel `k`, what the check must report)
+    (
+        "old-duals-jl-map-over-ntuple-local",
+        LAUNCH + "function k(h, x::NTuple{N,T}, v::NTuple{K,NTuple{N,T}}) where {N,K,T}\n"
+        "    dy = ntuple(i -> h(x, i), Val(N))\n"
+        "    return map(value, dy), ntuple(j -> map(d -> partials(d, j), dy), Val(K))\n"
+        "end\n",
+        ["map over dy at case.jl:4", "map over dy at case.jl:4"],
+    ),
+    (
+        "old-gpu-jl-map-over-ntuple-argument",
+        LAUNCH + "k(h, x, V::NTuple{K}) where {K} = h(map(t -> t[1], V))\n",
+        ["map over V at case.jl:2"],
+    ),
+    (
+        "splat-through-a-helper",
+        LAUNCH + "k(h, x, v) = helper(h, x)\nhelper(h, x::NTuple{N,T}) where {N,T} = h(x...)\n",
+        ["splat of x at case.jl:3"],
+    ),
+    (
+        "ntuple-form-as-duals-jl-now",
+        LAUNCH + "function k(h, x::NTuple{N,T}, v) where {N,T}\n"
+        "    dy = ntuple(i -> h(x, i), Val(N))\n"
+        "    return ntuple(i -> value(dy[i]), Val(N))\n"
+        "end\n",
+        [],
+    ),
+    ("literal-length-is-not-a-type-parameter", LAUNCH + "k(h, x::NTuple{3}, v) = map(h, x)\n", []),
+    (
+        "host-code-may-map",
+        LAUNCH + "k(h, x, v) = nothing\nhost(x::NTuple{N}) where {N} = map(abs, x)\n",
+        [],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "source", "reports"), TUPLE_CASES, ids=[c[0] for c in TUPLE_CASES]
+)
+def test_tuple_check_finds_map_and_splat_of_type_length_tuples_in_device_code(
+    parser, tmp_path, case, source, reports
+):
+    path = tmp_path / "case.jl"
+    path.write_text(source)
+    assert tuple_maps_and_splats(JuliaCode(parser, [path])) == reports
+
+
+def test_device_code_never_maps_or_splats_a_type_length_tuple(parser):
+    assert tuple_maps_and_splats(JuliaCode(parser, JULIA_SRC)) == []
 
 
 def readme_table_names() -> set[str]:

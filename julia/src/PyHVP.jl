@@ -22,17 +22,26 @@ module PyHVP
 
 import DLPack
 using CUDA:
-    @cuda, CuArray, blockDim, blockIdx, device!, launch_configuration, synchronize, threadIdx
-using Enzyme: BatchDuplicated, Const, Duplicated, Forward, Reverse, autodiff, gradient!
-using ForwardDiff: Dual, partials, value
+    CUDA,
+    @cuda,
+    CuArray,
+    blockDim,
+    blockIdx,
+    device!,
+    launch_configuration,
+    synchronize,
+    threadIdx
+using Enzyme: Enzyme, BatchDuplicated, Const, Duplicated, Forward, Reverse, autodiff, gradient!
+using ForwardDiff: ForwardDiff, Dual, Tag, partials, value
 using StaticArrays: SArray
 
-export grad_and_hvp!, grad_and_hvp_dlpack!, instance_grad_and_hvp
+export grad_and_hvp!, grad_and_hvp_dlpack!, instance_grad_and_hvp, versions
 
 include("instances.jl")
 include("cpu.jl")
 include("duals.jl")
 include("gpu.jl")
 include("dlpack.jl")
+include("versions.jl")
 
 end # module PyHVP

@@ -4,15 +4,33 @@
 # The tags are our own singletons and the seeding and extraction are written out (as
 # WaterLily.jl does for its GPU kernels) rather than going through `ForwardDiff.gradient`:
 # ForwardDiff's extraction compares `Tag` precedence through `tagcount`, a `@generated`
-# counter whose order GPU codegen can invert (WaterLily.jl PR #284). Here no operation ever
-# mixes the two tags -- every tangent dual sits inside a gradient dual -- so no precedence is
-# ever asked for.
+# counter whose order GPU codegen can invert (WaterLily.jl PR #284). Our tags' precedence is
+# defined below by methods on types instead, so it is settled at compile time.
+#
+# Device code: every tuple here has a length that is a type parameter (`N` variables, `K`
+# tangents), so it is built and read with `ntuple(i -> ..., Val(N))`, never `map` or a splat:
+# Base's `map` over 32 or more elements (`Any32`) collects into a `Vector{Any}` and splats it,
+# a heap allocation and a dynamic call that device code cannot compile.
+# `tests/test_julia_static.py` enforces this.
 
 """Tag of the outer duals: their `K` partials carry the tangents `v[1], ..., v[K]`."""
 struct TangentTag end
 
 """Tag of the inner duals: their `N` partials carry the gradient directions `e_1, ..., e_N`."""
 struct GradientTag end
+
+# Precedence (`ForwardDiff.:≺(a, b)`: true when `Dual{b}` sits outside `Dual{a}`), asked when
+# an operation mixes two tags. Tangent duals sit inside gradient duals; a derivative that the
+# user's function takes itself (`ForwardDiff.derivative` inside `f`) is taken inside ours, so
+# its duals go outside both: TangentTag ≺ GradientTag ≺ every `ForwardDiff.Tag`. WaterLily.jl
+# v1.8.0 `src/core.jl:253-255` defines its `_InnerTag` the same way; its tag is the inner call
+# there and ranks after every `Tag`, ours are the outer calls and rank before.
+ForwardDiff.:≺(::Type{TangentTag}, ::Type{GradientTag}) = true
+ForwardDiff.:≺(::Type{GradientTag}, ::Type{TangentTag}) = false
+ForwardDiff.:≺(::Type{TangentTag}, ::Type{TangentTag}) = false
+ForwardDiff.:≺(::Type{GradientTag}, ::Type{GradientTag}) = false
+ForwardDiff.:≺(::Type{<:Union{TangentTag,GradientTag}}, ::Type{<:Tag}) = true
+ForwardDiff.:≺(::Type{<:Tag}, ::Type{<:Union{TangentTag,GradientTag}}) = false
 
 """
     instance_grad_and_hvp(h, x, v) -> (g, hv)
@@ -30,7 +48,9 @@ function instance_grad_and_hvp(h, x::NTuple{N,T}, v::NTuple{K,NTuple{N,T}}) wher
     end
     y = h(seeded)
     dy = ntuple(i -> gradient_partial(y, i), Val(N))
-    return map(value, dy), ntuple(j -> map(d -> partials(d, j), dy), Val(K))
+    g = ntuple(i -> value(dy[i]), Val(N))
+    hv = ntuple(j -> ntuple(i -> partials(dy[i], j), Val(N)), Val(K))
+    return g, hv
 end
 
 gradient_partial(y::Dual{GradientTag}, i) = partials(y, i)

@@ -22,7 +22,7 @@ function grad_and_hvp_kernel!(
     g, hv = instance_grad_and_hvp(
         z -> f(static_shape(z, xdims), a...),
         instance_values(X, I, xdims),
-        map(t -> instance_values(t, I, xdims), V),
+        ntuple(j -> instance_values(V[j], I, xdims), Val(K)),
     )
     instance_store!(G, I, g)
     for j in 1:K
