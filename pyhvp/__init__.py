@@ -12,6 +12,7 @@ from pyhvp.instances import InstanceCouplingError, PerInstance, check_instances,
 from pyhvp.kronecker import KroneckerHVP
 from pyhvp.laplacian import GradAndLaplacian, grad_and_laplacian, laplacian
 from pyhvp.submatrix import module_loss, sub_hessian
+from pyhvp.taylor import UnsupportedOpError, register_jet_rule
 
 __all__ = [
     "Backend",
@@ -23,6 +24,7 @@ __all__ = [
     "KroneckerHVP",
     "PerInstance",
     "TorchBackend",
+    "UnsupportedOpError",
     "available_backends",
     "check_instances",
     "grad_and_hvp",
@@ -33,5 +35,6 @@ __all__ = [
     "laplacian",
     "module_loss",
     "per_instance",
+    "register_jet_rule",
     "sub_hessian",
 ]

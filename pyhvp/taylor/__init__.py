@@ -49,8 +49,21 @@ Where things are:
 * :mod:`.kernel` -- the rules traced over a program into a flat aten graph.
 """
 
+from pyhvp.taylor.fallbacks import UnsupportedOpError
+from pyhvp.taylor.jets import Context, Jet, chain
 from pyhvp.taylor.kernel import JetKernel
 from pyhvp.taylor.program import Capture, capture
 from pyhvp.taylor.recorder import InPlaceInputError
+from pyhvp.taylor.registry import register_jet_rule
 
-__all__ = ["Capture", "InPlaceInputError", "JetKernel", "capture"]
+__all__ = [
+    "Capture",
+    "Context",
+    "InPlaceInputError",
+    "Jet",
+    "JetKernel",
+    "UnsupportedOpError",
+    "capture",
+    "chain",
+    "register_jet_rule",
+]

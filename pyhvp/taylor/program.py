@@ -69,8 +69,6 @@ EXTRA_DECOMPOSITIONS = (
     aten.max_pool2d_with_indices.default,
     aten.max_pool3d_with_indices.default,
     aten.grid_sampler_2d.default,
-    aten.slice_scatter.default,
-    aten.diagonal_scatter.default,
     aten.repeat.default,
     aten.upsample_bilinear2d.vec,
     aten.upsample_nearest2d.vec,

@@ -18,6 +18,7 @@ import weakref
 from collections.abc import Callable, Hashable, Sequence
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -242,7 +243,9 @@ class BackwardInside(BaseException):
 def record(f: Callable[..., Tensor], variable: Tensor, args: Sequence[object],
             tell_backward_apart: bool) -> tuple[Recorder, object]:  # fmt: skip
     """``f(variable, *args)`` under the recorder: grad mode on (so that ``f``'s own ``no_grad``
-    shows), and the fused multi-head-attention inference path off (it has no derivatives)."""
+    shows), the fused multi-head-attention inference path off (it has no derivatives), and
+    ``scaled_dot_product_attention`` on its math path: the fused kernels (flash, efficient,
+    cuDNN on CUDA; flash on the CPU) have no decomposition and no second derivatives."""
     recorder = Recorder(variable, watch_backward=not tell_backward_apart)
     mha = getattr(torch.backends, "mha", None)
     fastpath = mha.get_fastpath_enabled() if mha is not None else None
@@ -250,7 +253,7 @@ def record(f: Callable[..., Tensor], variable: Tensor, args: Sequence[object],
     try:
         if mha is not None:
             mha.set_fastpath_enabled(False)
-        with torch.enable_grad(), guard, recorder:
+        with torch.enable_grad(), guard, sdpa_kernel([SDPBackend.MATH]), recorder:
             out = f(variable, *args)
     finally:
         if mha is not None:

@@ -11,7 +11,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from pyhvp.taylor.custom_ops import DET_BY_SVD, STOP_GRADIENT, WITH_DERIVATIVES_OF
-from pyhvp.taylor.fallbacks import general_fallback, pointwise_fallback
+from pyhvp.taylor.fallbacks import general_fallback, linear_rule, pointwise_fallback
 from pyhvp.taylor.jets import Context, Jet, value_of
 
 aten = torch.ops.aten
@@ -106,3 +106,74 @@ ZERO_DERIVATIVE = {
     aten.fill.Scalar,
 }
 """Ops whose floating output is locally constant in their inputs (or ignores their values)."""
+
+
+def register_jet_rule(
+    op: object, rule: Rule | None = None, *, linear: bool = False, indexing: bool = False
+) -> Any:
+    """Tell the Taylor engine how ``op`` carries jets: a rule of your own, or one derived from a
+    flag; the engine otherwise reduces ``op`` by PyTorch's decompositions or falls back to
+    autograd's dense derivatives of it (slow for large inputs, refused past a size limit).
+
+    ``op``: an aten op (``torch.ops.aten.foo.default``, or its packet ``torch.ops.aten.foo`` for
+    every overload) or an op made with ``torch.library.custom_op`` -- what ``f`` calls must be an
+    op, which the recorder sees (wrap a Python function as a custom op first).
+
+    * ``linear=True``: ``op`` is linear in its floating tensor inputs taken together, the other
+      arguments fixed (no additive constant, no product of two inputs): each coefficient goes
+      through ``op`` itself, batched over directions with ``vmap``.
+    * ``indexing=True``: linear, and ``op`` only moves, selects or repeats the elements of its
+      one floating input, so the engine can keep coefficients factored.
+    * ``rule(ctx, out, *args, **kwargs)``: ``out`` is the op's value, ``args`` / ``kwargs`` the
+      op's arguments with a :class:`~pyhvp.taylor.Jet` wherever an input depends on ``x``; it
+      returns the output's jet(s) (constants where an output does not depend on ``x``). A jet
+      holds ``value``, ``first`` (first-order coefficients ``(K, *S)``, ``S`` broadcasting to the
+      value's shape) and ``second`` (second-order ones, per direction or summed over them: combine
+      first-order coefficients only through ``ctx.product`` / ``ctx.pair``, which know the
+      mode; ``None`` is zero). :func:`~pyhvp.taylor.chain` writes an elementwise rule from its
+      first and second derivatives.
+
+    Without ``rule`` or a flag it returns a decorator. Registration replaces an earlier rule
+    and clears nothing that was cached: register before the first call that uses ``op``.
+
+    >>> import torch, pyhvp
+    >>> @torch.library.custom_op("example::cube", mutates_args=())
+    ... def cube(t: torch.Tensor) -> torch.Tensor:
+    ...     return t ** 3
+    >>> @cube.register_fake
+    ... def _(t):
+    ...     return torch.empty_like(t)
+    >>> @pyhvp.register_jet_rule(cube)
+    ... def _(ctx, out, u):  # d/du u^3 = 3 u^2, d2/du2 = 6 u
+    ...     return pyhvp.taylor.chain(ctx, out, u, 3 * u.value ** 2, 6 * u.value)
+    >>> pyhvp.hessian_diagonal(lambda x: cube(x).sum(-1), torch.tensor([[1.0, 2.0]]))
+    tensor([[ 6., 12.]])
+    """
+    if sum((rule is not None, linear, indexing)) > 1:
+        raise ValueError("register_jet_rule takes one of rule=, linear=True and indexing=True")
+    ops = _overloads(op)
+    if rule is None and not (linear or indexing):
+
+        def register(fn: Rule) -> Rule:
+            for overload in ops:
+                RULES[overload] = fn
+            return fn
+
+        return register
+    for overload in ops:
+        RULES[overload] = rule if rule is not None else linear_rule(overload, indexing)
+    return rule
+
+
+def _overloads(op: object) -> list[torch._ops.OpOverload]:
+    """The op overloads ``op`` names: itself, a packet's every overload, a custom op's one."""
+    op = getattr(op, "_opoverload", op)  # torch.library.custom_op's CustomOpDef
+    if isinstance(op, torch._ops.OpOverload):
+        return [op]
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return [getattr(op, name) for name in op.overloads()]
+    raise TypeError(
+        f"register_jet_rule needs an op (torch.ops.aten.foo.default, a packet torch.ops.aten.foo, "
+        f"or a torch.library.custom_op), got {type(op).__name__}: the Taylor engine records "
+        f"aten and custom ops, not Python functions -- wrap one with torch.library.custom_op"
+    )

@@ -6,9 +6,29 @@
 * :mod:`.matmul` -- matrix products
 * :mod:`.linalg` -- det, slogdet, inverse, solve
 * :mod:`.views` -- views, copies, concatenation, indexing
+* :mod:`.linear` -- other ops linear in their inputs (scatters, pools, pads, ...)
+* :mod:`.convolution` -- convolutions
 * :mod:`.reductions` -- sums, means, extrema, variances, softmax, norms, distances
 """
 
-from pyhvp.taylor.rules import arithmetic, elementwise, linalg, matmul, reductions, views
+from pyhvp.taylor.rules import (
+    arithmetic,
+    convolution,
+    elementwise,
+    linalg,
+    linear,
+    matmul,
+    reductions,
+    views,
+)
 
-__all__ = ["arithmetic", "elementwise", "linalg", "matmul", "reductions", "views"]
+__all__ = [
+    "arithmetic",
+    "convolution",
+    "elementwise",
+    "linalg",
+    "linear",
+    "matmul",
+    "reductions",
+    "views",
+]

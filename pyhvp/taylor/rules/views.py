@@ -4,7 +4,7 @@ coefficients move the same way)."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -180,6 +180,48 @@ def _pad(ctx: Context, out: Tensor, u: Jet, pad: Sequence[int], value: float = 0
         return aten.constant_pad_nd.default(expanded(t, u.value.shape, padded), pad, 0.0)
 
     return linear(out, u, fn)
+
+
+def _scattered(out: Tensor, base: object, src: object,
+               write: Callable[[Tensor, Tensor], Tensor]) -> Jet:  # fmt: skip
+    """A write of ``src`` into a view of ``base`` (functionalized): linear in ``(base, src)``, so
+    each coefficient is the same write, one dim further right (``write`` shifts its dims)."""
+    value, written = value_of(base), value_of(src)
+
+    def through(order: int) -> Tensor | None:
+        cb, cs = coefficient_of(base, value.ndim, order), coefficient_of(src, written.ndim, order)
+        if cb is None and cs is None:
+            return None
+        lead = max(c.shape[0] for c in (cb, cs) if c is not None)
+        zero = value.new_zeros(())
+        cb = (zero if cb is None else cb).expand(lead, *value.shape)
+        cs = (zero if cs is None else cs).expand(lead, *written.shape)
+        return write(cb, cs)
+
+    return Jet(out, through(1), through(2))
+
+
+@rule(aten.slice_scatter.default)
+def _slice_scatter(ctx: Context, out: Tensor, base: object, src: object, dim: int = 0,
+                   start: int | None = None, end: int | None = None, step: int = 1) -> Jet:  # fmt: skip
+    d = axis(dim, out.ndim)
+    return _scattered(out, base, src, lambda b, s: aten.slice_scatter.default(b, s, d + 1, start,
+                                                                              end, step))  # fmt: skip
+
+
+@rule(aten.select_scatter.default)
+def _select_scatter(ctx: Context, out: Tensor, base: object, src: object, dim: int,
+                    index: int) -> Jet:  # fmt: skip
+    d = axis(dim, out.ndim)
+    return _scattered(out, base, src, lambda b, s: aten.select_scatter.default(b, s, d + 1, index))
+
+
+@rule(aten.diagonal_scatter.default)
+def _diagonal_scatter(ctx: Context, out: Tensor, base: object, src: object, offset: int = 0,
+                      dim1: int = 0, dim2: int = 1) -> Jet:  # fmt: skip
+    d1, d2 = axis(dim1, out.ndim) + 1, axis(dim2, out.ndim) + 1
+    return _scattered(out, base, src,
+                      lambda b, s: aten.diagonal_scatter.default(b, s, offset, d1, d2))  # fmt: skip
 
 
 @rule(aten.as_strided_scatter.default)
