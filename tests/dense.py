@@ -299,6 +299,65 @@ def _transformer(device, attention):
     return f, reference
 
 
+def _mse_of_weights(device):
+    """BackPACK's DiagHessian case (issue 16: a segfault): F.mse_loss of a small network, as a
+    function of its first layer's weights, one instance (a weight matrix) at a time."""
+    inputs, targets, second = (_weights(*shape, device=device, seed=seed)
+                               for shape, seed in (((8, 3), 5), ((8, 2), 6), ((2, 3), 7)))  # fmt: skip
+
+    def f(x):
+        losses = []
+        for w in x.reshape(-1, 3, 3):
+            hidden = torch.sigmoid(torch.nn.functional.linear(inputs, w))
+            losses.append(torch.nn.functional.mse_loss(hidden @ second.T, targets))
+        return torch.stack(losses)
+
+    return f
+
+
+def _small_cnn(device):
+    """conv2d (stride, padding, bias), max and average pooling on instances of (2, 5, 5)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(2, 3, 3, padding=1), torch.nn.Tanh(), torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(3, 2, 2, stride=1, groups=1), torch.nn.Softplus(),
+        torch.nn.AvgPool2d(1), torch.nn.Flatten(),
+    ).double().to(device)  # fmt: skip
+
+    def f(x):
+        return net(x).pow(2).sum(-1)
+
+    return f
+
+
+def _writes_and_scatters(x):
+    """A functionalized setitem (slice_scatter), index_put, scatter_add, roll and tril."""
+    y = torch.zeros(*x.shape[:-1], 8, dtype=x.dtype, device=x.device)
+    y[..., ::2] = x**2
+    index = torch.tensor([0, 1, 0, 2], device=x.device).expand(*x.shape[:-1], 4)
+    scattered = torch.zeros(*x.shape[:-1], 3, dtype=x.dtype, device=x.device)
+    scattered = scattered.scatter_add(-1, index, torch.sin(x))
+    square = torch.tril(torch.roll(x, 1, -1)[..., None] * x[..., None, :])
+    put = torch.zeros(*x.shape[:-1], 5, dtype=x.dtype, device=x.device)
+    put[..., torch.tensor([4, 0], device=x.device)] = x[..., :2] ** 3  # index_put
+    return torch.exp(y).sum(-1) + scattered.pow(3).sum(-1) + square.sum((-2, -1)) + put.sum(-1)
+
+
+def _selections(x):
+    """sort, topk, cumprod and prod -- with zeros in the product (instance 0 of ZEROS)."""
+    weights = torch.arange(1.0, 5.0, dtype=x.dtype, device=x.device)
+    return ((x.sort(-1).values * weights).pow(3).sum(-1) + x.topk(2, -1).values.exp().sum(-1)
+            + x.cumprod(-1).sum(-1) + x.prod(-1) + (x * x).prod(-1))  # fmt: skip
+
+
+def _eigenvalues(x):
+    """eigvalsh of a symmetric matrix built from x (distinct eigenvalues)."""
+    a = x.reshape(*x.shape[:-1], 2, 2)
+    a = a + a.mT + torch.diag(torch.tensor([0.0, 3.0], dtype=x.dtype, device=x.device))
+    return (torch.linalg.eigvalsh(a) * torch.tensor([1.0, -2.0], dtype=x.dtype,
+                                                     device=x.device)).sum(-1)  # fmt: skip
+
+
 @dataclass
 class TaylorCase:
     """``build(device) -> (f, reference)``: f and a mathematically equal f for torch.func (None:
@@ -336,6 +395,15 @@ TAYLOR_CASES = [
                lambda d: _at(d, shape=(2, 3, 4)), event_dims=2),
     TaylorCase("MultiheadAttention, eval mode", lambda d: _transformer(d, True),
                lambda d: _at(d, shape=(2, 3, 4)), event_dims=2),
+    TaylorCase("F.mse_loss of a network's weights (a segfault before)",
+               lambda d: (_mse_of_weights(d), None),
+               lambda d: _at(d, shape=(2, 9))),
+    TaylorCase("conv2d, max and average pooling", lambda d: (_small_cnn(d), None),
+               lambda d: _at(d, shape=(2, 2, 5, 5)), event_dims=3),
+    TaylorCase("setitem, index_put, scatter_add, roll, tril", _same(_writes_and_scatters)),
+    TaylorCase("sort, topk, cumprod, prod with zeros", _same(_selections),
+               lambda d: _at(d, ZEROS)),
+    TaylorCase("eigvalsh", _same(_eigenvalues)),
 ]  # fmt: skip
 """What :mod:`pyhvp.taylor` must differentiate as autograd does (dense references need at most
 the first 8 instances: instances are independent)."""

@@ -309,19 +309,22 @@ def _reverse_coefficients(ctx: Context, fn: Callable[..., tuple], primals: tuple
     return first, second
 
 
-def linear_rule(op: Callable[..., Any], indexing: bool = False) -> Callable[..., Any]:
-    """The rule of an op that is linear in its floating tensor inputs taken together (the others
-    fixed): each coefficient goes through the op itself, batched over directions with ``vmap``,
-    with zeros for the floating inputs that do not depend on ``x``. ``indexing`` (the op only
-    moves, selects or repeats the elements of its one floating input): a factored coefficient
-    stays factored. No autograd is involved, and nothing is dense."""
+def linear_rule(
+    op: Callable[..., Any], indexing: bool = False, jointly: bool = False
+) -> Callable[..., Any]:
+    """The rule of an op that is linear in its inputs that depend on ``x`` (the others held
+    fixed: a convolution's kernel) or, with ``jointly``, in all its floating tensor inputs taken
+    together (a scatter into a constant tensor: the constants' coefficients are zeros): each
+    coefficient goes through the op itself, batched over directions with ``vmap``. ``indexing``
+    (the op only moves, selects or repeats the elements of its one floating input): a factored
+    coefficient stays factored. No autograd is involved, and nothing is dense."""
 
     def rule(ctx: Context, out: Any, *args: object, **kwargs: object) -> Any:
         leaves, spec = pytree.tree_flatten((args, kwargs))
         jets = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Jet)]
         fixed = [
             torch.zeros_like(leaf)
-            if isinstance(leaf, Tensor) and leaf.is_floating_point()
+            if jointly and isinstance(leaf, Tensor) and leaf.is_floating_point()
             else value_of(leaf)
             for leaf in leaves
         ]

@@ -119,9 +119,11 @@ def register_jet_rule(
     every overload) or an op made with ``torch.library.custom_op`` -- what ``f`` calls must be an
     op, which the recorder sees (wrap a Python function as a custom op first).
 
-    * ``linear=True``: ``op`` is linear in its floating tensor inputs taken together, the other
-      arguments fixed (no additive constant, no product of two inputs): each coefficient goes
-      through ``op`` itself, batched over directions with ``vmap``.
+    * ``linear=True``: ``op`` is linear in its tensor inputs that depend on ``x``, the other
+      arguments held fixed (a kernel or weight that does not depend on ``x`` is fine; an
+      additive constant such as a bias, or a product of two inputs that depend on ``x``, is
+      not): each coefficient goes through ``op`` itself, batched over directions with ``vmap``
+      (once per direction where ``op`` has no batching rule).
     * ``indexing=True``: linear, and ``op`` only moves, selects or repeats the elements of its
       one floating input, so the engine can keep coefficients factored.
     * ``rule(ctx, out, *args, **kwargs)``: ``out`` is the op's value, ``args`` / ``kwargs`` the

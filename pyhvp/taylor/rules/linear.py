@@ -4,7 +4,8 @@ coefficient goes through the op itself (:func:`~pyhvp.taylor.fallbacks.linear_ru
 
 import torch
 
-from pyhvp.taylor.registry import register_jet_rule
+from pyhvp.taylor.fallbacks import linear_rule
+from pyhvp.taylor.registry import RULES
 
 aten = torch.ops.aten
 
@@ -47,9 +48,10 @@ LINEAR = (
     aten.block_diag.default,
     aten.trace.default,
 )
-"""Ops linear in their floating tensor inputs taken together (no additive constant)."""
+"""Ops linear in their floating tensor inputs taken together (no additive constant): a constant
+input (the tensor scattered into) has zero coefficients."""
 
 for _op in INDEXING:
-    register_jet_rule(_op, indexing=True)
+    RULES[_op] = linear_rule(_op, indexing=True)
 for _op in LINEAR:
-    register_jet_rule(_op, linear=True)
+    RULES[_op] = linear_rule(_op, jointly=True)

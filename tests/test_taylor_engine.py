@@ -1,0 +1,218 @@
+"""Specification of the Taylor engine where autograd is not the judge or not the point: (nearly)
+singular matrices against closed forms, gradients of Laplacians (third order) against central
+differences, users' own jet rules, and the errors of ops it cannot carry."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dense import instance_hessian_diagonal, instance_laplacian
+
+import pyhvp
+from pyhvp.taylor import chain
+
+# --- (nearly) singular matrices: closed forms, whatever LAPACK returns for a zero pivot --------
+
+
+def det3(x):
+    return torch.linalg.det(x.reshape(*x.shape[:-1], 3, 3))
+
+
+def cofactors3(x):
+    """det's gradient for 3x3 matrices, from cross products of rows (no LAPACK)."""
+    r = x.reshape(*x.shape[:-1], 3, 3)
+    rows = [torch.linalg.cross(r[..., (i + 1) % 3, :], r[..., (i + 2) % 3, :]) for i in range(3)]
+    return torch.stack(rows, -2).reshape(x.shape)
+
+
+def nearly_singular(dtype, gap):
+    """Four 3x3 matrices whose last two rows agree up to a relative ``gap`` (0: exactly)."""
+    generator = torch.Generator().manual_seed(2)
+    a = torch.randn(4, 3, 3, generator=generator, dtype=torch.float64)
+    a[:, 2] = a[:, 1] + gap * torch.randn(4, 3, generator=generator, dtype=torch.float64)
+    return a.reshape(4, 9).to(dtype)
+
+
+NEAR_SINGULAR = {
+    "float64, equal rows": (torch.float64, 0.0, 1e-12),
+    "float64, rows 1e-12 apart": (torch.float64, 1e-12, 1e-12),
+    "float32, rows 1e-4 apart (det ~ 1e-5)": (torch.float32, 1e-4, 1e-4),
+}
+
+
+@pytest.mark.parametrize(("dtype", "gap", "atol"), NEAR_SINGULAR.values(), ids=NEAR_SINGULAR.keys())
+def test_det_of_a_nearly_singular_matrix_has_its_closed_form_derivatives(dtype, gap, atol, device):
+    """det is linear in each entry: its Laplacian is 0 and det^2 has Hessian diagonal
+    2 cofactor^2 -- issue 16 item 2 (NaN where MKL returns det = -1.9e-17) and item 6 (a
+    float32 Laplacian of 1.97 where the exact value is 0)."""
+    x = nearly_singular(dtype, gap).to(device)
+    scale = cofactors3(x.double()).abs().max().item() ** 2
+    lap = pyhvp.laplacian(det3, x)
+    squared = pyhvp.hessian_diagonal(lambda y: det3(y) ** 2, x)
+    torch.testing.assert_close(lap.double(), torch.zeros(4, dtype=torch.float64, device=device),
+                               atol=atol * scale, rtol=0)  # fmt: skip
+    torch.testing.assert_close(squared.double(), 2 * cofactors3(x.double()) ** 2,
+                               atol=atol * scale, rtol=1e-3 if dtype == torch.float32 else 1e-7)  # fmt: skip
+
+
+def test_near_singular_inverse_and_slogdet_match_autograd_where_it_is_finite(device):
+    """inv and slogdet of an ill-conditioned (but invertible) matrix: finite, as autograd's."""
+    x = nearly_singular(
+        torch.float64,
+        1e-6,
+    ).to(device)
+
+    def f(y):
+        a = y.reshape(*y.shape[:-1], 3, 3)
+        return torch.linalg.inv(a).sum((-2, -1)) * 1e-6 + torch.linalg.slogdet(a).logabsdet
+
+    expected = instance_hessian_diagonal(f, x)
+    assert expected.isfinite().all()
+    torch.testing.assert_close(pyhvp.hessian_diagonal(f, x), expected, rtol=1e-5, atol=1e-6)
+
+
+# --- third order: gradients of the Laplacian against central differences -----------------------
+
+
+def _weight(device):
+    generator = torch.Generator().manual_seed(4)
+    return torch.randn(6, 6, generator=generator, dtype=torch.float64).to(device)
+
+
+THIRD_ORDER = {
+    "cosine_similarity (an in-place clamp)": lambda w: lambda x: F.cosine_similarity(x, x @ w, -1),
+    "pairwise_distance": lambda w: lambda x: F.pairwise_distance(x[..., :3], x[..., 3:]),
+    "eigvalsh of an SPD matrix": lambda w: lambda x: torch.linalg.eigvalsh(
+        (x @ w).reshape(*x.shape[:-1], 2, 3) @ (x @ w).reshape(*x.shape[:-1], 2, 3).mT
+        + torch.eye(2, dtype=x.dtype, device=x.device)).log().sum(-1),
+    "LayerNorm (torch 2.14's triple backward is off by 50)": lambda w: lambda x: F.layer_norm(
+        x @ w, (6,)).pow(3).sum(-1),
+}  # fmt: skip
+
+
+def central_difference_gradient(g, x, step=1e-5):
+    eye = torch.eye(x.shape[-1], dtype=x.dtype, device=x.device)
+    return torch.stack([(g(x + step * e) - g(x - step * e)) / (2 * step) for e in eye], -1)
+
+
+@pytest.mark.parametrize("make", THIRD_ORDER.values(), ids=THIRD_ORDER.keys())
+def test_the_gradient_of_a_laplacian_matches_central_differences(make, device):
+    """Issue 16 item 5: what a PINN or score model trains through."""
+    f = make(_weight(device))
+    x = torch.randn(3, 6, dtype=torch.float64, device=device, requires_grad=True)
+    (gradient,) = torch.autograd.grad(pyhvp.laplacian(f, x).sum(), x)
+    expected = central_difference_gradient(lambda y: instance_laplacian(f, y), x.detach())
+    torch.testing.assert_close(gradient, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_cdist_laplacian_has_finite_equal_gradients_in_a_weight(device):
+    """Issue 16 item 6: with y = x @ W, cdist(y, y) has zero distances on its diagonal; its
+    Laplacian's gradient in W was all NaN (a where after a pow at 0)."""
+    w = _weight(device)[:, :4].requires_grad_()
+    x = torch.randn(3, 6, dtype=torch.float64, device=device)
+
+    def f(x, w):
+        y = (x @ w).reshape(*x.shape[:-1], 2, 2)
+        return torch.cdist(y, y).sum((-2, -1))
+
+    def by_hand(x, w):  # the same distances, zero ones left out (their derivatives are 0)
+        y = (x @ w).reshape(*x.shape[:-1], 2, 2)
+        return 2 * (y[..., 0, :] - y[..., 1, :]).norm(dim=-1)
+
+    (gradient,) = torch.autograd.grad(pyhvp.laplacian(f, x, w).sum(), w)
+    flat = w.detach().reshape(-1)
+    expected = central_difference_gradient(
+        lambda v: instance_laplacian(by_hand, x, v.reshape(6, 4)).sum(), flat[None]
+    ).reshape(6, 4)
+    assert gradient.isfinite().all()
+    torch.testing.assert_close(gradient, expected, rtol=1e-6, atol=1e-6)
+
+
+# --- users' own rules ------------------------------------------------------------------------
+
+
+@torch.library.custom_op("pyhvp_test::softsign", mutates_args=())
+def softsign(t: torch.Tensor) -> torch.Tensor:
+    return t / (1 + t.abs())
+
+
+@softsign.register_fake
+def _(t):
+    return torch.empty_like(t)
+
+
+@pyhvp.register_jet_rule(softsign)
+def _(ctx, out, u):  # g = u / (1 + |u|): g' = 1 / (1 + |u|)^2, g'' = -2 sign(u) / (1 + |u|)^3
+    denominator = 1 + u.value.abs()
+    return chain(ctx, out, u, denominator**-2, -2 * torch.sign(u.value) * denominator**-3)
+
+
+@torch.library.custom_op("pyhvp_test::smooth", mutates_args=())
+def smooth(t: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
+    """A custom linear op: a moving average along the last dim (kernel constant)."""
+    return F.conv1d(t.reshape(-1, 1, t.shape[-1]), kernel.reshape(1, 1, -1)).reshape(
+        *t.shape[:-1], -1
+    )
+
+
+@smooth.register_fake
+def _(t, kernel):
+    return t.new_empty((*t.shape[:-1], t.shape[-1] - kernel.shape[-1] + 1))
+
+
+pyhvp.register_jet_rule(smooth, linear=True)
+
+
+@torch.library.custom_op("pyhvp_test::reverse", mutates_args=())
+def reverse(t: torch.Tensor) -> torch.Tensor:
+    return t.flip(-1)
+
+
+@reverse.register_fake
+def _(t):
+    return torch.empty_like(t)
+
+
+pyhvp.register_jet_rule(reverse, indexing=True)
+
+KERNEL = torch.tensor([0.25, 0.5, 0.25], dtype=torch.float64)
+USER_RULES = {
+    "a rule (softsign)": (
+        lambda x: softsign(x.sin() * 2).pow(2).sum(-1),
+        lambda x: (x.sin() * 2 / (1 + (x.sin() * 2).abs())).pow(2).sum(-1),
+    ),
+    "linear=True (a moving average)": (
+        lambda x: smooth(x.exp(), KERNEL.to(x.device)).pow(2).sum(-1),
+        lambda x: F.conv1d(x.exp()[:, None], KERNEL.to(x.device)[None, None])[:, 0]
+        .pow(2).sum(-1),
+    ),
+    "indexing=True (a reversal), shared directions": (
+        lambda x: (reverse(x) * x.pow(2)).sum(-1),
+        lambda x: (x.flip(-1) * x.pow(2)).sum(-1),
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("f", "reference"), USER_RULES.values(), ids=USER_RULES.keys())
+def test_a_registered_rule_gives_the_dense_derivatives(f, reference, device):
+    x = torch.randn(5, 6, dtype=torch.float64, device=device)
+    torch.testing.assert_close(pyhvp.hessian_diagonal(f, x),
+                               instance_hessian_diagonal(reference, x))  # fmt: skip
+    torch.testing.assert_close(pyhvp.laplacian(f, x), instance_laplacian(reference, x))
+
+
+def test_register_jet_rule_refuses_what_is_not_an_op_and_a_rule_with_a_flag():
+    with pytest.raises(TypeError, match=r"wrap one with torch\.library\.custom_op"):
+        pyhvp.register_jet_rule(torch.sin, linear=True)
+    with pytest.raises(ValueError, match="one of rule=, linear=True and indexing=True"):
+        pyhvp.register_jet_rule(softsign, lambda *a: None, linear=True)
+
+
+# --- what the engine cannot carry is refused, naming the op ------------------------------------
+
+
+def test_an_op_autograd_cannot_differentiate_is_refused_naming_it():
+    """Issue 16 item 6: heaviside raised autograd's RuntimeError from deep inside the engine."""
+    x = torch.randn(3, 4)
+    step = torch.tensor(0.5)
+    with pytest.raises(pyhvp.UnsupportedOpError, match=r"aten\.heaviside.*register_jet_rule"):
+        pyhvp.laplacian(lambda y: (torch.heaviside(y, step) * y**2).sum(-1), x)
