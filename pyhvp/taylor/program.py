@@ -45,6 +45,7 @@ from pyhvp.taylor.recorder import (
     KEEP,
     STOP,
     BackwardInside,
+    InPlaceInputError,
     Recorder,
     X,
     argument_kinds,
@@ -65,6 +66,7 @@ EXTRA_DECOMPOSITIONS = (
     aten.native_batch_norm.default,
     aten._native_batch_norm_legit_no_training.default,
     aten._native_batch_norm_legit_functional.default,
+    aten._batch_norm_with_update_functional.default,
     aten.embedding.default,
     aten.max_pool2d_with_indices.default,
     aten.max_pool3d_with_indices.default,
@@ -85,7 +87,7 @@ def decompositions() -> dict[torch._ops.OpOverload, Callable[..., object]]:
     random ops and ops with zero derivatives are left alone."""
     table = {**core_aten_decompositions(), **get_decompositions(list(EXTRA_DECOMPOSITIONS))}
     return {
-        op: decomposition
+        op: _stopping_auxiliary_outputs(decomposition, AUXILIARY_OUTPUTS.get(op, ()))
         for op, decomposition in table.items()
         if isinstance(op, torch._ops.OpOverload)
         and op not in RULES
@@ -94,6 +96,34 @@ def decompositions() -> dict[torch._ops.OpOverload, Callable[..., object]]:
         and torch.Tag.pointwise not in op.tags
         and torch.Tag.nondeterministic_seeded not in op.tags
     }
+
+
+AUXILIARY_OUTPUTS = {
+    aten.native_layer_norm.default: (1, 2),
+    aten.native_group_norm.default: (1, 2),
+    aten.native_batch_norm.default: (1, 2),
+    aten._native_batch_norm_legit_no_training.default: (1, 2),
+    aten._native_batch_norm_legit_functional.default: (1, 2, 3, 4),
+    aten._batch_norm_with_update_functional.default: (1, 2, 3, 4, 5),
+}
+"""Outputs that autograd does not differentiate (``output_differentiability: False``: the mean
+and inverse deviation a norm saves for its backward, the running statistics it returns): their
+decompositions would compute them from ``x``, so they are read through ``stop_gradient``, as
+autograd has them."""
+
+
+def _stopping_auxiliary_outputs(decomposition: Callable[..., object],
+                                auxiliary: Sequence[int]) -> Callable[..., object]:  # fmt: skip
+    if not auxiliary:
+        return decomposition
+
+    def decomposed(*args: object, **kwargs: object) -> object:
+        outputs = list(decomposition(*args, **kwargs))  # type: ignore[call-overload]
+        for i in auxiliary:
+            outputs[i] = STOP_GRADIENT(outputs[i])
+        return tuple(outputs)
+
+    return decomposed
 
 
 def _meta(t: Tensor) -> Hashable:
@@ -193,9 +223,24 @@ def _functional_graph(recorder: Recorder, output: Hashable, x: Tensor) -> fx.Gra
         functional = replay("fake")
     except Exception:  # data-dependent shapes (masks, nonzero): on real values
         functional = replay("real")
+    _drop_input_writes(functional.graph)
     functional.graph.eliminate_dead_code()
     functional.recompile()
     return functional
+
+
+def _drop_input_writes(graph: fx.Graph) -> None:
+    """Functionalization ends the program with ``copy_`` of new values into the inputs ``f``
+    wrote (constants: running statistics): the record has made those writes already, and the
+    program's values do not depend on them, so they go. A write into ``x`` that the recorder
+    could not see (an op whose schema does not declare it) is refused."""
+    for node in list(graph.nodes):
+        if node.target is not aten.copy_.default or node.args[0].op != "placeholder":
+            continue
+        if node.args[0].target == "x":
+            raise InPlaceInputError(f"f modifies x in place ({node.args[1]}); write to a copy")
+        node.replace_all_uses_with(node.args[1])
+        graph.erase_node(node)
 
 
 def _write_keeping_derivatives(graph: fx.Graph, func: torch._ops.OpOverload, args: tuple,

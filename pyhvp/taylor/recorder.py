@@ -106,9 +106,10 @@ class Recorder(TorchDispatchMode):
         # stay alive): an id whose tensor died may be reused by an unrelated tensor
         self.labels: dict[int, tuple[Hashable, weakref.ref | None]] = {id(x): (X, None)}
         self.constants: list[Tensor] = []
-        self.inputs = {_storage(x)} - {0}  # storages f must not write: x's and the constants'
+        self.inputs = {_storage(x)} - {0}  # storages of x and of the constants
         self.x_storage = _storage(x)
         self.stopped: set[Hashable] = set()  # labels of views made without grad
+        self.written_constants: set[int] = set()  # copied before their first write
         self.events: list[tuple] = []
         self._stops_outputs = False
 
@@ -151,6 +152,12 @@ class Recorder(TorchDispatchMode):
         if isinstance(value, Tensor):
             label = self._label(value)
             if label is None:
+                if value.layout != torch.strided:
+                    raise TypeError(
+                        f"f uses a {value.layout} tensor: the Taylor engine (pyhvp.laplacian, "
+                        f"grad_and_laplacian, hessian_diagonal's exact method) supports dense "
+                        f"(strided) tensors only; convert it with .to_dense()"
+                    )
                 label = ("constant", len(self.constants))
                 self.labels[id(value)] = (label, None)
                 self.constants.append(value)
@@ -191,6 +198,11 @@ class Recorder(TorchDispatchMode):
         return entry[0]
 
     def _refuse_input_writes(self, func: object, args: tuple, kwargs: dict) -> None:
+        """Writes to ``x`` (directly or through a view) are refused. A constant written, directly
+        or through a view (a norm's running statistics in training mode), is allowed: the
+        program gets a copy taken before the first write and replays the write functionally, so
+        the record's own write happens once, as in one call of ``f``. Tensors ``f`` made are
+        free to write."""
         positional, named = argument_kinds(func)
         written = [a for a, k in zip(args, positional, strict=False) if k == "write"]
         written += [v for n, v in kwargs.items() if named.get(n) == "write"]
@@ -199,22 +211,32 @@ class Recorder(TorchDispatchMode):
                 continue
             label = self._label(value)
             storage = _storage(value)
-            outside = label is None or label == X or label[0] == "constant"
-            if not outside and storage not in self.inputs:
-                continue
             if label == X:
                 what = "x"
             elif storage != 0 and storage == self.x_storage:
                 what = "x (through a view of it)"
-            elif label is None:
-                what = f"a tensor of shape {tuple(value.shape)} that it did not create"
             else:
-                what = f"a tensor of shape {tuple(value.shape)} that it reads (or a view of one)"
+                if label is None:
+                    self._describe(value)  # a constant from now on
+                if storage in self.inputs:  # a constant, or a view of one
+                    self._keep_before_writes(storage)
+                continue
             raise InPlaceInputError(
-                f"f modifies {what} in place ({func}); pyhvp evaluates f several times and "
-                f"needs it to leave its inputs unchanged (a module in training mode updating "
-                f"its statistics? call module.eval())"
+                f"f modifies {what} in place ({func}); the Taylor engine needs x to stay "
+                f"unchanged (write to a copy: x.clone())"
             )
+
+    def _keep_before_writes(self, storage: int) -> None:
+        """The program's constants in ``storage`` (written by ``f``, directly or through a
+        view): copies taken before the first write."""
+        for index, constant in enumerate(self.constants):
+            if (
+                index not in self.written_constants
+                and storage != 0
+                and _storage(constant) == storage
+            ):
+                self.written_constants.add(index)
+                self.constants[index] = constant.clone()
 
 
 class _NoAutogradInside(TorchFunctionMode):

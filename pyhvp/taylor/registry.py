@@ -58,11 +58,21 @@ def apply(ctx: Context, op: Callable[..., Any], *args: object, **kwargs: object)
         return out  # integer or boolean results do not vary smoothly with x
     if op in ZERO_DERIVATIVE:
         return out
-    if op in RULES:
+    pointwise = torch.Tag.pointwise in getattr(op, "tags", ()) and isinstance(out, Tensor)
+    if op in RULES and not (not pointwise and _on_scalars(args, kwargs, results)):
         return RULES[op](ctx, out, *args, **kwargs)
-    if torch.Tag.pointwise in getattr(op, "tags", ()):
+    if pointwise:
         return pointwise_fallback(ctx, op, out, args, kwargs)
     return general_fallback(ctx, op, out, args, kwargs)
+
+
+def _on_scalars(args: tuple, kwargs: dict, results: list[Tensor]) -> bool:
+    """Whether every jet input is 0-d and the op makes no more floating elements than it takes:
+    reductions, cumulative and softmax-like ops along the dim of a 0-d tensor then take the
+    dense fallback (exact, and of one element), rather than rules written for tensors' dims."""
+    jets = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, Jet)]
+    made = sum(t.numel() for t in results if t.is_floating_point())
+    return made <= len(jets) and all(j.value.ndim == 0 for j in jets)
 
 
 def _copied(dst: Tensor, src: Tensor, non_blocking: bool = False) -> Tensor:
@@ -75,12 +85,15 @@ def _with_derivatives_of(value: Tensor, source: Tensor) -> Tensor:
 
 VALUE_FORMS: dict[object, Callable[..., Any]] = {
     aten.copy.default: _copied,
+    aten.copy_.default: _copied,  # left by a decomposition of an op that writes in place
     WITH_DERIVATIVES_OF: _with_derivatives_of,
     DET_BY_SVD: aten._linalg_det.default,
 }
 """Ops computed in the kernel by an equivalent that autograd differentiates, so that gradients
 reach parameters through the kernel's values: ``aten.copy`` (what functionalized in-place writes
-become) has no derivative formula, and the program's own ops none either."""
+become) has no derivative formula, and the program's own ops none either. A ``copy_`` that a
+decomposition leaves (running statistics of a legacy batch-norm op) runs out of place: the kernel
+writes nothing."""
 
 
 ZERO_DERIVATIVE = {

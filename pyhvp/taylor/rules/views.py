@@ -151,7 +151,7 @@ def _to_copy(ctx: Context, out: Tensor, u: Jet, **kwargs: object) -> Jet:
     return linear(out, u, lambda t: t.to(dtype=out.dtype, device=out.device))
 
 
-@rule(aten.copy.default)
+@rule(aten.copy.default, aten.copy_.default)  # copy_: a decomposition's write, out of place
 def _copy(ctx: Context, out: Tensor, dst: object, src: object, non_blocking: bool = False) -> Any:
     if not isinstance(src, Jet):
         return out
@@ -355,3 +355,16 @@ def _gather(
         )
 
     return rearrange(out, u, fn)
+
+
+@rule(aten.masked_select.default)
+def _masked_select(ctx: Context, out: Tensor, u: Jet, mask: Tensor) -> Jet:
+    """The elements where ``mask`` (broadcast with ``u``) holds, per direction."""
+    shape = torch.broadcast_shapes(u.value.shape, mask.shape)
+    chosen = mask.expand(shape)
+
+    def fn(t: Tensor) -> Tensor:
+        full = lifted(t, len(shape)).expand(t.shape[0], *shape)
+        return full[:, chosen]
+
+    return rearrange(out, u, fn) if tuple(u.value.shape) == tuple(shape) else linear(out, u, fn)
