@@ -154,5 +154,5 @@ def _all_reduce_sum(
     device = tensors[0].device
     flat = torch.cat([t.reshape(-1).to(device=device, dtype=dtype) for t in tensors])
     dist.all_reduce(flat, group=group)
-    parts = flat.split([t.numel() for t in tensors])
+    parts = torch.split(flat, [t.numel() for t in tensors])
     return [part.reshape(t.shape).to(t) for part, t in zip(parts, tensors, strict=True)]

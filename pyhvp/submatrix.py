@@ -154,7 +154,7 @@ def _local_sums(
         tensor = require_floating("params", params).detach()
         flat = _check_index("index", index, tensor.numel(), "params")
         selection = _Selection(loss, (), ())
-        fingerprint = {
+        fingerprint: Fingerprint = {
             "params' shape, dtype": (tuple(tensor.shape), str(tensor.dtype)),
             "index": flat.tolist(),
         }
