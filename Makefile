@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup example test typecheck bench
+.PHONY: setup example test typecheck docs bench
 
 setup: $(VENV)/.installed
 
@@ -28,6 +28,14 @@ test: setup typecheck
 # mypy --strict on pyhvp/ (configured in pyproject.toml)
 typecheck: setup
 	$(PY) -m mypy
+
+$(VENV)/.docs-installed: $(VENV)/.installed
+	$(PY) -m pip install --quiet -e ".[test,julia,docs]"
+	touch $@
+
+# the site into docs/_build/html (git-ignored), running every example; any warning fails it
+docs: $(VENV)/.docs-installed
+	$(PY) -m sphinx -W --keep-going -n -b html docs docs/_build/html
 
 $(VENV)/.bench-installed: $(VENV)/.installed
 	$(PY) -m pip install --quiet -e ".[test,julia,bench]"

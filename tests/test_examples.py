@@ -24,3 +24,10 @@ def test_example_runs_and_checks_itself(script):
         timeout=600,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+
+
+@pytest.mark.slow
+def test_getting_started_tour_runs():
+    tour = Path(__file__).resolve().parents[1] / "docs" / "tour.py"
+    done = subprocess.run([sys.executable, str(tour)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]

@@ -68,7 +68,10 @@ class Backend(Protocol):
         args: Sequence[object],
         event_dims: int,
         chunk_size: int | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gradient of ``f(x, *args).sum()`` (x's shape) and its products with ``tangents``
+        ``(k, *x.shape)``: per instance, its own gradient and ``H_i v_i``."""
+        ...
 
     def second_directional(
         self,
@@ -77,7 +80,10 @@ class Backend(Protocol):
         directions: torch.Tensor,
         args: Sequence[object],
         chunk_size: int | None,
-    ) -> torch.Tensor: ...
+    ) -> torch.Tensor:
+        """``d^2/dt^2 f(x + t u)`` at ``t = 0`` for each of the ``k`` directions ``u``:
+        ``(k, *out)``; raises ``NotImplementedError`` on a backend without it."""
+        ...
 
 
 BACKEND_NAMES = ("torch", "julia")

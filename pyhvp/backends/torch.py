@@ -259,6 +259,8 @@ class TorchBackend:
         event_dims: int,
         chunk_size: int | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-instance gradients (x's shape) and HVPs ``(k, *x.shape)``: the one-leaf
+        ``grad_and_block_hvps`` of ``sum_b f(x)[b]``, reverse-over-reverse."""
         _require_torch_function(f)
         (g,), (hv,) = self.grad_and_block_hvps(
             InstanceSum(f, event_dims), (x,), (tangents,), args, chunk_size
