@@ -1,7 +1,7 @@
 """torch.distributed glue: a sum over the ranks of a process group that fails loudly, never hangs.
 
 pyhvp runs on PyTorch's own distributed engine (gloo on the CPU, NCCL on CUDA) and starts no
-process itself. Two patterns (README, "More than one device"):
+process itself. Two patterns (the guide's "More than one device"):
 
 * **Instances sharded over ranks** need no communication. Per-instance operators (``grad_and_hvp``,
   ``hvp``, ``hessian_diagonal``, ``laplacian``, ``grad_and_laplacian``) compute instance ``b``'s

@@ -49,12 +49,12 @@ from torch.utils import _pytree as pytree
 from pyhvp._keys import Identity, value_key
 
 COLD_COMPILE_SECONDS = 20.0
-"""Expected first compile in a fresh environment: the README example's first compiled call took
+"""Expected first compile in a fresh environment: the seed-000 per-instance example's first compiled call took
 19.5 s with an empty inductor cache on the 2-core CI machine (7.9-16 s on others)."""
 
 WARM_COMPILE_SECONDS = 4.0
 """Expected first compile when inductor's graph cache holds earlier runs' graphs (measured 2.9 s
-and 3.7 s for the README example)."""
+and 3.7 s for that example)."""
 
 CACHE_SIZE = 64
 """Signatures remembered (least recently used dropped first)."""
