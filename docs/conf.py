@@ -29,7 +29,7 @@ myst_enable_extensions = ["colon_fence"]
 myst_heading_anchors = 3
 
 autosummary_generate = True
-autodoc_default_options = {"members": True, "show-inheritance": False}
+autodoc_default_options = {"members": True}
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
 autodoc_preserve_defaults = True
