@@ -1,4 +1,5 @@
-# The two commands of the README: `make example` and `make test`. Both set up .venv first.
+# The two commands of the README: `make example` and `make test` (which type-checks too). Both set
+# up .venv first.
 # torch is pinned here to the CPU wheel this kind of machine has on disk; the package itself
 # accepts a range (pyproject.toml).
 PYTHON ?= python3
@@ -6,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup example test bench
+.PHONY: setup example test typecheck docs bench
 
 setup: $(VENV)/.installed
 
@@ -19,10 +20,22 @@ $(VENV)/.installed: pyproject.toml
 example: setup
 	$(PY) examples/particles_hvp.py
 
-test: setup
+test: setup typecheck
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest
+
+# mypy --strict on pyhvp/ (configured in pyproject.toml)
+typecheck: setup
+	$(PY) -m mypy
+
+$(VENV)/.docs-installed: $(VENV)/.installed
+	$(PY) -m pip install --quiet -e ".[test,julia,docs]"
+	touch $@
+
+# the site into docs/_build/html (git-ignored), running every example; any warning fails it
+docs: $(VENV)/.docs-installed
+	$(PY) -m sphinx -W --keep-going -n -b html docs docs/_build/html
 
 $(VENV)/.bench-installed: $(VENV)/.installed
 	$(PY) -m pip install --quiet -e ".[test,julia,bench]"

@@ -27,6 +27,12 @@ def synchronize(device: torch.device | str) -> None:
         torch.cuda.synchronize()
 
 
+def announce(case: str) -> None:
+    """One line, with the clock time, before a case is checked and timed: a long run (minutes per
+    file) says what it is doing."""
+    print(f"[{time.strftime('%H:%M:%S')}] {case} ...", flush=True)
+
+
 def median_ms(
     fn: Callable[[], object],
     device: torch.device | str = "cpu",

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 
-from _timing import Report
+from _timing import Report, announce
 
 CHILD = r"""
 import json, sys, time
@@ -66,6 +66,7 @@ def run_child(mode: str, n: float, calls: int, seconds: float) -> dict:
 
 
 def short_script(report: Report) -> None:
+    announce("10 calls of the README example, fresh processes: eager, auto, compiled")
     totals = {
         mode: sum(t for _, t in run_child(mode, 1e3, 10, 600)["stamps"])
         for mode in ("eager", "auto", "compiled")
@@ -79,6 +80,9 @@ def short_script(report: Report) -> None:
 
 
 def long_loop(report: Report) -> None:
+    announce(
+        "1e6 particles: compile='auto' for 90 s, then always eager and always compiled, 45 s each"
+    )
     auto = run_child("auto", 1e6, 10**6, 90)
     limit = 0.5 * auto["double_backward"]
     fast = [start for start, took in auto["stamps"] if took <= limit]

@@ -37,7 +37,7 @@ os.environ.setdefault(
 )
 
 import torch
-from _timing import Report, median_ms
+from _timing import Report, announce, median_ms
 from torch.func import hessian, jacrev, jvp, vmap
 
 import pyhvp
@@ -284,9 +284,12 @@ def main(device: str) -> None:
     report = Report("bench_diagonal", device)
     for n in (32, 256):
         for build in (sigmoid_layer, tanh_mlp):
+            announce(f"vector f {build.__name__}, n = {n}: pyhvp against closed form, JAX, dense")
             bench_vector(build(n, device), n, device, report)
     for n in (32, 256):
+        announce(f"scalar tanh MLP, n = {n}: Taylor mode against forward-over-reverse")
         bench_scalar_choice(n, device, report)
+    announce("estimators, n = 256: Hutchinson against Diag++, flat and decaying spectra")
     bench_estimators(256, device, report)
     report.save()
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _timing import Report
+from _timing import Report, announce
 from torch import nn
 
 import pyhvp
@@ -128,6 +128,7 @@ def main():
     report.text(f"1-minute load average before the run: {os.getloadavg()[0]:.2f}")
     summary = []
     for model_name in MODELS:
+        announce(f"{model_name}: 1 process (1 and 2 threads) against 2 gloo processes")
         medians, results = run(model_name)
         single, sharded = (
             results["1 process, 1 thread"],

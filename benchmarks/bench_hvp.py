@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 
 import torch
-from _timing import Report, interleaved_ms, median_ms
+from _timing import Report, announce, interleaved_ms, median_ms
 from torch.func import grad, jvp
 
 import pyhvp
@@ -95,6 +95,7 @@ def main(device: str) -> None:
         torch.set_num_threads(1)
     report = Report("bench_hvp", device)
     for n in (10_000, 100_000, 1_000_000):
+        announce(f"{n:,} particles on {device}: pyhvp compiled and eager against the baselines")
         bench_size(n, device, report)
     report.save()
 

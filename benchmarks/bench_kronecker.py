@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 
 import torch
-from _timing import Report, interleaved_ms, median_ms
+from _timing import Report, announce, interleaved_ms, median_ms
 
 import pyhvp
 
@@ -91,6 +91,7 @@ def main() -> None:
         torch.set_num_threads(1)
     report = Report("bench_kronecker", device)
     for shape in [(8, 8, 8, 8), (8, 16, 16, 16), (8, 64, 64, 64)]:
+        announce(f"{shape[0]} systems of modes {shape[1:]} on {device}")
         bench_size(shape, device, report)
     report.save()
 

@@ -40,7 +40,7 @@ os.environ.setdefault(
 )
 
 import torch
-from _timing import Report, median_ms
+from _timing import Report, announce, median_ms
 from torch.func import grad, hessian, jvp, vmap
 
 import pyhvp
@@ -313,6 +313,7 @@ def main(with_compiled):
     summary = []
     for dtype_name in DTYPES:
         for key in PROBLEMS:
+            announce(f"{key}, {dtype_name}: pyhvp against torch.func compositions and folx")
             times = bench(key, dtype_name, with_compiled, report)
             summary.append((key, dtype_name, times))
     report.text("\nSummary (ms; pyhvp = the faster of its eager and compiled rows)")

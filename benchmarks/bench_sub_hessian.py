@@ -21,7 +21,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from _timing import Report, interleaved_ms
+from _timing import Report, announce, interleaved_ms
 from torch import nn
 
 import pyhvp
@@ -86,6 +86,7 @@ def main(device: str) -> None:
     }.items():
         model = make().to(device)
         for k in (2, 16, 128):
+            announce(f"{model_name}, k = {k} per tensor on {device}")
             idxs = {
                 name: torch.randperm(p.numel())[: min(k, p.numel())].tolist()
                 for name, p in model.named_parameters()

@@ -1,4 +1,8 @@
-"""More than one device: the two patterns of the README, on torch.distributed (gloo on the CPU).
+"""
+More than one device
+====================
+
+The two patterns of the guide, on torch.distributed (gloo on the CPU).
 
 1. More instances than one device holds: every rank computes its shard of the particles (seed
    000) with grad_and_hvp; nothing is communicated until the shards are gathered, and the
@@ -11,6 +15,8 @@ Every rank checks its results (closed form, single-process full-data result, the
 and exits non-zero when one disagrees.
 Run: ``torchrun --nproc-per-node 2 examples/more_than_one_device.py``, or plain
 ``python examples/more_than_one_device.py``, which starts 2 gloo ranks on this machine itself.
+(The documentation build shows this script without running it: its ranks are processes of their
+own. ``make test`` runs it.)
 """
 
 import os

@@ -1,7 +1,11 @@
-"""Seed 000: per-particle gradient AND Hessian-vector product of a batched function, many times.
+"""
+Per-particle gradients and Hessian-vector products
+==================================================
+
+Seed 000: per-particle gradient AND Hessian-vector product of a batched function, many times.
 
 x[g, b, a, :] is the position of particle (a, b) in replica g, mu[g] a per-replica centre, and
-f(x; mu) = exp(-|x - mu|^2) one value per particle. Each particle needs its own gradient and its
+``f(x; mu) = exp(-|x - mu|^2)`` one value per particle. Each particle needs its own gradient and its
 own Hessian times its own vector. pyhvp computes both in one pass over the batched function. With
 the default compile="auto" the calls run eagerly until their eager time reaches the expected
 cost of compiling (seconds), so this short run stays eager; pass --compiled to compile from the

@@ -1,4 +1,8 @@
-"""Seed 003: the k x k Hessian of a loss over k selected components of each parameter tensor.
+"""
+Sub-Hessians of a classifier's loss
+===================================
+
+Seed 003: the k x k Hessian of a loss over k selected components of each parameter tensor.
 
 First the seed's own code (its model and its loop of k reverse passes per tensor), then pyhvp
 (one batched pass per tensor; with joint=True one pass over all selected components), then the

@@ -20,10 +20,11 @@ EXACT = "exact"
 HUTCHINSON = "hutchinson"
 
 
-def check_method(method: object, samples: object, generator: object, sketched: str) -> None:
+def check_method(method: object, samples: object, generator: object, sketched: str) -> int:
     """``method`` is ``"exact"``, ``"hutchinson"`` or the operator's sketched estimator
     (``"hutch++"``, ``"diag++"``); ``samples`` (Hessian-vector products or probes, >= 3 for the
-    sketch) and ``generator`` go with the estimators only."""
+    sketch) and ``generator`` go with the estimators only. Returns ``samples`` (0 for
+    ``"exact"``, which takes none)."""
     methods = (EXACT, HUTCHINSON, sketched)
     if method not in methods:
         raise ValueError(f"method must be one of {list(methods)}, got {method!r}")
@@ -37,13 +38,14 @@ def check_method(method: object, samples: object, generator: object, sketched: s
                 f"samples and generator apply to the stochastic methods {list(methods[1:])}; "
                 f"method='exact' got samples={samples!r}, generator={generator!r}"
             )
-        return
+        return 0
     least = 3 if method == sketched else 1
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < least:
         raise ValueError(
             f"samples must be an int >= {least} (probes, one Hessian-vector product each) for "
             f"method={method!r}, got {samples!r}"
         )
+    return samples
 
 
 @dataclass(frozen=True)
@@ -65,10 +67,12 @@ class Checked:
         return check_batched_output(self.f(y, *args), self.batch, self.scalar_hint)
 
 
-def checked(f: object, batch: Sequence[int], scalar_hint: str | None = None) -> object:
+def checked(
+    f: Callable[..., torch.Tensor], batch: Sequence[int], scalar_hint: str | None = None
+) -> Callable[..., torch.Tensor]:
     """``f`` wrapped in :class:`Checked`; a backend-native function (not a Python callable,
-    e.g. :func:`pyhvp.julia_function`) returns one scalar per instance by contract and is
-    passed as it is."""
+    e.g. :func:`pyhvp.julia_function`, which the operators' annotations do not name) returns one
+    scalar per instance by contract and is passed as it is."""
     return Checked(f, tuple(batch), scalar_hint) if callable(f) else f
 
 

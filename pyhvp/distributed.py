@@ -1,7 +1,7 @@
 """torch.distributed glue: a sum over the ranks of a process group that fails loudly, never hangs.
 
 pyhvp runs on PyTorch's own distributed engine (gloo on the CPU, NCCL on CUDA) and starts no
-process itself. Two patterns (README, "More than one device"):
+process itself. Two patterns (the guide's "More than one device"):
 
 * **Instances sharded over ranks** need no communication. Per-instance operators (``grad_and_hvp``,
   ``hvp``, ``hessian_diagonal``, ``laplacian``, ``grad_and_laplacian``) compute instance ``b``'s
@@ -154,5 +154,5 @@ def _all_reduce_sum(
     device = tensors[0].device
     flat = torch.cat([t.reshape(-1).to(device=device, dtype=dtype) for t in tensors])
     dist.all_reduce(flat, group=group)
-    parts = flat.split([t.numel() for t in tensors])
+    parts = torch.split(flat, [t.numel() for t in tensors])
     return [part.reshape(t.shape).to(t) for part, t in zip(parts, tensors, strict=True)]

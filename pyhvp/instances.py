@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch.func import vmap
@@ -23,6 +24,9 @@ from pyhvp._checks import (
     per_arg_event_dims,
     require_floating,
 )
+
+Out = TypeVar("Out")
+"""What a per-instance function returns (a tensor or a tuple of tensors); batched alike."""
 
 
 @dataclass(frozen=True)
@@ -51,7 +55,7 @@ class PerInstance:
             for i, (a, d) in enumerate(zip(args, own_dims, strict=True))
         )
 
-    def map(self, fn_single: Callable[..., object], x: torch.Tensor, *args: object) -> object:
+    def map(self, fn_single: Callable[..., Out], x: torch.Tensor, *args: object) -> Out:
         """``fn_single(x_b, *args_b)`` for every instance ``b``, stacked over x's batch dims.
 
         ``fn_single`` may return a tensor or a tuple of tensors; each gets x's batch dims in
@@ -104,13 +108,13 @@ def per_instance(
     return PerInstance(f_single, event_dims, arg_event_dims)
 
 
-def vmap_batch_dims(fn_single: Callable[..., object], n_batch: int) -> Callable[..., object]:
+def vmap_batch_dims(fn_single: Callable[..., Out], n_batch: int) -> Callable[..., Out]:
     """Nest one vmap per batch dim; an arg of size 1 in that dim is shared (in_dims=None)."""
     if n_batch == 0:
         return fn_single
     inner = vmap_batch_dims(fn_single, n_batch - 1)
 
-    def over_leading_dim(x: torch.Tensor, *args: object) -> object:
+    def over_leading_dim(x: torch.Tensor, *args: object) -> Out:
         in_dims = [0] + [
             None if not isinstance(a, torch.Tensor) or a.shape[0] == 1 else 0 for a in args
         ]

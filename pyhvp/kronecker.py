@@ -102,10 +102,7 @@ class KroneckerHVP:
     @torch.no_grad()
     def roots(self) -> list[torch.Tensor]:
         """The per-mode roots ``R_i`` of shape ``(n, m_i, m_i)`` (cached; see the class doc)."""
-        if self._mean is None:
-            raise RuntimeError(
-                "KroneckerHVP has no statistics yet: call update(grad) before apply(v) or roots()"
-            )
+        self._statistics()
         if self._roots is None or self._updates_since_roots >= self.refresh_every:
             self._roots = self._compute_roots()
             self._updates_since_roots = 0
@@ -114,21 +111,30 @@ class KroneckerHVP:
     def apply(self, v: torch.Tensor) -> torch.Tensor:
         """``(R_1 ⊗ ... ⊗ R_d) vec(v)`` per system; ``v``: ``(*extra, n, *modes)``, same shape out."""
         roots = self.roots()
+        mean = self._statistics()
         v = require_floating("v", v)
-        state_shape = self._mean.shape
+        state_shape = mean.shape
         lead = v.ndim - len(state_shape) + 1  # position of the first mode dim in v
         if lead < 1 or v.shape[lead - 1 :] != state_shape:
             raise ValueError(
                 f"v must have shape {fmt_shape(('*extra', *state_shape))} (its trailing dims are "
                 f"grad's shape), got {fmt_shape(v.shape)}"
             )
-        require_like("v", v, "grad", self._mean)
+        require_like("v", v, "grad", mean)
         out = v
         for root in roots:  # cycle: the next mode to the end, contract it with its root
             out = out.movedim(lead, -1)
             shape = out.shape
             out = (out.reshape(*shape[:lead], -1, shape[-1]) @ root).reshape(shape)
         return out
+
+    def _statistics(self) -> torch.Tensor:
+        """The EMA mean of the gradients (its shape is grad's); RuntimeError before any update."""
+        if self._mean is None:
+            raise RuntimeError(
+                "KroneckerHVP has no statistics yet: call update(grad) before apply(v) or roots()"
+            )
+        return self._mean
 
     def __call__(self, grad: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``update(grad)`` then ``apply(v)``: the post's ``batch_hvp_fn`` given the gradient."""
@@ -239,7 +245,10 @@ def _unfold(tensor: torch.Tensor, mode: int) -> torch.Tensor:
 
 def _real_option(name: str, value: object, expected: str, ok: Callable[[float], bool]) -> float:
     """``value`` as a finite float accepted by ``ok``, else ValueError naming ``name``."""
-    real = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not (real and math.isfinite(value) and ok(float(value))):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not (math.isfinite(value) and ok(float(value)))
+    ):
         raise ValueError(f"{name} must be {expected}, got {value!r}")
     return float(value)

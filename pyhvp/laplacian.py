@@ -82,7 +82,7 @@ def laplacian(
     event_dims = check_event_dims(event_dims, x)
     check_args(args, x)
     chunk_size = check_chunk_size(chunk_size)
-    est.check_method(method, samples, generator, SKETCHED)
+    samples = est.check_method(method, samples, generator, SKETCHED)
     space = est.Space(x, event_dims, factor)
     resolved = resolve_backend(backend)
     if method == SKETCHED:

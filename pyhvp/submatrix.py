@@ -37,6 +37,7 @@ from pyhvp._checks import (
     require_like,
     require_tensor,
 )
+from pyhvp._progress import progress_bar
 from pyhvp.backends import Backend, require_primitive, resolve_backend
 from pyhvp.distributed import Fingerprint, check_group, sum_over_ranks
 
@@ -57,6 +58,7 @@ def sub_hessian(
     joint: bool = False,
     chunk_size: int | None = None,
     backend: str | Backend = "torch",
+    progress: bool = False,
 ) -> torch.Tensor: ...
 
 
@@ -71,6 +73,7 @@ def sub_hessian(
     joint: Literal[False] = False,
     chunk_size: int | None = None,
     backend: str | Backend = "torch",
+    progress: bool = False,
 ) -> Params: ...
 
 
@@ -85,6 +88,7 @@ def sub_hessian(
     joint: Literal[True],
     chunk_size: int | None = None,
     backend: str | Backend = "torch",
+    progress: bool = False,
 ) -> torch.Tensor: ...
 
 
@@ -98,6 +102,7 @@ def sub_hessian(
     joint: bool = False,
     chunk_size: int | None = None,
     backend: str | Backend = "torch",
+    progress: bool = False,
 ) -> torch.Tensor | Params:
     """Hessian of the scalar ``loss(params)`` over the components ``index`` selects.
 
@@ -117,7 +122,9 @@ def sub_hessian(
     ``(S + S.T) / 2``, so it is exactly symmetric; it carries no autograd graph and ``params`` is
     not modified. ``chunk_size`` bounds how many components of each tensor are pushed per pass.
     ``joint=True`` pushes all selected tensors as one vector, whose tensors must then share one
-    dtype and device.
+    dtype and device. ``progress=True`` shows a tqdm bar over ``data``'s batches on stderr
+    (batches done, rate, and time left when ``data`` has a length); with several
+    ``torch.distributed`` ranks only rank 0 draws it.
 
     >>> loss = lambda p: p[0] ** 2 * p[1] + p[2] ** 3       # H: [[2 p1, 2 p0, 0], [2 p0, 0, 0], [0, 0, 6 p2]]
     >>> H = sub_hessian(loss, torch.tensor([1.0, 2.0, 3.0]), torch.tensor([2, 0, 1]))
@@ -125,7 +132,8 @@ def sub_hessian(
     True
     """
     group = check_group(group)
-    local = partial(_local_sums, loss, params, index, data, joint, chunk_size, backend)
+    options = (joint, chunk_size, backend, progress, group)
+    local = partial(_local_sums, loss, params, index, data, *options)
     sums = local()[0] if group is None else sum_over_ranks(local, group, "sub_hessian")
     blocks = [(s + s.mT) / 2 for s in sums]
     if isinstance(params, torch.Tensor) or joint:
@@ -141,20 +149,26 @@ def _local_sums(
     joint: bool,
     chunk_size: int | None,
     backend: str | Backend,
+    progress: bool,
+    group: ProcessGroup | None,
 ) -> tuple[list[torch.Tensor], Fingerprint]:
     """This process's part of :func:`sub_hessian`: its arguments checked, the unsymmetrised
-    block(s) summed over its batches, and what every rank of a group must agree on."""
-    if not isinstance(joint, bool):
-        raise ValueError(f"joint must be True or False, got {joint!r}")
+    block(s) summed over its batches (with a progress bar on the group's rank 0 if asked), and
+    what every rank of a group must agree on."""
+    for name, flag in (("joint", joint), ("progress", progress)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be True or False, got {flag!r}")
     chunk_size = check_chunk_size(chunk_size)
     resolved = resolve_backend(backend)
     batches = _check_data(data)
+    if progress and batches is not None:
+        batches = progress_bar(batches, "sub_hessian", "batch", group)
     _check_loss(loss, batches is not None)
     if isinstance(params, torch.Tensor):
         tensor = require_floating("params", params).detach()
         flat = _check_index("index", index, tensor.numel(), "params")
         selection = _Selection(loss, (), ())
-        fingerprint = {
+        fingerprint: Fingerprint = {
             "params' shape, dtype": (tuple(tensor.shape), str(tensor.dtype)),
             "index": flat.tolist(),
         }

@@ -261,8 +261,8 @@ def test_sum_over_batches_is_one_big_batch_and_the_dense_hessian(make, kwargs):
 
 
 def test_mean_over_a_data_loader_is_sum_reduction_divided_by_the_size():
-    """The README's recipe: reduction="sum" over a DataLoader, divided by the data set size, is
-    the sub-Hessian of the mean loss over the whole data set."""
+    """The documented recipe (docs/guide/sub_hessian.md): reduction="sum" over a DataLoader,
+    divided by the data set size, is the sub-Hessian of the mean loss over the whole data set."""
     *_, index, _, (inputs, targets) = data_set()
     model = classifier()
     loader = DataLoader(TensorDataset(inputs, targets), batch_size=10)

@@ -393,3 +393,56 @@ ERRORS = {
 def test_bad_input_raises_naming_the_culprit(call, error, culprit):
     with pytest.raises(error, match=re.escape(culprit)):
         call()
+
+
+# --- progress=: a tqdm bar over data's batches, on rank 0 only --------------------------------
+
+
+def progress_run(progress, data=None):
+    loss = lambda p, batch: ((p * batch) ** 2).sum()  # noqa: E731
+    batches = data if data is not None else [torch.full((4,), float(i)) for i in range(3)]
+    return pyhvp.sub_hessian(loss, torch.ones(4), torch.tensor([0, 2]), data=batches,
+                             progress=progress)  # fmt: skip
+
+
+def test_progress_bar_counts_batches_on_stderr(capsys):
+    H = progress_run(progress=True)
+    torch.testing.assert_close(H, 2 * (0 + 1 + 4) * torch.eye(2))  # sum over batches of 2 b^2
+    err = capsys.readouterr().err
+    assert "sub_hessian" in err and "3/3" in err and "batch" in err, err
+
+
+def test_progress_bar_without_length_counts_what_it_saw(capsys):
+    progress_run(progress=True, data=(torch.full((4,), float(i)) for i in range(5)))
+    err = capsys.readouterr().err
+    assert "sub_hessian" in err and "5batch" in err.replace(" ", ""), err
+
+
+def test_no_progress_bar_by_default_or_when_off(capsys):
+    progress_run(progress=False)
+    pyhvp.sub_hessian(lambda p, b: (p**2).sum(), torch.ones(2), torch.tensor([0]), data=[1, 2])
+    captured = capsys.readouterr()
+    assert captured.err == "" and captured.out == ""
+
+
+@pytest.mark.parametrize("rank, shows", [(0, True), (1, False)])
+def test_progress_bar_only_on_rank_zero(monkeypatch, capsys, rank, shows):
+    dist = torch.distributed
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: rank)
+    progress_run(progress=True)
+    assert ("sub_hessian" in capsys.readouterr().err) is shows
+
+
+def test_progress_must_be_a_bool():
+    with pytest.raises(ValueError, match="progress must be True or False, got 'yes'"):
+        progress_run(progress="yes")
+
+
+def test_progress_rank_is_the_rank_in_the_group(monkeypatch):
+    from pyhvp._progress import shows_progress
+
+    group = object()  # rank 3 in this group, rank 0 in the default one
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda g=None: 0 if g is None else 3)
+    assert shows_progress(None) and not shows_progress(group)

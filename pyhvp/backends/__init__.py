@@ -45,7 +45,7 @@ Backends are chosen by name (``backend="torch"``) or passed as a value
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, overload, runtime_checkable
 
 import torch
 
@@ -68,7 +68,10 @@ class Backend(Protocol):
         args: Sequence[object],
         event_dims: int,
         chunk_size: int | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gradient of ``f(x, *args).sum()`` (x's shape) and its products with ``tangents``
+        ``(k, *x.shape)``: per instance, its own gradient and ``H_i v_i``."""
+        ...
 
     def second_directional(
         self,
@@ -77,7 +80,10 @@ class Backend(Protocol):
         directions: torch.Tensor,
         args: Sequence[object],
         chunk_size: int | None,
-    ) -> torch.Tensor: ...
+    ) -> torch.Tensor:
+        """``d^2/dt^2 f(x + t u)`` at ``t = 0`` for each of the ``k`` directions ``u``:
+        ``(k, *out)``; raises ``NotImplementedError`` on a backend without it."""
+        ...
 
 
 BACKEND_NAMES = ("torch", "julia")
@@ -86,9 +92,38 @@ OPTIONAL_PRIMITIVES = {"collapsed_jet": "torch", "grad_and_block_hvps": "torch"}
 """Optional primitive -> a backend that implements it."""
 
 
-def require_primitive(backend: Backend, primitive: str, operator: str) -> Callable[..., object]:
+Blocks = tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]
+"""``grad_and_block_hvps``' result: every leaf's gradient, and per leaf its ``(k_i, *leaf)`` products."""
+
+GradAndBlockHvps = Callable[
+    [Callable[..., torch.Tensor], Sequence[torch.Tensor], Sequence[torch.Tensor], Sequence[object],
+     int | None],
+    Blocks,
+]  # fmt: skip
+"""The optional multi-leaf primitive ``grad_and_block_hvps(f, leaves, tangents, args, chunk_size)``."""
+
+CollapsedJet = Callable[
+    [Callable[..., torch.Tensor], torch.Tensor, torch.Tensor, Sequence[object], int | None],
+    tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+]
+"""The optional primitive ``collapsed_jet(f, x, directions, args, chunk_size)``: value, first, second."""
+
+
+@overload
+def require_primitive(
+    backend: Backend, primitive: Literal["grad_and_block_hvps"], operator: str
+) -> GradAndBlockHvps: ...
+
+
+@overload
+def require_primitive(
+    backend: Backend, primitive: Literal["collapsed_jet"], operator: str
+) -> CollapsedJet: ...
+
+
+def require_primitive(backend: Backend, primitive: str, operator: str) -> Callable[..., Any]:
     """``backend``'s method ``primitive``, or a ValueError naming a backend that has it."""
-    method = getattr(backend, primitive, None)
+    method: Callable[..., Any] | None = getattr(backend, primitive, None)
     if method is None:
         raise ValueError(
             f"{operator} needs the {primitive} primitive, which backend={backend.name!r} does "

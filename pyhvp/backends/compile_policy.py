@@ -49,12 +49,12 @@ from torch.utils import _pytree as pytree
 from pyhvp._keys import Identity, value_key
 
 COLD_COMPILE_SECONDS = 20.0
-"""Expected first compile in a fresh environment: the README example's first compiled call took
+"""Expected first compile in a fresh environment: the seed-000 per-instance example's first compiled call took
 19.5 s with an empty inductor cache on the 2-core CI machine (7.9-16 s on others)."""
 
 WARM_COMPILE_SECONDS = 4.0
 """Expected first compile when inductor's graph cache holds earlier runs' graphs (measured 2.9 s
-and 3.7 s for the README example)."""
+and 3.7 s for that example)."""
 
 CACHE_SIZE = 64
 """Signatures remembered (least recently used dropped first)."""
@@ -82,7 +82,8 @@ def function_key(f: object, _seen: frozenset[int] = frozenset()) -> Hashable:
         return ("partial", function_key(f.func, seen), arguments, keywords)
     if isinstance(f, pytree.TreeSpec):  # a batch's structure: structural equality
         return ("value", pytree.TreeSpec, f)
-    if is_dataclass(f) and not isinstance(f, type) and f.__dataclass_params__.frozen:
+    # typeshed's DataclassInstance declares __dataclass_fields__ only; every dataclass has params
+    if is_dataclass(f) and not isinstance(f, type) and f.__dataclass_params__.frozen:  # type: ignore[attr-defined]
         state = (
             vars(f) if hasattr(f, "__dict__") else {x.name: getattr(f, x.name) for x in fields(f)}
         )
@@ -99,9 +100,13 @@ def _cell_key(cell: types.CellType, seen: frozenset[int]) -> Hashable:
         return ("empty cell",)
 
 
+Signature = tuple[str, Hashable, tuple[Hashable, ...], tuple[Hashable, ...]]
+"""A call's cache key: kernel name, :func:`function_key` of ``f``, options, inputs' metadata."""
+
+
 def signature(
     kernel: str, f: object, static: tuple[Hashable, ...], inputs: Sequence[object]
-) -> Hashable:
+) -> Signature:
     """The cache key of one call: kernel, function key, options, and each input's metadata."""
 
     def describe(value: object) -> Hashable:
@@ -132,11 +137,13 @@ class Account:
             out = run()
             self._add(clock() - begin)
             return out
-        while self.pending and self.pending[0][1].query():
+        # torch.cuda.Event's methods carry no annotations (torch 2.13): untyped calls below
+        while self.pending and self.pending[0][1].query():  # type: ignore[no-untyped-call]
             start, end = self.pending.pop(0)
             self._add(start.elapsed_time(end) / 1e3)
         stream = torch.cuda.current_stream(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         start.record(stream)
         out = run()
         end.record(stream)

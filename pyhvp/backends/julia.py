@@ -254,7 +254,8 @@ def julia_args(
 ) -> tuple[tuple[object, ...], tuple[tuple[int, ...], ...]]:
     """Args as Julia receives them -- tensors in :func:`julia_layout` (to be lent), numbers as
     floats -- and each arg's reversed per-instance shape (``()`` for numbers)."""
-    values, shapes = [], []
+    values: list[object] = []
+    shapes: list[tuple[int, ...]] = []
     for i, (arg, own) in enumerate(
         zip(args, per_arg_event_dims(arg_event_dims, event_dims, len(args)), strict=True)
     ):

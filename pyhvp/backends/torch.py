@@ -46,14 +46,14 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, TypeVar, cast
 
 import torch
 from torch.func import grad, vjp, vmap
 
 from pyhvp import taylor
 from pyhvp._checks import check_output
-from pyhvp.backends import compile_policy
+from pyhvp.backends import Blocks, compile_policy
 from pyhvp.backends.compile_policy import CompileCache
 
 CompileMode = Literal["auto"] | bool
@@ -79,7 +79,10 @@ class InstanceSum:
         return out.sum()
 
 
-Blocks = tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]
+Result = TypeVar("Result")
+
+Jet = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""A collapsed jet kernel's result: value, first-order coefficients, summed second-order ones."""
 
 
 def _grad_and_block_hvps_traced(
@@ -111,7 +114,8 @@ def _reverse_over_reverse(
     def of_leaf(y: torch.Tensor) -> torch.Tensor:
         return f(*leaves[:i], y, *leaves[i + 1 :], *args)
 
-    g, product = vjp(grad(of_leaf), leaves[i])
+    # torch annotates vjp's result as a pair or, with has_aux=True, a triple: here it is a pair
+    g, product = vjp(grad(of_leaf), leaves[i])  # type: ignore[misc]
     if len(tangents) <= 1:  # no vmap for one tangent (nor for none)
         return g, torch.stack([product(t)[0] for t in tangents]) if len(tangents) else tangents
     return g, vmap(lambda t: product(t)[0], chunk_size=chunk_size)(tangents)
@@ -140,7 +144,7 @@ def _grad_and_block_hvps_eager(
             (y, g, part)
             for y, g, leaf_tangents in zip(ys, grads, tangents, strict=True)
             if g.requires_grad and len(leaf_tangents)  # not requiring grad: f affine in leaf
-            for part in leaf_tangents.split(chunk_size or len(leaf_tangents))
+            for part in torch.split(leaf_tangents, chunk_size or len(leaf_tangents))
         ]
         products: dict[int, list[torch.Tensor]] = {}
         for n, (y, g, part) in enumerate(passes):
@@ -164,8 +168,11 @@ def _grad_and_block_hvps_eager(
     return tuple(g if keep_graph else g.detach() for g in grads), hvs
 
 
-def _split(n_leaves: int, inputs: tuple[object, ...]) -> tuple[list, list, tuple]:
-    """``(*leaves, *tangents, *args)`` -> leaves, tangents (one per leaf), args."""
+def _split(
+    n_leaves: int, inputs: tuple[Any, ...]
+) -> tuple[list[torch.Tensor], list[torch.Tensor], tuple[object, ...]]:
+    """``(*leaves, *tangents, *args)`` -> leaves, tangents (one per leaf), args; the kernels get
+    them flat (a compiled kernel takes positional tensors), as ``grad_and_block_hvps`` packs them."""
     leaves = list(inputs[:n_leaves])
     return leaves, list(inputs[n_leaves : 2 * n_leaves]), inputs[2 * n_leaves :]
 
@@ -209,7 +216,8 @@ def _stacklevel_outside_pyhvp() -> int:
     """The ``warnings.warn`` stacklevel, for the caller of this function, that names the first
     frame outside the pyhvp package: the user's call."""
     package = str(Path(__file__).resolve().parents[1]) + os.sep
-    frame, level = sys._getframe(1), 1
+    frame: types.FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and frame.f_code.co_filename.startswith(package):
         frame, level = frame.f_back, level + 1
     return level
@@ -251,6 +259,8 @@ class TorchBackend:
         event_dims: int,
         chunk_size: int | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-instance gradients (x's shape) and HVPs ``(k, *x.shape)``: the one-leaf
+        ``grad_and_block_hvps`` of ``sum_b f(x)[b]``, reverse-over-reverse."""
         _require_torch_function(f)
         (g,), (hv,) = self.grad_and_block_hvps(
             InstanceSum(f, event_dims), (x,), (tangents,), args, chunk_size
@@ -286,7 +296,10 @@ class TorchBackend:
     ) -> torch.Tensor:
         """``d^2/dt^2 f(x + t u)`` per direction ``(k, *out)``: see :mod:`pyhvp.backends`.
         Second-order Taylor mode; ``f`` is recorded once for all chunks of directions."""
-        parts = self._jets(f, x, directions, args, chunk_size, collapsed=False)
+        # a jet kernel that is not collapsed returns one tensor: the second-order coefficients
+        parts = cast(
+            list[torch.Tensor], self._jets(f, x, directions, args, chunk_size, collapsed=False)
+        )
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def collapsed_jet(
@@ -298,7 +311,7 @@ class TorchBackend:
         chunk_size: int | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(f(x), first (k, *out), sum over directions of second)``: see :mod:`pyhvp.backends`."""
-        parts = self._jets(f, x, directions, args, chunk_size, collapsed=True)
+        parts = cast(list[Jet], self._jets(f, x, directions, args, chunk_size, collapsed=True))
         if len(parts) == 1:
             return parts[0]
         first = torch.cat([p[1] for p in parts])
@@ -325,7 +338,7 @@ class TorchBackend:
         """The jet kernel's results per chunk of ``chunk_size`` directions, from one capture."""
         captured = self._capture(f, x, args)
         parts = []
-        for part in directions.split(chunk_size or max(len(directions), 1)):
+        for part in torch.split(directions, chunk_size or max(len(directions), 1)):
             with torch.inference_mode(False):
                 kernel = captured.kernel(collapsed, x, part)
             inputs = (x, part, *captured.constants)
@@ -334,12 +347,12 @@ class TorchBackend:
 
     def _run(
         self,
-        eager_kernel: Callable[..., object],
-        traced_kernel: Callable[..., object],
+        eager_kernel: Callable[..., Result],
+        traced_kernel: Callable[..., Result],
         f: Callable[..., object],
         static: tuple[Hashable, ...],
         inputs: tuple[object, ...],
-    ) -> object:
+    ) -> Result:
         """Results carry autograd history exactly when grad mode is on and an input requires
         grad (eager then, graph kept); otherwise they are detached on every path, whatever f
         captures. Inference tensors are cloned into normal ones outside inference mode."""
@@ -351,7 +364,8 @@ class TorchBackend:
                 t.clone() if isinstance(t, torch.Tensor) and t.is_inference() else t for t in inputs
             )
             out = self._dispatch(eager, traced_kernel, f, static, inputs)
-        return _detached(out)
+        # both kernels return what eager_kernel returns; the compile cache holds them untyped
+        return cast(Result, _detached(out))
 
     def _dispatch(
         self,
@@ -379,10 +393,11 @@ class TorchBackend:
         stale = entry.compiled_for is not f and (
             compile_policy.function_key(entry.compiled_for) != key[1]
         )
-        first_call = entry.compiled is None or stale
-        if first_call:
-            entry.compiled, entry.compiled_for = _compile_bound(traced_kernel, f, static), f
-        compiled = entry.compiled
+        compiled = None if stale else entry.compiled
+        first_call = compiled is None
+        if compiled is None:
+            compiled = _compile_bound(traced_kernel, f, static)
+            entry.compiled, entry.compiled_for = compiled, f
         try:
             if first_call:
                 start = compile_policy.clock()
