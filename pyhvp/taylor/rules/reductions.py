@@ -117,14 +117,45 @@ def _max_all(ctx: Context, out: Tensor, u: Jet) -> Jet:
     return _amax(ctx, out, u, list(range(u.value.ndim)), False)
 
 
-@rule(aten.max.dim, aten.min.dim)
-def _max_dim(ctx: Context, out: tuple, u: Jet, dim: int, keepdim: bool = False) -> tuple:
-    values, indices = out
+def _picked(ctx: Context, out: tuple, u: Jet, dim: int, keepdim: bool = True) -> tuple:
+    """``(values, indices)`` where ``values`` are ``u``'s elements at ``indices`` along ``dim``
+    (selections: extrema, sorts, order statistics): locally a gather, so its jet is the gather
+    of ``u``'s."""
+    values, indices = out[0], out[1]
     d = axis(dim, u.value.ndim)
-    picked = apply(ctx, aten.gather.default, u, d, indices if keepdim else indices.unsqueeze(d))
-    if not keepdim:
+    reduced = indices.ndim < u.value.ndim
+    picked = apply(ctx, aten.gather.default, u, d, indices.unsqueeze(d) if reduced else indices)
+    if reduced:
         picked = apply(ctx, aten.squeeze.dim, picked, d)
-    return Jet(values, picked.first, picked.second), indices
+    return (Jet(values, picked.first, picked.second), indices, *out[2:])
+
+
+@rule(aten.max.dim, aten.min.dim, aten.median.dim, aten.nanmedian.dim)
+def _extremum_along(ctx: Context, out: tuple, u: Jet, dim: int, keepdim: bool = False) -> tuple:
+    return _picked(ctx, out, u, dim)
+
+
+@rule(aten.mode.default, aten.cummax.default, aten.cummin.default)
+def _selection_along(ctx: Context, out: tuple, u: Jet, dim: int = -1,
+                     keepdim: bool = False) -> tuple:  # fmt: skip
+    return _picked(ctx, out, u, dim)
+
+
+@rule(aten.sort.default)
+def _sort(ctx: Context, out: tuple, u: Jet, dim: int = -1, descending: bool = False) -> tuple:
+    return _picked(ctx, out, u, dim)
+
+
+@rule(aten.sort.stable)
+def _stable_sort(ctx: Context, out: tuple, u: Jet, *, stable: bool | None = None, dim: int = -1,
+                 descending: bool = False) -> tuple:  # fmt: skip
+    return _picked(ctx, out, u, dim)
+
+
+@rule(aten.topk.default, aten.kthvalue.default)
+def _order_statistics(ctx: Context, out: tuple, u: Jet, k: int, dim: int = -1,
+                      *options: bool) -> tuple:  # fmt: skip
+    return _picked(ctx, out, u, dim)
 
 
 def _variance(root: bool) -> Rule:
