@@ -6,6 +6,7 @@ trusted -- so a real op is not unsupported, only slower."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -287,9 +288,19 @@ def _reverse_coefficients(ctx: Context, fn: Callable[..., tuple], primals: tuple
     """From the op's dense Jacobian and Hessian (reverse over reverse), inputs flattened."""
     outputs = fn(*primals)
     sizes = [p.numel() for p in primals]
-    every = tuple(range(len(primals)))
-    jacobian = jacrev(fn, argnums=every)(*primals)  # [output][input]: out + in
-    hessian = jacrev(jacrev(fn, argnums=every), argnums=every)(*primals)  # [o][i][j]
+    # inputs and outputs packed into one vector each: jacrev of several inputs or outputs builds
+    # its basis with tensor-valued offsets, which make_fx cannot trace before torch 2.6
+    ins, outs = _spans(sizes), _spans([o.numel() for o in outputs])
+
+    def packed(flat: Tensor) -> Tensor:
+        values = (flat[i].reshape(p.shape).to(p.dtype) for i, p in zip(ins, primals, strict=True))
+        return torch.cat([o.reshape(-1) for o in fn(*values)])
+
+    flat = torch.cat([p.reshape(-1) for p in primals])
+    whole_jacobian = jacrev(packed)(flat)  # (outputs, inputs)
+    whole_hessian = jacrev(jacrev(packed))(flat)  # (outputs, inputs, inputs)
+    jacobian = [[whole_jacobian[o, i] for i in ins] for o in outs]  # [output][input]
+    hessian = [[[whole_hessian[o, i, j] for j in ins] for i in ins] for o in outs]
     first, second = [], []
     for o, value in enumerate(outputs):
         size = value.numel()
@@ -364,3 +375,9 @@ def linear_rule(
         return pytree.tree_unflatten(result, pytree.tree_structure(out))
 
     return rule
+
+
+def _spans(sizes: list[int]) -> list[slice]:
+    """Where each of tensors of these sizes lies in their concatenation."""
+    ends = list(itertools.accumulate(sizes))
+    return [slice(end - n, end) for end, n in zip(ends, sizes, strict=True)]
