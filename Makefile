@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup example test typecheck docs bench
+.PHONY: setup example test test-torch-range typecheck docs bench
 
 setup: $(VENV)/.installed
 
@@ -36,6 +36,24 @@ $(VENV)/.docs-installed: $(VENV)/.installed
 # the site into docs/_build/html (git-ignored), running every example; any warning fails it
 docs: $(VENV)/.docs-installed
 	$(PY) -m sphinx -W --keep-going -n -b html docs docs/_build/html
+
+
+# The suite (pytest only) on the torch releases pyproject.toml accepts besides the pin: its
+# floor (today the pin itself, 2.13, which `make test` covers) and the newest release pip
+# installs here, each in a venv of its own (.venv-torch-<version>, git-ignored); the pinned
+# .venv is not touched. These are PyPI's CUDA builds, which run on the CPU.
+TORCH_RANGE ?= 2.14.1
+
+test-torch-range: $(foreach v,$(TORCH_RANGE),.venv-torch-$(v)/.installed)
+	for v in $(TORCH_RANGE); do \
+		echo "== torch $$v"; .venv-torch-$$v/bin/python -m pytest -p no:cacheprovider || exit 1; \
+	done
+
+.venv-torch-%/.installed: pyproject.toml
+	rm -rf .venv-torch-$*
+	$(PYTHON) -m venv .venv-torch-$*
+	.venv-torch-$*/bin/python -m pip install --quiet "torch==$*" -e ".[test,julia]"
+	touch $@
 
 $(VENV)/.bench-installed: $(VENV)/.installed
 	$(PY) -m pip install --quiet -e ".[test,julia,bench]"

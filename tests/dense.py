@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.func import hessian, jacrev
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 def to64(value):
@@ -22,9 +23,12 @@ def to64(value):
 def dense_hessian(f, x, *args):
     """Full Hessian of ``f(x, *args)`` (any output shape) w.r.t. x in float64.
 
-    Shape ``out_shape + x.shape + x.shape``.
+    Shape ``out_shape + x.shape + x.shape``. Attention on its math path: from torch 2.14 the CPU
+    one runs a fused kernel (``_scaled_dot_product_flash_attention_for_cpu``) that autograd
+    cannot differentiate twice.
     """
-    return hessian(lambda y: f(y, *map(to64, args)))(x.double())
+    with sdpa_kernel(SDPBackend.MATH):
+        return hessian(lambda y: f(y, *map(to64, args)))(x.double())
 
 
 def instance_hessians(f, x, *args, event_dims=1):
