@@ -237,6 +237,15 @@ def _softmax(ctx: Context, out: Tensor, u: Jet, dim: int, half_to_float: bool = 
     return chain(ctx, out, log_p, out, out)  # softmax = exp(log softmax)
 
 
+@rule(aten._safe_softmax.default)
+def _safe_softmax(ctx: Context, out: Tensor, u: Jet, dim: int, dtype: object = None) -> Jet:
+    """softmax, 0 along rows that are all -inf (masked attention): the softmax rule with
+    ``p = out`` gives zero coefficients there."""
+    if dtype is not None:
+        u = apply(ctx, aten._to_copy.default, u, dtype=dtype)
+    return _softmax(ctx, out, u, dim)
+
+
 @rule(aten.linalg_vector_norm.default)
 def _vector_norm(
     ctx: Context, out: Tensor, u: Jet, ord: float = 2, dim: object = None, keepdim: bool = False,
