@@ -301,22 +301,27 @@ def _reverse_coefficients(ctx: Context, fn: Callable[..., tuple], primals: tuple
     whole_hessian = jacrev(jacrev(packed))(flat)  # (outputs, inputs, inputs)
     jacobian = [[whole_jacobian[o, i] for i in ins] for o in outs]  # [output][input]
     hessian = [[[whole_hessian[o, i, j] for j in ins] for i in ins] for o in outs]
+    dtype = whole_jacobian.dtype  # the coefficients' may differ: a dtype conversion
+
+    def flat_coefficients(c: Tensor, i: int) -> Tensor:
+        return c.reshape(c.shape[0], sizes[i]).to(dtype)
+
     first, second = [], []
     for o, value in enumerate(outputs):
         size = value.numel()
         f = s = 0
         for i, t in enumerate(firsts):
             j_oi = jacobian[o][i].reshape(size, sizes[i]).T
-            f = f + t.reshape(t.shape[0], sizes[i]) @ j_oi
+            f = f + flat_coefficients(t, i) @ j_oi
             if seconds is not None:
-                s = s + seconds[i].reshape(seconds[i].shape[0], sizes[i]) @ j_oi
+                s = s + flat_coefficients(seconds[i], i) @ j_oi
             for j, u in enumerate(firsts):
                 h = hessian[o][i][j].reshape(size, sizes[i], sizes[j])
-                quad = torch.einsum("ka,oab,kb->ko", t.reshape(t.shape[0], sizes[i]), h,
-                                    u.reshape(u.shape[0], sizes[j]))  # fmt: skip
+                quad = torch.einsum("ka,oab,kb->ko", flat_coefficients(t, i), h,
+                                    flat_coefficients(u, j))  # fmt: skip
                 s = s + (quad.sum(0, keepdim=True) if ctx.collapsed else quad)
-        first.append(f.reshape(-1, *value.shape))
-        second.append(s.reshape(-1, *value.shape))
+        first.append(f.reshape(-1, *value.shape).to(value.dtype))
+        second.append(s.reshape(-1, *value.shape).to(value.dtype))
     return first, second
 
 
