@@ -207,6 +207,49 @@ def test_register_jet_rule_refuses_what_is_not_an_op_and_a_rule_with_a_flag():
         pyhvp.register_jet_rule(softsign, lambda *a: None, linear=True)
 
 
+# --- state f writes: running statistics, a captured tensor ------------------------------------
+
+
+@pytest.mark.parametrize("through_a_view", [False, True], ids=["directly", "through a view"])
+def test_a_captured_tensor_f_writes_acts_as_in_one_call_of_f(through_a_view, device):
+    """Issue 16 item 3: batch norm in training mode updates running statistics. A tensor f
+    reads and writes is written once per pyhvp call, as one call of f writes it, and the
+    derivatives are those of f at the state before the call."""
+    state = torch.ones(3, dtype=torch.float64, device=device)
+    before = state.clone()
+
+    def f(x):
+        target = state[:2] if through_a_view else state
+        target.mul_(2.0)  # a write, then a read of the written value
+        return (x.pow(3) * state).sum(-1)
+
+    x = torch.randn(4, 3, dtype=torch.float64, device=device)
+    lap = pyhvp.laplacian(f, x)
+    once = before.clone()
+    (once[:2] if through_a_view else once).mul_(2.0)
+    torch.testing.assert_close(state, once)
+    expected = instance_laplacian(lambda y: (y.pow(3) * once).sum(-1), x)
+    torch.testing.assert_close(lap, expected)
+
+
+def test_batch_norm_in_training_mode_matches_autograd_and_updates_its_statistics_once():
+    torch.manual_seed(0)
+    norm = torch.nn.BatchNorm1d(3).double().train()
+    x = torch.randn(6, 3, dtype=torch.float64)
+
+    def f(y):  # one instance: the whole batch, as a flat vector (training mode couples rows)
+        return norm(y.reshape(6, 3)).pow(3).sum()[None]
+
+    diagonal = pyhvp.hessian_diagonal(f, x.reshape(1, 18))
+    statistics = norm.running_mean.clone()
+    norm.reset_running_stats()
+    f(x.reshape(1, 18))  # one call's update
+    torch.testing.assert_close(statistics, norm.running_mean)
+    # autograd's dense Hessian (torch.func refuses the in-place update)
+    dense = torch.autograd.functional.hessian(lambda y: f(y[None])[0], x.reshape(18))
+    torch.testing.assert_close(diagonal, dense.diagonal()[None])
+
+
 # --- what the engine cannot carry is refused, naming the op ------------------------------------
 
 

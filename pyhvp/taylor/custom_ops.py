@@ -72,3 +72,31 @@ def det_needs_svd(lu: Tensor) -> bool:
     tolerance = torch.finfo(lu.dtype).eps ** (1 / 3)
     small = pivots.amin(-1) <= tolerance * pivots.amax(-1)
     return bool((small | ~pivots.isfinite().all(-1)).any())
+
+
+@torch.library.custom_op("pyhvp::without_third_derivatives", mutates_args=())
+def without_third_derivatives(coefficient: Tensor, op: str) -> Tensor:
+    """``coefficient``, whose own derivatives (a third derivative of ``f``: the gradient of a
+    Laplacian or diagonal) are refused: the fallback for ``op`` cannot give them correctly."""
+    return coefficient.clone()
+
+
+@without_third_derivatives.register_fake
+def _(coefficient: Tensor, op: str) -> Tensor:
+    return torch.empty_like(coefficient)
+
+
+def _refuse_third_derivatives(ctx: object, grad: Tensor) -> None:
+    raise RuntimeError(
+        f"pyhvp: the gradient of a Laplacian or Hessian diagonal through {ctx.op} (a third "  # type: ignore[attr-defined]
+        f"derivative) is not available: autograd's derivatives of that op's own second "
+        f"derivatives are not reliable. Register a jet rule for it (pyhvp.register_jet_rule)"
+    )
+
+
+def _keep_op(ctx: object, inputs: tuple, output: Tensor) -> None:
+    ctx.op = inputs[1]  # type: ignore[attr-defined]
+
+
+without_third_derivatives.register_autograd(_refuse_third_derivatives, setup_context=_keep_op)
+WITHOUT_THIRD_DERIVATIVES = torch.ops.pyhvp.without_third_derivatives.default

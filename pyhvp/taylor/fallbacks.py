@@ -15,6 +15,7 @@ import torch
 from torch.func import grad, jacrev, jvp, vmap
 from torch.utils import _pytree as pytree
 
+from pyhvp.taylor.custom_ops import WITHOUT_THIRD_DERIVATIVES
 from pyhvp.taylor.jets import (
     Context,
     Jet,
@@ -163,6 +164,9 @@ def general_fallback(ctx: Context, op: Callable[..., Any], out: Any, args: tuple
     except Exception as error:  # autograd has no (double) derivative for it, or it raised
         raise _no_derivatives(op, error) from error
     first, second = coefficients
+    if _packet_name(op) in WITHOUT_THIRD_ORDER:
+        first = [WITHOUT_THIRD_DERIVATIVES(c, str(op)) for c in first]
+        second = [WITHOUT_THIRD_DERIVATIVES(c, str(op)) for c in second]
     result = list(outputs)
     for i, f1, f2 in zip(smooth, first, second, strict=True):
         result[i] = Jet(outputs[i], f1, f2)
@@ -182,6 +186,11 @@ def _packet_name(op: object) -> str | None:
     schema = getattr(op, "_schema", None)
     return None if schema is None else schema.name.partition("::")[2]
 
+
+WITHOUT_THIRD_ORDER = frozenset({"ormqr", "linalg_householder_product"})
+"""Ops whose fallback coefficients autograd does not differentiate correctly (the OpInfo sweep:
+their backward formulas write in place, or give wrong third derivatives once functionalized): the
+gradient of a result through them is refused."""
 
 NESTED_FORWARD_EXACT: frozenset[str] = frozenset()
 """Ops whose nested forward mode (``jvp`` of ``jvp``) the OpInfo sweep proves exact: the fallback
@@ -320,8 +329,8 @@ def _reverse_coefficients(ctx: Context, fn: Callable[..., tuple], primals: tuple
                 quad = torch.einsum("ka,oab,kb->ko", flat_coefficients(t, i), h,
                                     flat_coefficients(u, j))  # fmt: skip
                 s = s + (quad.sum(0, keepdim=True) if ctx.collapsed else quad)
-        first.append(f.reshape(-1, *value.shape).to(value.dtype))
-        second.append(s.reshape(-1, *value.shape).to(value.dtype))
+        first.append(f.reshape(f.shape[0], *value.shape).to(value.dtype))
+        second.append(s.reshape(s.shape[0], *value.shape).to(value.dtype))
     return first, second
 
 
