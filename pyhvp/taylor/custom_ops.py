@@ -5,6 +5,8 @@ This module must not use ``from __future__ import annotations``: ``torch.library
 infers each op's schema from the annotations, and string annotations defeat it on older torch.
 """
 
+from typing import cast
+
 import torch
 
 aten = torch.ops.aten
@@ -54,7 +56,7 @@ def det_by_svd(a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 @det_by_svd.register_fake
 def _(a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    return aten._linalg_det.default(a)
+    return cast(tuple[Tensor, Tensor, Tensor], aten._linalg_det.default(a))  # aten ops are untyped
 
 
 DET_BY_SVD = torch.ops.pyhvp.det_by_svd.default
@@ -94,7 +96,7 @@ def _refuse_third_derivatives(ctx: object, grad: Tensor) -> None:
     )
 
 
-def _keep_op(ctx: object, inputs: tuple, output: Tensor) -> None:
+def _keep_op(ctx: object, inputs: tuple[object, ...], output: Tensor) -> None:
     ctx.op = inputs[1]  # type: ignore[attr-defined]
 
 

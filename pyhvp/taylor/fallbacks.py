@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.func import grad, jacrev, jvp, vmap
@@ -37,7 +37,7 @@ class UnsupportedOpError(RuntimeError):
 
 
 def _substitute(
-    op: Callable[..., Any], args: tuple, kwargs: dict
+    op: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[Callable[..., Any], tuple[Tensor, ...], list[Jet]]:
     """``op`` as a function of its jet inputs' values (everything else fixed)."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
@@ -87,8 +87,8 @@ def _elementwise_derivatives(
     return gradient, hessian
 
 
-def pointwise_fallback(ctx: Context, op: Callable[..., Any], out: Tensor, args: tuple,
-                       kwargs: dict) -> Jet:  # fmt: skip
+def pointwise_fallback(ctx: Context, op: Callable[..., Any], out: Tensor, args: tuple[Any, ...],
+                       kwargs: dict[str, Any]) -> Jet:  # fmt: skip
     """An elementwise op of one or more jet inputs, by the chain rule with its elementwise
     gradient and Hessian (from ``torch.func`` on the op alone)."""
     fn, primals, jets = _substitute(op, args, kwargs)
@@ -109,11 +109,11 @@ def pointwise_fallback(ctx: Context, op: Callable[..., Any], out: Tensor, args: 
     for (i, j), h in hessian.items():
         term = broadcast_times(ctx.product(firsts[i], firsts[j]), h)
         second = plus(second, term if i == j else 2 * term)
-    return Jet(out, first, second)
+    return Jet(out, cast(Tensor, first), second)  # a sum over the jets: not None
 
 
-def general_fallback(ctx: Context, op: Callable[..., Any], out: Any, args: tuple,
-                     kwargs: dict) -> Any:  # fmt: skip
+def general_fallback(ctx: Context, op: Callable[..., Any], out: Any, args: tuple[Any, ...],
+                     kwargs: dict[str, Any]) -> Any:  # fmt: skip
     """Any op, from its Jacobian and Hessian by reverse mode (double backward: PyTorch's most
     tested path) -- one matrix at a time for batched matrix ops; ops whose dense Hessian would
     pass :data:`REVERSE_FALLBACK_LIMIT` by ``jvp`` and ``jvp`` of ``jvp`` along each direction,
@@ -197,13 +197,18 @@ NESTED_FORWARD_EXACT: frozenset[str] = frozenset()
 uses it where their dense Hessian is too large for reverse mode."""
 
 
-def _forward_coefficients(ctx: Context, fn: Callable[..., tuple], primals: tuple,
-                          firsts: list, seconds: list | None) -> tuple:  # fmt: skip
+def _forward_coefficients(ctx: Context, fn: Callable[..., tuple[Tensor, ...]],
+                          primals: tuple[Tensor, ...], firsts: list[Tensor],
+                          seconds: list[Tensor] | None,
+                          ) -> tuple[Sequence[Tensor], Sequence[Tensor]]:  # fmt: skip
+    # (casts: torch.func.jvp's results are untyped)
     def along(*tangents: Tensor) -> tuple[Tensor, ...]:
-        return jvp(fn, primals, tangents)[1]
+        return cast(tuple[Tensor, ...], jvp(fn, primals, tangents)[1])
 
     def curvature(*tangents: Tensor) -> tuple[Tensor, ...]:
-        return jvp(lambda *p: jvp(fn, p, tangents)[1], primals, tangents)[1]
+        return cast(
+            tuple[Tensor, ...], jvp(lambda *p: jvp(fn, p, tangents)[1], primals, tangents)[1]
+        )
 
     first = vmap(along)(*firsts)
     second = vmap(curvature)(*firsts)
@@ -232,7 +237,7 @@ MATRIX_OPS = frozenset(
 computed alone (PyTorch's documented convention for torch.linalg)."""
 
 
-def _matrix_batch(op: Callable[..., Any], args: tuple, kwargs: dict,
+def _matrix_batch(op: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                   outputs: list[Tensor]) -> tuple[int, ...]:  # fmt: skip
     """The batch dims over which the reverse-mode fallback may run one matrix at a time: the
     leading dims of the op's first tensor argument but its last two, when ``op`` is one of
@@ -248,9 +253,10 @@ def _matrix_batch(op: Callable[..., Any], args: tuple, kwargs: dict,
     return ()
 
 
-def _reverse_per_instance(ctx: Context, op: Callable[..., Any], args: tuple, kwargs: dict,
-                          smooth: list[int], batch: tuple[int, ...], firsts: list,
-                          seconds: list | None) -> tuple:  # fmt: skip
+def _reverse_per_instance(ctx: Context, op: Callable[..., Any], args: tuple[Any, ...],
+                          kwargs: dict[str, Any], smooth: list[int], batch: tuple[int, ...],
+                          firsts: list[Tensor], seconds: list[Tensor] | None,
+                          ) -> tuple[Sequence[Tensor], Sequence[Tensor]]:  # fmt: skip
     """:func:`_reverse_coefficients` vmapped over the batch dims of a batched matrix op: one
     matrix's Jacobian and Hessian at a time, not the whole batch's (which is block-diagonal,
     and (batch size)^2 broadcast_times larger)."""
@@ -262,7 +268,9 @@ def _reverse_per_instance(ctx: Context, op: Callable[..., Any], args: tuple, kwa
     def instances(t: Tensor, lead: int) -> Tensor:  # batch dims (after ``lead`` dims) as one
         return t.reshape(*t.shape[:lead], count, *t.shape[lead + nb :])
 
-    def one(values: list[Tensor], t1: list[Tensor], t2: list[Tensor] | None) -> tuple:
+    def one(
+        values: list[Tensor], t1: list[Tensor], t2: list[Tensor] | None
+    ) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
         fixed = [value_of(leaf) for leaf in leaves]
         for i, v in zip(tensors, values, strict=True):
             fixed[i] = v
@@ -292,8 +300,10 @@ def _reverse_per_instance(ctx: Context, op: Callable[..., Any], args: tuple, kwa
     )
 
 
-def _reverse_coefficients(ctx: Context, fn: Callable[..., tuple], primals: tuple,
-                          firsts: list, seconds: list | None) -> tuple:  # fmt: skip
+def _reverse_coefficients(ctx: Context, fn: Callable[..., tuple[Tensor, ...]],
+                          primals: tuple[Tensor, ...], firsts: list[Tensor],
+                          seconds: list[Tensor] | None,
+                          ) -> tuple[list[Tensor], list[Tensor]]:  # fmt: skip
     """From the op's dense Jacobian and Hessian (reverse over reverse), inputs flattened."""
     outputs = fn(*primals)
     sizes = [p.numel() for p in primals]
@@ -318,7 +328,8 @@ def _reverse_coefficients(ctx: Context, fn: Callable[..., tuple], primals: tuple
     first, second = [], []
     for o, value in enumerate(outputs):
         size = value.numel()
-        f = s = 0
+        f: Tensor | int = 0  # sums over firsts, which is not empty: tensors once summed
+        s: Tensor | int = 0
         for i, t in enumerate(firsts):
             j_oi = jacobian[o][i].reshape(size, sizes[i]).T
             f = f + flat_coefficients(t, i) @ j_oi
@@ -329,8 +340,12 @@ def _reverse_coefficients(ctx: Context, fn: Callable[..., tuple], primals: tuple
                 quad = torch.einsum("ka,oab,kb->ko", flat_coefficients(t, i), h,
                                     flat_coefficients(u, j))  # fmt: skip
                 s = s + (quad.sum(0, keepdim=True) if ctx.collapsed else quad)
-        first.append(f.reshape(f.shape[0], *value.shape).to(value.dtype))
-        second.append(s.reshape(s.shape[0], *value.shape).to(value.dtype))
+        first.append(
+            cast(Tensor, f).reshape(cast(Tensor, f).shape[0], *value.shape).to(value.dtype)
+        )
+        second.append(
+            cast(Tensor, s).reshape(cast(Tensor, s).shape[0], *value.shape).to(value.dtype)
+        )
     return first, second
 
 
@@ -381,7 +396,7 @@ def linear_rule(
 
         first, second = through(1), through(2)
         result = [
-            Jet(o, f1, f2) if smooth else o
+            Jet(o, cast(Tensor, f1), f2) if smooth else o  # a jet input: f1 is not None
             for o, f1, f2, smooth in zip(
                 pytree.tree_leaves(out), first, second, floating, strict=True
             )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import fx
@@ -34,8 +35,8 @@ def run_jets(
     for i, node in enumerate(graph.graph.nodes):
         for used in node.all_input_nodes:
             last_use[used] = i
-    env: dict[fx.Node, object] = {}
-    result: object = None
+    env: dict[fx.Node, Any] = {}  # each node's value: a jet, a tensor, or a tree of them
+    result: Any = None
     for i, node in enumerate(graph.graph.nodes):
         if node.op == "placeholder":
             env[node] = next(inputs)
@@ -55,7 +56,7 @@ def run_jets(
     return _output_coefficients(ctx, result, directions.shape[0])
 
 
-def _output_coefficients(ctx: Context, out: object, k: int) -> tuple[Tensor, Tensor, Tensor]:
+def _output_coefficients(ctx: Context, out: Jet | Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
     if not isinstance(out, Jet):  # f does not depend on x: every derivative is zero
         zeros = out.new_zeros((k, *out.shape))
         return out, zeros, zeros[0] if ctx.collapsed else zeros

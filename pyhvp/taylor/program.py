@@ -31,6 +31,7 @@ import operator
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 from torch import fx
@@ -196,7 +197,7 @@ def capture(f: Callable[..., Tensor], x: Tensor, args: Sequence[object]) -> Capt
 def _functional_graph(recorder: Recorder, output: Hashable, x: Tensor) -> fx.GraphModule:
     """The record as an fx graph, replayed through functionalization and decompositions."""
     graph = fx.Graph()
-    nodes: dict[Hashable, object] = {X: graph.placeholder("x")}
+    nodes: dict[Hashable, fx.Node] = {X: graph.placeholder("x")}
     for i in range(len(recorder.constants)):
         nodes[("constant", i)] = graph.placeholder(f"constant_{i}")
     for k, (func, args, kwargs, outputs, note) in enumerate(recorder.events):
@@ -213,7 +214,7 @@ def _functional_graph(recorder: Recorder, output: Hashable, x: Tensor) -> fx.Gra
     raw = fx.GraphModule(torch.nn.Module(), graph)
     inputs = [traceable(t) for t in (x, *recorder.constants)]
 
-    def replay(tracing_mode: str) -> fx.GraphModule:
+    def replay(tracing_mode: Literal["real", "fake"]) -> fx.GraphModule:
         functional = torch.func.functionalize(raw)
         with torch.no_grad():
             return make_fx(functional, decomposition_table=decompositions(),
@@ -243,14 +244,15 @@ def _drop_input_writes(graph: fx.Graph) -> None:
         graph.erase_node(node)
 
 
-def _write_keeping_derivatives(graph: fx.Graph, func: torch._ops.OpOverload, args: tuple,
-                               kwargs: dict) -> object:  # fmt: skip
+def _write_keeping_derivatives(graph: fx.Graph, func: torch._ops.OpOverload, args: Sequence[Any],
+                               kwargs: dict[str, Any]) -> fx.Node:  # fmt: skip
     """An in-place op ``f`` ran under ``no_grad``: it writes a constant copy of each tensor it
     writes (what it reads is already constant), and each written tensor then takes the new value
     with its old derivatives -- what autograd, which does not see the write, differentiates.
     Returns the node of the op's result (the first written tensor's new value when the op
     returns one tensor, as in-place ops do)."""
     positional, named = argument_kinds(func)
+    written: list[tuple[fx.Node, fx.Node]]
     args, written = list(args), []
     for i, kind in enumerate(positional[: len(args)]):
         if kind == "write" and isinstance(args[i], fx.Node):
@@ -272,7 +274,9 @@ def _write_keeping_derivatives(graph: fx.Graph, func: torch._ops.OpOverload, arg
     return updated[0] if updated and len(returns) == 1 and returns[0].alias_info else result
 
 
-def _rebuild(described: Hashable, nodes: dict, graph: fx.Graph) -> object:
+def _rebuild(described: Any, nodes: dict[Hashable, fx.Node], graph: fx.Graph) -> Any:
+    # described: the recorder's description of an argument tree (tagged tuples); the result
+    # the argument tree again, with fx nodes for its tensors
     if isinstance(described, Value):
         return described.value
     if described in nodes:
@@ -286,8 +290,8 @@ def _rebuild(described: Hashable, nodes: dict, graph: fx.Graph) -> object:
     return items if kind is True else tuple(items)
 
 
-def _name_outputs(graph: fx.Graph, node: object, outputs: Hashable, label: tuple,
-                  nodes: dict) -> None:  # fmt: skip
+def _name_outputs(graph: fx.Graph, node: fx.Node, outputs: Any, label: tuple[Hashable, ...],
+                  nodes: dict[Hashable, fx.Node]) -> None:  # fmt: skip
     if isinstance(outputs, Value):  # a non-tensor result: nothing to name
         return
     if outputs[0] == "tensor":

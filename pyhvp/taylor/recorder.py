@@ -16,6 +16,7 @@ import contextlib
 import functools
 import weakref
 from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -75,7 +76,7 @@ def _grad_disabled_by_f() -> bool:
 def argument_kinds(func: torch._ops.OpOverload) -> tuple[tuple[str, ...], dict[str, str]]:
     """Per schema argument: ``"write"`` (mutated), ``"alias"`` (a view's base) or ``"read"``."""
 
-    def kind(argument: object) -> str:
+    def kind(argument: torch._C.Argument) -> str:
         info = argument.alias_info
         return "read" if info is None else ("write" if info.is_write else "alias")
 
@@ -83,7 +84,7 @@ def argument_kinds(func: torch._ops.OpOverload) -> tuple[tuple[str, ...], dict[s
     return kinds, {a.name: k for a, k in zip(func._schema.arguments, kinds, strict=True)}
 
 
-class Recorder(TorchDispatchMode):
+class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's __init_subclass__ is unannotated
     """Records the aten ops ``f`` runs: the cache key and, on a miss, the program.
 
     Tensors are told apart by ``id``; an op's output is held weakly and its label dropped when it
@@ -99,21 +100,30 @@ class Recorder(TorchDispatchMode):
     """
 
     def __init__(self, x: Tensor, watch_backward: bool) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # unannotated in torch
         self.watch_backward = watch_backward
         self.saw_backward = False
         # id -> (label, weak reference to the tensor, or None for x and the constants, which
         # stay alive): an id whose tensor died may be reused by an unrelated tensor
-        self.labels: dict[int, tuple[Hashable, weakref.ref | None]] = {id(x): (X, None)}
+        self.labels: dict[int, tuple[Hashable, weakref.ref[Tensor] | None]] = {id(x): (X, None)}
         self.constants: list[Tensor] = []
         self.inputs = {_storage(x)} - {0}  # storages of x and of the constants
         self.x_storage = _storage(x)
         self.stopped: set[Hashable] = set()  # labels of views made without grad
         self.written_constants: set[int] = set()  # copied before their first write
-        self.events: list[tuple] = []
+        # (op, its args' and kwargs' descriptions, its outputs' description, note)
+        self.events: list[
+            tuple[torch._ops.OpOverload, Hashable, Hashable, Hashable, str | bool | None]
+        ] = []
         self._stops_outputs = False
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: Sequence[type],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         kwargs = kwargs or {}
         if self.watch_backward and _current_autograd_node() is not None:
             self.saw_backward = True  # (in case f swallows the exception)
@@ -123,7 +133,8 @@ class Recorder(TorchDispatchMode):
             self._refuse_input_writes(func, args, kwargs)
         items = tuple(sorted(kwargs.items()))
         no_grad = not torch.is_grad_enabled() and _grad_disabled_by_f()
-        note = KEEP if no_grad and mutable else None
+        note: str | bool | None = KEEP if no_grad and mutable else None
+        described: tuple[Hashable, Hashable]
         if no_grad or self.stopped:
             positional, named = argument_kinds(func)
             self._stops_outputs = func is DETACH
@@ -176,7 +187,7 @@ class Recorder(TorchDispatchMode):
             return (type(value) is list, tuple(self._describe(v, kind) for v in value))
         return value_key(value) or ("object", Identity(value))
 
-    def _outputs(self, out: object, label: tuple, stopped: bool) -> Hashable:
+    def _outputs(self, out: object, label: tuple[Hashable, ...], stopped: bool) -> Hashable:
         """Labels output tensors (an in-place op's result replaces its input's label)."""
         if isinstance(out, Tensor):
             self.labels[id(out)] = (label, weakref.ref(out))
@@ -197,7 +208,9 @@ class Recorder(TorchDispatchMode):
             return None
         return entry[0]
 
-    def _refuse_input_writes(self, func: object, args: tuple, kwargs: dict) -> None:
+    def _refuse_input_writes(
+        self, func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
         """Writes to ``x`` (directly or through a view) are refused. A constant written, directly
         or through a view (a norm's running statistics in training mode), is allowed: the
         program gets a copy taken before the first write and replays the write functionally, so
@@ -244,7 +257,13 @@ class _NoAutogradInside(TorchFunctionMode):
     detaches the tensors it saved, which the program would read as constants (silently wrong
     derivatives). ``torch.func.grad`` runs as ordinary ops and is allowed."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Sequence[type],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         if func in BACKWARD and torch._C._functorch.peek_interpreter_stack() is None:
             raise RuntimeError(
                 f"f calls {BACKWARD[func]}: autograd inside f is not "

@@ -5,7 +5,7 @@ one is registered, the fallbacks of :mod:`.fallbacks` otherwise."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.utils import _pytree as pytree
@@ -20,13 +20,14 @@ Tensor = torch.Tensor
 
 Rule = Callable[..., Any]
 RULES: dict[torch._ops.OpOverload, Rule] = {}
+R = TypeVar("R", bound=Rule)
 
 
-def rule(*ops: torch._ops.OpOverload) -> Callable[[Rule], Rule]:
+def rule(*ops: torch._ops.OpOverload) -> Callable[[R], R]:
     """Register ``fn(ctx, out, *args, **kwargs)`` for ``ops``: ``out`` is the op's value, args
     hold :class:`Jet` where the op's input depends on x; it returns the output jet(s)."""
 
-    def register(fn: Rule) -> Rule:
+    def register(fn: R) -> R:
         for op in ops:
             RULES[op] = fn
         return fn
@@ -34,7 +35,7 @@ def rule(*ops: torch._ops.OpOverload) -> Callable[[Rule], Rule]:
     return register
 
 
-def apply(ctx: Context, op: Callable[..., Any], *args: object, **kwargs: object) -> Any:
+def apply(ctx: Context, op: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``op`` on the values, and its rule on the coefficients when an input is a jet."""
     if op is STOP_GRADIENT:  # the value, as a constant
         return value_of(args[0]).detach()
@@ -66,7 +67,7 @@ def apply(ctx: Context, op: Callable[..., Any], *args: object, **kwargs: object)
     return general_fallback(ctx, op, out, args, kwargs)
 
 
-def _on_scalars(args: tuple, kwargs: dict, results: list[Tensor]) -> bool:
+def _on_scalars(args: tuple[Any, ...], kwargs: dict[str, Any], results: list[Tensor]) -> bool:
     """Whether every jet input is 0-d and the op makes no more floating elements than it takes:
     reductions, cumulative and softmax-like ops along the dim of a 0-d tensor then take the
     dense fallback (exact, and of one element), rather than rules written for tensors' dims."""
@@ -186,7 +187,7 @@ def _overloads(op: object) -> list[torch._ops.OpOverload]:
     if isinstance(op, torch._ops.OpOverload):
         return [op]
     if isinstance(op, torch._ops.OpOverloadPacket):
-        return [getattr(op, name) for name in op.overloads()]
+        return [getattr(op, name) for name in op.overloads()]  # type: ignore[no-untyped-call]  # unannotated in torch
     raise TypeError(
         f"register_jet_rule needs an op (torch.ops.aten.foo.default, a packet torch.ops.aten.foo, "
         f"or a torch.library.custom_op), got {type(op).__name__}: the Taylor engine records "

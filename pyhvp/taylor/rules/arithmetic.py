@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -35,7 +35,7 @@ def _signed_sum(out: Tensor, a: object, b: object, ca: float, cb: float) -> Jet:
         orders.append(
             plus(times_or_none(ta, ca) if ca != 1 else ta, times_or_none(tb, cb) if cb != 1 else tb)
         )
-    return Jet(out, orders[0], orders[1])
+    return Jet(out, cast(Tensor, orders[0]), orders[1])  # a or b is a jet: not None
 
 
 @rule(aten.sub.Tensor, aten.sub.Scalar)
@@ -61,8 +61,8 @@ def _neg(ctx: Context, out: Tensor, u: Jet) -> Jet:
 
 
 @rule(aten.mul.Tensor, aten.mul.Scalar)
-def _mul(ctx: Context, out: Tensor, a: object, b: object) -> Jet:
-    jet, other = (a, b) if isinstance(a, Jet) else (b, a)
+def _mul(ctx: Context, out: Tensor, a: Jet | Tensor | float, b: Jet | Tensor | float) -> Jet:
+    jet, other = (a, b) if isinstance(a, Jet) else (cast(Jet, b), a)  # one of them is a jet
     if not isinstance(other, Jet) and isinstance(
         jet.coefficient, FactoredCoefficient
     ):  # stays factored
@@ -94,7 +94,7 @@ def bilinear(
     second = plus(
         None if sa is None else op(sa, vb), None if sb is None else swap(op)(sb, va), cross
     )
-    return Jet(out, first, second)
+    return Jet(out, cast(Tensor, first), second)  # a or b is a jet: not None
 
 
 @rule(aten.div.Tensor, aten.div.Scalar)
@@ -105,12 +105,13 @@ def _div(ctx: Context, out: Tensor, a: object, b: object) -> Jet:
 
 
 @rule(aten.pow.Tensor_Tensor)
-def _tensor_power(ctx: Context, out: Tensor, base: object, exponent: object) -> Jet:
+def _tensor_power(ctx: Context, out: Tensor, base: Jet | Tensor, exponent: Jet | Tensor) -> Jet:
     """``base ** exponent``, masked like autograd's ``pow_backward``: a constant exponent ``b``
     gives ``b u^(b-1)`` except 0 where ``b == 0`` and ``b (b-1) u^(b-2)`` except 0 where ``b`` is
     0 or 1 (``0 * inf`` at ``u = 0`` otherwise); a constant zero base has zero derivatives where
     the exponent is >= 0."""
     if not isinstance(exponent, Jet):
+        base = cast(Jet, base)  # one of base and exponent is a jet
         b, u = exponent, base.value
         d1 = torch.where(b == 0, 0.0, b * u ** (b - 1))
         d2 = torch.where((b == 0) | (b == 1), 0.0, b * (b - 1) * u ** (b - 2))

@@ -5,6 +5,7 @@ costs K convolutions, not a dense Jacobian."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch.func import vmap
@@ -18,15 +19,15 @@ Tensor = torch.Tensor
 
 @rule(aten.convolution.default)
 def _convolution(
-    ctx: Context, out: Tensor, input: object, weight: object, bias: object,
+    ctx: Context, out: Tensor, input: Jet | Tensor, weight: Jet | Tensor, bias: Jet | Tensor | None,
     stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], transposed: bool,
     output_padding: Sequence[int], groups: int,
 ) -> Jet:  # fmt: skip
     def conv(a: Tensor, b: Tensor) -> Tensor:
-        return aten.convolution.default(a, b, None, stride, padding, dilation, transposed,
-                                        output_padding, groups)  # fmt: skip
+        return cast(Tensor, aten.convolution.default(a, b, None, stride, padding, dilation,
+                                                     transposed, output_padding, groups))  # fmt: skip
 
-    def coefficient(arg: object, order: int) -> Tensor | None:
+    def coefficient(arg: Jet | Tensor, order: int) -> Tensor | None:
         """The coefficient with every dim full but the batch (dim 0 of an input; a shared
         direction stays shared through the convolution)."""
         value = value_of(arg)
@@ -54,4 +55,4 @@ def _convolution(
         lead = max(fx.shape[0], fw.shape[0])
         fx, fw = fx.expand(lead, *fx.shape[1:]), fw.expand(lead, *fw.shape[1:])
         second = plus(second, 2 * ctx.pair(vmap(conv), fx, fw))
-    return Jet(out, first, second)
+    return Jet(out, cast(Tensor, first), second)  # an input is a jet: not None

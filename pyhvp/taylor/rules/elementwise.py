@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import cast
 
 import torch
 
@@ -107,7 +108,7 @@ def _elu(u: Tensor, alpha: float, scale: float, input_scale: float) -> tuple[Ten
     )
 
 
-def _inside(u: Tensor, lo: object, hi: object) -> Tensor:
+def _inside(u: Tensor, lo: Tensor | float | None, hi: Tensor | float | None) -> Tensor:
     """clamp's derivative: 1 where min <= u <= max (autograd's convention at the bounds)."""
     mask = torch.ones_like(u, dtype=torch.bool)
     if lo is not None:
@@ -154,10 +155,10 @@ def _where(ctx: Context, out: Tensor, condition: Tensor, a: object, b: object) -
         ta, tb = coefficient_of(a, nd, order), coefficient_of(b, nd, order)
         if ta is None and tb is None:
             return None
-        zero = (ta if ta is not None else tb).new_zeros(())
+        zero = cast(Tensor, ta if ta is not None else tb).new_zeros(())  # one is not None
         return torch.where(condition, zero if ta is None else ta, zero if tb is None else tb)
 
-    return Jet(out, select(1), select(2))
+    return Jet(out, cast(Tensor, select(1)), select(2))  # a or b is a jet: not None
 
 
 @rule(aten.masked_fill.Scalar)
@@ -166,7 +167,9 @@ def _masked_fill(ctx: Context, out: Tensor, u: Jet, mask: Tensor, value: float) 
 
 
 @rule(aten.native_dropout.default)
-def _dropout(ctx: Context, out: tuple, u: Jet, p: float, train: bool | None) -> tuple:
+def _dropout(
+    ctx: Context, out: tuple[Tensor, Tensor], u: Jet, p: float, train: bool | None
+) -> tuple[Jet, Tensor]:
     value, mask = out
     if not train:
         return Jet(value, u.first, u.second), mask

@@ -4,7 +4,7 @@ solve."""
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -38,7 +38,7 @@ def _trace(m: Tensor) -> Tensor:
 
 def _solved(a: Tensor, b: Tensor) -> Tensor:
     """``A^-1 B`` without raising (nor synchronising) on a singular A: non-finite there."""
-    return torch.linalg.solve_ex(a, b)[0]
+    return cast(Tensor, torch.linalg.solve_ex(a, b)[0])  # torch.linalg's results are untyped
 
 
 def _log_det_coefficients(ctx: Context, a: Jet) -> tuple[Tensor, Tensor]:
@@ -53,7 +53,7 @@ def _log_det_coefficients(ctx: Context, a: Jet) -> tuple[Tensor, Tensor]:
 
 
 @rule(aten._linalg_det.default)
-def _det(ctx: Context, out: tuple, a: Jet) -> tuple:
+def _det(ctx: Context, out: tuple[Tensor, Tensor, Tensor], a: Jet) -> tuple[Jet, Tensor, Tensor]:
     """det' = det tr(A^-1 T); det'' = det (log det'' + log det'^2). Only for
     well-conditioned instances: a record with a (nearly) singular one runs
     :func:`~pyhvp.taylor.custom_ops.det_by_svd` instead."""
@@ -63,7 +63,9 @@ def _det(ctx: Context, out: tuple, a: Jet) -> tuple:
 
 
 @rule(DET_BY_SVD)
-def _det_by_svd(ctx: Context, out: tuple, a: Jet) -> tuple:
+def _det_by_svd(
+    ctx: Context, out: tuple[Tensor, Tensor, Tensor], a: Jet
+) -> tuple[Jet, Tensor, Tensor]:
     """det through the SVD ``A = U diag(s) V^T``, exact for (nearly) singular A: with
     ``P = U^T T V`` and ``c_i``, ``c_ij`` the products of the singular values but the i-th (and
     j-th), ``det(A + tT) = det(U) det(V) det(diag(s) + tP)`` has first derivative
@@ -75,7 +77,7 @@ def _det_by_svd(ctx: Context, out: tuple, a: Jet) -> tuple:
     c1, c2 = products_but(sigma)
 
     def rotated(m: Tensor) -> Tensor:
-        return u.mT @ m @ vh.mT
+        return cast(Tensor, u.mT @ m @ vh.mT)  # torch.linalg's results are untyped
 
     def diagonal(m: Tensor) -> Tensor:
         return m.diagonal(dim1=-2, dim2=-1)
@@ -92,13 +94,17 @@ def _det_by_svd(ctx: Context, out: tuple, a: Jet) -> tuple:
 
 
 @rule(aten._linalg_slogdet.default)
-def _slogdet(ctx: Context, out: tuple, a: Jet) -> tuple:
+def _slogdet(
+    ctx: Context, out: tuple[Tensor, Tensor, Tensor, Tensor], a: Jet
+) -> tuple[Tensor, Jet, Tensor, Tensor]:
     sign, logabsdet = out[0], out[1]
     return (sign, Jet(logabsdet, *_log_det_coefficients(ctx, a)), *out[2:])
 
 
 @rule(aten.linalg_inv_ex.default)
-def _inverse(ctx: Context, out: tuple, a: Jet, check_errors: bool = False) -> tuple:
+def _inverse(
+    ctx: Context, out: tuple[Tensor, Tensor], a: Jet, check_errors: bool = False
+) -> tuple[Jet, Tensor]:
     """B = A^-1: B' = -B T B; B'' = 2 B T B T B - B S B."""
     b = out[0]
     t, s = _matrix_coefficients(a)
@@ -110,8 +116,9 @@ def _inverse(ctx: Context, out: tuple, a: Jet, check_errors: bool = False) -> tu
 
 
 @rule(aten._linalg_solve_ex.default)
-def _solve(ctx: Context, out: tuple, a: object, b: object, left: bool = True,
-           check_errors: bool = False) -> tuple:  # fmt: skip
+def _solve(ctx: Context, out: tuple[Tensor, Tensor, Tensor, Tensor], a: Jet | Tensor,
+           b: Jet | Tensor, left: bool = True,
+           check_errors: bool = False) -> tuple[Jet, Tensor, Tensor, Tensor]:  # fmt: skip
     """X = A^-1 B (left) or B A^-1, as the product of the inverse's jet with B's."""
     inverse = apply(ctx, aten.linalg_inv_ex.default, a)[0]
     va, vb = value_of(a), value_of(b)
@@ -128,7 +135,9 @@ def _solve(ctx: Context, out: tuple, a: object, b: object, left: bool = True,
 
 
 @rule(aten._linalg_eigh.default)
-def _eigenvalues(ctx: Context, out: tuple, a: Jet, uplo: str = "L", compute_v: bool = True) -> Any:
+def _eigenvalues(
+    ctx: Context, out: tuple[Tensor, Tensor], a: Jet, uplo: str = "L", compute_v: bool = True
+) -> Any:
     """Eigenvalues of a symmetric matrix (``eigvalsh``: ``compute_v=False``), by perturbation
     theory in autograd's convention (the whole coefficient ``T`` perturbs ``A``): with
     ``M = V^T T V``, ``l_i' = M_ii`` and ``l_i'' = (V^T S V)_ii + sum_{j != i} M_ji (M_ij + M_ji) /
@@ -143,7 +152,7 @@ def _eigenvalues(ctx: Context, out: tuple, a: Jet, uplo: str = "L", compute_v: b
     inverse_gaps = torch.where(off, 1 / torch.where(off, gaps, 1.0), 0.0)
 
     def rotated(m: Tensor) -> Tensor:
-        return vectors.mT @ m @ vectors
+        return cast(Tensor, vectors.mT @ m @ vectors)  # torch.linalg's results are untyped
 
     def curvature(m: Tensor, w: Tensor) -> Tensor:  # sum_j M_ji (W_ij + W_ji) / (l_i - l_j)
         return (m.mT * (w + w.mT) * inverse_gaps).sum(-1)

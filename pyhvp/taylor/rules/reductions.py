@@ -10,6 +10,7 @@ import torch
 
 from pyhvp.taylor.jets import (
     Context,
+    Dims,
     FactoredCoefficient,
     Jet,
     axes,
@@ -31,7 +32,7 @@ Tensor = torch.Tensor
 
 @rule(aten.sum.dim_IntList, aten.sum.default)
 def _sum(
-    ctx: Context, out: Tensor, u: Jet, dim: object = None, keepdim: bool = False, *,
+    ctx: Context, out: Tensor, u: Jet, dim: Dims = None, keepdim: bool = False, *,
     dtype: torch.dtype | None = None,
 ) -> Jet:  # fmt: skip
     dims = axes(dim, u.value.ndim)
@@ -77,7 +78,7 @@ def _factored_sum(u: Jet, dims: list[int], keepdim: bool) -> Tensor | None:
 
 @rule(aten.mean.dim, aten.mean.default)
 def _mean(
-    ctx: Context, out: Tensor, u: Jet, dim: object = None, keepdim: bool = False, *,
+    ctx: Context, out: Tensor, u: Jet, dim: Dims = None, keepdim: bool = False, *,
     dtype: torch.dtype | None = None,
 ) -> Jet:  # fmt: skip
     dims = axes(dim, u.value.ndim)
@@ -102,7 +103,7 @@ def _kept(value: Tensor, shape: Sequence[int], dims: list[int]) -> Tensor:
 
 
 @rule(aten.amax.default, aten.amin.default)
-def _amax(ctx: Context, out: Tensor, u: Jet, dim: object = (), keepdim: bool = False) -> Jet:
+def _amax(ctx: Context, out: Tensor, u: Jet, dim: Dims = (), keepdim: bool = False) -> Jet:
     dims = axes(dim, u.value.ndim)
     # where the extremum is attained, split evenly between ties (autograd's convention)
     hits = (u.value == _kept(out, u.value.shape, dims)).to(out.dtype)
@@ -117,7 +118,9 @@ def _max_all(ctx: Context, out: Tensor, u: Jet) -> Jet:
     return _amax(ctx, out, u, list(range(u.value.ndim)), False)
 
 
-def _picked(ctx: Context, out: tuple, u: Jet, dim: int, keepdim: bool = True) -> tuple:
+def _picked(
+    ctx: Context, out: tuple[Tensor, ...], u: Jet, dim: int, keepdim: bool = True
+) -> tuple[Any, ...]:
     """``(values, indices)`` where ``values`` are ``u``'s elements at ``indices`` along ``dim``
     (selections: extrema, sorts, order statistics): locally a gather, so its jet is the gather
     of ``u``'s."""
@@ -131,37 +134,41 @@ def _picked(ctx: Context, out: tuple, u: Jet, dim: int, keepdim: bool = True) ->
 
 
 @rule(aten.max.dim, aten.min.dim, aten.median.dim, aten.nanmedian.dim)
-def _extremum_along(ctx: Context, out: tuple, u: Jet, dim: int, keepdim: bool = False) -> tuple:
+def _extremum_along(
+    ctx: Context, out: tuple[Tensor, ...], u: Jet, dim: int, keepdim: bool = False
+) -> tuple[Any, ...]:
     return _picked(ctx, out, u, dim)
 
 
 @rule(aten.mode.default, aten.cummax.default, aten.cummin.default)
-def _selection_along(ctx: Context, out: tuple, u: Jet, dim: int = -1,
-                     keepdim: bool = False) -> tuple:  # fmt: skip
+def _selection_along(ctx: Context, out: tuple[Tensor, ...], u: Jet, dim: int = -1,
+                     keepdim: bool = False) -> tuple[Any, ...]:  # fmt: skip
     return _picked(ctx, out, u, dim)
 
 
 @rule(aten.sort.default)
-def _sort(ctx: Context, out: tuple, u: Jet, dim: int = -1, descending: bool = False) -> tuple:
+def _sort(
+    ctx: Context, out: tuple[Tensor, ...], u: Jet, dim: int = -1, descending: bool = False
+) -> tuple[Any, ...]:
     return _picked(ctx, out, u, dim)
 
 
 @rule(aten.sort.stable)
-def _stable_sort(ctx: Context, out: tuple, u: Jet, *, stable: bool | None = None, dim: int = -1,
-                 descending: bool = False) -> tuple:  # fmt: skip
+def _stable_sort(ctx: Context, out: tuple[Tensor, ...], u: Jet, *, stable: bool | None = None, dim: int = -1,
+                 descending: bool = False) -> tuple[Any, ...]:  # fmt: skip
     return _picked(ctx, out, u, dim)
 
 
 @rule(aten.topk.default, aten.kthvalue.default)
-def _order_statistics(ctx: Context, out: tuple, u: Jet, k: int, dim: int = -1,
-                      *options: bool) -> tuple:  # fmt: skip
+def _order_statistics(ctx: Context, out: tuple[Tensor, ...], u: Jet, k: int, dim: int = -1,
+                      *options: bool) -> tuple[Any, ...]:  # fmt: skip
     return _picked(ctx, out, u, dim)
 
 
 def _variance(root: bool) -> Rule:
     """var = sum((u - mean)^2) / (n - correction), std its root; ``*_mean`` also the mean."""
 
-    def variance_rule(ctx: Context, out: Any, u: Jet, *args: object, **kwargs: object) -> Any:
+    def variance_rule(ctx: Context, out: Any, u: Jet, *args: Any, **kwargs: Any) -> Any:
         dim, correction, keepdim = _variance_options(*args, **kwargs)
         dims = axes(dim, u.value.ndim)
         mean = apply(ctx, aten.mean.dim, u, dims, True)
@@ -182,9 +189,9 @@ def _variance(root: bool) -> Rule:
 
 
 def _variance_options(
-    dim: object = None, unbiased: object = None, keepdim: bool = False, *,
+    dim: Dims = None, unbiased: bool | None = None, keepdim: bool = False, *,
     correction: float | None = None,
-) -> tuple[object, float, bool]:  # fmt: skip
+) -> tuple[Dims, float, bool]:  # fmt: skip
     if isinstance(dim, bool):  # var.default(self, unbiased)
         dim, unbiased = None, dim
     if correction is None:
@@ -201,7 +208,9 @@ for _ops, _root in (
     rule(*_ops)(_variance(_root))
 
 
-def _lse(ctx: Context, u: Jet, dims: list[int], keepdim: bool, p: Tensor) -> tuple:
+def _lse(
+    ctx: Context, u: Jet, dims: list[int], keepdim: bool, p: Tensor
+) -> tuple[Tensor, Tensor | None]:
     """Coefficients of log sum exp over ``dims``, ``p = softmax(u)``: first ``sum p t``, second
     ``sum p s + sum p t^2 - (sum p t)^2``."""
     shifted = [d + 1 for d in dims]
@@ -214,13 +223,15 @@ def _lse(ctx: Context, u: Jet, dims: list[int], keepdim: bool, p: Tensor) -> tup
 
 
 @rule(aten.logsumexp.default)
-def _logsumexp(ctx: Context, out: Tensor, u: Jet, dim: object, keepdim: bool = False) -> Jet:
+def _logsumexp(ctx: Context, out: Tensor, u: Jet, dim: Dims, keepdim: bool = False) -> Jet:
     dims = axes(dim, u.value.ndim)
     p = torch.exp(u.value - _kept(out, u.value.shape, dims))
     return Jet(out, *_lse(ctx, u, dims, keepdim, p))
 
 
-def _log_softmax_coefficients(ctx: Context, u: Jet, d: int, p: Tensor) -> tuple:
+def _log_softmax_coefficients(
+    ctx: Context, u: Jet, d: int, p: Tensor
+) -> tuple[Tensor, Tensor | None]:
     """``log softmax(u) = u - logsumexp(u)`` along ``d``."""
     first, second = _lse(ctx, u, [d], True, p)
     return lifted(u.first, p.ndim) - first, plus(u.second, times_or_none(second, -1))
@@ -248,7 +259,7 @@ def _safe_softmax(ctx: Context, out: Tensor, u: Jet, dim: int, dtype: object = N
 
 @rule(aten.linalg_vector_norm.default)
 def _vector_norm(
-    ctx: Context, out: Tensor, u: Jet, ord: float = 2, dim: object = None, keepdim: bool = False,
+    ctx: Context, out: Tensor, u: Jet, ord: float = 2, dim: Dims = None, keepdim: bool = False,
     *, dtype: torch.dtype | None = None,
 ) -> Any:  # fmt: skip
     if dtype is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.func import vmap
@@ -13,6 +13,7 @@ from torch.func import vmap
 from pyhvp.taylor.custom_ops import WITH_DERIVATIVES_OF
 from pyhvp.taylor.jets import (
     Context,
+    Dims,
     Jet,
     axes,
     axis,
@@ -103,7 +104,7 @@ def _unsqueeze(ctx: Context, out: Tensor, u: Jet, dim: int) -> Jet:
 
 
 @rule(aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze_copy.dims)
-def _squeeze(ctx: Context, out: Tensor, u: Jet, dims: object = None) -> Jet:
+def _squeeze(ctx: Context, out: Tensor, u: Jet, dims: Dims = None) -> Jet:
     nd = u.value.ndim
     unit = [d for d in axes(dims, nd) if u.value.shape[d] == 1]
     return rearrange(out, u, lambda t: t.squeeze(tuple(d + 1 for d in unit)) if unit else t)
@@ -129,7 +130,7 @@ def _slice(
     def fn(t: Tensor) -> Tensor:
         if d in broadcast_dims(t, u.value.shape):
             return t
-        return aten.slice.Tensor(t, d + 1, start, end, step)
+        return cast(Tensor, aten.slice.Tensor(t, d + 1, start, end, step))  # aten ops are untyped
 
     return rearrange(out, u, fn)
 
@@ -177,12 +178,14 @@ def _pad(ctx: Context, out: Tensor, u: Jet, pad: Sequence[int], value: float = 0
     padded = [nd - 1 - i // 2 for i in range(len(pad))]
 
     def fn(t: Tensor) -> Tensor:
-        return aten.constant_pad_nd.default(expanded(t, u.value.shape, padded), pad, 0.0)
+        return cast(
+            Tensor, aten.constant_pad_nd.default(expanded(t, u.value.shape, padded), pad, 0.0)
+        )
 
     return linear(out, u, fn)
 
 
-def _scattered(out: Tensor, base: object, src: object,
+def _scattered(out: Tensor, base: Jet | Tensor, src: Jet | Tensor,
                write: Callable[[Tensor, Tensor], Tensor]) -> Jet:  # fmt: skip
     """A write of ``src`` into a view of ``base`` (functionalized): linear in ``(base, src)``, so
     each coefficient is the same write, one dim further right (``write`` shifts its dims)."""
@@ -198,11 +201,11 @@ def _scattered(out: Tensor, base: object, src: object,
         cs = (zero if cs is None else cs).expand(lead, *written.shape)
         return write(cb, cs)
 
-    return Jet(out, through(1), through(2))
+    return Jet(out, cast(Tensor, through(1)), through(2))  # base or src is a jet: not None
 
 
 @rule(aten.slice_scatter.default)
-def _slice_scatter(ctx: Context, out: Tensor, base: object, src: object, dim: int = 0,
+def _slice_scatter(ctx: Context, out: Tensor, base: Jet | Tensor, src: Jet | Tensor, dim: int = 0,
                    start: int | None = None, end: int | None = None, step: int = 1) -> Jet:  # fmt: skip
     d = axis(dim, out.ndim)
     return _scattered(out, base, src, lambda b, s: aten.slice_scatter.default(b, s, d + 1, start,
@@ -210,14 +213,14 @@ def _slice_scatter(ctx: Context, out: Tensor, base: object, src: object, dim: in
 
 
 @rule(aten.select_scatter.default)
-def _select_scatter(ctx: Context, out: Tensor, base: object, src: object, dim: int,
+def _select_scatter(ctx: Context, out: Tensor, base: Jet | Tensor, src: Jet | Tensor, dim: int,
                     index: int) -> Jet:  # fmt: skip
     d = axis(dim, out.ndim)
     return _scattered(out, base, src, lambda b, s: aten.select_scatter.default(b, s, d + 1, index))
 
 
 @rule(aten.diagonal_scatter.default)
-def _diagonal_scatter(ctx: Context, out: Tensor, base: object, src: object, offset: int = 0,
+def _diagonal_scatter(ctx: Context, out: Tensor, base: Jet | Tensor, src: Jet | Tensor, offset: int = 0,
                       dim1: int = 0, dim2: int = 1) -> Jet:  # fmt: skip
     d1, d2 = axis(dim1, out.ndim) + 1, axis(dim2, out.ndim) + 1
     return _scattered(out, base, src,
@@ -226,7 +229,7 @@ def _diagonal_scatter(ctx: Context, out: Tensor, base: object, src: object, offs
 
 @rule(aten.as_strided_scatter.default)
 def _as_strided_scatter(
-    ctx: Context, out: Tensor, base: object, src: object, size: Sequence[int],
+    ctx: Context, out: Tensor, base: Jet | Tensor, src: Jet | Tensor, size: Sequence[int],
     stride: Sequence[int], storage_offset: int | None = None,
 ) -> Jet:  # fmt: skip
     """A write through an ``as_strided`` view (functionalized): linear in ``(base, src)``. Each
@@ -251,14 +254,14 @@ def _as_strided_scatter(
         zero = value.new_zeros(())
         cb = (zero if cb is None else cb).expand(lead, *value.shape).contiguous()
         cs = (zero if cs is None else cs).expand(lead, *size)
-        return aten.as_strided_scatter.default(cb, cs, (lead, *size), (value.numel(), *stride),
-                                               storage_offset)  # fmt: skip
+        return cast(Tensor, aten.as_strided_scatter.default(  # aten ops are untyped
+            cb, cs, (lead, *size), (value.numel(), *stride), storage_offset))  # fmt: skip
 
-    return Jet(out, scattered(1), scattered(2))
+    return Jet(out, cast(Tensor, scattered(1)), scattered(2))  # base or src is a jet: not None
 
 
 @rule(aten.cat.default)
-def _cat(ctx: Context, out: Tensor, tensors: Sequence[object], dim: int = 0) -> Jet:
+def _cat(ctx: Context, out: Tensor, tensors: Sequence[Jet | Tensor], dim: int = 0) -> Jet:
     nd = out.ndim
     d = axis(dim, nd)
     parts = [t for t in tensors if value_of(t).numel() > 0 or value_of(t).ndim == nd]
@@ -281,18 +284,18 @@ def _cat(ctx: Context, out: Tensor, tensors: Sequence[object], dim: int = 0) -> 
             pieces.append(present[0].new_zeros(()).expand(shape) if c is None else c.expand(shape))
         return torch.cat(pieces, d + 1)
 
-    return Jet(out, join(1), join(2))
+    return Jet(out, cast(Tensor, join(1)), join(2))  # a part is a jet: not None
 
 
 @rule(aten.stack.default)
-def _stack(ctx: Context, out: Tensor, tensors: Sequence[object], dim: int = 0) -> Jet:
+def _stack(ctx: Context, out: Tensor, tensors: Sequence[Jet | Tensor], dim: int = 0) -> Jet:
     d = axis(dim, out.ndim)
     columns = [apply(ctx, aten.unsqueeze.default, t, d) for t in tensors]
-    return apply(ctx, aten.cat.default, columns, d)
+    return cast(Jet, apply(ctx, aten.cat.default, columns, d))
 
 
 @rule(aten.split.Tensor, aten.split_with_sizes.default)
-def _split(ctx: Context, out: Sequence[Tensor], u: Jet, sizes: object, dim: int = 0) -> list:
+def _split(ctx: Context, out: Sequence[Tensor], u: Jet, sizes: object, dim: int = 0) -> list[Jet]:
     d = axis(dim, u.value.ndim)
     starts = [0]
     for piece in out:
@@ -301,7 +304,7 @@ def _split(ctx: Context, out: Sequence[Tensor], u: Jet, sizes: object, dim: int 
 
 
 @rule(aten.unbind.int)
-def _unbind(ctx: Context, out: Sequence[Tensor], u: Jet, dim: int = 0) -> list:
+def _unbind(ctx: Context, out: Sequence[Tensor], u: Jet, dim: int = 0) -> list[Jet]:
     d = axis(dim, u.value.ndim)
     return [apply(ctx, aten.select.int, u, d, i) for i in range(len(out))]
 
@@ -322,16 +325,17 @@ def _flip(ctx: Context, out: Tensor, u: Jet, dims: Sequence[int]) -> Jet:
 @rule(aten.index.Tensor)
 def _index(ctx: Context, out: Tensor, u: Jet, indices: Sequence[Tensor | None]) -> Jet:
     indexed = [d for d, i in enumerate(indices) if i is not None]
-    if any(indices[d].dtype == torch.bool for d in indexed):  # masks: let vmap place the dims
+    present = cast(Sequence[Tensor], indices)  # not None at the positions in indexed
+    if any(present[d].dtype == torch.bool for d in indexed):  # masks: let vmap place the dims
         return linear(out, u, lambda t: vmap(lambda z: aten.index.Tensor(z, list(indices)))(
             expanded(t, u.value.shape)))  # fmt: skip
     # index tensors in non-adjacent dims put their broadcast dims first (numpy's rule), which
     # for the coefficient means before its leading axis: move that axis back to the front
     adjacent = indexed == list(range(indexed[0], indexed[-1] + 1))
-    index_ndim = len(torch.broadcast_shapes(*(indices[d].shape for d in indexed)))
+    index_ndim = len(torch.broadcast_shapes(*(present[d].shape for d in indexed)))  # type: ignore[no-untyped-call]  # torch leaves it unannotated
 
     def fn(t: Tensor) -> Tensor:
-        result = aten.index.Tensor(expanded(t, u.value.shape, indexed), [None, *indices])
+        result: Tensor = aten.index.Tensor(expanded(t, u.value.shape, indexed), [None, *indices])
         return result if adjacent else result.movedim(index_ndim, 0)
 
     return rearrange(out, u, fn)
@@ -360,7 +364,7 @@ def _gather(
 @rule(aten.masked_select.default)
 def _masked_select(ctx: Context, out: Tensor, u: Jet, mask: Tensor) -> Jet:
     """The elements where ``mask`` (broadcast with ``u``) holds, per direction."""
-    shape = torch.broadcast_shapes(u.value.shape, mask.shape)
+    shape = torch.broadcast_shapes(u.value.shape, mask.shape)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
     chosen = mask.expand(shape)
 
     def fn(t: Tensor) -> Tensor:
