@@ -60,11 +60,30 @@ def apply(ctx: Context, op: Callable[..., Any], *args: Any, **kwargs: Any) -> An
     if op in ZERO_DERIVATIVE:
         return out
     pointwise = torch.Tag.pointwise in getattr(op, "tags", ()) and isinstance(out, Tensor)
-    if op in RULES and not (not pointwise and _on_scalars(args, kwargs, results)):
+    if op in RULES and (pointwise or op in SCALAR_SAFE or not _on_scalars(args, kwargs, results)):
         return RULES[op](ctx, out, *args, **kwargs)
     if pointwise:
         return pointwise_fallback(ctx, op, out, args, kwargs)
     return general_fallback(ctx, op, out, args, kwargs)
+
+
+SCALAR_SAFE = {
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.unsqueeze.default,
+    aten.squeeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.expand.default,
+    aten.clone.default,
+    aten.alias.default,
+    aten.detach.default,
+    aten._to_copy.default,
+    aten.copy.default,
+}
+"""Rules that hold for 0-d jets too (a dense fallback would multiply a NaN first derivative,
+which autograd has at a pole, by the zero second derivative of the view)."""
 
 
 def _on_scalars(args: tuple[Any, ...], kwargs: dict[str, Any], results: list[Tensor]) -> bool:
