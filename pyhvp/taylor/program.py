@@ -101,7 +101,6 @@ def decompositions() -> dict[torch._ops.OpOverload, Callable[..., object]]:
 
 AUXILIARY_OUTPUTS = {
     aten.native_layer_norm.default: (1, 2),
-    aten.native_group_norm.default: (1, 2),
     aten.native_batch_norm.default: (1, 2),
     aten._native_batch_norm_legit_no_training.default: (1, 2),
     aten._native_batch_norm_legit_functional.default: (1, 2, 3, 4),
@@ -110,7 +109,9 @@ AUXILIARY_OUTPUTS = {
 """Outputs that autograd does not differentiate (``output_differentiability: False``: the mean
 and inverse deviation a norm saves for its backward, the running statistics it returns): their
 decompositions would compute them from ``x``, so they are read through ``stop_gradient``, as
-autograd has them."""
+autograd has them. (``native_group_norm``'s are differentiable in autograd -- though its double
+backward drops the inverse deviation's gradient unless the mean's is there too -- so they keep
+their true derivatives.)"""
 
 
 def _stopping_auxiliary_outputs(decomposition: Callable[..., object],
