@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup example test bench
+.PHONY: setup example test bench sweep
 
 setup: $(VENV)/.installed
 
@@ -23,6 +23,10 @@ test: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest
+
+# the OpInfo sweep's counts table ("N of M ops exact"); --report FILE for every op not exact
+sweep: setup
+	$(PY) tests/opinfo_sweep.py
 
 $(VENV)/.bench-installed: $(VENV)/.installed
 	$(PY) -m pip install --quiet -e ".[test,julia,bench]"
