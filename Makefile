@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup example test test-torch-range typecheck docs bench
+.PHONY: setup example test test-torch-range typecheck docs bench sweep
 
 setup: $(VENV)/.installed
 
@@ -54,6 +54,10 @@ test-torch-range: $(foreach v,$(TORCH_RANGE),.venv-torch-$(v)/.installed)
 	$(PYTHON) -m venv .venv-torch-$*
 	.venv-torch-$*/bin/python -m pip install --quiet "torch==$*" -e ".[test,julia]"
 	touch $@
+
+# the OpInfo sweep's counts table ("N of M ops exact"); --report FILE for every op not exact
+sweep: setup
+	$(PY) tests/opinfo_sweep.py
 
 $(VENV)/.bench-installed: $(VENV)/.installed
 	$(PY) -m pip install --quiet -e ".[test,julia,bench]"
