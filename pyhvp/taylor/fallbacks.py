@@ -37,13 +37,20 @@ class UnsupportedOpError(RuntimeError):
 
 
 def _substitute(
-    op: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[Callable[..., Any], tuple[Tensor, ...], list[Jet]]:
-    """``op`` as a function of its jet inputs' values (everything else fixed)."""
+    op: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+    zero_constants: bool = False,
+) -> tuple[Callable[..., Any], tuple[Tensor, ...], list[Jet]]:  # fmt: skip
+    """``op`` as a function of its jet inputs' values (everything else fixed; floating tensors
+    that are not jets replaced by zeros with ``zero_constants``)."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Jet)]
     jets = [leaves[i] for i in positions]
-    fixed = [value_of(leaf) for leaf in leaves]
+    fixed = [
+        torch.zeros_like(leaf)
+        if zero_constants and isinstance(leaf, Tensor) and leaf.is_floating_point()
+        else value_of(leaf)
+        for leaf in leaves
+    ]
 
     def fn(*values: Tensor) -> Any:
         current = list(fixed)
@@ -175,10 +182,15 @@ def general_fallback(ctx: Context, op: Callable[..., Any], out: Any, args: tuple
 
 def _no_derivatives(op: object, error: Exception) -> UnsupportedOpError:
     reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    if isinstance(error, MemoryError) or "can't allocate memory" in reason:
+        why = "its dense derivatives need more memory than there is"
+    elif "tracing tensor" in reason or "data-dependent" in reason:
+        why = "its derivatives branch on the values, which a kernel cannot trace"
+    else:
+        why = "autograd cannot give its second derivatives here"
     return UnsupportedOpError(
-        f"pyhvp: {op} has no jet rule, and autograd cannot give its second derivatives "
-        f"({type(error).__name__}: {reason}). Register a rule for it "
-        f"(pyhvp.register_jet_rule), or write f without it"
+        f"pyhvp: {op} has no jet rule, and {why} ({type(error).__name__}: {reason}). "
+        f"Register a rule for it (pyhvp.register_jet_rule), or write f without it"
     )
 
 
@@ -360,37 +372,22 @@ def linear_rule(
     coefficient stays factored. No autograd is involved, and nothing is dense."""
 
     def rule(ctx: Context, out: Any, *args: object, **kwargs: object) -> Any:
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        jets = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Jet)]
-        fixed = [
-            torch.zeros_like(leaf)
-            if jointly and isinstance(leaf, Tensor) and leaf.is_floating_point()
-            else value_of(leaf)
-            for leaf in leaves
-        ]
-
-        def on(*coefficients: Tensor) -> Any:
-            current = list(fixed)
-            for i, c in zip(jets, coefficients, strict=True):
-                current[i] = c
-            a, k = pytree.tree_unflatten(current, spec)
-            return op(*a, **k)
-
+        on, _, jets = _substitute(op, args, kwargs, zero_constants=jointly)
         floating = [o.is_floating_point() for o in pytree.tree_leaves(out)]
         if indexing and len(jets) == 1 and isinstance(out, Tensor):
-            u = leaves[jets[0]]
+            u = jets[0]
             return rearrange(out, u, lambda t: vmap(on)(expanded(t, u.value.shape)))
 
         def through(order: int) -> list[Tensor | None]:
-            present = [coefficient_of(leaves[i], leaves[i].value.ndim, order) for i in jets]
+            present = [coefficient_of(j, j.value.ndim, order) for j in jets]
             if all(c is None for c in present):
                 return [None] * len(floating)
             lead = max(c.shape[0] for c in present if c is not None)
             full = [
-                leaves[i].value.new_zeros(()).expand(lead, *leaves[i].value.shape)
+                j.value.new_zeros(()).expand(lead, *j.value.shape)
                 if c is None
-                else expanded(c, leaves[i].value.shape).expand(lead, *leaves[i].value.shape)
-                for i, c in zip(jets, present, strict=True)
+                else expanded(c, j.value.shape).expand(lead, *j.value.shape)
+                for j, c in zip(jets, present, strict=True)
             ]
             return pytree.tree_leaves(vmap(on)(*full))
 

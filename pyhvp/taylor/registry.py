@@ -55,6 +55,13 @@ def apply(ctx: Context, op: Callable[..., Any], *args: Any, **kwargs: Any) -> An
             f"Hessian-vector products: laplacian(..., method='hutch++'), "
             f"hessian_diagonal(..., method='hutchinson' or 'diag++')"
         )
+    sparse_result = next((t for t in results if t.layout != torch.strided), None)
+    if sparse_result is not None:
+        raise TypeError(
+            f"f computes a {sparse_result.layout} tensor from x ({op}): the Taylor engine "
+            f"(pyhvp.laplacian, grad_and_laplacian, hessian_diagonal's exact method) supports "
+            f"dense (strided) tensors only"
+        )
     if not any(t.is_floating_point() for t in results):
         return out  # integer or boolean results do not vary smoothly with x
     if op in ZERO_DERIVATIVE:
