@@ -167,12 +167,12 @@ def register_jet_rule(
     * ``indexing=True``: linear, and ``op`` only moves, selects or repeats the elements of its
       one floating input, so the engine can keep coefficients factored.
     * ``rule(ctx, out, *args, **kwargs)``: ``out`` is the op's value, ``args`` / ``kwargs`` the
-      op's arguments with a :class:`~pyhvp.taylor.Jet` wherever an input depends on ``x``; it
+      op's arguments with a ``pyhvp.taylor.Jet`` wherever an input depends on ``x``; it
       returns the output's jet(s) (constants where an output does not depend on ``x``). A jet
       holds ``value``, ``first`` (first-order coefficients ``(K, *S)``, ``S`` broadcasting to the
       value's shape) and ``second`` (second-order ones, per direction or summed over them: combine
       first-order coefficients only through ``ctx.product`` / ``ctx.pair``, which know the
-      mode; ``None`` is zero). :func:`~pyhvp.taylor.chain` writes an elementwise rule from its
+      mode; ``None`` is zero). ``pyhvp.taylor.chain`` writes an elementwise rule from its
       first and second derivatives.
 
     Without ``rule`` or a flag it returns a decorator. Registration replaces an earlier rule
