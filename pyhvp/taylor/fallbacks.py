@@ -349,8 +349,11 @@ def _reverse_coefficients(ctx: Context, fn: Callable[..., tuple[Tensor, ...]],
                 s = s + flat_coefficients(seconds[i], i) @ j_oi
             for j, u in enumerate(firsts):
                 h = hessian[o][i][j].reshape(size, sizes[i], sizes[j])
-                quad = torch.einsum("ka,oab,kb->ko", flat_coefficients(t, i), h,
-                                    flat_coefficients(u, j))  # fmt: skip
+                # a variable the op is linear in contributes nothing, even where its first
+                # derivative is not finite (autograd's at a pole: NaN * 0 would be NaN)
+                left = _where_curved(flat_coefficients(t, i), h.ne(0).any(0).any(1))
+                right = _where_curved(flat_coefficients(u, j), h.ne(0).any(0).any(0))
+                quad = torch.einsum("ka,oab,kb->ko", left, h, right)
                 s = s + (quad.sum(0, keepdim=True) if ctx.collapsed else quad)
         first.append(
             cast(Tensor, f).reshape(cast(Tensor, f).shape[0], *value.shape).to(value.dtype)
@@ -401,6 +404,10 @@ def linear_rule(
         return pytree.tree_unflatten(result, pytree.tree_structure(out))
 
     return rule
+
+
+def _where_curved(coefficients: Tensor, curved: Tensor) -> Tensor:
+    return torch.where(curved, coefficients, coefficients.new_zeros(()))
 
 
 def _spans(sizes: list[int]) -> list[slice]:
