@@ -24,18 +24,19 @@ The mechanism, and why:
   coefficients keep size-1 dims wherever a rule can, so ops before the first instance-dependent
   nonlinearity (``W e_i`` of a first linear layer) run once for all instances, not once each.
 * **Every real op works; what does not is refused by name.** Ops without a dedicated rule get
-  one built from ``torch.func`` on that op alone (elementwise derivatives for pointwise ops;
-  ``jvp`` and ``jvp`` of ``jvp`` per direction otherwise, or the op's Jacobian and Hessian by
-  reverse mode -- per matrix for batched ``torch.linalg`` ops), as folx falls back to an op's
-  Hessian. Derivatives follow autograd: ``detach``, ``torch.no_grad()`` and
+  reduced by PyTorch's decompositions where it has one, else a rule built from ``torch.func``
+  on that op alone (elementwise derivatives for pointwise ops; the op's Jacobian and Hessian by
+  reverse mode otherwise -- per matrix for batched ``torch.linalg`` ops), as folx falls back to
+  an op's Hessian. Derivatives follow autograd: ``detach``, ``torch.no_grad()`` and
   ``inference_mode()`` inside ``f`` stop them, an in-place write under ``no_grad`` keeps the
   written tensor's, ``x`` reaching ``f`` again through ``args`` or a closure is a constant
   (partial derivatives), ``torch.func.grad`` inside ``f`` is differentiated.
   Refused with an error naming the cause: complex intermediates (``TypeError``),
-  ``torch.autograd.grad`` / ``.backward()`` inside ``f`` (use ``torch.func.grad``), writes to
-  ``x`` or to a tensor ``f`` reads, directly or through a view (:class:`InPlaceInputError`),
-  writes through ``as_strided`` views of non-contiguous tensors, and an op whose reverse-mode
-  fallback would need a dense Hessian over the size limit.
+  sparse tensors, ``torch.autograd.grad`` / ``.backward()`` inside ``f`` (use
+  ``torch.func.grad``), writes to ``x``, directly or through a view (:class:`InPlaceInputError`;
+  a tensor ``f`` reads and writes is copied before the write, and written once per call),
+  writes through ``as_strided`` views of non-contiguous tensors, and an op whose fallback fails
+  or would need a dense Hessian over the size limit (:class:`UnsupportedOpError`).
 
 Where things are:
 

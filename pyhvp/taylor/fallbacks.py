@@ -1,8 +1,11 @@
 """Rules for ops that have no dedicated one, built from ``torch.func`` on that op alone:
 elementwise ops (``Tag.pointwise``) by their elementwise derivatives; every other op by its
-Jacobian and Hessian in reverse mode (one matrix at a time for batched ``torch.linalg`` ops), or
-by ``jvp`` and ``jvp`` of ``jvp`` along each direction where PyTorch's nested forward mode can be
-trusted -- so a real op is not unsupported, only slower."""
+Jacobian and Hessian in reverse mode (one matrix at a time for batched ``torch.linalg`` ops) --
+exact, or refused with :class:`UnsupportedOpError`, which names the op. PyTorch's nested forward
+mode (``jvp`` of ``jvp``) is not used for whole ops: it segfaulted on ``mse_loss`` and got
+``cholesky_inverse`` wrong; an elementwise op without a double backward takes forward over
+forward on its elements only. Ops linear in their inputs go through the op itself
+(:func:`linear_rule`)."""
 
 from __future__ import annotations
 
@@ -122,9 +125,8 @@ def pointwise_fallback(ctx: Context, op: Callable[..., Any], out: Tensor, args: 
 def general_fallback(ctx: Context, op: Callable[..., Any], out: Any, args: tuple[Any, ...],
                      kwargs: dict[str, Any]) -> Any:  # fmt: skip
     """Any op, from its Jacobian and Hessian by reverse mode (double backward: PyTorch's most
-    tested path) -- one matrix at a time for batched matrix ops; ops whose dense Hessian would
-    pass :data:`REVERSE_FALLBACK_LIMIT` by ``jvp`` and ``jvp`` of ``jvp`` along each direction,
-    if they are in :data:`NESTED_FORWARD_EXACT`, and are refused otherwise."""
+    tested path) -- one matrix at a time for batched matrix ops; an op whose dense Hessian would
+    pass :data:`REVERSE_FALLBACK_LIMIT` is refused, naming it."""
     fn, primals, jets = _substitute(op, args, kwargs)
     outputs, spec = pytree.tree_flatten(out)
     smooth = [i for i, o in enumerate(outputs) if isinstance(o, Tensor) and o.is_floating_point()]
@@ -155,8 +157,6 @@ def general_fallback(ctx: Context, op: Callable[..., Any], out: Any, args: tuple
                                                  seconds)  # fmt: skip
         elif needed <= REVERSE_FALLBACK_LIMIT:
             coefficients = _reverse_coefficients(ctx, smooth_fn, primals, firsts, seconds)
-        elif _packet_name(op) in NESTED_FORWARD_EXACT:
-            coefficients = _forward_coefficients(ctx, smooth_fn, primals, firsts, seconds)
         else:
             raise UnsupportedOpError(
                 f"pyhvp: {op} has no jet rule, and the reverse-mode fallback would hold its "
@@ -203,33 +203,6 @@ WITHOUT_THIRD_ORDER = frozenset({"ormqr", "linalg_householder_product"})
 """Ops whose fallback coefficients autograd does not differentiate correctly (the OpInfo sweep:
 their backward formulas write in place, or give wrong third derivatives once functionalized): the
 gradient of a result through them is refused."""
-
-NESTED_FORWARD_EXACT: frozenset[str] = frozenset()
-"""Ops whose nested forward mode (``jvp`` of ``jvp``) the OpInfo sweep proves exact: the fallback
-uses it where their dense Hessian is too large for reverse mode."""
-
-
-def _forward_coefficients(ctx: Context, fn: Callable[..., tuple[Tensor, ...]],
-                          primals: tuple[Tensor, ...], firsts: list[Tensor],
-                          seconds: list[Tensor] | None,
-                          ) -> tuple[Sequence[Tensor], Sequence[Tensor]]:  # fmt: skip
-    # (casts: torch.func.jvp's results are untyped)
-    def along(*tangents: Tensor) -> tuple[Tensor, ...]:
-        return cast(tuple[Tensor, ...], jvp(fn, primals, tangents)[1])
-
-    def curvature(*tangents: Tensor) -> tuple[Tensor, ...]:
-        return cast(
-            tuple[Tensor, ...], jvp(lambda *p: jvp(fn, p, tangents)[1], primals, tangents)[1]
-        )
-
-    first = vmap(along)(*firsts)
-    second = vmap(curvature)(*firsts)
-    if ctx.collapsed:
-        second = tuple(s.sum(0, keepdim=True) for s in second)
-    if seconds is not None:
-        second = tuple(s + t for s, t in zip(second, vmap(along)(*seconds), strict=True))
-    return first, second
-
 
 REVERSE_FALLBACK_LIMIT = 2**26
 """Most numbers the reverse-mode fallback may hold in one op's dense Hessian (of one instance,
