@@ -118,9 +118,7 @@ def _max_all(ctx: Context, out: Tensor, u: Jet) -> Jet:
     return _amax(ctx, out, u, list(range(u.value.ndim)), False)
 
 
-def _picked(
-    ctx: Context, out: tuple[Tensor, ...], u: Jet, dim: int, keepdim: bool = True
-) -> tuple[Any, ...]:
+def _picked(ctx: Context, out: tuple[Tensor, ...], u: Jet, dim: int) -> tuple[Any, ...]:
     """``(values, indices)`` where ``values`` are ``u``'s elements at ``indices`` along ``dim``
     (selections: extrema, sorts, order statistics): locally a gather, so its jet is the gather
     of ``u``'s."""
