@@ -26,6 +26,15 @@ import torch
 
 Tensor = torch.Tensor
 
+ENGINE = "the Taylor engine (pyhvp.laplacian, grad_and_laplacian, hessian_diagonal's exact method)"
+"""How errors name the engine: the operators that run on it."""
+
+
+def dense_only(what: str) -> TypeError:
+    """The refusal of a sparse (non-strided) tensor; ``what`` says where ``f`` has it."""
+    return TypeError(f"{what}: {ENGINE} supports dense (strided) tensors only; convert it with "
+                     f".to_dense()")  # fmt: skip
+
 
 @dataclass(frozen=True)
 class FactoredCoefficient:

@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from pyhvp._keys import Identity, value_key
 from pyhvp.taylor.custom_ops import DET_BY_SVD, det_needs_svd
+from pyhvp.taylor.jets import ENGINE, dense_only
 
 aten = torch.ops.aten
 Tensor = torch.Tensor
@@ -164,11 +165,7 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's _
             label = self._label(value)
             if label is None:
                 if value.layout != torch.strided:
-                    raise TypeError(
-                        f"f uses a {value.layout} tensor: the Taylor engine (pyhvp.laplacian, "
-                        f"grad_and_laplacian, hessian_diagonal's exact method) supports dense "
-                        f"(strided) tensors only; convert it with .to_dense()"
-                    )
+                    raise dense_only(f"f uses a {value.layout} tensor")
                 label = ("constant", len(self.constants))
                 self.labels[id(value)] = (label, None)
                 self.constants.append(value)
@@ -267,8 +264,7 @@ class _NoAutogradInside(TorchFunctionMode):
         if func in BACKWARD and torch._C._functorch.peek_interpreter_stack() is None:
             raise RuntimeError(
                 f"f calls {BACKWARD[func]}: autograd inside f is not "
-                f"supported by the Taylor engine (pyhvp.laplacian, grad_and_laplacian and "
-                f"hessian_diagonal's exact method), whose program cannot follow derivatives "
+                f"supported by {ENGINE}, whose program cannot follow derivatives "
                 f"through autograd's backward pass. Use torch.func.grad (or torch.func.vjp, "
                 f"jacrev) inside f instead"
             )

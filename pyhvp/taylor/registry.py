@@ -12,7 +12,7 @@ from torch.utils import _pytree as pytree
 
 from pyhvp.taylor.custom_ops import DET_BY_SVD, STOP_GRADIENT, WITH_DERIVATIVES_OF
 from pyhvp.taylor.fallbacks import general_fallback, linear_rule, pointwise_fallback
-from pyhvp.taylor.jets import Context, Jet, value_of
+from pyhvp.taylor.jets import ENGINE, Context, Jet, dense_only, value_of
 
 aten = torch.ops.aten
 Tensor = torch.Tensor
@@ -47,8 +47,7 @@ def apply(ctx: Context, op: Callable[..., Any], *args: Any, **kwargs: Any) -> An
     complex_result = next((t for t in results if t.is_complex()), None)
     if complex_result is not None:
         raise TypeError(
-            f"complex intermediates are not supported by the Taylor engine (pyhvp.laplacian, "
-            f"grad_and_laplacian, hessian_diagonal's exact method): f computes a "
+            f"complex intermediates are not supported by {ENGINE}: f computes a "
             f"{complex_result.dtype} tensor from x ({op}), whose jets would need complex "
             f"coefficients. Write f in real arithmetic (real and imaginary parts as real "
             f"tensors), or, for one scalar per instance, use an estimator built on "
@@ -57,11 +56,7 @@ def apply(ctx: Context, op: Callable[..., Any], *args: Any, **kwargs: Any) -> An
         )
     sparse_result = next((t for t in results if t.layout != torch.strided), None)
     if sparse_result is not None:
-        raise TypeError(
-            f"f computes a {sparse_result.layout} tensor from x ({op}): the Taylor engine "
-            f"(pyhvp.laplacian, grad_and_laplacian, hessian_diagonal's exact method) supports "
-            f"dense (strided) tensors only"
-        )
+        raise dense_only(f"f computes a {sparse_result.layout} tensor from x ({op})")
     if not any(t.is_floating_point() for t in results):
         return out  # integer or boolean results do not vary smoothly with x
     if op in ZERO_DERIVATIVE:
