@@ -1,19 +1,32 @@
 """Sub-Hessians: the Hessian of a scalar loss restricted to selected parameter components.
 
-The selected components become one-hot tangents of the backend's multi-leaf primitive
-(``grad_and_block_hvps``): one forward and one first backward shared by every selected tensor,
-then per tensor a batched second pass that differentiates towards that tensor only, of whose
-columns ``H e_j`` only the selected rows are kept. So no tangent pays for cross blocks nobody asked
-for (measured on a 784-128-10 MLP with k=128 per tensor: 3.4x less time than cutting the blocks out
-of one joint pass), and the forward is not repeated per tensor. ``joint=True`` pushes all selected
-tensors as one vector instead, cross blocks included.
+Two routes, one picked per call (and per batch) by a cost model:
+
+* **sparse** (:mod:`pyhvp.restricted`): the loss as a function of the k selected entries only,
+  whose one-hot directions enter each ``F.linear`` that consumes a selected weight as gathered
+  input columns; its ``(K, K)`` Hessian by ``jacrev(grad)`` over the K-vector. A direction costs
+  the network downstream of the first selected layer, never a dense gradient of the weight.
+* **reverse**: the selected components become one-hot tangents of the backend's multi-leaf
+  primitive (``grad_and_block_hvps``): one forward and one first backward shared by every selected
+  tensor, then per tensor a batched second pass that differentiates towards that tensor only, of
+  whose columns ``H e_j`` only the selected rows are kept. Cost: one full Hessian-vector product
+  per selected component; ``joint=True`` pushes all selected tensors as one vector.
+
+Cost model (``method="auto"``): sparse for at least ``restricted.MIN_COMPONENTS`` (8) selected
+components in all, whenever it applies -- the torch backend, the selected
+tensors of one dtype and device, and, as the loss runs, every selected tensor of more than
+``restricted.DENSE_LIMIT`` entries used only as the weight of ``F.linear`` and none written to --
+because then each of its directions costs at most what a reverse HVP costs past the first layer,
+and avoids that layer's dense ``O(batch * in * out)`` products. Otherwise reverse (the sparse
+route stops at the first use that does not qualify, before any Hessian work). The choice is
+logged on the ``pyhvp.sub_hessian`` logger at DEBUG level.
 
 With ``data``, the loss is summed over batches: one such pass per batch (and per chunk), the rows
 accumulated, so memory is bounded by one batch. With ``group``, each rank sums its own batches, and
-one ``all_reduce`` adds the ranks' sums and symmetrises after (:mod:`pyhvp.distributed`). Cost: one
-Hessian-vector product per selected component per batch, batched; memory ``c * P`` for the
-tangents and columns of a pass (P: entries of the selected tensors, c = ``chunk_size``, default all
-k) plus that pass's intermediates.
+one ``all_reduce`` adds the ranks' sums and symmetrises after (:mod:`pyhvp.distributed`). Memory:
+``c * P`` for the tangents and columns of a reverse pass (P: entries of the selected tensors, c =
+``chunk_size``, default all k) plus that pass's intermediates; the sparse route holds c copies of
+the intermediates downstream of the first selected layer.
 """
 
 from __future__ import annotations
@@ -42,7 +55,7 @@ from pyhvp._progress import progress_bar
 from pyhvp.backends import Backend, require_primitive, resolve_backend
 from pyhvp.backends.torch import TorchBackend
 from pyhvp.distributed import Fingerprint, check_group, sum_over_ranks
-from pyhvp.restricted import NotSparse, restricted_hessian
+from pyhvp.restricted import MIN_COMPONENTS, NotSparse, restricted_hessian
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -132,7 +145,9 @@ def sub_hessian(
     ``(S + S.T) / 2``, so it is exactly symmetric; it carries no autograd graph and ``params`` is
     not modified. ``chunk_size`` bounds how many components of each tensor are pushed per pass.
     ``joint=True`` pushes all selected tensors as one vector, whose tensors must then share one
-    dtype and device. ``progress=True`` shows a tqdm bar over ``data``'s batches on stderr
+    dtype and device. ``method`` picks the route: ``"auto"`` (default: the cost model in the
+    module docstring), ``"sparse"`` (raises ``ValueError`` with the reason where it does not
+    apply) or ``"reverse"``; both give the same matrix. ``progress=True`` shows a tqdm bar over ``data``'s batches on stderr
     (batches done, rate, and time left when ``data`` has a length); with several
     ``torch.distributed`` ranks only rank 0 draws it.
 
@@ -419,9 +434,13 @@ class _Plan:
     one_block: bool
 
 
-def _sparse_refusal(plan: _Plan, backend: Backend) -> str | None:
-    """Why the sparse route cannot run this call at all, or ``None`` (the cost model's static part;
-    the rest -- how the loss uses the tensors -- is learnt while it runs)."""
+def _sparse_refusal(plan: _Plan, backend: Backend, method: str) -> str | None:
+    """Why the sparse route cannot (or, under ``"auto"``, should not) run this call, or ``None``
+    (the cost model's static part; the rest -- how the loss uses the tensors -- is learnt while it
+    runs)."""
+    total = sum(len(flat) for flat in plan.flats)
+    if method == "auto" and total < MIN_COMPONENTS:
+        return f"{total} components, fewer than {MIN_COMPONENTS}: the reverse route costs less"
     if not isinstance(backend, TorchBackend):
         return f"backend {backend.name!r} is not the torch backend"
     first = plan.tensors[0]
@@ -439,7 +458,7 @@ def _sums(
 ) -> list[torch.Tensor]:
     """The call's blocks (unsymmetrised), summed over the batches, each batch by the route the
     cost model picks: sparse while it applies, reverse from the first batch it does not."""
-    refusal = None if method == "reverse" else _sparse_refusal(plan, backend)
+    refusal = None if method == "reverse" else _sparse_refusal(plan, backend, method)
     if method == "sparse" and refusal is not None:
         raise ValueError(f"method='sparse' does not apply: {refusal}")
     use_sparse = method != "reverse" and refusal is None

@@ -102,7 +102,9 @@ def test_joint_and_blocks_equal_the_dense_sub_hessian(case, method, caplog):
         part = expected[start : start + len(flat), start : start + len(flat)]
         torch.testing.assert_close(blocks[name], part, **F64)
         start += len(flat)
-    assert routes_taken(caplog) == ["reverse" if method == "reverse" else "sparse"] * 2
+    few = sum(len(flat) for flat in index.values()) < pyhvp.restricted.MIN_COMPONENTS
+    route = "reverse" if method == "reverse" or (method == "auto" and few) else "sparse"
+    assert routes_taken(caplog) == [route] * 2
 
 
 def seed_model():
@@ -233,7 +235,7 @@ CHOICES = [
 
 @pytest.mark.parametrize("case", CHOICES, ids=lambda c: c.name)
 def test_cost_model_choice_is_logged_and_both_agree_with_dense(case, caplog):
-    index = torch.tensor([0, 9, 63, 9])
+    index = torch.tensor([0, 9, 63, 9, 1, 2, 3, 17])
     with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"):
         got = pyhvp.sub_hessian(case.loss, case.params, index)
     assert routes_taken(caplog) == [case.route]
@@ -253,12 +255,21 @@ def test_a_write_to_a_selected_tensor_is_never_run_by_the_sparse_route(caplog):
     assert routes_taken(caplog) == ["reverse"]
 
 
+def test_fewer_than_min_components_take_the_reverse_route_under_auto(caplog):
+    index = torch.tensor([0, 9, 63])
+    with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"):
+        auto = pyhvp.sub_hessian(weight_decay, SMALL, index)
+        forced = pyhvp.sub_hessian(weight_decay, SMALL, index, method="sparse")
+    assert routes_taken(caplog) == ["reverse", "sparse"]
+    torch.testing.assert_close(auto, forced, **F64)
+
+
 def test_tensors_of_two_dtypes_take_the_reverse_route(caplog):
-    params = {"w": torch.randn(3, 2), "b": torch.randn(3, dtype=torch.float64)}
-    index = {"w": torch.tensor([0, 5]), "b": torch.tensor([1])}
+    params = {"w": torch.randn(3, 4), "b": torch.randn(3, dtype=torch.float64)}
+    index = {"w": torch.tensor([0, 5, 1, 2, 3, 4, 6]), "b": torch.tensor([1])}
 
     def loss(p):
-        return torch.tanh(F.linear(torch.ones(2), p["w"])).sum() + (p["b"] ** 3).sum()
+        return torch.tanh(F.linear(torch.ones(4), p["w"])).sum() + (p["b"] ** 3).sum()
 
     with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"):
         blocks = pyhvp.sub_hessian(loss, params, index)
