@@ -1,25 +1,39 @@
 """Sub-Hessians: the Hessian of a scalar loss restricted to selected parameter components.
 
-The selected components become one-hot tangents of the backend's multi-leaf primitive
-(``grad_and_block_hvps``): one forward and one first backward shared by every selected tensor,
-then per tensor a batched second pass that differentiates towards that tensor only, of whose
-columns ``H e_j`` only the selected rows are kept. So no tangent pays for cross blocks nobody asked
-for (measured on a 784-128-10 MLP with k=128 per tensor: 3.4x less time than cutting the blocks out
-of one joint pass), and the forward is not repeated per tensor. ``joint=True`` pushes all selected
-tensors as one vector instead, cross blocks included.
+Two routes, one picked per call (and per batch) by a cost model:
+
+* **sparse** (:mod:`pyhvp.restricted`): the loss as a function of the k selected entries only,
+  whose one-hot directions enter each ``F.linear`` that consumes a selected weight as gathered
+  input columns; its ``(K, K)`` Hessian by ``jacrev(grad)`` over the K-vector. A direction costs
+  the network downstream of the first selected layer, never a dense gradient of the weight.
+* **reverse**: the selected components become one-hot tangents of the backend's multi-leaf
+  primitive (``grad_and_block_hvps``): one forward and one first backward shared by every selected
+  tensor, then per tensor a batched second pass that differentiates towards that tensor only, of
+  whose columns ``H e_j`` only the selected rows are kept. Cost: one full Hessian-vector product
+  per selected component; ``joint=True`` pushes all selected tensors as one vector.
+
+Cost model (``method="auto"``): sparse for at least ``restricted.MIN_COMPONENTS`` (8) selected
+components in all, whenever it applies -- the torch backend, the selected
+tensors of one dtype and device, and, as the loss runs, every selected tensor of more than
+``restricted.DENSE_LIMIT`` entries used only as the weight of ``F.linear`` and none written to --
+because then each of its directions costs at most what a reverse HVP costs past the first layer,
+and avoids that layer's dense ``O(batch * in * out)`` products. Otherwise reverse (the sparse
+route stops at the first use that does not qualify, before any Hessian work). The choice is
+logged on the ``pyhvp.sub_hessian`` logger at DEBUG level.
 
 With ``data``, the loss is summed over batches: one such pass per batch (and per chunk), the rows
 accumulated, so memory is bounded by one batch. With ``group``, each rank sums its own batches, and
-one ``all_reduce`` adds the ranks' sums and symmetrises after (:mod:`pyhvp.distributed`). Cost: one
-Hessian-vector product per selected component per batch, batched; memory ``c * P`` for the
-tangents and columns of a pass (P: entries of the selected tensors, c = ``chunk_size``, default all
-k) plus that pass's intermediates.
+one ``all_reduce`` adds the ranks' sums and symmetrises after (:mod:`pyhvp.distributed`). Memory:
+``c * P`` for the tangents and columns of a reverse pass (P: entries of the selected tensors, c =
+``chunk_size``, default all k) plus that pass's intermediates; the sparse route holds c copies of
+the intermediates downstream of the first selected layer.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from itertools import accumulate
@@ -39,12 +53,17 @@ from pyhvp._checks import (
 )
 from pyhvp._progress import progress_bar
 from pyhvp.backends import Backend, require_primitive, resolve_backend
+from pyhvp.backends.torch import TorchBackend
 from pyhvp.distributed import Fingerprint, check_group, sum_over_ranks
+from pyhvp.restricted import MIN_COMPONENTS, NotSparse, restricted_hessian
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 Params = dict[str, torch.Tensor]
+Method = Literal["auto", "sparse", "reverse"]
+METHODS = ("auto", "sparse", "reverse")
+_log = logging.getLogger("pyhvp.sub_hessian")
 
 
 @overload
@@ -59,6 +78,7 @@ def sub_hessian(
     chunk_size: int | None = None,
     backend: str | Backend = "torch",
     progress: bool = False,
+    method: Method = "auto",
 ) -> torch.Tensor: ...
 
 
@@ -74,6 +94,7 @@ def sub_hessian(
     chunk_size: int | None = None,
     backend: str | Backend = "torch",
     progress: bool = False,
+    method: Method = "auto",
 ) -> Params: ...
 
 
@@ -89,6 +110,7 @@ def sub_hessian(
     chunk_size: int | None = None,
     backend: str | Backend = "torch",
     progress: bool = False,
+    method: Method = "auto",
 ) -> torch.Tensor: ...
 
 
@@ -103,6 +125,7 @@ def sub_hessian(
     chunk_size: int | None = None,
     backend: str | Backend = "torch",
     progress: bool = False,
+    method: Method = "auto",
 ) -> torch.Tensor | Params:
     """Hessian of the scalar ``loss(params)`` over the components ``index`` selects.
 
@@ -122,7 +145,9 @@ def sub_hessian(
     ``(S + S.T) / 2``, so it is exactly symmetric; it carries no autograd graph and ``params`` is
     not modified. ``chunk_size`` bounds how many components of each tensor are pushed per pass.
     ``joint=True`` pushes all selected tensors as one vector, whose tensors must then share one
-    dtype and device. ``progress=True`` shows a tqdm bar over ``data``'s batches on stderr
+    dtype and device. ``method`` picks the route: ``"auto"`` (default: the cost model in the
+    module docstring), ``"sparse"`` (raises ``ValueError`` with the reason where it does not
+    apply) or ``"reverse"``; both give the same matrix. ``progress=True`` shows a tqdm bar over ``data``'s batches on stderr
     (batches done, rate, and time left when ``data`` has a length); with several
     ``torch.distributed`` ranks only rank 0 draws it.
 
@@ -132,7 +157,7 @@ def sub_hessian(
     True
     """
     group = check_group(group)
-    options = (joint, chunk_size, backend, progress, group)
+    options = (joint, chunk_size, backend, progress, method, group)
     local = partial(_local_sums, loss, params, index, data, *options)
     sums = local()[0] if group is None else sum_over_ranks(local, group, "sub_hessian")
     blocks = [(s + s.mT) / 2 for s in sums]
@@ -150,6 +175,7 @@ def _local_sums(
     chunk_size: int | None,
     backend: str | Backend,
     progress: bool,
+    method: str,
     group: ProcessGroup | None,
 ) -> tuple[list[torch.Tensor], Fingerprint]:
     """This process's part of :func:`sub_hessian`: its arguments checked, the unsymmetrised
@@ -158,6 +184,8 @@ def _local_sums(
     for name, flag in (("joint", joint), ("progress", progress)):
         if not isinstance(flag, bool):
             raise ValueError(f"{name} must be True or False, got {flag!r}")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {list(METHODS)}, got {method!r}")
     chunk_size = check_chunk_size(chunk_size)
     resolved = resolve_backend(backend)
     batches = _check_data(data)
@@ -172,8 +200,8 @@ def _local_sums(
             "params' shape, dtype": (tuple(tensor.shape), str(tensor.dtype)),
             "index": flat.tolist(),
         }
-        sums = _sub_hessians(selection, [tensor], [flat], [], batches, chunk_size, resolved)
-        return sums, fingerprint
+        plan = _Plan(selection, [tensor], [flat], [], selection, [tensor], [flat], one_block=True)
+        return _sums(plan, batches, chunk_size, resolved, method), fingerprint
     fixed, flats = _check_named(params, index, joint)
     fingerprint = {
         "joint": joint,
@@ -183,20 +211,36 @@ def _local_sums(
     }
     names = list(flats)
     others = [p for name, p in fixed.items() if name not in flats]
+    tensors = [fixed[name] for name in names]
+    selection = _Selection(loss, tuple(fixed), tuple(names))
     if not joint:
-        selection = _Selection(loss, tuple(fixed), tuple(names))
-        tensors = [fixed[name] for name in names]
-        sums = _sub_hessians(
-            selection, tensors, list(flats.values()), others, batches, chunk_size, resolved
+        plan = _Plan(
+            selection,
+            tensors,
+            list(flats.values()),
+            others,
+            selection,
+            tensors,
+            list(flats.values()),
+            one_block=False,
         )
-        return sums, fingerprint
+        return _sums(plan, batches, chunk_size, resolved, method), fingerprint
     shapes = tuple(fixed[name].shape for name in names)
-    selection = _Selection(loss, tuple(fixed), tuple(names), joint_shapes=shapes)
-    vector = torch.cat([fixed[name].reshape(-1) for name in names])
-    offsets = accumulate([0, *(fixed[name].numel() for name in names)])
+    reverse = _Selection(loss, tuple(fixed), tuple(names), joint_shapes=shapes)
+    vector = torch.cat([t.reshape(-1) for t in tensors])
+    offsets = accumulate([0, *(t.numel() for t in tensors)])
     joint_index = torch.cat([flats[name] + o for name, o in zip(names, offsets, strict=False)])
-    sums = _sub_hessians(selection, [vector], [joint_index], others, batches, chunk_size, resolved)
-    return sums, fingerprint
+    plan = _Plan(
+        selection,
+        tensors,
+        list(flats.values()),
+        others,
+        reverse,
+        [vector],
+        [joint_index],
+        one_block=True,
+    )
+    return _sums(plan, batches, chunk_size, resolved, method), fingerprint
 
 
 def module_loss(
@@ -372,35 +416,129 @@ class _Selection:
         return out
 
 
-def _sub_hessians(
-    selection: _Selection,
-    tensors: list[torch.Tensor],
-    flats: list[torch.Tensor],
-    others: list[torch.Tensor],
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Both routes to one call's blocks. The sparse route runs ``sparse`` (a per-tensor
+    :class:`_Selection`) over ``tensors`` themselves, whose identity it tracks, and gives the joint
+    ``(K, K)``; the reverse route runs ``reverse`` over ``leaves`` (the tensors, or with ``joint``
+    one concatenated vector) with ``leaf_flats``. ``one_block``: the result is one matrix (a tensor
+    ``params`` or ``joint=True``), else one diagonal block per tensor."""
+
+    sparse: _Selection
+    tensors: list[torch.Tensor]
+    flats: list[torch.Tensor]
+    others: list[torch.Tensor]
+    reverse: _Selection
+    leaves: list[torch.Tensor]
+    leaf_flats: list[torch.Tensor]
+    one_block: bool
+
+
+def _sparse_refusal(plan: _Plan, backend: Backend, method: str) -> str | None:
+    """Why the sparse route cannot (or, under ``"auto"``, should not) run this call, or ``None``
+    (the cost model's static part; the rest -- how the loss uses the tensors -- is learnt while it
+    runs)."""
+    total = sum(len(flat) for flat in plan.flats)
+    if method == "auto" and total < MIN_COMPONENTS:
+        return f"{total} components, fewer than {MIN_COMPONENTS}: the reverse route costs less"
+    if not isinstance(backend, TorchBackend):
+        return f"backend {backend.name!r} is not the torch backend"
+    first = plan.tensors[0]
+    if any(t.dtype != first.dtype or t.device != first.device for t in plan.tensors):
+        return "the selected tensors differ in dtype or device"
+    return None
+
+
+def _sums(
+    plan: _Plan,
     batches: Iterable[Any] | None,
     chunk_size: int | None,
     backend: Backend,
+    method: str,
 ) -> list[torch.Tensor]:
-    """``(k_i, k_i)`` Hessian block of each leaf over its selected entries (rows ``H e_j``, not yet
-    symmetrised), summed over the batches; every pass is one call of the multi-leaf primitive."""
-    primitive = require_primitive(backend, "grad_and_block_hvps", "sub_hessian")
-    flats = [flat.to(t.device) for flat, t in zip(flats, tensors, strict=True)]
-    blocks = [t.new_zeros(len(flat), len(flat)) for flat, t in zip(flats, tensors, strict=True)]
-    most = max(len(flat) for flat in flats)
-    step = chunk_size or most
+    """The call's blocks (unsymmetrised), summed over the batches, each batch by the route the
+    cost model picks: sparse while it applies, reverse from the first batch it does not."""
+    refusal = None if method == "reverse" else _sparse_refusal(plan, backend, method)
+    if method == "sparse" and refusal is not None:
+        raise ValueError(f"method='sparse' does not apply: {refusal}")
+    use_sparse = method != "reverse" and refusal is None
+    if method == "reverse":
+        refusal = "method='reverse'"
+    flats = [flat.to(t.device) for flat, t in zip(plan.flats, plan.tensors, strict=True)]
+    sizes = [len(flat) for flat in flats]
+    sparse_sum: torch.Tensor | None = None
+    reverse_sums: list[torch.Tensor] | None = None
     for batch in [None] if batches is None else batches:
         batch_values, spec = ([], None) if batches is None else pytree.tree_flatten(batch)
         # the result carries no graph: batch tensors are data, never differentiated through
         batch_values = [v.detach() if isinstance(v, torch.Tensor) else v for v in batch_values]
-        loss = dataclasses.replace(selection, batch_spec=spec)
-        for start in range(0, most, step):
-            # one chunk of one-hot tangents per leaf: memory O(chunk_size * P), not O(k * P)
-            chunks = [flat[start : start + step] for flat in flats]
-            tangents = [_one_hot(chunk, t) for chunk, t in zip(chunks, tensors, strict=True)]
-            _, columns = primitive(loss, tensors, tangents, (*others, *batch_values), None)
-            for block, chunk, flat, column in zip(blocks, chunks, flats, columns, strict=True):
-                if len(chunk):  # a leaf with fewer components than this chunk's start has none
-                    block[start : start + len(chunk)] += column.reshape(len(chunk), -1)[:, flat]
+        if use_sparse:
+            loss = dataclasses.replace(plan.sparse, batch_spec=spec)
+            try:
+                block, sparse_uses = restricted_hessian(
+                    loss, plan.tensors, flats, (*plan.others, *batch_values), chunk_size
+                )
+            except NotSparse as error:
+                if method == "sparse":
+                    raise ValueError(f"method='sparse' does not apply: {error}") from None
+                use_sparse, refusal = False, str(error)
+            else:
+                _log.debug("sub_hessian: sparse route (%d F.linear call(s) sparse)", sparse_uses)
+                sparse_sum = block if sparse_sum is None else sparse_sum + block
+                continue
+        _log.debug("sub_hessian: reverse route (%s)", refusal)
+        loss = dataclasses.replace(plan.reverse, batch_spec=spec)
+        sums = _reverse_pass(loss, plan, batch_values, chunk_size, backend)
+        reverse_sums = (
+            sums
+            if reverse_sums is None
+            else [a + b for a, b in zip(reverse_sums, sums, strict=True)]
+        )
+    if plan.one_block:
+        parts = [sparse_sum, *(reverse_sums or [])]
+    else:
+        offsets = list(accumulate([0, *sizes]))
+        parts_sparse = (
+            [sparse_sum[o : o + k, o : o + k] for o, k in zip(offsets, sizes, strict=False)]
+            if sparse_sum is not None
+            else None
+        )
+        blocks = [t.new_zeros(k, k) for t, k in zip(plan.tensors, sizes, strict=True)]
+        for source in (parts_sparse, reverse_sums):
+            if source is not None:
+                blocks = [b + s for b, s in zip(blocks, source, strict=True)]
+        return blocks
+    total = plan.leaves[0].new_zeros(sum(sizes), sum(sizes))
+    for part in parts:
+        if part is not None:
+            total = total + part
+    return [total]
+
+
+def _reverse_pass(
+    loss: _Selection,
+    plan: _Plan,
+    batch_values: list[Any],
+    chunk_size: int | None,
+    backend: Backend,
+) -> list[torch.Tensor]:
+    """One batch by the reverse route: the ``(k_i, k_i)`` block of each leaf over its selected
+    entries (rows ``H e_j``, not yet symmetrised); every pass is one call of the multi-leaf
+    primitive."""
+    primitive = require_primitive(backend, "grad_and_block_hvps", "sub_hessian")
+    tensors = plan.leaves
+    flats = [flat.to(t.device) for flat, t in zip(plan.leaf_flats, tensors, strict=True)]
+    blocks = [t.new_zeros(len(flat), len(flat)) for flat, t in zip(flats, tensors, strict=True)]
+    most = max(len(flat) for flat in flats)
+    step = chunk_size or most
+    for start in range(0, most, step):
+        # one chunk of one-hot tangents per leaf: memory O(chunk_size * P), not O(k * P)
+        chunks = [flat[start : start + step] for flat in flats]
+        tangents = [_one_hot(chunk, t) for chunk, t in zip(chunks, tensors, strict=True)]
+        _, columns = primitive(loss, tensors, tangents, (*plan.others, *batch_values), None)
+        for block, chunk, flat, column in zip(blocks, chunks, flats, columns, strict=True):
+            if len(chunk):  # a leaf with fewer components than this chunk's start has none
+                block[start : start + len(chunk)] += column.reshape(len(chunk), -1)[:, flat]
     return blocks
 
 

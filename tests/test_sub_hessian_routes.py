@@ -1,0 +1,284 @@
+"""Specification of sub_hessian's two routes (sparse injection and reverse HVPs) and of the cost
+model that picks one per call: both equal dense float64 references, and the choice is observable
+on the ``pyhvp.sub_hessian`` logger (never inferred from timing)."""
+
+import logging
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from dense import dense_sub_hessian, loop_sub_hessians
+from torch import nn
+
+import pyhvp
+
+ROUTES = ("sparse", "reverse", "auto")
+F64 = {"rtol": 1e-9, "atol": 1e-11}
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+
+
+def deep_mlp():
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(6, 5), nn.Softplus(), nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)
+    )
+
+
+@dataclass
+class Case:
+    name: str
+    model: object
+    input_shape: tuple
+    index: dict
+    chunk_size: int | None = None
+
+    def make(self):
+        torch.manual_seed(3)
+        model = self.model().double()
+        inputs = torch.rand(self.input_shape, dtype=torch.float64)
+        targets = torch.randint(0, 3, self.input_shape[:1])
+        index = {name: torch.tensor(i) for name, i in self.index.items()}
+        loss, params = pyhvp.module_loss(model, nn.CrossEntropyLoss(), inputs, targets)
+        return loss, params, index
+
+
+CASES = [
+    Case(
+        "MLP, every tensor",
+        mlp,
+        (8, 5),
+        {"0.weight": [3, 0, 19], "0.bias": [1], "2.weight": [11, 2], "2.bias": [0, 2]},
+    ),
+    Case(
+        "MLP, unsorted with repeats",
+        mlp,
+        (8, 5),
+        {"0.weight": [7, 7, 2, 19, 0], "2.weight": [11, 0, 11]},
+    ),
+    Case(
+        "MLP, weights only, chunked by 2",
+        mlp,
+        (8, 5),
+        {"2.weight": [0, 5, 6, 11], "0.weight": [1, 4]},
+        chunk_size=2,
+    ),
+    Case(
+        "3 linear layers, every tensor",
+        deep_mlp,
+        (7, 2, 3),
+        {
+            "1.weight": [29, 0, 13],
+            "1.bias": [4],
+            "3.weight": [0, 19, 7],
+            "3.bias": [3, 1],
+            "5.weight": [11, 5],
+            "5.bias": [2],
+        },
+    ),
+]
+
+
+def routes_taken(caplog):
+    return [r.getMessage().split()[1] for r in caplog.records if r.name == "pyhvp.sub_hessian"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("method", ROUTES)
+def test_joint_and_blocks_equal_the_dense_sub_hessian(case, method, caplog):
+    loss, params, index = case.make()
+    expected = dense_sub_hessian(loss, params, index)
+    with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"):
+        joint = pyhvp.sub_hessian(
+            loss, params, index, joint=True, method=method, chunk_size=case.chunk_size
+        )
+        blocks = pyhvp.sub_hessian(loss, params, index, method=method, chunk_size=case.chunk_size)
+    torch.testing.assert_close(joint, expected, **F64)
+    start = 0
+    for name, flat in index.items():
+        part = expected[start : start + len(flat), start : start + len(flat)]
+        torch.testing.assert_close(blocks[name], part, **F64)
+        start += len(flat)
+    few = sum(len(flat) for flat in index.values()) < pyhvp.restricted.MIN_COMPONENTS
+    route = "reverse" if method == "reverse" or (method == "auto" and few) else "sparse"
+    assert routes_taken(caplog) == [route] * 2
+
+
+def seed_model():
+    return nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 10))
+
+
+def test_seed_model_by_the_sparse_route_equals_the_seed_loop_in_float64(caplog):
+    torch.manual_seed(0)
+    model = seed_model().double()
+    inputs = torch.rand(100, 1, 28, 28, dtype=torch.float64)
+    targets = torch.randint(0, 10, (100,))
+    index = {"1.weight": torch.tensor([7839, 5, 784, 0, 5, 3000]), "1.bias": torch.tensor([9, 2])}
+    loss, params = pyhvp.module_loss(model, nn.CrossEntropyLoss(), inputs, targets)
+    with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"):
+        blocks = pyhvp.sub_hessian(loss, params, index)
+    assert routes_taken(caplog) == ["sparse"]
+    expected = loop_sub_hessians(model, nn.CrossEntropyLoss(), inputs, targets, index)
+    torch.testing.assert_close(blocks, expected, **F64)
+
+
+def test_seed_model_sparse_entries_equal_a_dense_hessian_of_the_linear_layer():
+    """The seed's Linear(784, 10) at a smaller input size, against the full dense Hessian."""
+    torch.manual_seed(1)
+    weight, bias = torch.randn(10, 40, dtype=torch.float64), torch.randn(10, dtype=torch.float64)
+    inputs, targets = torch.rand(100, 40, dtype=torch.float64), torch.randint(0, 10, (100,))
+
+    def loss(p):
+        return F.cross_entropy(F.linear(inputs, p["w"], p["b"]), targets)
+
+    params = {"w": weight, "b": bias}
+    index = {"w": torch.randperm(400)[:16], "b": torch.tensor([3, 3, 0])}
+    got = pyhvp.sub_hessian(loss, params, index, joint=True, method="sparse")
+    torch.testing.assert_close(got, dense_sub_hessian(loss, params, index), **F64)
+
+
+def batch_loss(p, batch):
+    inputs, targets = batch
+    hidden = torch.tanh(F.linear(inputs, p["w1"], p["b1"]))
+    return F.cross_entropy(F.linear(hidden, p["w2"]), targets, reduction="sum")
+
+
+def data_set():
+    torch.manual_seed(2)
+    params = {
+        "w1": torch.randn(4, 6, dtype=torch.float64),
+        "b1": torch.randn(4, dtype=torch.float64),
+        "w2": torch.randn(3, 4, dtype=torch.float64),
+    }
+    batches = [
+        (torch.rand(n, 6, dtype=torch.float64), torch.randint(0, 3, (n,))) for n in (5, 3, 4)
+    ]
+    index = {"w1": torch.tensor([23, 0, 7]), "b1": torch.tensor([2]), "w2": torch.tensor([1, 11])}
+    return params, batches, index
+
+
+def summed_dense(params, batches, index):
+    return sum(dense_sub_hessian(lambda p, b=b: batch_loss(p, b), params, index) for b in batches)
+
+
+@pytest.mark.parametrize("method", ROUTES)
+def test_data_batches_sum_on_every_route(method):
+    params, batches, index = data_set()
+    got = pyhvp.sub_hessian(batch_loss, params, index, data=batches, joint=True, method=method)
+    torch.testing.assert_close(got, summed_dense(params, batches, index), **F64)
+
+
+@pytest.fixture
+def world_of_one():
+    """This process as a gloo group of one rank (an in-memory store, no network)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("method", ROUTES)
+def test_a_world_of_one_gives_the_dense_sum_on_every_route(world_of_one, method):
+    params, batches, index = data_set()
+    got = pyhvp.sub_hessian(
+        batch_loss, params, index, data=batches, group=world_of_one, method=method
+    )
+    expected = summed_dense(params, batches, index)
+    start = 0
+    for name, flat in index.items():
+        part = expected[start : start + len(flat), start : start + len(flat)]
+        torch.testing.assert_close(got[name], part, **F64)
+        start += len(flat)
+
+
+BIG = torch.randn(80, 80, dtype=torch.float64)  # 6400 entries: over DENSE_LIMIT
+SMALL = torch.randn(8, 8, dtype=torch.float64)
+X = torch.rand(5, 80, dtype=torch.float64)
+
+
+def weight_decay(p):
+    """A small tensor used twice: as a linear weight and densely; the sparse route still applies."""
+    return (torch.tanh(F.linear(X[:, :8], p)) ** 2).sum() + 0.1 * (p**4).sum()
+
+
+def big_matmul(p):
+    return torch.tanh(X @ p.t()).sum() ** 2
+
+
+def big_squared(p):
+    return torch.tanh(F.linear(X, p)).sum() + (p**3).sum()
+
+
+def writes_selected(p):
+    q = p.clone()
+    out = torch.tanh(F.linear(X[:, :8], q)).sum() ** 2
+    p.mul_(1.0)  # pragma: no cover -- a write to params: neither route may run it unnoticed
+    return out
+
+
+@dataclass
+class ChoiceCase:
+    name: str
+    loss: object
+    params: torch.Tensor
+    route: str
+
+
+CHOICES = [
+    ChoiceCase("linear weight and a small dense use", weight_decay, SMALL, "sparse"),
+    ChoiceCase("big tensor through x @ W.t()", big_matmul, BIG, "reverse"),
+    ChoiceCase("big tensor as a linear weight and cubed", big_squared, BIG, "reverse"),
+]
+
+
+@pytest.mark.parametrize("case", CHOICES, ids=lambda c: c.name)
+def test_cost_model_choice_is_logged_and_both_agree_with_dense(case, caplog):
+    index = torch.tensor([0, 9, 63, 9, 1, 2, 3, 17])
+    with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"):
+        got = pyhvp.sub_hessian(case.loss, case.params, index)
+    assert routes_taken(caplog) == [case.route]
+    torch.testing.assert_close(got, dense_sub_hessian(case.loss, case.params, index), **F64)
+
+
+def test_forcing_the_sparse_route_where_it_does_not_apply_raises_the_reason():
+    with pytest.raises(ValueError, match=r"method='sparse' does not apply.*not as the weight"):
+        pyhvp.sub_hessian(big_matmul, BIG, torch.tensor([0, 1]), method="sparse")
+
+
+def test_a_write_to_a_selected_tensor_is_never_run_by_the_sparse_route(caplog):
+    with pytest.raises(ValueError, match="writes to a selected tensor"):
+        pyhvp.sub_hessian(writes_selected, SMALL, torch.tensor([0]), method="sparse")
+    with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"), pytest.raises(RuntimeError):
+        pyhvp.sub_hessian(writes_selected, SMALL, torch.tensor([0]))  # reverse: a leaf written
+    assert routes_taken(caplog) == ["reverse"]
+
+
+def test_fewer_than_min_components_take_the_reverse_route_under_auto(caplog):
+    index = torch.tensor([0, 9, 63])
+    with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"):
+        auto = pyhvp.sub_hessian(weight_decay, SMALL, index)
+        forced = pyhvp.sub_hessian(weight_decay, SMALL, index, method="sparse")
+    assert routes_taken(caplog) == ["reverse", "sparse"]
+    torch.testing.assert_close(auto, forced, **F64)
+
+
+def test_tensors_of_two_dtypes_take_the_reverse_route(caplog):
+    params = {"w": torch.randn(3, 4), "b": torch.randn(3, dtype=torch.float64)}
+    index = {"w": torch.tensor([0, 5, 1, 2, 3, 4, 6]), "b": torch.tensor([1])}
+
+    def loss(p):
+        return torch.tanh(F.linear(torch.ones(4), p["w"])).sum() + (p["b"] ** 3).sum()
+
+    with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"):
+        blocks = pyhvp.sub_hessian(loss, params, index)
+    assert routes_taken(caplog) == ["reverse"]
+    assert blocks["w"].dtype == torch.float32 and blocks["b"].dtype == torch.float64
+    with pytest.raises(ValueError, match="differ in dtype"):
+        pyhvp.sub_hessian(loss, params, index, method="sparse")
+
+
+def test_method_must_be_a_route_name():
+    with pytest.raises(ValueError, match="method must be one of"):
+        pyhvp.sub_hessian(big_matmul, BIG, torch.tensor([0]), method="forward")
