@@ -250,6 +250,23 @@ def test_batch_norm_in_training_mode_matches_autograd_and_updates_its_statistics
     torch.testing.assert_close(diagonal, dense.diagonal()[None])
 
 
+# --- mixed dtypes ---------------------------------------------------------------------------------
+
+
+def test_a_float32_x_promoted_by_a_float64_constant_has_float64_derivatives(device):
+    """A sum of a float64 factor times float32 directions (kept factored) multiplied float64 by
+    float32 matrices: 'expected m1 and m2 to have the same dtype'."""
+    x = torch.randn(4, 3, device=device)
+    c = torch.arange(1.0, 4.0, dtype=torch.float64, device=device)
+
+    def f(y):
+        return (c * y**2).sum(-1)
+
+    lap = pyhvp.laplacian(f, x)
+    assert lap.dtype == f(x).dtype == torch.float64
+    torch.testing.assert_close(lap, instance_laplacian(f, x))
+
+
 # --- what the engine cannot carry is refused, naming the op ------------------------------------
 
 
