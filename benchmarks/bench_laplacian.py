@@ -19,7 +19,11 @@ Eager PyTorch on the CPU allocates every intermediate with malloc; with glibc's 
 buffers are mmap'd and page-faulted afresh on each call, which on the 2-core CI machine costs
 more than the arithmetic (JAX keeps its own pool). The allocator settings in effect are printed;
 set MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ (or preload jemalloc/tcmalloc) to compare.
-Usage: python benchmarks/bench_laplacian.py [--no-compiled-baselines]
+A last section (alone with ``--per-call``, written to ``bench_laplacian_per_call-cpu.txt``)
+times a Gaussian whose width t is a new Python float at every call against the same t (issue
+17: the float is a program input, so neither the program nor a compiled kernel is rebuilt), and
+the parts of one cached call: f alone, its record, the jet kernel alone, the whole call.
+Usage: python benchmarks/bench_laplacian.py [--no-compiled-baselines | --per-call]
 """
 
 from __future__ import annotations
@@ -40,10 +44,12 @@ os.environ.setdefault(
 )
 
 import torch
-from _timing import Report, announce, median_ms
+from _timing import Report, announce, interleaved_ms, median_ms
 from torch.func import grad, hessian, jvp, vmap
 
 import pyhvp
+from pyhvp import taylor
+from pyhvp._estimators import Space, checked
 
 B = 1024
 PROBES = 16
@@ -298,6 +304,80 @@ def bench(key, dtype_name, with_compiled, report):
     return {"pyhvp": min(ours.values()), "torch.func": best[1], "folx": folx_time}
 
 
+# --- per call: a float that changes at every call, and what a cached call costs beyond its kernel
+
+
+def per_call(report):
+    """Issue 17: ``exp(-t |x - mu|^2)`` with a width ``t`` that is a new Python float at every
+    call (a time step, an annealed coefficient) against the same float every call, eager and
+    compiled; then the parts of one cached call of the n = 16 Gaussians: f alone, the record
+    (f under the recorder, and the cache key), the jet kernel alone, the whole call."""
+    g = torch.Generator().manual_seed(1)
+    n = 16
+    mu, x = torch.randn(n, generator=g), torch.randn(B, n, generator=g)
+
+    def width(t):
+        return lambda y: torch.exp(-t * ((y - mu) ** 2).sum(-1))
+
+    def closed_form(t):  # the Laplacian of exp(-t r^2): f (4 t^2 r^2 - 2 t n)
+        r2 = ((x.double() - mu.double()) ** 2).sum(-1)
+        return torch.exp(-t * r2) * (4 * t * t * r2 - 2 * t * n)
+
+    steps = iter(range(10**9))
+    backends = {"eager": pyhvp.TorchBackend(compile=False),
+                "compiled": pyhvp.TorchBackend(compile=True)}  # fmt: skip
+    for backend in backends.values():  # checked (and compiled) before anything is timed
+        for t in (0.3, 0.7, 1.1):
+            lap = pyhvp.laplacian(width(t), x, backend=backend)
+            torch.testing.assert_close(lap.double(), closed_form(t), rtol=1e-4, atol=1e-4)
+    programs = len({taylor.capture(width(t), x, ()).program for t in (0.3, 0.7, 1.1, 1.5)})
+    report.text(f"\nprograms recorded for 4 different floats: {programs}")
+
+    def call(backend, changing):
+        t = 0.5 + next(steps) * 1e-7 if changing else 0.5
+        return lambda: pyhvp.laplacian(width(t), x, backend=backend)
+
+    fns = {f"pyhvp exact, {label}, {what}": (lambda b=backend, c=changing: call(b, c)())
+           for label, backend in backends.items()
+           for what, changing in (("same float", False), ("float changing every call", True))}  # fmt: skip
+    times = interleaved_ms(fns, rounds=100, budget_s=30.0)
+    report.table(f"exp(-t |x - mu|^2), n={n}: B={B}, cpu, float32, 1 thread, a new t every call "
+                 f"or the same t", list(times.items()),
+                 baseline="pyhvp exact, eager, same float")  # fmt: skip
+
+    problem = gaussians(n, torch.float32)
+    space = Space(problem.x, 1, None)
+    f = checked(problem.f, space.batch)
+    directions = space.directions(space.basis())
+    capture = taylor.capture(f, problem.x, ())
+    kernel = capture.kernel(True, problem.x, directions)
+    compiled_kernel = torch.compile(kernel, dynamic=False)
+    inputs = (problem.x, directions, *capture.constants)
+    exact = pyhvp.laplacian(problem.f, problem.x, backend=backends["eager"])
+    torch.testing.assert_close(kernel(*inputs)[2], exact)
+    torch.testing.assert_close(compiled_kernel(*inputs)[2], exact)
+    torch.testing.assert_close(pyhvp.laplacian(problem.f, problem.x, backend=backends["compiled"]),
+                               exact, **tolerance(torch.float32))  # fmt: skip
+    parts = {
+        "f alone": lambda: f(problem.x),
+        "record (f under the recorder, key)": lambda: taylor.capture(f, problem.x, ()),
+        "jet kernel alone, eager": lambda: kernel(*inputs),
+        "jet kernel alone, compiled": lambda: compiled_kernel(*inputs),
+        "pyhvp.laplacian, eager": lambda: pyhvp.laplacian(problem.f, problem.x,
+                                                          backend=backends["eager"]),
+        "pyhvp.laplacian, compiled": lambda: pyhvp.laplacian(problem.f, problem.x,
+                                                             backend=backends["compiled"]),
+    }  # fmt: skip
+    times = interleaved_ms(parts, rounds=400, budget_s=30.0)
+    report.table(f"{problem.name}: B={B}, cpu, float32, 1 thread: the parts of a cached call",
+                 list(times.items()), baseline="jet kernel alone, eager")  # fmt: skip
+    for label in ("eager", "compiled"):
+        beyond = times[f"pyhvp.laplacian, {label}"] - times[f"jet kernel alone, {label}"]
+        report.text(f"  beyond the {label} kernel: {beyond * 1e3:.0f} us per call (the record "
+                    f"{times['record (f under the recorder, key)'] * 1e3:.0f} us of which "
+                    f"f alone {times['f alone'] * 1e3:.0f} us)")  # fmt: skip
+
+
 def allocator():
     tuned = [k for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_") if k in os.environ]
     preload = os.environ.get("LD_PRELOAD", "")
@@ -324,6 +404,8 @@ def main(with_compiled):
         versus = f"{t['pyhvp'] / t['folx']:12.2f}" if t["folx"] is not None else f"{'-':>12}"
         report.text(f"  {key:8} {dtype_name:8} | {t['pyhvp']:8.3f} | {t['torch.func']:15.3f} | "
                     f"{folx_cell} | {t['torch.func'] / t['pyhvp']:18.2f} | {versus}")  # fmt: skip
+    announce("per call: a float changing every call; the parts of a cached call")
+    per_call(report)
     report.save()
 
 
@@ -331,5 +413,10 @@ if __name__ == "__main__":
     if len(sys.argv) >= 4 and sys.argv[1] == "--compiled-baselines":
         torch.set_num_threads(1)
         compiled_baselines(sys.argv[2], sys.argv[3], sys.argv[4:])
+    elif "--per-call" in sys.argv:  # that section alone, in a file of its own
+        torch.set_num_threads(1)
+        per_call_report = Report("bench_laplacian_per_call", "cpu")
+        per_call(per_call_report)
+        per_call_report.save()
     else:
         main(with_compiled="--no-compiled-baselines" not in sys.argv)

@@ -1,6 +1,9 @@
 """Specification of the Taylor engine where autograd is not the judge or not the point: (nearly)
 singular matrices against closed forms, gradients of Laplacians (third order) against central
-differences, users' own jet rules, and the errors of ops it cannot carry."""
+differences, users' own jet rules, the errors of ops it cannot carry, and which Python floats
+are program inputs (one program for every value) rather than part of the program's key."""
+
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -8,7 +11,9 @@ import torch.nn.functional as F
 from dense import instance_hessian_diagonal, instance_laplacian
 
 import pyhvp
-from pyhvp.taylor import chain
+from pyhvp.taylor import chain, program
+
+aten = torch.ops.aten
 
 # --- (nearly) singular matrices: closed forms, whatever LAPACK returns for a zero pivot --------
 
@@ -250,6 +255,23 @@ def test_batch_norm_in_training_mode_matches_autograd_and_updates_its_statistics
     torch.testing.assert_close(diagonal, dense.diagonal()[None])
 
 
+# --- mixed dtypes ---------------------------------------------------------------------------------
+
+
+def test_a_float32_x_promoted_by_a_float64_constant_has_float64_derivatives(device):
+    """A sum of a float64 factor times float32 directions (kept factored) multiplied float64 by
+    float32 matrices: 'expected m1 and m2 to have the same dtype'."""
+    x = torch.randn(4, 3, device=device)
+    c = torch.arange(1.0, 4.0, dtype=torch.float64, device=device)
+
+    def f(y):
+        return (c * y**2).sum(-1)
+
+    lap = pyhvp.laplacian(f, x)
+    assert lap.dtype == f(x).dtype == torch.float64
+    torch.testing.assert_close(lap, instance_laplacian(f, x))
+
+
 # --- what the engine cannot carry is refused, naming the op ------------------------------------
 
 
@@ -259,3 +281,135 @@ def test_an_op_autograd_cannot_differentiate_is_refused_naming_it():
     step = torch.tensor(0.5)
     with pytest.raises(pyhvp.UnsupportedOpError, match=r"aten\.heaviside.*register_jet_rule"):
         pyhvp.laplacian(lambda y: (torch.heaviside(y, step) * y**2).sum(-1), x)
+
+
+# --- Python floats: lifted into program inputs, not keyed by value -----------------------------
+
+LIFTED_FLOATS = {  # f(x, t) with a float t that may change at every call (a time step)
+    "exp(-t |x|^2)": lambda x, t: torch.exp(-t * (x**2).sum(-1)),
+    "sin(t x) / t": lambda x, t: (torch.sin(t * x) / t).sum(-1),
+    "tanh(x - t) + t": lambda x, t: (torch.tanh(x - t) + t).sum(-1),
+    "(t - x)^3": lambda x, t: (torch.rsub(x, t) ** 3).sum(-1),
+    "where(x > 0, x^3, t)": lambda x, t: torch.where(x > 0, x**3, t).sum(-1),
+    "aten mul.Scalar, add.Scalar": lambda x, t: (
+        aten.add.Scalar(aten.mul.Scalar(x, t), t).pow(2).sum(-1)
+    ),
+}
+TIME_STEPS = (0.3, 1.7, -0.4, 0.3)
+
+
+@pytest.fixture
+def builds(monkeypatch):
+    """``{"programs": n, "kernels": n}`` built during the test, from an empty program cache."""
+    counts = {"programs": 0, "kernels": 0}
+
+    def counting(name, build):
+        def counted(*args, **kwargs):
+            counts[name] += 1
+            return build(*args, **kwargs)
+
+        return counted
+
+    monkeypatch.setattr(program, "_PROGRAMS", OrderedDict())
+    monkeypatch.setattr(program, "_functional_graph",
+                        counting("programs", program._functional_graph))  # fmt: skip
+    monkeypatch.setattr(program, "build_kernel", counting("kernels", program.build_kernel))
+    return counts
+
+
+@pytest.mark.parametrize("f", LIFTED_FLOATS.values(), ids=LIFTED_FLOATS.keys())
+def test_a_float_that_changes_every_call_reuses_one_program_with_each_calls_value(
+    f, builds, device
+):
+    """Issue 17: a time step or annealed coefficient rebuilt the program and its kernel at every
+    call (67 ms instead of 2). The float operand of + - * / and where is an input of the program:
+    one program and one kernel serve every value, and each call gets its own value's result."""
+    x = torch.randn(5, 3, dtype=torch.float64, device=device)
+    for t in TIME_STEPS:
+        value, _, lap = pyhvp.grad_and_laplacian(lambda y, t=t: f(y, t), x)
+        torch.testing.assert_close(value, f(x, t))
+        torch.testing.assert_close(lap, instance_laplacian(lambda y, t=t: f(y, t), x))
+        torch.testing.assert_close(pyhvp.hessian_diagonal(lambda y, t=t: f(y, t), x),
+                                   instance_hessian_diagonal(lambda y, t=t: f(y, t), x))  # fmt: skip
+    assert builds == {"programs": 1, "kernels": 2}  # collapsed and per-direction
+
+
+def _int_times_float(x, t):
+    return (torch.arange(1, 4, device=x.device) * t * x**2).sum(-1)
+
+
+def _zero_dim_times_float(x, t):  # the 0-d product's dtype shows once it is broadcast
+    return (x**2 * (torch.tensor(2.0, device=x.device) * t).expand(3)).sum(-1)
+
+
+def _zero_dim_int_times_float(x, t):
+    return (x**2 * (torch.tensor(2, device=x.device) * t).expand(3)).sum(-1)
+
+
+PROMOTIONS = {  # (f, x's dtype, default dtype): a lifted float promotes as the float itself
+    "float32 x": (lambda x, t: (t * x**2).sum(-1), torch.float32, torch.float32),
+    "float64 x": (lambda x, t: (t * x**2).sum(-1), torch.float64, torch.float32),
+    "int tensor * float": (_int_times_float, torch.float32, torch.float32),
+    "int tensor * float, default float64": (_int_times_float, torch.float32, torch.float64),
+    "0-d float32 * float": (_zero_dim_times_float, torch.float32, torch.float32),
+    "0-d int * float": (_zero_dim_int_times_float, torch.float32, torch.float32),
+    "0-d int * float, default float64": (_zero_dim_int_times_float, torch.float32, torch.float64),
+}
+
+
+@pytest.mark.parametrize(("f", "dtype", "default"), PROMOTIONS.values(), ids=PROMOTIONS.keys())
+def test_a_lifted_float_promotes_as_the_python_float_does(f, dtype, default, device):
+    x = torch.randn(4, 3, dtype=dtype, device=device)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(default)
+    try:
+        expected = f(x, 0.7)
+        value, _, lap = pyhvp.grad_and_laplacian(lambda y: f(y, 0.7), x)
+    finally:
+        torch.set_default_dtype(previous)
+    assert value.dtype == lap.dtype == expected.dtype
+    torch.testing.assert_close(value, expected, rtol=0, atol=0)
+    exact = {"rtol": 1e-5, "atol": 1e-5} if expected.dtype == torch.float32 else {}
+    torch.testing.assert_close(lap.double(), instance_laplacian(lambda y: f(y, 0.7), x), **exact)
+
+
+def test_a_value_dependent_scalar_keeps_a_program_per_value(builds):
+    """A power's exponent stays in the key: its rule branches on the value (u^2, u^1, u^0)."""
+    x = torch.randn(5, 3, dtype=torch.float64)
+    for p in (2.0, 1.0, 0.0, 3.5, 2.0):
+        lap = pyhvp.laplacian(lambda y, p=p: (y.abs() + 1).pow(p).sum(-1), x)
+        torch.testing.assert_close(
+            lap, instance_laplacian(lambda y, p=p: (y.abs() + 1).pow(p).sum(-1), x)
+        )
+    assert builds["programs"] == 4
+
+
+def test_gradients_through_a_laplacian_with_a_lifted_float_match_autograd(builds, device):
+    w = torch.randn(3, 4, dtype=torch.float64, device=device, requires_grad=True)
+    x = torch.randn(5, 3, dtype=torch.float64, device=device)
+
+    def f(y, w, t):
+        return torch.exp(-t * torch.tanh(y @ w).pow(2).sum(-1))
+
+    for t in (0.5, 1.5):
+        lap = pyhvp.laplacian(lambda y, w, t=t: f(y, w, t), x, w)
+        (grad,) = torch.autograd.grad(lap.sum(), w)
+        dense = instance_laplacian(lambda y, w, t=t: f(y, w, t), x, w)
+        (expected,) = torch.autograd.grad(dense.sum(), w)
+        torch.testing.assert_close(lap, dense.detach())
+        torch.testing.assert_close(grad, expected)
+    assert builds["programs"] == 1
+
+
+@pytest.mark.slow
+def test_a_float_that_changes_every_call_compiles_once(builds, compiled):
+    """Under compile=True a new value recompiled (a new program, a new kernel); the compile key
+    is the kernel and the inputs' shapes and dtypes, never the lifted value."""
+    x = torch.randn(5, 3, dtype=torch.float64)
+    backend = pyhvp.TorchBackend(compile=True)
+    f = LIFTED_FLOATS["exp(-t |x|^2)"]
+    for t in TIME_STEPS:
+        lap = pyhvp.laplacian(lambda y, t=t: f(y, t), x, backend=backend)
+        torch.testing.assert_close(lap, instance_laplacian(lambda y, t=t: f(y, t), x))
+    assert len(compiled) == 1
+    assert builds == {"programs": 1, "kernels": 1}

@@ -20,6 +20,10 @@ The mechanism, and why:
   stale silently when a captured tensor is replaced, Python state changes or control flow depends
   on data. The per-call record is the cache key, so a stale kernel is never used; data-dependent
   control flow works (each branch is its own program). It costs one eager forward of ``f``.
+  Tensors the record did not make are *constants*, inputs of the program, and so are Python
+  floats that ``f`` adds, subtracts, multiplies or divides by (a time step, an annealed
+  coefficient): one program serves every value. Other scalars (exponents, clamp bounds, ints)
+  are part of the key, since rules branch on their values.
 * **Shared directions.** Directions may be broadcast over instances (``(K, 1, ..., 1, *event)``):
   coefficients keep size-1 dims wherever a rule can, so ops before the first instance-dependent
   nonlinearity (``W e_i`` of a first linear layer) run once for all instances, not once each.

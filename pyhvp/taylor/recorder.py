@@ -2,6 +2,10 @@
 non-tensor arguments, the shapes of its outputs, and where each tensor argument comes from: ``x``,
 an earlier op, or a *constant* (any other tensor: args, captured parameters, tensors made from
 Python data -- and ``x`` itself when it reaches ``f`` through ``args`` or a closure).
+A Python float that is an operand of ``+ - * /`` or the scalar of ``torch.where`` is *lifted*
+into such a constant (a 0-d tensor, :data:`LIFTED_SCALARS`): the record holds its type, not its
+value, so a time step that changes at every call reuses one program. Every other non-tensor
+argument (ints, a power's exponent, clamp bounds, ``alpha``) is recorded by value.
 
 ``f`` runs with grad mode on, so that its own ``torch.no_grad()`` shows: what it computes without
 grad is a constant, as for autograd (see :class:`Recorder`). Writes to ``x`` or to a constant,
@@ -19,7 +23,6 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -44,11 +47,47 @@ BY_CONDITIONING = {DET: DET_BY_SVD}
 program (a different op, with a rule that holds there) is keyed by it."""
 _current_autograd_node = torch._C._current_autograd_node
 
+SCALAR_TENSOR = aten.scalar_tensor.default
+LIFTED_SCALARS = {
+    aten.mul.Tensor: aten.mul.Tensor,
+    aten.mul.Scalar: aten.mul.Tensor,
+    aten.div.Tensor: aten.div.Tensor,
+    aten.div.Scalar: aten.div.Tensor,
+    aten.add.Tensor: aten.add.Tensor,
+    aten.add.Scalar: aten.add.Tensor,
+    aten.sub.Tensor: aten.sub.Tensor,
+    aten.sub.Scalar: aten.sub.Tensor,
+    aten.rsub.Tensor: aten.rsub.Tensor,
+    aten.rsub.Scalar: aten.rsub.Tensor,
+}
+"""Ops whose Python float operand (``t * x``, ``x / t``, ``x - t``; ``alpha`` is not an operand)
+is *lifted*: recorded as a 0-d constant tensor, an input of the program like any other constant,
+so the record is keyed by the float's type alone and one program (and kernel, and compiled
+kernel) serves every value of a time step or an annealed coefficient. Each is recorded as its
+Tensor overload (the value). Only these: their rules use the operand as an opaque factor or
+summand, while other rules and decompositions branch on a scalar's value (a power's exponent,
+clamp bounds, ``alpha``, norms' ``ord``), which therefore stays in the key."""
+LIFTED_DTYPES = (torch.float32, torch.float64)
+"""Result dtypes a float is lifted for: a 0-d tensor of the result dtype computes exactly what
+the Python float does (float16 and bfloat16 ops compute with a Python float in float32)."""
+
 BACKWARD = {
     torch.autograd.grad: "torch.autograd.grad",
     torch.autograd.backward: "torch.autograd.backward",
     Tensor.backward: "Tensor.backward",
 }
+
+
+def _lifted_dtype(other: object) -> torch.dtype | None:
+    """The dtype of a lifted float operand beside the tensor ``other``: the op's result dtype,
+    as type promotion with a Python float gives it (``other``'s floating dtype, else the default
+    dtype); None where no float is lifted (complex, or a result dtype outside
+    :data:`LIFTED_DTYPES`). A 0-d tensor of this dtype promotes with ``other`` as the float does:
+    to ``other``'s dtype when it is floating, to this dtype when it is integral or boolean."""
+    if not isinstance(other, Tensor) or other.is_complex():
+        return None
+    dtype = other.dtype if other.is_floating_point() else torch.get_default_dtype()
+    return dtype if dtype in LIFTED_DTYPES else None
 
 
 def _storage(t: Tensor) -> int:
@@ -129,6 +168,11 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's _
         if self.watch_backward and _current_autograd_node() is not None:
             self.saw_backward = True  # (in case f swallows the exception)
             raise BackwardInside
+        if func is SCALAR_TENSOR and type(args[0]) is float:  # where(c, y, 0.5): lifted
+            out = func(*args, **kwargs)
+            self._describe(out)
+            return out
+        recorded, recorded_args = self._lift_scalars(func, args)
         mutable = func._schema.is_mutable
         if mutable:
             self._refuse_input_writes(func, args, kwargs)
@@ -141,20 +185,40 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's _
             self._stops_outputs = func is DETACH
             described = (  # as self._describe((args, items)) would, with stops
                 (False, tuple(self._describe(a, (k, no_grad))
-                              for a, k in zip(args, positional, strict=False))),
+                              for a, k in zip(recorded_args, positional, strict=False))),
                 (False, tuple((False, (value_key(n), self._describe(v, (named[n], no_grad))))
                               for n, v in items)),
             )  # fmt: skip
             stops_outputs = self._stops_outputs
         else:
-            described = (self._describe(args), self._describe(items))
+            described = (self._describe(recorded_args), self._describe(items))
             stops_outputs = func is DETACH
         out = func(*args, **kwargs)
         label = ("op", len(self.events))
         if func is DET:  # which rule holds depends on the values
             note = det_needs_svd(out[1])
-        self.events.append((func, *described, self._outputs(out, label, stops_outputs), note))
+        self.events.append((recorded, *described, self._outputs(out, label, stops_outputs), note))
         return out
+
+    @staticmethod
+    def _lift_scalars(
+        func: torch._ops.OpOverload, args: tuple[Any, ...]
+    ) -> tuple[torch._ops.OpOverload, tuple[Any, ...]]:
+        """The op and arguments to record: a float operand of an op in :data:`LIFTED_SCALARS`
+        as a fresh 0-d tensor (a constant of the program, whatever its value), the op as its
+        Tensor overload. ``f`` itself runs on its own arguments."""
+        recorded = LIFTED_SCALARS.get(func)
+        if recorded is None or len(args) < 2:
+            return func, args
+        for i in (0, 1):
+            if type(args[i]) is float:
+                other = args[1 - i]
+                dtype = _lifted_dtype(other)
+                if dtype is None:
+                    return func, args
+                lifted = torch.scalar_tensor(args[i], dtype=dtype, device=other.device)
+                return recorded, (lifted, *args[1:]) if i == 0 else (args[0], lifted, *args[2:])
+        return func, args
 
     def _describe(self, value: object, kind: tuple[str, bool] | None = None) -> Hashable:
         """A tensor's label, a container's items, a scalar's value, or an object's identity.
@@ -271,6 +335,31 @@ class _NoAutogradInside(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+_ATTENTION_PATHS: tuple[tuple[Callable[[], bool], Callable[[bool], None], bool], ...] = tuple(
+    (getattr(torch.backends.cuda, f"{name}_sdp_enabled"),
+     getattr(torch.backends.cuda, f"enable_{name}_sdp"), name == "math")
+    for name in ("flash", "mem_efficient", "cudnn", "math")
+    if hasattr(torch.backends.cuda, f"enable_{name}_sdp")
+)  # fmt: skip
+"""``scaled_dot_product_attention``'s switches (global, the CPU's flash kernel too): whether
+one is on, to turn it on or off, and whether it is on while ``f`` is recorded (math alone)."""
+
+
+class _MathAttention:
+    """``scaled_dot_product_attention`` on its math path, as ``sdpa_kernel([SDPBackend.MATH])``
+    has it on the CPU and CUDA, through the switches alone: 1.6 us against ``sdpa_kernel``'s 10
+    us, paid at every call."""
+
+    def __enter__(self) -> None:
+        self.states = [(enabled(), enable) for enabled, enable, _ in _ATTENTION_PATHS]
+        for _, enable, on in _ATTENTION_PATHS:
+            enable(on)
+
+    def __exit__(self, *exc: object) -> None:
+        for state, enable in self.states:
+            enable(state)
+
+
 class BackwardInside(BaseException):
     """Autograd's engine ran inside ``f``: ``torch.func.grad`` (fine) or ``torch.autograd.grad``
     (refused). Only a ``TorchFunctionMode`` tells them apart, and it costs every torch call, so
@@ -290,7 +379,7 @@ def record(f: Callable[..., Tensor], variable: Tensor, args: Sequence[object],
     try:
         if mha is not None:
             mha.set_fastpath_enabled(False)
-        with torch.enable_grad(), guard, sdpa_kernel([SDPBackend.MATH]), recorder:
+        with torch.enable_grad(), guard, _MathAttention(), recorder:
             out = f(variable, *args)
     finally:
         if mha is not None:

@@ -70,7 +70,8 @@ def _factored_sum(u: Jet, dims: list[int], keepdim: bool) -> Tensor | None:
     k, m = shared.shape[0], math.prod(shape[d] for d in dims)
     vectors = expanded(shared, shape, dims).permute(0, *(d + 1 for d in rest + dims)).reshape(k, m)
     factor = c.factor.expand(shape).permute(*rest, *dims).reshape(-1, m)
-    summed = (factor @ vectors.T).T.reshape(k, *(shape[d] for d in rest))
+    dtype = torch.promote_types(factor.dtype, vectors.dtype)  # as their elementwise product has
+    summed = (factor.to(dtype) @ vectors.T.to(dtype)).T.reshape(k, *(shape[d] for d in rest))
     for d in dims if keepdim else ():
         summed = summed.unsqueeze(d + 1)
     return summed
