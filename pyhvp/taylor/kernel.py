@@ -18,19 +18,46 @@ from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from pyhvp.taylor import rules  # noqa: F401 (registers the dedicated rules)
-from pyhvp.taylor.jets import Context, Jet
+from pyhvp.taylor.jets import Context, DiagonalCoefficient, Jet
 from pyhvp.taylor.registry import apply
 
 Tensor = torch.Tensor
 
 
+def basis_event(x: Tensor, directions: Tensor) -> tuple[int, ...] | None:
+    """The event when ``directions`` are its basis ``e_k`` shared by every instance --
+    ``(N, 1, ..., 1, *event)``, the identity over x's last dims (the fewest whose size is N) --
+    else None. Checked by value (an N x N comparison), since a kernel traced for the basis keeps
+    x's coefficient diagonal (:class:`~pyhvp.taylor.jets.DiagonalCoefficient`) and reads the
+    directions only where a rule multiplies it out."""
+    n = directions.shape[0] if directions.ndim else 0
+    if n == 0 or directions.ndim != x.ndim + 1 or directions.requires_grad:
+        return None
+    size, count = 1, 0
+    while size < n and count < x.ndim:
+        count += 1
+        size *= directions.shape[-count]
+    event = tuple(directions.shape[directions.ndim - count :])
+    shared = all(d == 1 for d in directions.shape[1 : directions.ndim - count])
+    if size != n or count == 0 or not shared:
+        return None
+    if event != tuple(x.shape[x.ndim - count :]) or directions.dtype != x.dtype:
+        return None
+    eye = torch.eye(n, dtype=directions.dtype, device=directions.device)
+    return event if torch.equal(directions.reshape(n, n), eye) else None
+
+
 def run_jets(
-    graph: fx.GraphModule, ctx: Context, x: Tensor, directions: Tensor, constants: Sequence[Tensor]
-) -> tuple[Tensor, Tensor, Tensor]:
+    graph: fx.GraphModule, ctx: Context, x: Tensor, directions: Tensor, constants: Sequence[Tensor],
+    event: tuple[int, ...] | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """``(value, first, second)`` of the program's output: ``value`` its value, ``first`` the
     first-order coefficients ``(K, *out)`` along ``directions``, ``second`` the second-order ones
-    ``(K, *out)`` per direction or ``out`` summed (collapsed)."""
-    inputs = iter([Jet(x, directions, None), *constants])
+    ``(K, *out)`` per direction or ``out`` summed (collapsed). ``event``: the directions are that
+    event's basis (:func:`basis_event`), and x's coefficient is kept diagonal."""
+    coefficient = directions if event is None else DiagonalCoefficient(1.0, directions, event,
+                                                                       x.ndim)  # fmt: skip
+    inputs = iter([Jet(x, coefficient, None), *constants])
     last_use = {}
     for i, node in enumerate(graph.graph.nodes):
         for used in node.all_input_nodes:
@@ -96,16 +123,19 @@ def build_kernel(
     x: Tensor,
     directions: Tensor,
     constants: Sequence[Tensor],
+    event: tuple[int, ...] | None = None,
 ) -> JetKernel:
     """Trace :func:`run_jets` for this program and directions layout into a flat graph.
 
     Collapsed kernels return ``(value, first, second)``; per-direction kernels return ``second``
     alone, so the value and first-order coefficients of the output are never computed.
+    ``event``: the directions are that event's basis (:func:`basis_event`; the kernel then holds
+    for those directions only).
     """
     ctx = Context(collapsed)
 
     def jets(x: Tensor, directions: Tensor, *constants: Tensor) -> object:
-        value, first, second = run_jets(program, ctx, x, directions, constants)
+        value, first, second = run_jets(program, ctx, x, directions, constants, event)
         return (value, first, second) if collapsed else second
 
     with torch.no_grad():

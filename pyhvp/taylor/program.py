@@ -41,7 +41,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from pyhvp._keys import Value
 from pyhvp.taylor.custom_ops import STOP_GRADIENT, WITH_DERIVATIVES_OF
-from pyhvp.taylor.kernel import JetKernel, build_kernel, traceable
+from pyhvp.taylor.kernel import JetKernel, basis_event, build_kernel, traceable
 from pyhvp.taylor.recorder import (
     BY_CONDITIONING,
     KEEP,
@@ -149,10 +149,13 @@ class Program:
     def kernel(
         self, collapsed: bool, x: Tensor, directions: Tensor, constants: Sequence[Tensor]
     ) -> JetKernel:
-        """The jet kernel for this mode and directions layout (traced on first use)."""
-        key = (collapsed, _meta(directions))
+        """The jet kernel for this mode and directions layout (traced on first use); collapsed
+        along the basis of x's event, one that keeps x's coefficient diagonal."""
+        event = basis_event(x, directions) if collapsed else None
+        key = (collapsed, _meta(directions), event)
         if key not in self.kernels:
-            self.kernels[key] = build_kernel(self.graph, collapsed, x, directions, constants)
+            self.kernels[key] = build_kernel(self.graph, collapsed, x, directions, constants,
+                                             event)  # fmt: skip
         return self.kernels[key]
 
 
