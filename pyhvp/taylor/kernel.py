@@ -9,6 +9,7 @@ forward-mode AD is left in it, only the ops the rules emitted.
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Sequence
 from typing import Any
@@ -43,8 +44,14 @@ def basis_event(x: Tensor, directions: Tensor) -> tuple[int, ...] | None:
         return None
     if event != tuple(x.shape[x.ndim - count :]) or directions.dtype != x.dtype:
         return None
-    eye = torch.eye(n, dtype=directions.dtype, device=directions.device)
+    eye = _identity(n, directions.dtype, directions.device)
     return event if torch.equal(directions.reshape(n, n), eye) else None
+
+
+@functools.lru_cache(maxsize=8)
+def _identity(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The N x N identity :func:`basis_event` compares with, made once (read only)."""
+    return torch.eye(n, dtype=dtype, device=device)
 
 
 def run_jets(
