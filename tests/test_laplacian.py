@@ -957,3 +957,26 @@ def test_only_the_basis_gets_diagonal_coefficients(directions):
     hessians = instance_hessians(lambda y: products_of_jets(y, torch.ones(n)), x)
     flat = u.reshape(len(u), n)
     torch.testing.assert_close(second, torch.einsum("kj,bjl,kl->b", flat, hessians, flat))
+
+
+def test_backend_objects_of_a_conforming_class_skip_the_protocol_check():
+    """resolve_backend remembers classes that have the protocol's members themselves (the check
+    costs tens of microseconds a call); objects that are not backends are still refused."""
+    from pyhvp import backends
+
+    members = {n for n, v in vars(backends.Backend).items() if callable(v) and n[0] != "_"}
+    assert set(backends._MEMBERS) == members | set(backends.Backend.__annotations__)
+    backend = GradOnlyBackend()
+    assert backends.resolve_backend(backend) is backend
+    assert GradOnlyBackend in backends._CONFORMING
+
+    class Named:  # the name only on instances: checked every time, not remembered
+        grad_and_hvp = second_directional = GradOnlyBackend.grad_and_hvp
+
+        def __init__(self):
+            self.name = "named"
+
+    assert backends.resolve_backend(Named()).name == "named"
+    assert Named not in backends._CONFORMING
+    with pytest.raises(TypeError, match="backend must be a name"):
+        backends.resolve_backend(object())
