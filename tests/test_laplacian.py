@@ -857,9 +857,11 @@ def diagonal_times_dense(x, s, w):
 
 def constants_broadcast_over_the_event(x, c):
     """``c`` (3, 1, N) broadcasts over the instances: the diagonal grows a leading dim, summed
-    away with the event, then summed first and the event after."""
+    away with the event, then summed first and the event after; or the value grows it and the
+    diagonal does not (a sum along it scales the diagonal)."""
     bumps = torch.exp(-((x - c) ** 2)) * c
-    return bumps.sum((0, -1)) + torch.sinh(bumps.mean(0)).sum(-1)
+    shifted = torch.sin(x) + c
+    return bumps.sum((0, -1)) + torch.sinh(bumps.mean(0)).sum(-1) + shifted.sum((0, -1))
 
 
 def particles(r, c):
