@@ -901,7 +901,7 @@ def test_diagonal_coefficients_give_value_gradient_laplacian_and_its_parameter_g
     value, g, lap = pyhvp.grad_and_laplacian(f, x, *params, event_dims=event_dims,
                                              backend=TorchBackend(compile=False))  # fmt: skip
     kernels = taylor.capture(f, x, params).program.kernels
-    assert [event for _, _, event in kernels] == [x_shape[len(x_shape) - event_dims :]]
+    assert [key[2] for key in kernels] == [x_shape[len(x_shape) - event_dims :]]  # the event
     fixed = [p.detach() for p in params]
     torch.testing.assert_close(value, f(x, *fixed))
     torch.testing.assert_close(g, instance_jacobian(f, x, *fixed, event_dims=event_dims))
@@ -952,13 +952,34 @@ def test_only_the_basis_gets_diagonal_coefficients(directions):
     backend = TorchBackend(compile=False)
     _, first, second = backend.collapsed_jet(products_of_jets, x, u, (torch.ones(n),), None)
     kernels = taylor.capture(products_of_jets, x, (torch.ones(n),)).program.kernels
-    assert all(event is None for _, _, event in kernels)
+    assert all(key[2] is None for key in kernels)  # no event: dense coefficients
     along = [torch.func.jvp(lambda y: products_of_jets(y, torch.ones(n)), (x,), (d.expand_as(x),))
              for d in u]  # fmt: skip
     torch.testing.assert_close(first, torch.stack([t for _, t in along]))
     hessians = instance_hessians(lambda y: products_of_jets(y, torch.ones(n)), x)
     flat = u.reshape(len(u), n)
     torch.testing.assert_close(second, torch.einsum("kj,bjl,kl->b", flat, hessians, flat))
+
+
+def test_laplacian_kernels_compute_neither_the_value_nor_the_first_derivatives_of_f():
+    """laplacian() runs the torch backend's collapsed_second: the output's value and first-order
+    coefficients (the last layer applied to K coefficients) are dead code in its kernel."""
+    net = tanh_mlp(1)(torch.device("cpu"), torch.float64)
+    x = torch.randn(11, 4, dtype=torch.float64)  # a program no other test records
+    backend = TorchBackend(compile=False)
+    lap = pyhvp.laplacian(net, x, backend=backend)
+    _, _, expected = pyhvp.grad_and_laplacian(net, x, backend=backend)
+    torch.testing.assert_close(lap, expected)
+    kernels = taylor.capture(net, x, ()).program.kernels
+    second_only = next(k for key, k in kernels.items() if key[3])
+    full = next(k for key, k in kernels.items() if not key[3])
+    (out,) = [n for n in second_only.graph.graph.nodes if n.op == "output"]
+    assert isinstance(out.args[0], torch.fx.Node) and out.args[0].meta["val"].shape == (11,)
+
+    def products(kernel):
+        return sum("mm" in str(n.target) for n in kernel.graph.graph.nodes)
+
+    assert products(second_only) < products(full)
 
 
 def test_backend_objects_of_a_conforming_class_skip_the_protocol_check():

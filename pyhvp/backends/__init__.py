@@ -37,6 +37,9 @@ that has them):
   basis ``e_i`` that is each instance's gradient and Laplacian; with columns of ``S`` it is
   ``tr(S^T H S)``; with random probes a Hutchinson sum. The torch backend runs it in the same
   Taylor mode, summing the second-order coefficients as it goes (a forward Laplacian).
+  A backend may also have ``collapsed_second`` (same inputs, returns ``second`` alone, as the
+  torch backend does): :func:`pyhvp.laplacian` then calls it instead, and nothing computes the
+  first derivatives of the output that it would drop.
 
 Backends are chosen by name (``backend="torch"``) or passed as a value
 (``backend=TorchBackend(compile=True)``), as in DifferentiationInterface.jl.

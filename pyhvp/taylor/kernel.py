@@ -131,11 +131,14 @@ def build_kernel(
     directions: Tensor,
     constants: Sequence[Tensor],
     event: tuple[int, ...] | None = None,
+    second_only: bool = False,
 ) -> JetKernel:
     """Trace :func:`run_jets` for this program and directions layout into a flat graph.
 
-    Collapsed kernels return ``(value, first, second)``; per-direction kernels return ``second``
-    alone, so the value and first-order coefficients of the output are never computed.
+    Collapsed kernels return ``(value, first, second)``, or ``second`` alone with
+    ``second_only``; per-direction kernels return ``second`` alone. A kernel that returns
+    ``second`` alone never computes the output's value nor its first-order coefficients (dead
+    code: an MLP's last layer applied to K coefficients, say).
     ``event``: the directions are that event's basis (:func:`basis_event`; the kernel then holds
     for those directions only).
     """
@@ -143,7 +146,7 @@ def build_kernel(
 
     def jets(x: Tensor, directions: Tensor, *constants: Tensor) -> object:
         value, first, second = run_jets(program, ctx, x, directions, constants, event)
-        return (value, first, second) if collapsed else second
+        return (value, first, second) if collapsed and not second_only else second
 
     with torch.no_grad():
         graph = make_fx(jets)(*map(traceable, (x, directions, *constants)))

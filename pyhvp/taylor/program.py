@@ -147,15 +147,16 @@ class Program:
     kernels: dict[Hashable, JetKernel] = field(default_factory=dict)
 
     def kernel(
-        self, collapsed: bool, x: Tensor, directions: Tensor, constants: Sequence[Tensor]
-    ) -> JetKernel:
-        """The jet kernel for this mode and directions layout (traced on first use); collapsed
-        along the basis of x's event, one that keeps x's coefficient diagonal."""
+        self, collapsed: bool, x: Tensor, directions: Tensor, constants: Sequence[Tensor],
+        second_only: bool = False,
+    ) -> JetKernel:  # fmt: skip
+        """The jet kernel for this mode, directions layout and outputs (traced on first use);
+        collapsed along the basis of x's event, one that keeps x's coefficient diagonal."""
         event = basis_event(x, directions) if collapsed else None
-        key = (collapsed, _meta(directions), event)
+        key = (collapsed, _meta(directions), event, second_only)
         if key not in self.kernels:
             self.kernels[key] = build_kernel(self.graph, collapsed, x, directions, constants,
-                                             event)  # fmt: skip
+                                             event, second_only)  # fmt: skip
         return self.kernels[key]
 
 
@@ -169,8 +170,10 @@ class Capture:
     program: Program
     constants: tuple[Tensor, ...]
 
-    def kernel(self, collapsed: bool, x: Tensor, directions: Tensor) -> JetKernel:
-        return self.program.kernel(collapsed, x, directions, self.constants)
+    def kernel(
+        self, collapsed: bool, x: Tensor, directions: Tensor, second_only: bool = False
+    ) -> JetKernel:
+        return self.program.kernel(collapsed, x, directions, self.constants, second_only)
 
 
 def capture(f: Callable[..., Tensor], x: Tensor, args: Sequence[object]) -> Capture:
