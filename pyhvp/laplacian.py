@@ -5,9 +5,11 @@ forward pass carries each intermediate's value, its first derivatives along the 
 directions ``e_i`` and ONE second-order coefficient already summed over them, so it costs about
 N + 2 evaluations of ``f`` rather than the ~3N of N forward-over-forward passes, and yields every
 instance's gradient on the way. The directions ``e_i`` are the same for every instance, so work
-that does not depend on the instance (``W e_i`` of a first linear layer) is done once. It runs
-on the backend's optional ``collapsed_jet`` primitive (:mod:`pyhvp.backends`; the torch backend's
-engine is :mod:`pyhvp.taylor`).
+that does not depend on the instance (``W e_i`` of a first linear layer) is done once, and a
+function elementwise in x keeps its first derivatives diagonal (O(N), not O(N^2), per
+instance). It runs on the backend's optional ``collapsed_jet`` primitive (:mod:`pyhvp.backends`;
+the torch backend's engine is :mod:`pyhvp.taylor`); :func:`laplacian` on its ``collapsed_second``
+where the backend has it, which never computes the output's first derivatives.
 """
 
 from __future__ import annotations
@@ -95,8 +97,13 @@ def laplacian(
         coefficients, count = space.basis(), 1
     else:
         coefficients, count = space.probes("rademacher", samples, generator), samples
-    _, _, second = collapsed_jet(est.checked(f, space.batch), x,
-                                 space.directions(coefficients), args, chunk_size)  # fmt: skip
+    checked, directions = est.checked(f, space.batch), space.directions(coefficients)
+    second_only = getattr(resolved, "collapsed_second", None)  # optional: the second alone
+    second: torch.Tensor
+    if second_only is None:
+        _, _, second = collapsed_jet(checked, x, directions, args, chunk_size)
+    else:
+        second = second_only(checked, x, directions, args, chunk_size)
     return second if count == 1 else second / count
 
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from dense import (
     TAYLOR_CASES,
+    instance_hessians,
     instance_jacobian,
     instance_laplacian,
     instance_weighted_trace,
@@ -830,3 +831,175 @@ def test_hutch_plus_plus_needs_only_grad_and_hvp():
     lap = pyhvp.laplacian(f, x, method="hutch++", samples=18, generator=generator,
                           backend=GradOnlyBackend())  # fmt: skip
     torch.testing.assert_close(lap, exact)
+
+
+# --- diagonal first-order coefficients: functions elementwise in x before they mix ---------------
+# Along the basis of x's event, x's first-order coefficient is the identity; elementwise ops keep
+# it diagonal (the diagonal alone is stored), a sum over the event moves the diagonal onto the
+# direction axis, and any other rule multiplies it out. Functions take their parameters as args.
+
+
+def gaussians_of(x, mu):
+    return torch.exp(-((x - mu) ** 2)).sum(-1)
+
+
+def products_of_jets(x, s):
+    return (torch.sin(x) * torch.cos(x * s) / (2 + x * x) - x / 3).mean(-1)
+
+
+def elementwise_then_matmul(x, s, w):
+    return torch.tanh(torch.sin(x * s) @ w).sum(-1)
+
+
+def diagonal_times_dense(x, s, w):
+    return (torch.exp(x * s) * torch.tanh(x @ w)).sum(-1) + (x * x).sum(-1)
+
+
+def constants_broadcast_over_the_event(x, c):
+    """``c`` (3, 1, N) broadcasts over the instances: the diagonal grows a leading dim, summed
+    away with the event, then summed first and the event after; or the value grows it and the
+    diagonal does not (a sum along it scales the diagonal)."""
+    bumps = torch.exp(-((x - c) ** 2)) * c
+    shifted = torch.sin(x) + c
+    return bumps.sum((0, -1)) + torch.sinh(bumps.mean(0)).sum(-1) + shifted.sum((0, -1))
+
+
+def particles(r, c):
+    """event_dims=2: a full-event sum, and a sum over the last event dim only (multiplied out)."""
+    return torch.cos(r * c).sum((-2, -1)) + torch.exp(-(r**2).sum(-1)).sum(-1)
+
+
+def elementwise_vector_out(x, s):
+    return torch.sin(x) * s + x / s  # the output's coefficient is still diagonal
+
+
+def summed_x_cubed(x, s):
+    return (x.sum(-1) * s.sum()) ** 3  # a sum of x itself
+
+
+DIAGONAL_CASES = {
+    "elementwise then sum": (gaussians_of, (6, 5), [(5,)], 1),
+    "products, quotients, mean": (products_of_jets, (6, 5), [(5,)], 1),
+    "elementwise then matmul": (elementwise_then_matmul, (6, 5), [(5,), (5, 3)], 1),
+    "diagonal jet times dense jet": (diagonal_times_dense, (6, 5), [(5,), (5, 5)], 1),
+    "constants broadcast over the event": (constants_broadcast_over_the_event, (6, 5), [(3, 1, 5)], 1),
+    "event_dims=2": (particles, (4, 3, 2), [(3, 2)], 2),
+    "per-instance batch dims": (gaussians_of, (2, 3, 4), [(2, 1, 4)], 1),
+    "vector output": (elementwise_vector_out, (6, 5), [(5,)], 1),
+    "sum of x itself": (summed_x_cubed, (6, 5), [(5,)], 1),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", DIAGONAL_CASES.values(), ids=DIAGONAL_CASES.keys())
+def test_diagonal_coefficients_give_value_gradient_laplacian_and_its_parameter_gradients(
+    case, device
+):
+    f, x_shape, arg_shapes, event_dims = case
+    x = torch.randn(x_shape, dtype=torch.float64, device=device)
+    params = [torch.randn(s, dtype=torch.float64, device=device, requires_grad=True)
+              for s in arg_shapes]  # fmt: skip
+    value, g, lap = pyhvp.grad_and_laplacian(f, x, *params, event_dims=event_dims,
+                                             backend=TorchBackend(compile=False))  # fmt: skip
+    kernels = taylor.capture(f, x, params).program.kernels
+    assert [key[2] for key in kernels] == [x_shape[len(x_shape) - event_dims :]]  # the event
+    fixed = [p.detach() for p in params]
+    torch.testing.assert_close(value, f(x, *fixed))
+    torch.testing.assert_close(g, instance_jacobian(f, x, *fixed, event_dims=event_dims))
+    torch.testing.assert_close(lap, instance_laplacian(f, x, *fixed, event_dims=event_dims))
+    torch.testing.assert_close(pyhvp.laplacian(f, x, *params, event_dims=event_dims), lap)
+    grads = torch.autograd.grad(lap.sum(), params)
+    expected = grad(
+        lambda ps: instance_laplacian(lambda y: f(y, *ps), x, event_dims=event_dims).sum()
+    )(fixed)
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def kernel_tensors(f, x, *args):
+    """The jet kernel's placeholders and every tensor its ops make (their sizes)."""
+    (kernel,) = taylor.capture(f, x, args).program.kernels.values()
+    nodes = list(kernel.graph.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    made = [n.meta["val"] for n in nodes if n.op == "call_function"
+            and isinstance(n.meta.get("val"), torch.Tensor)]  # fmt: skip
+    return placeholders, made
+
+
+def test_elementwise_functions_of_x_never_multiply_out_the_basis():
+    """sum_i exp(-(x_i - mu_i)^2) and sum_i sin(x_i) cos(x_i): no op of the kernel reads the
+    directions or makes an N x B x N tensor (the dense coefficients, or their products)."""
+    b, n = 64, 8
+    x, mu = torch.randn(b, n), torch.randn(n)
+    for f in (lambda x: gaussians_of(x, mu), lambda x: (torch.sin(x) * torch.cos(x)).sum(-1)):
+        pyhvp.laplacian(f, x, backend=TorchBackend(compile=False))
+        (_, directions, *_), made = kernel_tensors(f, x)
+        assert not directions.users
+        assert max(t.numel() for t in made) == b * n
+
+
+@pytest.mark.parametrize(
+    "directions",
+    [
+        lambda n: torch.eye(n)[:, None, :] * 2,  # not the identity
+        lambda n: torch.eye(n).flip(0)[:, None, :],  # a permutation of the basis
+        lambda n: torch.eye(n)[:-1, None, :],  # a chunk of it
+    ],
+    ids=["scaled basis", "permuted basis", "part of the basis"],
+)
+def test_only_the_basis_gets_diagonal_coefficients(directions):
+    x, n = torch.randn(5, 4, dtype=torch.float64), 4
+    u = directions(n).double()
+    backend = TorchBackend(compile=False)
+    _, first, second = backend.collapsed_jet(products_of_jets, x, u, (torch.ones(n),), None)
+    kernels = taylor.capture(products_of_jets, x, (torch.ones(n),)).program.kernels
+    assert all(key[2] is None for key in kernels)  # no event: dense coefficients
+    along = [torch.func.jvp(lambda y: products_of_jets(y, torch.ones(n)), (x,), (d.expand_as(x),))
+             for d in u]  # fmt: skip
+    torch.testing.assert_close(first, torch.stack([t for _, t in along]))
+    hessians = instance_hessians(lambda y: products_of_jets(y, torch.ones(n)), x)
+    flat = u.reshape(len(u), n)
+    torch.testing.assert_close(second, torch.einsum("kj,bjl,kl->b", flat, hessians, flat))
+
+
+def test_laplacian_kernels_compute_neither_the_value_nor_the_first_derivatives_of_f():
+    """laplacian() runs the torch backend's collapsed_second: the output's value and first-order
+    coefficients (the last layer applied to K coefficients) are dead code in its kernel."""
+    net = tanh_mlp(1)(torch.device("cpu"), torch.float64)
+    x = torch.randn(11, 4, dtype=torch.float64)  # a program no other test records
+    backend = TorchBackend(compile=False)
+    lap = pyhvp.laplacian(net, x, backend=backend)
+    _, _, expected = pyhvp.grad_and_laplacian(net, x, backend=backend)
+    torch.testing.assert_close(lap, expected)
+    kernels = taylor.capture(net, x, ()).program.kernels
+    second_only = next(k for key, k in kernels.items() if key[3])
+    full = next(k for key, k in kernels.items() if not key[3])
+    (out,) = [n for n in second_only.graph.graph.nodes if n.op == "output"]
+    assert isinstance(out.args[0], torch.fx.Node) and out.args[0].meta["val"].shape == (11,)
+
+    def products(kernel):
+        return sum("mm" in str(n.target) for n in kernel.graph.graph.nodes)
+
+    assert products(second_only) < products(full)
+
+
+def test_backend_objects_of_a_conforming_class_skip_the_protocol_check():
+    """resolve_backend remembers classes that have the protocol's members themselves (the check
+    costs tens of microseconds a call); objects that are not backends are still refused."""
+    from pyhvp import backends
+
+    members = {n for n, v in vars(backends.Backend).items() if callable(v) and n[0] != "_"}
+    assert set(backends._MEMBERS) == members | set(backends.Backend.__annotations__)
+    backend = GradOnlyBackend()
+    assert backends.resolve_backend(backend) is backend
+    assert GradOnlyBackend in backends._CONFORMING
+
+    class Named:  # the name only on instances: checked every time, not remembered
+        grad_and_hvp = second_directional = GradOnlyBackend.grad_and_hvp
+
+        def __init__(self):
+            self.name = "named"
+
+    assert backends.resolve_backend(Named()).name == "named"
+    assert Named not in backends._CONFORMING
+    with pytest.raises(TypeError, match="backend must be a name"):
+        backends.resolve_backend(object())

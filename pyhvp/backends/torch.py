@@ -317,6 +317,20 @@ class TorchBackend:
         first = torch.cat([p[1] for p in parts])
         return parts[0][0], first, sum(p[2] for p in parts[1:]) + parts[0][2]
 
+    def collapsed_second(
+        self,
+        f: Callable[..., torch.Tensor],
+        x: torch.Tensor,
+        directions: torch.Tensor,
+        args: Sequence[object],
+        chunk_size: int | None,
+    ) -> torch.Tensor:
+        """``collapsed_jet``'s third result alone (``out``): its kernels compute neither the
+        value nor the first derivatives of f's output, which a Laplacian does not need."""
+        parts = cast(list[torch.Tensor], self._jets(f, x, directions, args, chunk_size,
+                                                    collapsed=True, second_only=True))  # fmt: skip
+        return parts[0] if len(parts) == 1 else sum(parts[1:], parts[0])
+
     def _capture(
         self, f: Callable[..., torch.Tensor], x: torch.Tensor, args: Sequence[object]
     ) -> taylor.Capture:
@@ -334,14 +348,16 @@ class TorchBackend:
         args: Sequence[object],
         chunk_size: int | None,
         collapsed: bool,
+        second_only: bool = False,
     ) -> list[object]:
         """The jet kernel's results per chunk of ``chunk_size`` directions, from one capture."""
         captured = self._capture(f, x, args)
         parts = []
-        chunks = torch.split(directions, chunk_size) if chunk_size else (directions,)  # 3 us
-        for part in chunks:
+        size = chunk_size or len(directions)
+        # one chunk: directions themselves (a split costs a few microseconds a call)
+        for part in (directions,) if size >= len(directions) else torch.split(directions, size):
             with torch.inference_mode(False):
-                kernel = captured.kernel(collapsed, x, part)
+                kernel = captured.kernel(collapsed, x, part, second_only)
             inputs = (x, part, *captured.constants)
             parts.append(self._run(_jet_kernel, _jet_kernel, kernel, (), inputs))
         return parts

@@ -27,6 +27,11 @@ The mechanism, and why:
 * **Shared directions.** Directions may be broadcast over instances (``(K, 1, ..., 1, *event)``):
   coefficients keep size-1 dims wherever a rule can, so ops before the first instance-dependent
   nonlinearity (``W e_i`` of a first linear layer) run once for all instances, not once each.
+* **Diagonal coefficients.** Along the basis of x's event (the exact Laplacian's directions,
+  checked by value), x's coefficient is the identity and stays diagonal through elementwise ops
+  (:class:`~.jets.DiagonalCoefficient`: only the diagonal is stored); a sum over the event turns
+  it into the dense coefficient by a reshape, and any other rule multiplies it out. A function
+  elementwise in x before it mixes (``sum_i g(x_i)``) then costs O(N) per instance, not O(N^2).
 * **Every real op works; what does not is refused by name.** Ops without a dedicated rule get
   reduced by PyTorch's decompositions where it has one, else a rule built from ``torch.func``
   on that op alone (elementwise derivatives for pointwise ops; the op's Jacobian and Hessian by

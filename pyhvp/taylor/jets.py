@@ -18,6 +18,7 @@ only through :meth:`Context.product` and :meth:`Context.pair`.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeAlias, overload
@@ -55,16 +56,104 @@ class FactoredCoefficient:
 
 
 @dataclass(frozen=True)
+class DiagonalCoefficient:
+    """First-order coefficients along the basis directions of x's event, kept as their diagonal.
+
+    The directions are ``basis`` = e_k for the N elements k of the event (``(N, 1, ..., 1,
+    *event)``: the identity, as the exact Laplacian pushes them), and the value has the event's
+    ``len(event)`` dims last, elementwise in x so far: its coefficient is ``delta(k, e) *
+    diagonal[..., e]``. ``diagonal`` broadcasts to the value's shape from the right (a float for
+    a constant one: x itself is 1.0); ``ndim`` is the value's. Multiplied out it is N times the
+    value's size; kept, an elementwise rule scales the diagonal, the collapsed square
+    ``sum_k t_k^2`` is ``diagonal^2`` and a sum over the event moves the diagonal onto the
+    direction axis (:func:`diagonal_summed`) -- what folx's sparsity tracking gives functions that
+    act elementwise before they mix.
+    """
+
+    diagonal: Tensor | float
+    basis: Tensor
+    event: tuple[int, ...]
+    ndim: int
+
+    def dense(self) -> Tensor:
+        basis = lifted(self.basis, self.ndim)
+        return basis if _is_one(self.diagonal) else broadcast_times(basis, self.diagonal)
+
+    def times(self, d: Tensor | float, shape: Sequence[int]) -> DiagonalCoefficient | None:
+        """The coefficient times an elementwise factor ``d`` of a value of ``shape``; None when
+        the event dims would not stay the value's last (a broadcast that grows them)."""
+        if not on_event(self.event, shape):
+            return None
+        return DiagonalCoefficient(multiplied(self.diagonal, d), self.basis, self.event, len(shape))
+
+
+def _is_one(t: Tensor | float) -> bool:
+    return not isinstance(t, Tensor) and t == 1
+
+
+def multiplied(a: Tensor | float, b: Tensor | float) -> Tensor | float:
+    """``a * b`` without multiplying by a constant 1."""
+    return b if _is_one(a) else a if _is_one(b) else a * b
+
+
+def on_event(event: Sequence[int], shape: Sequence[int]) -> bool:
+    """Whether a value of ``shape`` has the ``event``'s dims last."""
+    return len(shape) >= len(event) and tuple(shape[len(shape) - len(event) :]) == tuple(event)
+
+
+def diagonal_of(arg: object) -> DiagonalCoefficient | None:
+    """``arg``'s first-order coefficient when it is kept diagonal; None otherwise."""
+    c = arg.coefficient if isinstance(arg, Jet) else None
+    return c if isinstance(c, DiagonalCoefficient) else None
+
+
+def diagonal_squared(ctx: Context, c: DiagonalCoefficient) -> Tensor | float | None:
+    """Collapsed ``sum_k t_k t_k`` of a diagonal coefficient, without the leading axis:
+    ``diagonal^2``; None per direction (the caller multiplies out)."""
+    return multiplied(c.diagonal, c.diagonal) if ctx.collapsed else None
+
+
+def diagonal_summed(
+    c: DiagonalCoefficient, shape: Sequence[int], dims: Sequence[int], keepdim: bool
+) -> Tensor | DiagonalCoefficient | None:
+    """The first-order coefficient of a sum over ``dims`` of a value of ``shape`` with a diagonal
+    one: over dims before the event it stays diagonal (the diagonal summed); over the whole
+    event it is the diagonal with the event flattened onto the direction axis (a reshape, not a
+    product with the basis). None otherwise (part of the event: the caller multiplies out)."""
+    nd, e = len(shape), len(c.event)
+    inner = [d for d in dims if d >= nd - e]
+    if (inner and len(inner) < e) or not isinstance(c.diagonal, Tensor):
+        return None
+    diagonal = c.diagonal.reshape((1,) * (nd - c.diagonal.ndim) + tuple(c.diagonal.shape))
+    outer = [d for d in dims if d < nd - e]
+    wide = [d for d in outer if diagonal.shape[d] != 1]
+    scale = math.prod(shape[d] for d in outer if diagonal.shape[d] == 1)
+    summed = diagonal.sum(wide, keepdim=True) if wide else diagonal
+    summed = summed * scale if scale != 1 else summed
+    if not inner:
+        kept = summed if keepdim or not outer else summed.squeeze(outer)
+        return DiagonalCoefficient(kept, c.basis, c.event, nd if keepdim else nd - len(outer))
+    k = math.prod(c.event)
+    lead = summed.shape[: nd - e]
+    first = summed.expand(*lead, *c.event).reshape(*lead, k).movedim(-1, 0)
+    if not keepdim:
+        return first.squeeze([d + 1 for d in outer]) if outer else first
+    return first.reshape(k, *lead, *(1,) * e)
+
+
+@dataclass(frozen=True)
 class Jet:
     """A value and its Taylor coefficients along K directions.
 
     ``coefficient``: first order, ``(K, *S)`` with ``S`` broadcastable to ``value.shape`` (same
-    number of dims), or kept factored (:class:`FactoredCoefficient`); :attr:`first` multiplies it out.
+    number of dims), or kept factored (:class:`FactoredCoefficient`) or diagonal
+    (:class:`DiagonalCoefficient`); :attr:`first` multiplies it out: a rule that does not know
+    the structure reads :attr:`first`.
     ``second``: ``(K, *S)`` per direction or ``(1, *S)`` collapsed, ``None`` when it is zero.
     """
 
     value: Tensor
-    coefficient: Tensor | FactoredCoefficient
+    coefficient: Tensor | FactoredCoefficient | DiagonalCoefficient
     second: Tensor | None
 
     @functools.cached_property
@@ -142,7 +231,7 @@ def linear(out: Tensor, u: Jet, fn: Callable[[Tensor], Tensor]) -> Jet:
 def rearrange(out: Tensor, u: Jet, fn: Callable[[Tensor], Tensor]) -> Jet:
     """An op that only moves, selects or repeats elements (a view, an index): ``fn`` commutes
     with elementwise products, so a :class:`FactoredCoefficient` coefficient stays factored."""
-    c = u.coefficient
+    c = u.first if isinstance(u.coefficient, DiagonalCoefficient) else u.coefficient
     if isinstance(c, FactoredCoefficient):
         full = c.factor.expand(u.value.shape)[None]  # the leading axis fn expects
         first: Tensor | FactoredCoefficient = FactoredCoefficient(
@@ -153,11 +242,16 @@ def rearrange(out: Tensor, u: Jet, fn: Callable[[Tensor], Tensor]) -> Jet:
     return Jet(out, first, None if u.second is None else fn(u.second))
 
 
-def first_times(u: Jet, d: Tensor, ndim: int) -> Tensor | FactoredCoefficient:
+def first_times(u: Jet, d: Tensor, ndim: int) -> Tensor | FactoredCoefficient | DiagonalCoefficient:
     """``u``'s first-order coefficient times an elementwise factor ``d`` (broadcasting to the
-    ``ndim``-dim result): kept factored where the coefficient is shared along a dim where ``d``
-    varies (multiplying out would make it K times the value's size)."""
+    ``ndim``-dim result): kept diagonal, or factored where the coefficient is shared along a dim
+    where ``d`` varies (multiplying out would make it K times the value's size)."""
     c = u.coefficient
+    if isinstance(c, DiagonalCoefficient):
+        kept = c.times(d, torch.broadcast_shapes(u.value.shape, d.shape))  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+        if kept is not None:
+            return kept
+        c = u.first
     if isinstance(c, FactoredCoefficient):
         return FactoredCoefficient(c.factor * d, lifted(c.shared, ndim))
     t = lifted(c, ndim)
@@ -170,6 +264,11 @@ def first_times(u: Jet, d: Tensor, ndim: int) -> Tensor | FactoredCoefficient:
 def first_squared(ctx: Context, u: Jet, ndim: int) -> Tensor:
     """``ctx.square`` of ``u``'s first-order coefficient, lifted to ``ndim`` dims."""
     c = u.coefficient
+    if isinstance(c, DiagonalCoefficient):
+        square = diagonal_squared(ctx, c)
+        if isinstance(square, Tensor):
+            return lifted(square[None], ndim)
+        c = u.first  # a constant diagonal, or per direction: as the dense coefficient
     if isinstance(c, FactoredCoefficient):
         return broadcast_times(
             lifted(ctx.square(lifted(c.shared, c.factor.ndim)), ndim), c.factor * c.factor
@@ -188,6 +287,14 @@ def broadcast_times(t: Tensor, c: Tensor | float) -> Tensor:
 
 def chain(ctx: Context, out: Tensor, u: Jet, d1: Tensor, d2: Tensor | None) -> Jet:
     """An elementwise ``y = g(u)`` with ``d1 = g'(u)``, ``d2 = g''(u)`` (None: zero)."""
+    c = u.coefficient
+    if isinstance(c, DiagonalCoefficient) and ctx.collapsed and not isinstance(c.diagonal, Tensor):
+        square = c.diagonal * c.diagonal  # sum_k t_k^2 of a constant diagonal: no tensor op
+        second = plus(
+            None if u.second is None else broadcast_times(lifted(u.second, d1.ndim), d1),
+            None if d2 is None else (d2 if square == 1 else d2 * square)[None],
+        )
+        return Jet(out, first_times(u, d1, d1.ndim), second)
     second = plus(
         None if u.second is None else broadcast_times(lifted(u.second, d1.ndim), d1),
         None if d2 is None else broadcast_times(first_squared(ctx, u, d2.ndim), d2),

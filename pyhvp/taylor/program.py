@@ -46,7 +46,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from pyhvp._keys import Value
 from pyhvp.taylor.custom_ops import STOP_GRADIENT, WITH_DERIVATIVES_OF
-from pyhvp.taylor.kernel import JetKernel, build_kernel, traceable
+from pyhvp.taylor.kernel import JetKernel, basis_event, build_kernel, traceable
 from pyhvp.taylor.recorder import (
     BY_CONDITIONING,
     KEEP,
@@ -152,12 +152,16 @@ class Program:
     kernels: dict[Hashable, JetKernel] = field(default_factory=dict)
 
     def kernel(
-        self, collapsed: bool, x: Tensor, directions: Tensor, constants: Sequence[Tensor]
-    ) -> JetKernel:
-        """The jet kernel for this mode and directions layout (traced on first use)."""
-        key = (collapsed, _meta(directions))
+        self, collapsed: bool, x: Tensor, directions: Tensor, constants: Sequence[Tensor],
+        second_only: bool = False,
+    ) -> JetKernel:  # fmt: skip
+        """The jet kernel for this mode, directions layout and outputs (traced on first use);
+        collapsed along the basis of x's event, one that keeps x's coefficient diagonal."""
+        event = basis_event(x, directions) if collapsed else None
+        key = (collapsed, _meta(directions), event, second_only)
         if key not in self.kernels:
-            self.kernels[key] = build_kernel(self.graph, collapsed, x, directions, constants)
+            self.kernels[key] = build_kernel(self.graph, collapsed, x, directions, constants,
+                                             event, second_only)  # fmt: skip
         return self.kernels[key]
 
 
@@ -171,8 +175,10 @@ class Capture:
     program: Program
     constants: tuple[Tensor, ...]
 
-    def kernel(self, collapsed: bool, x: Tensor, directions: Tensor) -> JetKernel:
-        return self.program.kernel(collapsed, x, directions, self.constants)
+    def kernel(
+        self, collapsed: bool, x: Tensor, directions: Tensor, second_only: bool = False
+    ) -> JetKernel:
+        return self.program.kernel(collapsed, x, directions, self.constants, second_only)
 
 
 def capture(f: Callable[..., Tensor], x: Tensor, args: Sequence[object]) -> Capture:

@@ -10,12 +10,16 @@ import torch
 
 from pyhvp.taylor.jets import (
     Context,
+    DiagonalCoefficient,
     FactoredCoefficient,
     Jet,
     broadcast_times,
     chain,
     coefficient_of,
+    diagonal_of,
     lifted,
+    multiplied,
+    on_event,
     plus,
     times_or_none,
     value_of,
@@ -29,13 +33,33 @@ Tensor = torch.Tensor
 def _signed_sum(out: Tensor, a: object, b: object, ca: float, cb: float) -> Jet:
     """``ca * a + cb * b``."""
     nd = out.ndim
-    orders = []
+    orders: list[Tensor | DiagonalCoefficient | None] = []
+    diagonal = _diagonal_sum(out, a, b, ca, cb)
     for order in (1, 2):
+        if order == 1 and diagonal is not None:
+            orders.append(diagonal)
+            continue
         ta, tb = coefficient_of(a, nd, order), coefficient_of(b, nd, order)
         orders.append(
             plus(times_or_none(ta, ca) if ca != 1 else ta, times_or_none(tb, cb) if cb != 1 else tb)
         )
-    return Jet(out, cast(Tensor, orders[0]), orders[1])  # a or b is a jet: not None
+    return Jet(out, cast(Tensor, orders[0]), cast(Tensor | None, orders[1]))  # a or b: a jet
+
+
+def _diagonal_sum(out: Tensor, a: object, b: object, ca: float, cb: float
+                  ) -> DiagonalCoefficient | None:  # fmt: skip
+    """``ca * a + cb * b``'s first-order coefficient kept diagonal, where each jet's is (on
+    the same basis) and the other is a constant; None otherwise."""
+    da, db = diagonal_of(a), diagonal_of(b)
+    if (da is None and isinstance(a, Jet)) or (db is None and isinstance(b, Jet)):
+        return None
+    if da is not None and db is not None:
+        if da.basis is not db.basis:
+            return None
+        total = multiplied(da.diagonal, ca) + multiplied(db.diagonal, cb)
+        return DiagonalCoefficient(total, da.basis, da.event, out.ndim).times(1.0, out.shape)
+    one, scale = (da, ca) if da is not None else (db, cb)
+    return None if one is None else one.times(scale, out.shape)
 
 
 @rule(aten.sub.Tensor, aten.sub.Scalar)
@@ -56,12 +80,21 @@ def _add(ctx: Context, out: Tensor, a: object, b: object, alpha: float = 1) -> J
 @rule(aten.neg.default)
 def _neg(ctx: Context, out: Tensor, u: Jet) -> Jet:
     c = u.coefficient
-    first = FactoredCoefficient(-c.factor, c.shared) if isinstance(c, FactoredCoefficient) else -c
+    first: Tensor | FactoredCoefficient | DiagonalCoefficient
+    if isinstance(c, DiagonalCoefficient):
+        first = DiagonalCoefficient(-c.diagonal, c.basis, c.event, c.ndim)
+    elif isinstance(c, FactoredCoefficient):
+        first = FactoredCoefficient(-c.factor, c.shared)
+    else:
+        first = -c
     return Jet(out, first, None if u.second is None else -u.second)
 
 
 @rule(aten.mul.Tensor, aten.mul.Scalar)
 def _mul(ctx: Context, out: Tensor, a: Jet | Tensor | float, b: Jet | Tensor | float) -> Jet:
+    diagonal = _diagonal_product(ctx, out, a, b)
+    if diagonal is not None:
+        return diagonal
     jet, other = (a, b) if isinstance(a, Jet) else (cast(Jet, b), a)  # one of them is a jet
     if not isinstance(other, Jet) and isinstance(
         jet.coefficient, FactoredCoefficient
@@ -72,6 +105,35 @@ def _mul(ctx: Context, out: Tensor, a: Jet | Tensor | float, b: Jet | Tensor | f
         )
         return Jet(out, FactoredCoefficient(c.factor * other, lifted(c.shared, out.ndim)), second)
     return bilinear(ctx, out, a, b, broadcast_times)
+
+
+def _diagonal_product(ctx: Context, out: Tensor, a: object, b: object) -> Jet | None:
+    """``a * b`` with the first-order coefficient kept diagonal: a diagonal jet times a constant,
+    or two diagonal jets (on the same basis), collapsed: Leibniz with the cross term
+    ``2 sum_k a_k b_k = 2 diag(a) diag(b)``. None otherwise."""
+    da, db = diagonal_of(a), diagonal_of(b)
+    if (da is None and isinstance(a, Jet)) or (db is None and isinstance(b, Jet)):
+        return None
+    nd = out.ndim
+    va, vb = cast(Tensor | float, value_of(a)), cast(Tensor | float, value_of(b))
+    if da is not None and db is not None:
+        if da.basis is not db.basis or not ctx.collapsed:
+            return None
+        total = multiplied(da.diagonal, vb) + multiplied(db.diagonal, va)
+        first = DiagonalCoefficient(total, da.basis, da.event, nd).times(1.0, out.shape)
+    else:
+        one, other = (da, vb) if da is not None else (db, va)
+        first = None if one is None else one.times(other, out.shape)
+    if first is None:
+        return None
+    sa, sb = coefficient_of(a, nd, 2), coefficient_of(b, nd, 2)
+    second = plus(None if sa is None else broadcast_times(sa, vb),
+                  None if sb is None else broadcast_times(sb, va))  # fmt: skip
+    if da is not None and db is not None:  # the cross term
+        cross = 2 * multiplied(da.diagonal, db.diagonal)
+        square = cross[None] if isinstance(cross, Tensor) else out.new_full((1,) * (nd + 1), cross)
+        second = plus(second, lifted(square, nd))
+    return Jet(out, first, second)
 
 
 def swap(op: Callable[[Any, Any], Tensor]) -> Callable[[Any, Any], Tensor]:
@@ -100,6 +162,11 @@ def bilinear(
 @rule(aten.div.Tensor, aten.div.Scalar)
 def _div(ctx: Context, out: Tensor, a: object, b: object) -> Jet:
     if not isinstance(b, Jet):
+        c, divisor = diagonal_of(a), cast(Tensor | float, b)
+        if c is not None and on_event(c.event, out.shape):  # stays diagonal
+            second = cast(Jet, a).second
+            first = DiagonalCoefficient(c.diagonal / divisor, c.basis, c.event, out.ndim)
+            return Jet(out, first, None if second is None else lifted(second, out.ndim) / divisor)
         return bilinear(ctx, out, a, b, operator.truediv)
     return bilinear(ctx, out, a, apply(ctx, aten.reciprocal.default, b), broadcast_times)
 

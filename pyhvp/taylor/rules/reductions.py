@@ -10,6 +10,7 @@ import torch
 
 from pyhvp.taylor.jets import (
     Context,
+    DiagonalCoefficient,
     Dims,
     FactoredCoefficient,
     Jet,
@@ -18,9 +19,11 @@ from pyhvp.taylor.jets import (
     broadcast_dims,
     broadcast_times,
     chain,
+    diagonal_summed,
     expanded,
     lifted,
     linear,
+    multiplied,
     plus,
     times_or_none,
 )
@@ -42,11 +45,20 @@ def _sum(
         summed = t.sum([d + 1 for d in dims], keepdim=keepdim) if dims else t
         return summed if factor == 1 else summed * factor
 
-    return _reduced(out, u, fn, _factored_sum(u, dims, keepdim), dtype)
+    return _reduced(out, u, fn, _structured_sum(u, dims, keepdim), dtype)
 
 
-def _reduced(out: Tensor, u: Jet, fn: Callable[[Tensor], Tensor], first: Tensor | None,
-             dtype: torch.dtype | None) -> Jet:  # fmt: skip
+def _structured_sum(u: Jet, dims: list[int], keepdim: bool
+                    ) -> Tensor | DiagonalCoefficient | None:  # fmt: skip
+    """A sum's first-order coefficient from a diagonal or factored one; None otherwise."""
+    c = u.coefficient
+    if isinstance(c, DiagonalCoefficient):
+        return diagonal_summed(c, u.value.shape, dims, keepdim) if dims else None
+    return _factored_sum(u, dims, keepdim)
+
+
+def _reduced(out: Tensor, u: Jet, fn: Callable[[Tensor], Tensor],
+             first: Tensor | DiagonalCoefficient | None, dtype: torch.dtype | None) -> Jet:  # fmt: skip
     """A reduction's jet: ``first`` when a factored coefficient gave it, else ``fn`` of it."""
     jet = Jet(out, fn(u.first) if first is None else first,
               None if u.second is None else fn(u.second))  # fmt: skip
@@ -87,9 +99,15 @@ def _mean(
     def fn(t: Tensor) -> Tensor:  # the mean of a broadcast (constant) dim is that constant
         return t.mean([d + 1 for d in dims], keepdim=keepdim) if dims else t
 
-    summed = _factored_sum(u, dims, keepdim)
+    summed = _structured_sum(u, dims, keepdim)
     count = math.prod(u.value.shape[d] for d in dims)
-    return _reduced(out, u, fn, None if summed is None else summed / count, dtype)
+    if isinstance(summed, DiagonalCoefficient):
+        mean: Tensor | DiagonalCoefficient | None = DiagonalCoefficient(
+            multiplied(summed.diagonal, 1 / count), summed.basis, summed.event, summed.ndim
+        )
+    else:
+        mean = None if summed is None else summed / count
+    return _reduced(out, u, fn, mean, dtype)
 
 
 @rule(aten.cumsum.default)
