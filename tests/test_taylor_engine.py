@@ -413,3 +413,59 @@ def test_a_float_that_changes_every_call_compiles_once(builds, compiled):
         torch.testing.assert_close(lap, instance_laplacian(lambda y, t=t: f(y, t), x))
     assert len(compiled) == 1
     assert builds == {"programs": 1, "kernels": 1}
+
+
+# --- random ops: the kernel uses the draw f made, never a draw of its own ----------------------
+
+
+def _seeded_weights(x):
+    """A weight drawn from a generator seeded inside f: the same draw at every call of f."""
+    g = torch.Generator(device=x.device).manual_seed(3)
+    return torch.randn(x.shape[-1], generator=g, dtype=x.dtype, device=x.device)
+
+
+def _in_place_draw(x):
+    return torch.empty(x.shape[-1], dtype=x.dtype, device=x.device).uniform_(-1, 1)
+
+
+RANDOM_DRAWS = {  # f(x) = sum((w x)^2) with a random w, or dropout(sin x)
+    "randn with a generator seeded in f": _seeded_weights,
+    "randn from the global generator": lambda x: torch.randn_like(x[0]),
+    "uniform_ into a fresh tensor": _in_place_draw,
+    "rand_like of x": lambda x: torch.rand_like(x),
+    "dropout": None,
+}
+
+
+@pytest.mark.parametrize("draw", RANDOM_DRAWS.values(), ids=RANDOM_DRAWS.keys())
+def test_a_random_draw_in_f_is_the_one_f_made(draw, builds, device):
+    """A random op in f is drawn once, by f: the value, gradient and Laplacian are those of f with
+    that draw (the kernel used to draw again: another sample, or a seeded generator advanced
+    twice -- 5.30 instead of 2.12), and the global generator advances as in one call of f. A new
+    draw at every call reuses one program."""
+    x = torch.randn(4, 5, dtype=torch.float64, device=device)
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        if draw is None:
+            value, grad, lap = pyhvp.grad_and_laplacian(
+                lambda y: F.dropout(torch.sin(y), 0.5, training=True).sum(-1), x
+            )
+            torch.manual_seed(seed)
+            kept = F.dropout(torch.ones_like(x), 0.5, training=True)
+            expected = (torch.sin(x) * kept).sum(-1), torch.cos(x) * kept, -value
+        else:
+            value, grad, lap = pyhvp.grad_and_laplacian(lambda y: ((draw(y) * y) ** 2).sum(-1), x)
+            torch.manual_seed(seed)
+            w = draw(x)
+            expected = ((w * x) ** 2).sum(-1), 2 * w**2 * x, 2 * (w**2).sum(-1).expand(4)
+        after = torch.randn(())  # the global generator moved on as in one call of f
+        torch.manual_seed(seed)
+        draw(x) if draw is not None else F.dropout(x, 0.5, training=True)
+        torch.testing.assert_close((value, grad, lap, after), (*expected, torch.randn(())))
+    assert builds["programs"] == 1
+
+
+def test_a_random_op_that_varies_with_f_s_tensors_is_refused_naming_it(device):
+    x = torch.randn(3, 2, dtype=torch.float64, device=device)
+    with pytest.raises(pyhvp.UnsupportedOpError, match=r"aten.normal.Tensor_float.*randn_like"):
+        pyhvp.laplacian(lambda y: torch.normal(torch.sin(y), 1.0).sum(-1), x)

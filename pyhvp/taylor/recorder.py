@@ -5,7 +5,9 @@ Python data -- and ``x`` itself when it reaches ``f`` through ``args`` or a clos
 A Python float that is an operand of ``+ - * /`` or the scalar of ``torch.where`` is *lifted*
 into such a constant (a 0-d tensor, :data:`LIFTED_SCALARS`): the record holds its type, not its
 value, so a time step that changes at every call reuses one program. Every other non-tensor
-argument (ints, a power's exponent, clamp bounds, ``alpha``) is recorded by value.
+argument (ints, a power's exponent, clamp bounds, ``alpha``) is recorded by value. A random
+op's draw is ``f``'s and a constant too (dropout: the product with the mask ``f`` drew), so the
+kernel never draws again (:data:`DRAWN_WITHOUT_DERIVATIVES`).
 
 ``f`` runs with grad mode on, so that its own ``torch.no_grad()`` shows: what it computes without
 grad is a constant, as for autograd (see :class:`Recorder`). Writes to ``x`` or to a constant,
@@ -29,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from pyhvp._keys import Identity, value_key
 from pyhvp.taylor.custom_ops import DET_BY_SVD, det_needs_svd
+from pyhvp.taylor.fallbacks import UnsupportedOpError
 from pyhvp.taylor.jets import ENGINE, dense_only
 
 aten = torch.ops.aten
@@ -70,6 +73,22 @@ clamp bounds, ``alpha``, norms' ``ord``), which therefore stays in the key."""
 LIFTED_DTYPES = (torch.float32, torch.float64)
 """Result dtypes a float is lifted for: a 0-d tensor of the result dtype computes exactly what
 the Python float does (float16 and bfloat16 ops compute with a Python float in float32)."""
+
+DRAWN_WITHOUT_DERIVATIVES = frozenset({
+    "bernoulli", "bernoulli_", "cauchy", "cauchy_", "exponential", "exponential_", "geometric",
+    "geometric_", "log_normal", "log_normal_", "multinomial", "normal_", "poisson", "rand",
+    "rand_like", "randint", "randint_like", "randn", "randn_like", "randperm", "uniform",
+    "uniform_",
+})  # fmt: skip
+"""Random ops (by name) whose draws do not vary smoothly with their tensor inputs (which give
+only shapes, dtypes or probabilities): their outputs are recorded as constants, the values ``f``
+drew, so the kernel uses those very draws -- it must not draw again (another sample, a
+generator advanced twice). ``normal(mean=..., std=...)`` with tensor arguments is the
+exception: :meth:`Recorder._drawn`."""
+DROPOUTS = {aten.native_dropout.default, aten._fused_dropout.default}
+"""Random ops that scale their input by a drawn mask: recorded as the product with the mask
+``f`` drew (a constant), so derivatives flow through the input and the draw is ``f``'s."""
+
 
 BACKWARD = {
     torch.autograd.grad: "torch.autograd.grad",
@@ -168,6 +187,8 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's _
         if self.watch_backward and _current_autograd_node() is not None:
             self.saw_backward = True  # (in case f swallows the exception)
             raise BackwardInside
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            return self._drawn(func, types, args, kwargs)
         if func is SCALAR_TENSOR and type(args[0]) is float:  # where(c, y, 0.5): lifted
             out = func(*args, **kwargs)
             self._describe(out)
@@ -198,6 +219,40 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's _
         if func is DET:  # which rule holds depends on the values
             note = det_needs_svd(out[1])
         self.events.append((recorded, *described, self._outputs(out, label, stops_outputs), note))
+        return out
+
+    def _drawn(self, func: torch._ops.OpOverload, types: Sequence[type], args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> Any:  # fmt: skip
+        """A random op: its draw is ``f``'s and stays a constant of the program (see
+        :data:`DRAWN_WITHOUT_DERIVATIVES`, :data:`DROPOUTS`). A random op whose value varies
+        with a tensor input that is not a constant (``normal(mean, std)`` of ``x``, ``rrelu``)
+        is refused: its kernel would draw another sample."""
+        if func._schema.is_mutable:
+            self._refuse_input_writes(func, args, kwargs)
+        out = func(*args, **kwargs)
+        if func in DROPOUTS:
+            source, p = args[0], float(args[1])
+            train = (args[2] if len(args) > 2 else kwargs.get("train")) is not False
+            mask = out[1]
+            scale = (0.0 if p >= 1 else 1 / (1 - p)) if train else 1.0
+            kept = (mask * scale).to(source.dtype)
+            self._describe(kept)  # a constant: the mask f drew, scaled
+            return (self.__torch_dispatch__(aten.mul.Tensor, types, (source, kept)), mask)
+        varying = [
+            t
+            for t in pytree.tree_leaves((args, kwargs))
+            if isinstance(t, Tensor) and t.is_floating_point() and not self._is_constant(t)
+        ]
+        if varying and func._opname not in DRAWN_WITHOUT_DERIVATIVES:
+            raise UnsupportedOpError(
+                f"{func} draws a random value that varies with a tensor computed in f; "
+                f"{ENGINE} would draw it again, not use f's draw. Draw the noise alone and "
+                "combine it, e.g. mean + std * torch.randn_like(mean)"
+            )
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, Tensor):  # a new constant (an in-place draw relabels its tensor)
+                self.labels.pop(id(t), None)
+                self._describe(t)
         return out
 
     @staticmethod
@@ -261,6 +316,11 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's _
                 tuple(self._outputs(o, (*label, i), stopped) for i, o in enumerate(out)),
             )
         return value_key(out) or ("object",)
+
+    def _is_constant(self, t: Tensor) -> bool:
+        """``t`` is (or becomes, if not seen yet) a constant of the program."""
+        label = self._label(t)
+        return label is None or (isinstance(label, tuple) and label[0] == "constant")
 
     def _label(self, t: Tensor) -> Hashable | None:
         """``t``'s label; None for a tensor not seen yet (possibly reusing a dead one's id)."""
