@@ -101,7 +101,8 @@ def _cell_key(cell: types.CellType, seen: frozenset[int]) -> Hashable:
 
 
 Signature = tuple[str, Hashable, tuple[Hashable, ...], tuple[Hashable, ...]]
-"""A call's cache key: kernel name, :func:`function_key` of ``f``, options, inputs' metadata."""
+"""A call's cache key: kernel name, :func:`function_key` of ``f``, options, inputs' metadata
+(shape, dtype, device, and whether autograd differentiates the kernel in it)."""
 
 
 def signature(
@@ -109,9 +110,12 @@ def signature(
 ) -> Signature:
     """The cache key of one call: kernel, function key, options, and each input's metadata."""
 
+    grad_mode = torch.is_grad_enabled()
+
     def describe(value: object) -> Hashable:
         if isinstance(value, torch.Tensor):
-            return ("tensor", tuple(value.shape), value.dtype, value.device)
+            needs_grad = grad_mode and value.requires_grad  # a compiled backward, or none
+            return ("tensor", tuple(value.shape), value.dtype, value.device, needs_grad)
         return function_key(value)
 
     return (kernel, function_key(f), static, tuple(describe(t) for t in inputs))

@@ -206,6 +206,120 @@ def _needs_autograd(values: Sequence[object]) -> bool:
     )
 
 
+def _plain_autograd() -> bool:
+    """No functorch transform (``torch.func.grad``, ``vmap``, ...) and no forward-mode AD level
+    is active: what a compiled kernel's autograd supports."""
+    return (
+        torch._C._functorch.peek_interpreter_stack() is None
+        and torch.autograd.forward_ad._current_level < 0
+    )
+
+
+def _normal(inputs: tuple[object, ...]) -> tuple[object, ...]:
+    """Inference tensors cloned into normal ones (call outside inference mode)."""
+    return tuple(
+        t.clone() if isinstance(t, torch.Tensor) and t.is_inference() else t for t in inputs
+    )
+
+
+class _CompiledDetour(torch.autograd.Function):
+    """A compiled kernel run as one autograd node, whose backward chooses how to differentiate it.
+
+    The forward runs the compiled kernel (AOTAutograd: a compiled forward and backward) on
+    detached aliases of the inputs, keeping that inner graph. A first-order backward that frees
+    the graph (``loss.backward()``, ``torch.autograd.grad`` without ``retain_graph`` or
+    ``create_graph``) runs the compiled backward on it. AOTAutograd's compiled backward does not
+    serve the others (torch 2.13): it refuses ``retain_graph=True`` when it donates buffers, and
+    its results are not differentiable -- a gradient of them is silently missing (``None``, or
+    zero with ``materialize_grads``). So a backward that keeps the graph or must itself be
+    differentiable (grad mode on while it runs) reruns the kernel eagerly from the saved inputs
+    and differentiates that: exact, gradients of gradients included, for one more eager forward.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        eager: Callable[..., object],
+        compiled: Callable[..., object],
+        failed: Callable[[Exception], None],
+        *inputs: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.eager, ctx.failed = eager, failed
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(*inputs)
+        aliases = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
+        with torch.enable_grad():
+            out = compiled(*aliases)
+        ctx.single = not isinstance(out, tuple)
+        results = (cast(torch.Tensor, out),) if ctx.single else cast(tuple[torch.Tensor, ...], out)
+        ctx.inner = (aliases, results)
+        return tuple(r.detach() for r in results)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        inputs = ctx.saved_tensors
+        wanted = [i for i, need in enumerate(ctx.needs_input_grad[3:]) if need]
+        differentiable = torch.is_grad_enabled()  # create_graph=True
+        if not differentiable and not torch._C._autograd._get_current_graph_task_keep_graph():
+            aliases, results = ctx.inner  # the compiled backward, once: it frees the graph
+            ctx.inner = None
+            try:
+                return (None, None, None, *_CompiledDetour._grads(
+                    results, grads, [aliases[i] for i in wanted], wanted, len(inputs), False
+                ))  # fmt: skip
+            except torch.cuda.OutOfMemoryError:
+                raise
+            except Exception as error:  # the backward compiles at its first call: may fail
+                ctx.failed(error)
+        with torch.enable_grad():
+            rerun = ctx.eager(*inputs)
+        results = (rerun,) if ctx.single else rerun
+        return (None, None, None, *_CompiledDetour._grads(
+            results, grads, [inputs[i] for i in wanted], wanted, len(inputs), differentiable
+        ))  # fmt: skip
+
+    @staticmethod
+    def _grads(
+        results: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor | None],
+        sources: list[torch.Tensor],
+        wanted: list[int],
+        n_inputs: int,
+        differentiable: bool,
+    ) -> list[torch.Tensor | None]:
+        """Vector-Jacobian products of ``results`` with ``grads``, per input (``None`` where not
+        wanted or unused)."""
+        pairs = [
+            (r, g) for r, g in zip(results, grads, strict=True) if g is not None and r.requires_grad
+        ]
+        got: Sequence[torch.Tensor | None] = [None] * len(wanted)
+        if pairs and sources:
+            got = torch.autograd.grad(
+                [r for r, _ in pairs],
+                sources,
+                [g for _, g in pairs],
+                create_graph=differentiable,
+                allow_unused=True,
+            )
+        input_grads: list[torch.Tensor | None] = [None] * n_inputs
+        for i, g in zip(wanted, got, strict=True):
+            input_grads[i] = g
+        return input_grads
+
+    @staticmethod
+    def run(
+        eager: Callable[..., object],
+        inputs: tuple[torch.Tensor, ...],
+        compiled: Callable[..., object],
+        failed: Callable[[Exception], None],
+    ) -> object:
+        """``compiled(*inputs)``'s results (a tensor or a tuple), differentiable in ``inputs``;
+        ``failed(error)`` if the compiled backward fails (an eager rerun is differentiated)."""
+        # Function.apply carries no annotations (torch 2.13)
+        out = _CompiledDetour.apply(eager, compiled, failed, *inputs)  # type: ignore[no-untyped-call]
+        return out if len(out) > 1 else out[0]
+
+
 def _detached(out: object) -> object:
     if isinstance(out, tuple):
         return tuple(_detached(item) for item in out)
@@ -342,7 +456,7 @@ class TorchBackend:
             with torch.inference_mode(False):
                 kernel = captured.kernel(collapsed, x, part)
             inputs = (x, part, *captured.constants)
-            parts.append(self._run(_jet_kernel, _jet_kernel, kernel, (), inputs))
+            parts.append(self._run(_jet_kernel, _jet_kernel, kernel, (), inputs, True))
         return parts
 
     def _run(
@@ -352,17 +466,27 @@ class TorchBackend:
         f: Callable[..., object],
         static: tuple[Hashable, ...],
         inputs: tuple[object, ...],
+        differentiable_compiled: bool = False,
     ) -> Result:
         """Results carry autograd history exactly when grad mode is on and an input requires
-        grad (eager then, graph kept); otherwise they are detached on every path, whatever f
-        captures. Inference tensors are cloned into normal ones outside inference mode."""
+        grad; otherwise they are detached on every path, whatever f captures. With autograd
+        history a kernel runs eagerly, unless ``differentiable_compiled`` (the jet kernels: plain
+        aten graphs, which AOTAutograd compiles forward and backward) and no functorch transform
+        or forward-mode AD is active: then it follows the compile policy too, under a key of its
+        own, its results wrapped by :class:`_FirstOrderCompiled`. Inference tensors are cloned
+        into normal ones outside inference mode."""
         eager = partial(eager_kernel, f, *static)
         if _needs_autograd(inputs):
-            return eager(*inputs)
-        with torch.inference_mode(False):
-            inputs = tuple(
-                t.clone() if isinstance(t, torch.Tensor) and t.is_inference() else t for t in inputs
-            )
+            tensors_only = all(isinstance(t, torch.Tensor) for t in inputs)
+            if not (differentiable_compiled and tensors_only and _plain_autograd()):
+                return eager(*inputs)
+            inputs = _normal(inputs)
+            detour = partial(_CompiledDetour.run, eager, cast(tuple[torch.Tensor, ...], inputs))
+            return cast(Result, self._dispatch(eager, traced_kernel, f, static, inputs, detour))
+        # no_grad: leaving inference mode turns grad mode on, and a kernel compiled with grad
+        # mode on would be a forward-and-backward graph whose backward never runs
+        with torch.inference_mode(False), torch.no_grad():
+            inputs = _normal(inputs)
             out = self._dispatch(eager, traced_kernel, f, static, inputs)
         # both kernels return what eager_kernel returns; the compile cache holds them untyped
         return cast(Result, _detached(out))
@@ -374,7 +498,11 @@ class TorchBackend:
         f: Callable[..., object],
         static: tuple[Hashable, ...],
         inputs: tuple[object, ...],
+        detour: Callable[[Callable[..., object], Callable[[Exception], None]], object]
+        | None = None,
     ) -> object:
+        """``eager(*inputs)`` or the compiled kernel's results under the compile policy;
+        ``detour`` (calls that autograd differentiates) runs the compiled kernel instead."""
         if self.compile is False:
             return eager(*inputs)
         try:
@@ -398,21 +526,8 @@ class TorchBackend:
         if compiled is None:
             compiled = _compile_bound(traced_kernel, f, static)
             entry.compiled, entry.compiled_for = compiled, f
-        try:
-            if first_call:
-                start = compile_policy.clock()
-                out = compiled(*inputs)
-                _CACHE.record_compile(entry, compile_policy.clock() - start)
-            elif auto and entry.on_trial():
-                out = entry.compiled_runs.timed(lambda: compiled(*inputs), device)
-                _CACHE.judge(entry)
-            else:
-                out = compiled(*inputs)
-            return out
-        except torch.cuda.OutOfMemoryError:  # torch.OutOfMemoryError only exists from 2.5
-            raise
-        except Exception as error:  # compile is an optimisation: fall back, say so once
-            result = eager(*inputs)  # an error of f's own is raised here, as eagerly
+
+        def failed(error: Exception) -> None:  # compile is an optimisation: say so once
             entry.failed = True
             warnings.warn(
                 f"pyhvp: torch.compile failed for {getattr(f, '__name__', f)!s} "
@@ -420,4 +535,24 @@ class TorchBackend:
                 RuntimeWarning,
                 stacklevel=_stacklevel_outside_pyhvp(),
             )
+
+        def run() -> object:
+            return compiled(*inputs) if detour is None else detour(compiled, failed)
+
+        try:
+            if first_call:
+                start = compile_policy.clock()
+                out = run()
+                _CACHE.record_compile(entry, compile_policy.clock() - start)
+            elif auto and entry.on_trial():
+                out = entry.compiled_runs.timed(run, device)
+                _CACHE.judge(entry)
+            else:
+                out = run()
+        except torch.cuda.OutOfMemoryError:  # torch.OutOfMemoryError only exists from 2.5
+            raise
+        except Exception as error:  # fall back
+            result = eager(*inputs)  # an error of f's own is raised here, as eagerly
+            failed(error)
             return result
+        return out
