@@ -154,6 +154,12 @@ class Account:
         self.pending.append((start, end))
         return out
 
+    def add_to_last(self, seconds: float) -> None:
+        """More time for the last call (a training step's backward, timed once it ran)."""
+        self.seconds += seconds
+        if self.recent:
+            self.recent[-1] += seconds
+
     def median(self) -> float:
         return statistics.median(self.recent) if self.recent else 0.0
 
@@ -172,6 +178,7 @@ class Entry:
     compiled_for: Callable[..., object] | None = None  # the function the kernel runs
     failed: bool = False
     declined: bool = False
+    judged: bool = False
 
     def on_trial(self) -> bool:
         return len(self.compiled_runs.recent) < TRIAL_CALLS
@@ -208,14 +215,26 @@ class CompileCache:
             return False
         return spent >= self.expected_compile_seconds()
 
-    def record_compile(self, entry: Entry, first_call_seconds: float) -> None:
+    def record_compile(self, entry: Entry, first_call_seconds: float) -> Callable[[float], None]:
+        """Note a compile's cost; returns what adds the time of that call's backward (which
+        compiles the backward of a training step) once it ran."""
         self.measured_compile_seconds.append(max(first_call_seconds - entry.eager.median(), 0.0))
+        index = len(self.measured_compile_seconds) - 1
+
+        def add(seconds: float) -> None:
+            if index < len(self.measured_compile_seconds):
+                self.measured_compile_seconds[index] += seconds
+
+        return add
 
     @staticmethod
     def judge(entry: Entry) -> None:
-        """After the trial calls: decline the compiled kernel if it is slower than eager."""
-        if not entry.on_trial() and entry.eager.recent:
-            entry.declined = entry.compiled_runs.median() > entry.eager.median()
+        """After the trial calls (at the next call, when a trial call's backward has run too):
+        decline the compiled kernel if it is slower than eager."""
+        if not entry.on_trial():
+            entry.judged = True
+            if entry.eager.recent:
+                entry.declined = entry.compiled_runs.median() > entry.eager.median()
 
 
 @functools.cache

@@ -23,10 +23,14 @@ Compilation (``TorchBackend(compile=...)``; the rule itself is :mod:`.compile_po
   always-eager and always-compiled). A function rebuilt per call from the same code and captured
   objects shares its signature.
 * ``True``: compile from the first call. ``False``: always eager.
-* Inputs that carry autograd history (``requires_grad`` with grad mode on) always run eagerly, so
-  the results stay differentiable; otherwise results are detached on every path. Tensors that
-  ``f`` captures (module parameters) are constants: pass them as args to differentiate through
-  them. Inference tensors and calls inside ``torch.inference_mode()`` are accepted.
+* Results are differentiable when an input requires grad with grad mode on, detached otherwise
+  (no-grad calls run under ``no_grad``: a compiled kernel is then an inference graph). Under
+  autograd, jet kernels compile too (:class:`_Detour`: AOTAutograd's compiled forward
+  and backward, an eager rerun for backwards that keep or create a graph), under a signature
+  that says which inputs need grad; HVP kernels, and calls inside ``torch.func`` transforms or
+  forward-mode AD, run eagerly. HVP kernels treat tensors that ``f`` captures (module
+  parameters) as constants: pass them as args to differentiate through them (jet kernels take
+  them as inputs). Inference tensors and calls inside ``torch.inference_mode()`` are accepted.
 * Jet kernels compile on the CPU too: they hold no nested forward-mode AD, which inductor's CPU
   code segfaults on in torch 2.13 (pytorch#190856, #197067; ``jvp`` of ``jvp`` is therefore no
   longer used). Their compile key is the kernel, shared by every call that records the same
@@ -222,34 +226,47 @@ def _normal(inputs: tuple[object, ...]) -> tuple[object, ...]:
     )
 
 
-class _CompiledDetour(torch.autograd.Function):
-    """A compiled kernel run as one autograd node, whose backward chooses how to differentiate it.
+@dataclass(frozen=True)
+class Hooks:
+    """How a :class:`_Detour` node reports: ``failed(error)`` when its kernel's backward fails
+    (None: raise), ``spent(seconds)`` with the time of its kernel's backward (None: untimed),
+    ``reusable``: whether the kernel's own graph may serve a backward that keeps it."""
 
-    The forward runs the compiled kernel (AOTAutograd: a compiled forward and backward) on
-    detached aliases of the inputs, keeping that inner graph. A first-order backward that frees
-    the graph (``loss.backward()``, ``torch.autograd.grad`` without ``retain_graph`` or
-    ``create_graph``) runs the compiled backward on it. AOTAutograd's compiled backward does not
-    serve the others (torch 2.13): it refuses ``retain_graph=True`` when it donates buffers, and
-    its results are not differentiable -- a gradient of them is silently missing (``None``, or
-    zero with ``materialize_grads``). So a backward that keeps the graph or must itself be
-    differentiable (grad mode on while it runs) reruns the kernel eagerly from the saved inputs
-    and differentiates that: exact, gradients of gradients included, for one more eager forward.
+    failed: Callable[[Exception], None] | None = None
+    spent: Callable[[float], None] | None = None
+    reusable: bool = False
+
+
+class _Detour(torch.autograd.Function):
+    """A kernel run as one autograd node, whose backward chooses how to differentiate it.
+
+    The forward runs the kernel on detached aliases of the inputs, keeping that inner graph. A
+    first-order backward that frees the graph (``loss.backward()``, ``torch.autograd.grad``
+    without ``retain_graph`` or ``create_graph``) runs the inner graph's backward: for a compiled
+    kernel AOTAutograd's compiled backward. That backward does not serve the others (torch 2.13):
+    it refuses ``retain_graph=True`` when it donates buffers, and its results are not
+    differentiable -- a gradient of them is silently missing (``None``, or zero with
+    ``materialize_grads``). So a backward that must itself be differentiable (grad mode on while
+    it runs), or keeps the graph of a compiled kernel, reruns the kernel eagerly from the saved
+    inputs and differentiates that: exact, gradients of gradients included, for one more eager
+    forward. The node also times the kernel's backward (``Hooks.spent``), so that the compile
+    policy weighs a training step's backward, not only its forward.
     """
 
     @staticmethod
     def forward(
         ctx: Any,
         eager: Callable[..., object],
-        compiled: Callable[..., object],
-        failed: Callable[[Exception], None],
+        kernel: Callable[..., object],
+        hooks: Hooks,
         *inputs: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
-        ctx.eager, ctx.failed = eager, failed
+        ctx.eager, ctx.hooks = eager, hooks
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(*inputs)
         aliases = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
         with torch.enable_grad():
-            out = compiled(*aliases)
+            out = kernel(*aliases)
         ctx.single = not isinstance(out, tuple)
         results = (cast(torch.Tensor, out),) if ctx.single else cast(tuple[torch.Tensor, ...], out)
         ctx.inner = (aliases, results)
@@ -257,25 +274,33 @@ class _CompiledDetour(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        inputs = ctx.saved_tensors
+        inputs, hooks = ctx.saved_tensors, ctx.hooks
         wanted = [i for i, need in enumerate(ctx.needs_input_grad[3:]) if need]
         differentiable = torch.is_grad_enabled()  # create_graph=True
-        if not differentiable and not torch._C._autograd._get_current_graph_task_keep_graph():
-            aliases, results = ctx.inner  # the compiled backward, once: it frees the graph
-            ctx.inner = None
+        keep = torch._C._autograd._get_current_graph_task_keep_graph()
+        if not differentiable and ctx.inner is not None and (hooks.reusable or not keep):
+            aliases, results = ctx.inner
+            if not keep:  # the inner backward frees its graph
+                ctx.inner = None
             try:
-                return (None, None, None, *_CompiledDetour._grads(
-                    results, grads, [aliases[i] for i in wanted], wanted, len(inputs), False
-                ))  # fmt: skip
+                start = compile_policy.clock()
+                got = _Detour._grads(results, grads, [aliases[i] for i in wanted], wanted,
+                                     len(inputs), retain=keep)  # fmt: skip
+                if hooks.spent is not None:
+                    hooks.spent(compile_policy.clock() - start)
+                return (None, None, None, *got)
             except torch.cuda.OutOfMemoryError:
                 raise
-            except Exception as error:  # the backward compiles at its first call: may fail
-                ctx.failed(error)
+            except Exception as error:  # a compiled backward compiles at its first call
+                if hooks.failed is None:
+                    raise
+                hooks.failed(error)
         with torch.enable_grad():
             rerun = ctx.eager(*inputs)
         results = (rerun,) if ctx.single else rerun
-        return (None, None, None, *_CompiledDetour._grads(
-            results, grads, [inputs[i] for i in wanted], wanted, len(inputs), differentiable
+        return (None, None, None, *_Detour._grads(
+            results, grads, [inputs[i] for i in wanted], wanted, len(inputs),
+            differentiable=differentiable,
         ))  # fmt: skip
 
     @staticmethod
@@ -285,7 +310,8 @@ class _CompiledDetour(torch.autograd.Function):
         sources: list[torch.Tensor],
         wanted: list[int],
         n_inputs: int,
-        differentiable: bool,
+        differentiable: bool = False,
+        retain: bool = False,
     ) -> list[torch.Tensor | None]:
         """Vector-Jacobian products of ``results`` with ``grads``, per input (``None`` where not
         wanted or unused)."""
@@ -298,6 +324,7 @@ class _CompiledDetour(torch.autograd.Function):
                 [r for r, _ in pairs],
                 sources,
                 [g for _, g in pairs],
+                retain_graph=retain or differentiable,
                 create_graph=differentiable,
                 allow_unused=True,
             )
@@ -310,13 +337,12 @@ class _CompiledDetour(torch.autograd.Function):
     def run(
         eager: Callable[..., object],
         inputs: tuple[torch.Tensor, ...],
-        compiled: Callable[..., object],
-        failed: Callable[[Exception], None],
+        kernel: Callable[..., object],
+        hooks: Hooks,
     ) -> object:
-        """``compiled(*inputs)``'s results (a tensor or a tuple), differentiable in ``inputs``;
-        ``failed(error)`` if the compiled backward fails (an eager rerun is differentiated)."""
+        """``kernel(*inputs)``'s results (a tensor or a tuple), differentiable in ``inputs``."""
         # Function.apply carries no annotations (torch 2.13)
-        out = _CompiledDetour.apply(eager, compiled, failed, *inputs)  # type: ignore[no-untyped-call]
+        out = _Detour.apply(eager, kernel, hooks, *inputs)  # type: ignore[no-untyped-call]
         return out if len(out) > 1 else out[0]
 
 
@@ -481,7 +507,7 @@ class TorchBackend:
             if not (differentiable_compiled and tensors_only and _plain_autograd()):
                 return eager(*inputs)
             inputs = _normal(inputs)
-            detour = partial(_CompiledDetour.run, eager, cast(tuple[torch.Tensor, ...], inputs))
+            detour = partial(_Detour.run, eager, cast(tuple[torch.Tensor, ...], inputs))
             return cast(Result, self._dispatch(eager, traced_kernel, f, static, inputs, detour))
         # no_grad: leaving inference mode turns grad mode on, and a kernel compiled with grad
         # mode on would be a forward-and-backward graph whose backward never runs
@@ -498,8 +524,7 @@ class TorchBackend:
         f: Callable[..., object],
         static: tuple[Hashable, ...],
         inputs: tuple[object, ...],
-        detour: Callable[[Callable[..., object], Callable[[Exception], None]], object]
-        | None = None,
+        detour: Callable[[Callable[..., object], Hooks], object] | None = None,
     ) -> object:
         """``eager(*inputs)`` or the compiled kernel's results under the compile policy;
         ``detour`` (calls that autograd differentiates) runs the compiled kernel instead."""
@@ -513,9 +538,16 @@ class TorchBackend:
         entry = _CACHE.entry(key)
         auto = self.compile == "auto"
         device = next(t.device for t in inputs if isinstance(t, torch.Tensor))
+        if auto and entry.compiled is not None and not entry.on_trial() and not entry.judged:
+            _CACHE.judge(entry)  # here, not after the last trial call: its backward has run
         waiting = auto and entry.compiled is None and not _CACHE.should_compile(entry)
         if entry.failed or (auto and entry.declined) or waiting:
-            return entry.eager.timed(lambda: eager(*inputs), device)
+            if detour is None or not waiting:
+                return entry.eager.timed(lambda: eager(*inputs), device)
+            # a training step: the kernel's backward counts too (on the CPU: CUDA's runs async)
+            hooks = Hooks(spent=entry.eager.add_to_last if device.type == "cpu" else None,
+                          reusable=True)  # fmt: skip
+            return entry.eager.timed(lambda: detour(eager, hooks), device)
         # the kernel runs the function it was compiled for: an equal-keyed other one only while
         # that function still has the key (its captured state may have changed since)
         stale = entry.compiled_for is not f and (
@@ -536,17 +568,20 @@ class TorchBackend:
                 stacklevel=_stacklevel_outside_pyhvp(),
             )
 
-        def run() -> object:
-            return compiled(*inputs) if detour is None else detour(compiled, failed)
+        def run(spent: Callable[[float], None] | None = None) -> object:
+            return compiled(*inputs) if detour is None else detour(compiled, Hooks(failed, spent))
 
         try:
             if first_call:
+                later: list[Callable[[float], None]] = []  # the backward runs after the record
                 start = compile_policy.clock()
-                out = run()
-                _CACHE.record_compile(entry, compile_policy.clock() - start)
+                cpu = device.type == "cpu"
+                out = run((lambda seconds: later[0](seconds) if later else None) if cpu else None)
+                later.append(_CACHE.record_compile(entry, compile_policy.clock() - start))
             elif auto and entry.on_trial():
-                out = entry.compiled_runs.timed(run, device)
-                _CACHE.judge(entry)
+                account = entry.compiled_runs
+                spent = account.add_to_last if device.type == "cpu" else None
+                out = account.timed(lambda: run(spent), device)
             else:
                 out = run()
         except torch.cuda.OutOfMemoryError:  # torch.OutOfMemoryError only exists from 2.5
