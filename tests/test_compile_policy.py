@@ -155,6 +155,64 @@ def test_a_compiled_kernel_slower_than_eager_is_declined_after_its_trial(
     assert runs == ["eager"] * 2 + ["compiled"] * trial + ["eager"] * (10 - 2 - trial)
 
 
+def costing(now, forward_s, backward_s):
+    """``x -> 2 x`` whose forward and backward advance the fake clock ``now``."""
+
+    class Costs(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            now[0] += forward_s
+            return 2 * x
+
+        @staticmethod
+        def backward(ctx, g):
+            now[0] += backward_s
+            return 2 * g
+
+    return Costs.apply
+
+
+# (compiled forward s, compiled backward s) against eager's 1 s + 1 s -> what "auto" settles on
+TRAINING_TRIALS = {
+    "faster forward, slower backward: declined": ((0.5, 3.0), "eager"),
+    "slower forward, faster backward: kept": ((1.5, 0.1), "compiled"),
+}
+
+
+@pytest.mark.parametrize(("costs", "settles_on"), TRAINING_TRIALS.values(),
+                         ids=TRAINING_TRIALS.keys())  # fmt: skip
+def test_training_steps_are_judged_on_forward_and_backward(
+    monkeypatch, compile_cache, costs, settles_on
+):
+    """Under autograd the compiled trial and the eager calls are timed with their kernel's
+    backward, so "auto" keeps what makes the whole step faster."""
+    now = [0.0]
+    monkeypatch.setattr(compile_policy, "clock", lambda: now[0])
+    compile_cache.measured_compile_seconds[:] = [2.0]  # compile after one eager step (2 s)
+    runs = []
+
+    def fake_compile(kernel, f, static):
+        def run(x, w):
+            runs.append("compiled")
+            return costing(now, *costs)(x * w)
+
+        return run
+
+    def eager_kernel(f, x, w):
+        runs.append("eager")
+        return costing(now, 1.0, 1.0)(x * w)
+
+    monkeypatch.setattr(torch_backend, "_compile_bound", fake_compile)
+    backend = pyhvp.TorchBackend(compile="auto")
+    x, w = torch.ones(2), torch.ones(2, requires_grad=True)
+    for _ in range(10):
+        w.grad = None
+        backend._run(eager_kernel, eager_kernel, scaled, (), (x, w), True).sum().backward()
+        assert torch.equal(w.grad, 2 * x)
+    trial = 1 + compile_policy.TRIAL_CALLS  # the compiling call, then the timed ones
+    assert runs == ["eager"] + ["compiled"] * trial + [settles_on] * (10 - 1 - trial)
+
+
 def test_expected_compile_cost_is_the_median_of_measured_compiles():
     cache = compile_policy.CompileCache()
     assert cache.expected_compile_seconds() in (

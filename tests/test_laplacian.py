@@ -1003,3 +1003,121 @@ def test_backend_objects_of_a_conforming_class_skip_the_protocol_check():
     assert Named not in backends._CONFORMING
     with pytest.raises(TypeError, match="backend must be a name"):
         backends.resolve_backend(object())
+
+
+# --- compiled kernels under autograd: the PINN training step ----------------------------------
+
+
+def pinn_step_gradients(net, x, source, backend):
+    """Parameter gradients of the PINN loss ``mean((laplacian - source)^2)``."""
+    net.zero_grad(set_to_none=True)
+    lap = pyhvp.laplacian(lambda y: net(y).squeeze(-1), x, backend=backend)
+    ((lap - source) ** 2).mean().backward()
+    return [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in net.parameters()]
+
+
+def idiom_step_gradients(net, x, source):
+    """The PINN libraries' step: a gradient with its graph, one more backward per input dim."""
+    net.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_()
+    (g,) = torch.autograd.grad(net(x).sum(), x, create_graph=True)
+    lap = sum(torch.autograd.grad(g[:, i].sum(), x, create_graph=True)[0][:, i]
+              for i in range(x.shape[1]))  # fmt: skip
+    ((lap - source) ** 2).mean().backward()
+    return [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in net.parameters()]
+
+
+def kernel_entries(needs_grad):
+    """Compiled jet-kernel entries of the compile cache whose key says autograd differentiates
+    the kernel (``needs_grad``) or not."""
+    return [
+        e
+        for key, e in torch_backend._CACHE.entries.items()
+        if key[0] == "_jet_kernel" and any(d[-1] for d in key[3]) == needs_grad and e.compiled
+    ]
+
+
+# (input dims, width, batch): tanh MLPs of the PINN benchmark, small
+PINN_STEPS = {"2-D, width 16": (2, 16, 9), "3-D, width 8": (3, 8, 5)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("dims", "width", "batch"), PINN_STEPS.values(), ids=PINN_STEPS.keys())
+def test_compiled_pinn_step_gives_the_idioms_parameter_gradients(dims, width, batch, device):
+    torch.manual_seed(5)
+    net = nn.Sequential(nn.Linear(dims, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(),
+                        nn.Linear(width, 1)).to(device, torch.float64)  # fmt: skip
+    x = torch.randn(batch, dims, dtype=torch.float64, device=device)
+    source = torch.randn(batch, dtype=torch.float64, device=device)
+    before = len(kernel_entries(needs_grad=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback to eager
+        got = pinn_step_gradients(net, x, source, TorchBackend(compile=True))
+    # the compiled path was taken: a compiled kernel whose key says autograd differentiates it
+    assert len(kernel_entries(needs_grad=True)) == before + 1
+    expected = idiom_step_gradients(net, x, source)
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("way", ["create_graph", "retain_graph"])
+def test_compiled_kernel_backward_that_keeps_its_graph_is_exact(way, device):
+    """A compiled backward is not differentiable and refuses retain_graph (AOTAutograd): such
+    backwards differentiate an eager rerun instead -- gradients of gradients are exact."""
+    net = pinn_net(device)
+    x = torch.randn(5, 3, dtype=torch.float64, device=device)
+    params = list(net.parameters())
+
+    def second_order(backend):
+        lap = pyhvp.laplacian(net, x, backend=backend)
+        loss = (lap**2).sum()
+        if way == "retain_graph":
+            first = torch.autograd.grad(loss, params, retain_graph=True, materialize_grads=True)
+            again = torch.autograd.grad(loss, params, materialize_grads=True)
+            return [*first, *again]
+        grads = torch.autograd.grad(loss, params, create_graph=True, materialize_grads=True)
+        return torch.autograd.grad(sum((g**2).sum() for g in grads), params[0])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        got = second_order(TorchBackend(compile=True))
+    for g, e in zip(got, second_order(TorchBackend(compile=False)), strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_compiled_calls_without_grad_stay_detached_and_compile_no_backward(mode, device):
+    net = pinn_net(device)  # parameters require grad
+    x = torch.randn(7, 3, dtype=torch.float64, device=device)
+    before = len(kernel_entries(needs_grad=False))
+    with getattr(torch, mode)():
+        lap = pyhvp.laplacian(net, x, backend=TorchBackend(compile=True))
+    assert not lap.requires_grad
+    assert len(kernel_entries(needs_grad=False)) == before + 1
+    torch.testing.assert_close(lap.squeeze(-1), instance_laplacian(net, x).squeeze(-1))
+
+
+@pytest.mark.slow
+def test_compiled_results_are_differentiable_in_x_args_factor_and_captured_tensors(device):
+    """What the laplacian docstring promises, through a compiled kernel: gradients in ``x``,
+    ``args``, ``factor`` and captured tensors equal the eager kernel's."""
+    net = pinn_net(device)
+    x = torch.randn(4, 3, dtype=torch.float64, device=device, requires_grad=True)
+    scale = torch.rand(3, dtype=torch.float64, device=device, requires_grad=True)
+    factor = torch.randn(3, 2, dtype=torch.float64, device=device, requires_grad=True)
+    sources = [x, scale, factor, net[0].weight]
+
+    def gradients(backend):
+        lap = pyhvp.laplacian(lambda y, s: net(y * s).squeeze(-1), x, scale, factor=factor,
+                              backend=backend)  # fmt: skip
+        return torch.autograd.grad(lap.pow(2).sum(), sources)
+
+    before = len(kernel_entries(needs_grad=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        got = gradients(TorchBackend(compile=True))
+    assert len(kernel_entries(needs_grad=True)) == before + 1
+    for g, e in zip(got, gradients(TorchBackend(compile=False)), strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)

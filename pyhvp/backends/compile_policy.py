@@ -101,7 +101,8 @@ def _cell_key(cell: types.CellType, seen: frozenset[int]) -> Hashable:
 
 
 Signature = tuple[str, Hashable, tuple[Hashable, ...], tuple[Hashable, ...]]
-"""A call's cache key: kernel name, :func:`function_key` of ``f``, options, inputs' metadata."""
+"""A call's cache key: kernel name, :func:`function_key` of ``f``, options, inputs' metadata
+(shape, dtype, device, and whether autograd differentiates the kernel in it)."""
 
 
 def signature(
@@ -109,9 +110,12 @@ def signature(
 ) -> Signature:
     """The cache key of one call: kernel, function key, options, and each input's metadata."""
 
+    grad_mode = torch.is_grad_enabled()
+
     def describe(value: object) -> Hashable:
         if isinstance(value, torch.Tensor):
-            return ("tensor", tuple(value.shape), value.dtype, value.device)
+            needs_grad = grad_mode and value.requires_grad  # a compiled backward, or none
+            return ("tensor", tuple(value.shape), value.dtype, value.device, needs_grad)
         return function_key(value)
 
     return (kernel, function_key(f), static, tuple(describe(t) for t in inputs))
@@ -150,6 +154,12 @@ class Account:
         self.pending.append((start, end))
         return out
 
+    def add_to_last(self, seconds: float) -> None:
+        """More time for the last call (a training step's backward, timed once it ran)."""
+        self.seconds += seconds
+        if self.recent:
+            self.recent[-1] += seconds
+
     def median(self) -> float:
         return statistics.median(self.recent) if self.recent else 0.0
 
@@ -168,6 +178,7 @@ class Entry:
     compiled_for: Callable[..., object] | None = None  # the function the kernel runs
     failed: bool = False
     declined: bool = False
+    judged: bool = False
 
     def on_trial(self) -> bool:
         return len(self.compiled_runs.recent) < TRIAL_CALLS
@@ -204,14 +215,26 @@ class CompileCache:
             return False
         return spent >= self.expected_compile_seconds()
 
-    def record_compile(self, entry: Entry, first_call_seconds: float) -> None:
+    def record_compile(self, entry: Entry, first_call_seconds: float) -> Callable[[float], None]:
+        """Note a compile's cost; returns what adds the time of that call's backward (which
+        compiles the backward of a training step) once it ran."""
         self.measured_compile_seconds.append(max(first_call_seconds - entry.eager.median(), 0.0))
+        index = len(self.measured_compile_seconds) - 1
+
+        def add(seconds: float) -> None:
+            if index < len(self.measured_compile_seconds):
+                self.measured_compile_seconds[index] += seconds
+
+        return add
 
     @staticmethod
     def judge(entry: Entry) -> None:
-        """After the trial calls: decline the compiled kernel if it is slower than eager."""
-        if not entry.on_trial() and entry.eager.recent:
-            entry.declined = entry.compiled_runs.median() > entry.eager.median()
+        """After the trial calls (at the next call, when a trial call's backward has run too):
+        decline the compiled kernel if it is slower than eager."""
+        if not entry.on_trial():
+            entry.judged = True
+            if entry.eager.recent:
+                entry.declined = entry.compiled_runs.median() > entry.eager.median()
 
 
 @functools.cache

@@ -23,10 +23,14 @@ Compilation (``TorchBackend(compile=...)``; the rule itself is :mod:`.compile_po
   always-eager and always-compiled). A function rebuilt per call from the same code and captured
   objects shares its signature.
 * ``True``: compile from the first call. ``False``: always eager.
-* Inputs that carry autograd history (``requires_grad`` with grad mode on) always run eagerly, so
-  the results stay differentiable; otherwise results are detached on every path. Tensors that
-  ``f`` captures (module parameters) are constants: pass them as args to differentiate through
-  them. Inference tensors and calls inside ``torch.inference_mode()`` are accepted.
+* Results are differentiable when an input requires grad with grad mode on, detached otherwise
+  (no-grad calls run under ``no_grad``: a compiled kernel is then an inference graph). Under
+  autograd, jet kernels compile too (:class:`_Detour`: AOTAutograd's compiled forward
+  and backward, an eager rerun for backwards that keep or create a graph), under a signature
+  that says which inputs need grad; HVP kernels, and calls inside ``torch.func`` transforms or
+  forward-mode AD, run eagerly. HVP kernels treat tensors that ``f`` captures (module
+  parameters) as constants: pass them as args to differentiate through them (jet kernels take
+  them as inputs). Inference tensors and calls inside ``torch.inference_mode()`` are accepted.
 * Jet kernels compile on the CPU too: they hold no nested forward-mode AD, which inductor's CPU
   code segfaults on in torch 2.13 (pytorch#190856, #197067; ``jvp`` of ``jvp`` is therefore no
   longer used). Their compile key is the kernel, shared by every call that records the same
@@ -206,6 +210,142 @@ def _needs_autograd(values: Sequence[object]) -> bool:
     )
 
 
+def _plain_autograd() -> bool:
+    """No functorch transform (``torch.func.grad``, ``vmap``, ...) and no forward-mode AD level
+    is active: what a compiled kernel's autograd supports."""
+    return (
+        torch._C._functorch.peek_interpreter_stack() is None
+        and torch.autograd.forward_ad._current_level < 0
+    )
+
+
+def _normal(inputs: tuple[object, ...]) -> tuple[object, ...]:
+    """Inference tensors cloned into normal ones (call outside inference mode)."""
+    return tuple(
+        t.clone() if isinstance(t, torch.Tensor) and t.is_inference() else t for t in inputs
+    )
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """How a :class:`_Detour` node reports: ``failed(error)`` when its kernel's backward fails
+    (None: raise), ``spent(seconds)`` with the time of its kernel's backward (None: untimed),
+    ``reusable``: whether the kernel's own graph may serve a backward that keeps it."""
+
+    failed: Callable[[Exception], None] | None = None
+    spent: Callable[[float], None] | None = None
+    reusable: bool = False
+
+
+class _Detour(torch.autograd.Function):
+    """A kernel run as one autograd node, whose backward chooses how to differentiate it.
+
+    The forward runs the kernel on detached aliases of the inputs, keeping that inner graph. A
+    first-order backward that frees the graph (``loss.backward()``, ``torch.autograd.grad``
+    without ``retain_graph`` or ``create_graph``) runs the inner graph's backward: for a compiled
+    kernel AOTAutograd's compiled backward. That backward does not serve the others (torch 2.13):
+    it refuses ``retain_graph=True`` when it donates buffers, and its results are not
+    differentiable -- a gradient of them is silently missing (``None``, or zero with
+    ``materialize_grads``). So a backward that must itself be differentiable (grad mode on while
+    it runs), or keeps the graph of a compiled kernel, reruns the kernel eagerly from the saved
+    inputs and differentiates that: exact, gradients of gradients included, for one more eager
+    forward. The node also times the kernel's backward (``Hooks.spent``), so that the compile
+    policy weighs a training step's backward, not only its forward.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        eager: Callable[..., object],
+        kernel: Callable[..., object],
+        hooks: Hooks,
+        *inputs: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.eager, ctx.hooks = eager, hooks
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(*inputs)
+        aliases = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
+        with torch.enable_grad():
+            out = kernel(*aliases)
+        ctx.single = not isinstance(out, tuple)
+        results = (cast(torch.Tensor, out),) if ctx.single else cast(tuple[torch.Tensor, ...], out)
+        ctx.inner = (aliases, results)
+        return tuple(r.detach() for r in results)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        inputs, hooks = ctx.saved_tensors, ctx.hooks
+        wanted = [i for i, need in enumerate(ctx.needs_input_grad[3:]) if need]
+        differentiable = torch.is_grad_enabled()  # create_graph=True
+        keep = torch._C._autograd._get_current_graph_task_keep_graph()
+        if not differentiable and ctx.inner is not None and (hooks.reusable or not keep):
+            aliases, results = ctx.inner
+            if not keep:  # the inner backward frees its graph
+                ctx.inner = None
+            try:
+                start = compile_policy.clock()
+                got = _Detour._grads(results, grads, [aliases[i] for i in wanted], wanted,
+                                     len(inputs), retain=keep)  # fmt: skip
+                if hooks.spent is not None:
+                    hooks.spent(compile_policy.clock() - start)
+                return (None, None, None, *got)
+            except torch.cuda.OutOfMemoryError:
+                raise
+            except Exception as error:  # a compiled backward compiles at its first call
+                if hooks.failed is None:
+                    raise
+                hooks.failed(error)
+        with torch.enable_grad():
+            rerun = ctx.eager(*inputs)
+        results = (rerun,) if ctx.single else rerun
+        return (None, None, None, *_Detour._grads(
+            results, grads, [inputs[i] for i in wanted], wanted, len(inputs),
+            differentiable=differentiable,
+        ))  # fmt: skip
+
+    @staticmethod
+    def _grads(
+        results: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor | None],
+        sources: list[torch.Tensor],
+        wanted: list[int],
+        n_inputs: int,
+        differentiable: bool = False,
+        retain: bool = False,
+    ) -> list[torch.Tensor | None]:
+        """Vector-Jacobian products of ``results`` with ``grads``, per input (``None`` where not
+        wanted or unused)."""
+        pairs = [
+            (r, g) for r, g in zip(results, grads, strict=True) if g is not None and r.requires_grad
+        ]
+        got: Sequence[torch.Tensor | None] = [None] * len(wanted)
+        if pairs and sources:
+            got = torch.autograd.grad(
+                [r for r, _ in pairs],
+                sources,
+                [g for _, g in pairs],
+                retain_graph=retain or differentiable,
+                create_graph=differentiable,
+                allow_unused=True,
+            )
+        input_grads: list[torch.Tensor | None] = [None] * n_inputs
+        for i, g in zip(wanted, got, strict=True):
+            input_grads[i] = g
+        return input_grads
+
+    @staticmethod
+    def run(
+        eager: Callable[..., object],
+        inputs: tuple[torch.Tensor, ...],
+        kernel: Callable[..., object],
+        hooks: Hooks,
+    ) -> object:
+        """``kernel(*inputs)``'s results (a tensor or a tuple), differentiable in ``inputs``."""
+        # Function.apply carries no annotations (torch 2.13)
+        out = _Detour.apply(eager, kernel, hooks, *inputs)  # type: ignore[no-untyped-call]
+        return out if len(out) > 1 else out[0]
+
+
 def _detached(out: object) -> object:
     if isinstance(out, tuple):
         return tuple(_detached(item) for item in out)
@@ -359,7 +499,7 @@ class TorchBackend:
             with torch.inference_mode(False):
                 kernel = captured.kernel(collapsed, x, part, second_only)
             inputs = (x, part, *captured.constants)
-            parts.append(self._run(_jet_kernel, _jet_kernel, kernel, (), inputs))
+            parts.append(self._run(_jet_kernel, _jet_kernel, kernel, (), inputs, True))
         return parts
 
     def _run(
@@ -369,17 +509,27 @@ class TorchBackend:
         f: Callable[..., object],
         static: tuple[Hashable, ...],
         inputs: tuple[object, ...],
+        differentiable_compiled: bool = False,
     ) -> Result:
         """Results carry autograd history exactly when grad mode is on and an input requires
-        grad (eager then, graph kept); otherwise they are detached on every path, whatever f
-        captures. Inference tensors are cloned into normal ones outside inference mode."""
+        grad; otherwise they are detached on every path, whatever f captures. With autograd
+        history a kernel runs eagerly, unless ``differentiable_compiled`` (the jet kernels: plain
+        aten graphs, which AOTAutograd compiles forward and backward) and no functorch transform
+        or forward-mode AD is active: then it follows the compile policy too, under a key of its
+        own, its results wrapped by :class:`_FirstOrderCompiled`. Inference tensors are cloned
+        into normal ones outside inference mode."""
         eager = partial(eager_kernel, f, *static)
         if _needs_autograd(inputs):
-            return eager(*inputs)
-        with torch.inference_mode(False):
-            inputs = tuple(
-                t.clone() if isinstance(t, torch.Tensor) and t.is_inference() else t for t in inputs
-            )
+            tensors_only = all(isinstance(t, torch.Tensor) for t in inputs)
+            if not (differentiable_compiled and tensors_only and _plain_autograd()):
+                return eager(*inputs)
+            inputs = _normal(inputs)
+            detour = partial(_Detour.run, eager, cast(tuple[torch.Tensor, ...], inputs))
+            return cast(Result, self._dispatch(eager, traced_kernel, f, static, inputs, detour))
+        # no_grad: leaving inference mode turns grad mode on, and a kernel compiled with grad
+        # mode on would be a forward-and-backward graph whose backward never runs
+        with torch.inference_mode(False), torch.no_grad():
+            inputs = _normal(inputs)
             out = self._dispatch(eager, traced_kernel, f, static, inputs)
         # both kernels return what eager_kernel returns; the compile cache holds them untyped
         return cast(Result, _detached(out))
@@ -391,7 +541,10 @@ class TorchBackend:
         f: Callable[..., object],
         static: tuple[Hashable, ...],
         inputs: tuple[object, ...],
+        detour: Callable[[Callable[..., object], Hooks], object] | None = None,
     ) -> object:
+        """``eager(*inputs)`` or the compiled kernel's results under the compile policy;
+        ``detour`` (calls that autograd differentiates) runs the compiled kernel instead."""
         if self.compile is False:
             return eager(*inputs)
         try:
@@ -402,9 +555,16 @@ class TorchBackend:
         entry = _CACHE.entry(key)
         auto = self.compile == "auto"
         device = next(t.device for t in inputs if isinstance(t, torch.Tensor))
+        if auto and entry.compiled is not None and not entry.on_trial() and not entry.judged:
+            _CACHE.judge(entry)  # here, not after the last trial call: its backward has run
         waiting = auto and entry.compiled is None and not _CACHE.should_compile(entry)
         if entry.failed or (auto and entry.declined) or waiting:
-            return entry.eager.timed(lambda: eager(*inputs), device)
+            if detour is None or not waiting:
+                return entry.eager.timed(lambda: eager(*inputs), device)
+            # a training step: the kernel's backward counts too (on the CPU: CUDA's runs async)
+            hooks = Hooks(spent=entry.eager.add_to_last if device.type == "cpu" else None,
+                          reusable=True)  # fmt: skip
+            return entry.eager.timed(lambda: detour(eager, hooks), device)
         # the kernel runs the function it was compiled for: an equal-keyed other one only while
         # that function still has the key (its captured state may have changed since)
         stale = entry.compiled_for is not f and (
@@ -415,21 +575,8 @@ class TorchBackend:
         if compiled is None:
             compiled = _compile_bound(traced_kernel, f, static)
             entry.compiled, entry.compiled_for = compiled, f
-        try:
-            if first_call:
-                start = compile_policy.clock()
-                out = compiled(*inputs)
-                _CACHE.record_compile(entry, compile_policy.clock() - start)
-            elif auto and entry.on_trial():
-                out = entry.compiled_runs.timed(lambda: compiled(*inputs), device)
-                _CACHE.judge(entry)
-            else:
-                out = compiled(*inputs)
-            return out
-        except torch.cuda.OutOfMemoryError:  # torch.OutOfMemoryError only exists from 2.5
-            raise
-        except Exception as error:  # compile is an optimisation: fall back, say so once
-            result = eager(*inputs)  # an error of f's own is raised here, as eagerly
+
+        def failed(error: Exception) -> None:  # compile is an optimisation: say so once
             entry.failed = True
             warnings.warn(
                 f"pyhvp: torch.compile failed for {getattr(f, '__name__', f)!s} "
@@ -437,4 +584,27 @@ class TorchBackend:
                 RuntimeWarning,
                 stacklevel=_stacklevel_outside_pyhvp(),
             )
+
+        def run(spent: Callable[[float], None] | None = None) -> object:
+            return compiled(*inputs) if detour is None else detour(compiled, Hooks(failed, spent))
+
+        try:
+            if first_call:
+                later: list[Callable[[float], None]] = []  # the backward runs after the record
+                start = compile_policy.clock()
+                cpu = device.type == "cpu"
+                out = run((lambda seconds: later[0](seconds) if later else None) if cpu else None)
+                later.append(_CACHE.record_compile(entry, compile_policy.clock() - start))
+            elif auto and entry.on_trial():
+                account = entry.compiled_runs
+                spent = account.add_to_last if device.type == "cpu" else None
+                out = account.timed(lambda: run(spent), device)
+            else:
+                out = run()
+        except torch.cuda.OutOfMemoryError:  # torch.OutOfMemoryError only exists from 2.5
+            raise
+        except Exception as error:  # fall back
+            result = eager(*inputs)  # an error of f's own is raised here, as eagerly
+            failed(error)
             return result
+        return out
