@@ -465,7 +465,35 @@ def test_a_random_draw_in_f_is_the_one_f_made(draw, builds, device):
     assert builds["programs"] == 1
 
 
+RANDOM_OPS_OF_X = {  # random ops of x: f's draw, autograd's derivatives
+    "normal(mean=sin x, std=0.5)": lambda y: torch.normal(torch.sin(y), 0.5).sum(-1),
+    "normal(mean=0.3, std=exp x)": lambda y: torch.normal(0.3, torch.exp(y)).sum(-1),
+    "normal(mean=x^2, std=exp x/2)": lambda y: torch.normal(y**2, torch.exp(y / 2)).sum(-1),
+    "rrelu, training": lambda y: F.rrelu(2 * torch.sin(y), training=True).pow(2).sum(-1),
+    "rrelu, evaluation": lambda y: F.rrelu(2 * torch.sin(y), training=False).pow(2).sum(-1),
+}
+
+
+@pytest.mark.parametrize("f", RANDOM_OPS_OF_X.values(), ids=RANDOM_OPS_OF_X.keys())
+def test_a_random_op_of_x_has_autograd_s_derivatives_at_f_s_draw(f, device):
+    """As autograd has them: normal's draw is constant in its mean and std (zero derivatives, not
+    a reparametrisation), RReLU is x * (f's slopes) in training: value, gradient and Laplacian
+    equal autograd's on one call of f with the same seed."""
+    x = torch.randn(4, 3, dtype=torch.float64, device=device)
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        got = pyhvp.grad_and_laplacian(f, x)
+        torch.manual_seed(seed)
+        leaf = x.clone().requires_grad_()
+        value = f(leaf)
+        (grad,) = torch.autograd.grad(value.sum(), leaf, create_graph=True)
+        lap = sum(torch.autograd.grad(grad[:, i].sum(), leaf, retain_graph=True)[0][:, i]
+                  for i in range(3))  # fmt: skip
+        torch.testing.assert_close(got, (value, grad, lap))
+
+
 def test_a_random_op_that_varies_with_f_s_tensors_is_refused_naming_it(device):
     x = torch.randn(3, 2, dtype=torch.float64, device=device)
-    with pytest.raises(pyhvp.UnsupportedOpError, match=r"aten.normal.Tensor_float.*randn_like"):
-        pyhvp.laplacian(lambda y: torch.normal(torch.sin(y), 1.0).sum(-1), x)
+    gamma = torch.distributions.Gamma
+    with pytest.raises(pyhvp.UnsupportedOpError, match=r"aten._standard_gamma.*randn_like"):
+        pyhvp.laplacian(lambda y: gamma(torch.exp(y), 1.0).rsample().sum(-1), x)

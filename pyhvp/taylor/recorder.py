@@ -22,7 +22,7 @@ import contextlib
 import functools
 import weakref
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -76,18 +76,21 @@ the Python float does (float16 and bfloat16 ops compute with a Python float in f
 
 DRAWN_WITHOUT_DERIVATIVES = frozenset({
     "bernoulli", "bernoulli_", "cauchy", "cauchy_", "exponential", "exponential_", "geometric",
-    "geometric_", "log_normal", "log_normal_", "multinomial", "normal_", "poisson", "rand",
-    "rand_like", "randint", "randint_like", "randn", "randn_like", "randperm", "uniform",
+    "geometric_", "log_normal", "log_normal_", "multinomial", "normal", "normal_", "poisson",
+    "rand", "rand_like", "randint", "randint_like", "randn", "randn_like", "randperm", "uniform",
     "uniform_",
 })  # fmt: skip
 """Random ops (by name) whose draws do not vary smoothly with their tensor inputs (which give
-only shapes, dtypes or probabilities): their outputs are recorded as constants, the values ``f``
+only shapes, dtypes or probabilities; ``normal``'s mean and std too, as autograd has it: zero
+derivatives, not a reparametrisation): their outputs are recorded as constants, the values ``f``
 drew, so the kernel uses those very draws -- it must not draw again (another sample, a
-generator advanced twice). ``normal(mean=..., std=...)`` with tensor arguments is the
-exception: :meth:`Recorder._drawn`."""
+generator advanced twice)."""
 DROPOUTS = {aten.native_dropout.default, aten._fused_dropout.default}
 """Random ops that scale their input by a drawn mask: recorded as the product with the mask
 ``f`` drew (a constant), so derivatives flow through the input and the draw is ``f``'s."""
+RRELU = aten.rrelu_with_noise.default
+"""RReLU: in training ``x * slopes`` with the slopes ``f`` drew (which the op writes into its
+``noise`` argument); in evaluation ``leaky_relu`` with the mean slope, as ATen computes it."""
 
 
 BACKWARD = {
@@ -224,9 +227,9 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's _
     def _drawn(self, func: torch._ops.OpOverload, types: Sequence[type], args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> Any:  # fmt: skip
         """A random op: its draw is ``f``'s and stays a constant of the program (see
-        :data:`DRAWN_WITHOUT_DERIVATIVES`, :data:`DROPOUTS`). A random op whose value varies
-        with a tensor input that is not a constant (``normal(mean, std)`` of ``x``, ``rrelu``)
-        is refused: its kernel would draw another sample."""
+        :data:`DRAWN_WITHOUT_DERIVATIVES`, :data:`DROPOUTS`, :data:`RRELU`).
+        Any other whose value varies with a tensor ``f`` computed (``_standard_gamma``, as in
+        ``Gamma(x).rsample()``) is refused: its kernel would draw another sample."""
         if func._schema.is_mutable:
             self._refuse_input_writes(func, args, kwargs)
         out = func(*args, **kwargs)
@@ -238,6 +241,8 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's _
             kept = (mask * scale).to(source.dtype)
             self._describe(kept)  # a constant: the mask f drew, scaled
             return (self.__torch_dispatch__(aten.mul.Tensor, types, (source, kept)), mask)
+        if func is RRELU:
+            return self._rrelu(types, args, kwargs)
         varying = [
             t
             for t in pytree.tree_leaves((args, kwargs))
@@ -246,8 +251,8 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's _
         if varying and func._opname not in DRAWN_WITHOUT_DERIVATIVES:
             raise UnsupportedOpError(
                 f"{func} draws a random value that varies with a tensor computed in f; "
-                f"{ENGINE} would draw it again, not use f's draw. Draw the noise alone and "
-                "combine it, e.g. mean + std * torch.randn_like(mean)"
+                f"{ENGINE} would draw it again, not use f's draw. Draw the noise alone "
+                "(torch.rand_like, torch.randn_like) and combine it with f's tensors"
             )
         for t in pytree.tree_leaves(out):
             if isinstance(t, Tensor):  # a new constant (an in-place draw relabels its tensor)
@@ -316,6 +321,19 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's _
                 tuple(self._outputs(o, (*label, i), stopped) for i, o in enumerate(out)),
             )
         return value_key(out) or ("object",)
+
+    def _rrelu(self, types: Sequence[type], args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> Tensor:  # fmt: skip
+        named = dict(zip(("self", "noise", "lower", "upper", "training"), args, strict=False))
+        named = {"lower": 0.125, "upper": 1 / 3, "training": False, **named, **kwargs}
+        if not named["training"]:
+            slope = (named["lower"] + named["upper"]) / 2
+            return cast(Tensor, self.__torch_dispatch__(aten.leaky_relu.default, types,
+                                                        (named["self"], slope)))  # fmt: skip
+        self.labels.pop(id(named["noise"]), None)
+        self._describe(named["noise"])  # a constant: the slopes f drew
+        return cast(Tensor, self.__torch_dispatch__(aten.mul.Tensor, types,
+                                                    (named["self"], named["noise"])))  # fmt: skip
 
     def _is_constant(self, t: Tensor) -> bool:
         """``t`` is (or becomes, if not seen yet) a constant of the program."""
