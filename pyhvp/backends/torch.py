@@ -516,7 +516,7 @@ class TorchBackend:
         history a kernel runs eagerly, unless ``differentiable_compiled`` (the jet kernels: plain
         aten graphs, which AOTAutograd compiles forward and backward) and no functorch transform
         or forward-mode AD is active: then it follows the compile policy too, under a key of its
-        own, its results wrapped by :class:`_FirstOrderCompiled`. Inference tensors are cloned
+        own, run as one :class:`_Detour` autograd node. Inference tensors are cloned
         into normal ones outside inference mode."""
         eager = partial(eager_kernel, f, *static)
         if _needs_autograd(inputs):
