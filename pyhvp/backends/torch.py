@@ -25,7 +25,7 @@ Compilation (``TorchBackend(compile=...)``; the rule itself is :mod:`.compile_po
 * ``True``: compile from the first call. ``False``: always eager.
 * Results are differentiable when an input requires grad with grad mode on, detached otherwise
   (no-grad calls run under ``no_grad``: a compiled kernel is then an inference graph). Under
-  autograd, jet kernels compile too (:class:`_Detour`: AOTAutograd's compiled forward
+  autograd, jet kernels compile too (``_Detour``: AOTAutograd's compiled forward
   and backward, an eager rerun for backwards that keep or create a graph), under a signature
   that says which inputs need grad; HVP kernels, and calls inside ``torch.func`` transforms or
   forward-mode AD, run eagerly. HVP kernels treat tensors that ``f`` captures (module
@@ -228,7 +228,7 @@ def _normal(inputs: tuple[object, ...]) -> tuple[object, ...]:
 
 @dataclass(frozen=True)
 class Hooks:
-    """How a :class:`_Detour` node reports: ``failed(error)`` when its kernel's backward fails
+    """How a ``_Detour`` node reports: ``failed(error)`` when its kernel's backward fails
     (None: raise), ``spent(seconds)`` with the time of its kernel's backward (None: untimed),
     ``reusable``: whether the kernel's own graph may serve a backward that keeps it."""
 
@@ -516,7 +516,7 @@ class TorchBackend:
         history a kernel runs eagerly, unless ``differentiable_compiled`` (the jet kernels: plain
         aten graphs, which AOTAutograd compiles forward and backward) and no functorch transform
         or forward-mode AD is active: then it follows the compile policy too, under a key of its
-        own, run as one :class:`_Detour` autograd node. Inference tensors are cloned
+        own, run as one ``_Detour`` autograd node. Inference tensors are cloned
         into normal ones outside inference mode."""
         eager = partial(eager_kernel, f, *static)
         if _needs_autograd(inputs):
