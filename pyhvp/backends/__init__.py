@@ -135,8 +135,8 @@ def require_primitive(backend: Backend, primitive: str, operator: str) -> Callab
     return method
 
 
-_MEMBERS = ("name", "grad_and_hvp", "second_directional")
-""":class:`Backend`'s members (tests check them against the protocol)."""
+_MEMBERS = tuple(n for n in (*Backend.__annotations__, *vars(Backend)) if n[0] != "_")
+""":class:`Backend`'s members, read off the protocol."""
 
 _CONFORMING: set[type] = set()
 """Classes that have :data:`_MEMBERS` themselves: their instances are backends without the
