@@ -21,7 +21,7 @@ import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeAlias, overload
+from typing import TypeAlias, cast, overload
 
 import torch
 
@@ -287,19 +287,20 @@ def broadcast_times(t: Tensor, c: Tensor | float) -> Tensor:
 
 def chain(ctx: Context, out: Tensor, u: Jet, d1: Tensor, d2: Tensor | None) -> Jet:
     """An elementwise ``y = g(u)`` with ``d1 = g'(u)``, ``d2 = g''(u)`` (None: zero)."""
-    c = u.coefficient
-    if isinstance(c, DiagonalCoefficient) and ctx.collapsed and not isinstance(c.diagonal, Tensor):
-        square = c.diagonal * c.diagonal  # sum_k t_k^2 of a constant diagonal: no tensor op
-        second = plus(
-            None if u.second is None else broadcast_times(lifted(u.second, d1.ndim), d1),
-            None if d2 is None else (d2 if square == 1 else d2 * square)[None],
-        )
-        return Jet(out, first_times(u, d1, d1.ndim), second)
     second = plus(
         None if u.second is None else broadcast_times(lifted(u.second, d1.ndim), d1),
-        None if d2 is None else broadcast_times(first_squared(ctx, u, d2.ndim), d2),
+        None if d2 is None else _times_first_squared(ctx, u, d2),
     )
     return Jet(out, first_times(u, d1, d1.ndim), second)
+
+
+def _times_first_squared(ctx: Context, u: Jet, d: Tensor) -> Tensor:
+    """``d`` times ``ctx.square`` of ``u``'s first-order coefficient; a constant diagonal's
+    collapsed square is a number, so it takes no tensor op of its own."""
+    c = u.coefficient
+    if isinstance(c, DiagonalCoefficient) and ctx.collapsed and not isinstance(c.diagonal, Tensor):
+        return cast(Tensor, multiplied(c.diagonal * c.diagonal, d))[None]
+    return broadcast_times(first_squared(ctx, u, d.ndim), d)
 
 
 def axis(d: int, ndim: int) -> int:

@@ -33,33 +33,33 @@ Tensor = torch.Tensor
 def _signed_sum(out: Tensor, a: object, b: object, ca: float, cb: float) -> Jet:
     """``ca * a + cb * b``."""
     nd = out.ndim
-    orders: list[Tensor | DiagonalCoefficient | None] = []
-    diagonal = _diagonal_sum(out, a, b, ca, cb)
-    for order in (1, 2):
-        if order == 1 and diagonal is not None:
-            orders.append(diagonal)
-            continue
+
+    def combined(order: int) -> Tensor | None:
         ta, tb = coefficient_of(a, nd, order), coefficient_of(b, nd, order)
-        orders.append(
-            plus(times_or_none(ta, ca) if ca != 1 else ta, times_or_none(tb, cb) if cb != 1 else tb)
+        return plus(
+            times_or_none(ta, ca) if ca != 1 else ta, times_or_none(tb, cb) if cb != 1 else tb
         )
-    return Jet(out, cast(Tensor, orders[0]), cast(Tensor | None, orders[1]))  # a or b: a jet
+
+    diagonal = _diagonal_first(out, a, b, ca, cb)
+    first = combined(1) if diagonal is None else diagonal
+    return Jet(out, cast(Tensor | DiagonalCoefficient, first), combined(2))  # a or b: a jet
 
 
-def _diagonal_sum(out: Tensor, a: object, b: object, ca: float, cb: float
-                  ) -> DiagonalCoefficient | None:  # fmt: skip
-    """``ca * a + cb * b``'s first-order coefficient kept diagonal, where each jet's is (on
-    the same basis) and the other is a constant; None otherwise."""
+def _diagonal_first(out: Tensor, a: object, b: object, wa: Tensor | float, wb: Tensor | float,
+                    both: bool = True) -> DiagonalCoefficient | None:  # fmt: skip
+    """The first-order coefficient ``wa a' + wb b'`` kept diagonal, where each jet's is (on the
+    same basis) and the other operand is a constant; ``both``: whether two diagonal jets may
+    combine. None otherwise (the caller multiplies out)."""
     da, db = diagonal_of(a), diagonal_of(b)
     if (da is None and isinstance(a, Jet)) or (db is None and isinstance(b, Jet)):
         return None
     if da is not None and db is not None:
-        if da.basis is not db.basis:
+        if da.basis is not db.basis or not both:
             return None
-        total = multiplied(da.diagonal, ca) + multiplied(db.diagonal, cb)
+        total = multiplied(da.diagonal, wa) + multiplied(db.diagonal, wb)
         return DiagonalCoefficient(total, da.basis, da.event, out.ndim).times(1.0, out.shape)
-    one, scale = (da, ca) if da is not None else (db, cb)
-    return None if one is None else one.times(scale, out.shape)
+    one, weight = (da, wa) if da is not None else (db, wb)
+    return None if one is None else one.times(weight, out.shape)
 
 
 @rule(aten.sub.Tensor, aten.sub.Scalar)
@@ -92,9 +92,9 @@ def _neg(ctx: Context, out: Tensor, u: Jet) -> Jet:
 
 @rule(aten.mul.Tensor, aten.mul.Scalar)
 def _mul(ctx: Context, out: Tensor, a: Jet | Tensor | float, b: Jet | Tensor | float) -> Jet:
-    diagonal = _diagonal_product(ctx, out, a, b)
-    if diagonal is not None:
-        return diagonal
+    product = _diagonal_product(ctx, out, a, b)
+    if product is not None:
+        return product
     jet, other = (a, b) if isinstance(a, Jet) else (cast(Jet, b), a)  # one of them is a jet
     if not isinstance(other, Jet) and isinstance(
         jet.coefficient, FactoredCoefficient
@@ -111,24 +111,15 @@ def _diagonal_product(ctx: Context, out: Tensor, a: object, b: object) -> Jet | 
     """``a * b`` with the first-order coefficient kept diagonal: a diagonal jet times a constant,
     or two diagonal jets (on the same basis), collapsed: Leibniz with the cross term
     ``2 sum_k a_k b_k = 2 diag(a) diag(b)``. None otherwise."""
-    da, db = diagonal_of(a), diagonal_of(b)
-    if (da is None and isinstance(a, Jet)) or (db is None and isinstance(b, Jet)):
-        return None
     nd = out.ndim
     va, vb = cast(Tensor | float, value_of(a)), cast(Tensor | float, value_of(b))
-    if da is not None and db is not None:
-        if da.basis is not db.basis or not ctx.collapsed:
-            return None
-        total = multiplied(da.diagonal, vb) + multiplied(db.diagonal, va)
-        first = DiagonalCoefficient(total, da.basis, da.event, nd).times(1.0, out.shape)
-    else:
-        one, other = (da, vb) if da is not None else (db, va)
-        first = None if one is None else one.times(other, out.shape)
+    first = _diagonal_first(out, a, b, vb, va, both=ctx.collapsed)
     if first is None:
         return None
     sa, sb = coefficient_of(a, nd, 2), coefficient_of(b, nd, 2)
     second = plus(None if sa is None else broadcast_times(sa, vb),
                   None if sb is None else broadcast_times(sb, va))  # fmt: skip
+    da, db = diagonal_of(a), diagonal_of(b)
     if da is not None and db is not None:  # the cross term
         cross = 2 * multiplied(da.diagonal, db.diagonal)
         square = cross[None] if isinstance(cross, Tensor) else out.new_full((1,) * (nd + 1), cross)
