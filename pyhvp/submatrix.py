@@ -494,25 +494,19 @@ def _sums(
             if reverse_sums is None
             else [a + b for a, b in zip(reverse_sums, sums, strict=True)]
         )
-    if plan.one_block:
-        parts = [sparse_sum, *(reverse_sums or [])]
-    else:
-        offsets = list(accumulate([0, *sizes]))
-        parts_sparse = (
-            [sparse_sum[o : o + k, o : o + k] for o, k in zip(offsets, sizes, strict=False)]
-            if sparse_sum is not None
-            else None
-        )
-        blocks = [t.new_zeros(k, k) for t, k in zip(plan.tensors, sizes, strict=True)]
-        for source in (parts_sparse, reverse_sums):
-            if source is not None:
-                blocks = [b + s for b, s in zip(blocks, source, strict=True)]
-        return blocks
-    total = plan.leaves[0].new_zeros(sum(sizes), sum(sizes))
-    for part in parts:
-        if part is not None:
-            total = total + part
-    return [total]
+    if plan.one_block:  # one (K, K) matrix on either route
+        total = plan.leaves[0].new_zeros(sum(sizes), sum(sizes))
+        for part in (sparse_sum, *(reverse_sums or [])):
+            total = total if part is None else total + part
+        return [total]
+    blocks = [t.new_zeros(k, k) for t, k in zip(plan.tensors, sizes, strict=True)]
+    if sparse_sum is not None:  # the joint (K, K): its diagonal blocks
+        offsets = accumulate([0, *sizes])
+        blocks = [b + sparse_sum[o : o + b.shape[0], o : o + b.shape[0]]
+                  for b, o in zip(blocks, offsets, strict=False)]  # fmt: skip
+    if reverse_sums is not None:
+        blocks = [b + r for b, r in zip(blocks, reverse_sums, strict=True)]
+    return blocks
 
 
 def _reverse_pass(
