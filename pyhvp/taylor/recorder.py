@@ -239,7 +239,7 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's _
             mask = out[1]
             scale = (0.0 if p >= 1 else 1 / (1 - p)) if train else 1.0
             kept = (mask * scale).to(source.dtype)
-            self._describe(kept)  # a constant: the mask f drew, scaled
+            self._as_constant(kept)  # the mask f drew, scaled
             return (self.__torch_dispatch__(aten.mul.Tensor, types, (source, kept)), mask)
         if func is RRELU:
             return self._rrelu(types, args, kwargs)
@@ -255,9 +255,8 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's _
                 "(torch.rand_like, torch.randn_like) and combine it with f's tensors"
             )
         for t in pytree.tree_leaves(out):
-            if isinstance(t, Tensor):  # a new constant (an in-place draw relabels its tensor)
-                self.labels.pop(id(t), None)
-                self._describe(t)
+            if isinstance(t, Tensor):  # an in-place draw relabels its tensor
+                self._as_constant(t)
         return out
 
     @staticmethod
@@ -330,10 +329,14 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's _
             slope = (named["lower"] + named["upper"]) / 2
             return cast(Tensor, self.__torch_dispatch__(aten.leaky_relu.default, types,
                                                         (named["self"], slope)))  # fmt: skip
-        self.labels.pop(id(named["noise"]), None)
-        self._describe(named["noise"])  # a constant: the slopes f drew
+        self._as_constant(named["noise"])  # the slopes f drew
         return cast(Tensor, self.__torch_dispatch__(aten.mul.Tensor, types,
                                                     (named["self"], named["noise"])))  # fmt: skip
+
+    def _as_constant(self, t: Tensor) -> None:
+        """``t`` from now on a constant of the program (its value now), whatever it was."""
+        self.labels.pop(id(t), None)
+        self._describe(t)
 
     def _is_constant(self, t: Tensor) -> bool:
         """``t`` is (or becomes, if not seen yet) a constant of the program."""
