@@ -100,6 +100,10 @@ def main():
         print(f"rank {rank}/{world}, pattern 1: {particles}: gathered == one process, bitwise")
         data = data_set_sub_hessian(rank, world)
         print(f"rank {rank}/{world}, pattern 2: {data}: == one process, same on every rank")
+        # every rank's collectives done before the group goes: on torch 2.5 destroying a gloo
+        # group whose worker thread is still freeing the last collective's tensors deadlocks
+        # (the worker waits for the GIL, which the destroying thread holds while it joins)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
