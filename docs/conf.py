@@ -64,5 +64,6 @@ sphinx_gallery_conf = {
 
 html_theme = "furo"
 html_title = "pyhvp"
-html_static_path: list[str] = []
+html_static_path = ["_static"]
+html_css_files = ["wide-code.css"]  # a wider column: code lines of ~100 characters fit
 templates_path = ["_templates"]
