@@ -30,6 +30,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from dense import dense_sub_hessian
+from test_sub_hessian_routes import F64 as ROUTE_TOLERANCE
+from test_sub_hessian_routes import ROUTES, batch_loss, summed_dense
+from test_sub_hessian_routes import data_set as routes_data_set
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -450,6 +453,12 @@ def two_dtypes():
     return loss, params, index, [torch.rand(2, 3), torch.rand(2, 3)]
 
 
+def by_route(method, group):
+    """test_sub_hessian_routes' data set summed over ``group`` by one route of sub_hessian."""
+    params, batches, index = routes_data_set()
+    return pyhvp.sub_hessian(batch_loss, params, index, data=batches, group=group, method=method)
+
+
 PLAYS = {
     "two ranks": SCENARIOS,
     "world of one": {
@@ -458,6 +467,10 @@ PLAYS = {
         "its own error": lambda r, w, g: pyhvp.sub_hessian(
             lambda p: 1 / 0, torch.zeros(2), torch.tensor([0]), group=g
         ),
+        **{
+            f"route {method}": lambda r, w, g, method=method: by_route(method, g)
+            for method in ROUTES
+        },
     },
 }
 
@@ -546,6 +559,19 @@ def test_blocks_of_two_dtypes_travel_together_and_keep_their_dtypes(alone):
 @pytest.mark.slow
 def test_a_world_of_one_reraises_its_own_error(alone):
     assert alone["its own error"].get("error") == "ZeroDivisionError", alone["its own error"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ROUTES)
+def test_a_world_of_one_gives_the_dense_sum_on_every_sub_hessian_route(alone, method):
+    got = value(alone[f"route {method}"])
+    params, batches, index = routes_data_set()
+    expected = summed_dense(params, batches, index)
+    start = 0
+    for name, flat in index.items():
+        part = expected[start : start + len(flat), start : start + len(flat)]
+        torch.testing.assert_close(got[name], part, **ROUTE_TOLERANCE)
+        start += len(flat)
 
 
 @pytest.mark.slow

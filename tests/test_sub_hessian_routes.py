@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from dense import dense_sub_hessian, loop_sub_hessians
 from torch import nn
@@ -169,28 +168,6 @@ def test_data_batches_sum_on_every_route(method):
     params, batches, index = data_set()
     got = pyhvp.sub_hessian(batch_loss, params, index, data=batches, joint=True, method=method)
     torch.testing.assert_close(got, summed_dense(params, batches, index), **F64)
-
-
-@pytest.fixture
-def world_of_one():
-    """This process as a gloo group of one rank (an in-memory store, no network)."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
-@pytest.mark.parametrize("method", ROUTES)
-def test_a_world_of_one_gives_the_dense_sum_on_every_route(world_of_one, method):
-    params, batches, index = data_set()
-    got = pyhvp.sub_hessian(
-        batch_loss, params, index, data=batches, group=world_of_one, method=method
-    )
-    expected = summed_dense(params, batches, index)
-    start = 0
-    for name, flat in index.items():
-        part = expected[start : start + len(flat), start : start + len(flat)]
-        torch.testing.assert_close(got[name], part, **F64)
-        start += len(flat)
 
 
 BIG = torch.randn(80, 80, dtype=torch.float64)  # 6400 entries: over DENSE_LIMIT
