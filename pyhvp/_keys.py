@@ -23,18 +23,19 @@ class Value:
     value. Floats and complex numbers compare by ``repr`` (exact), so ``-0.0`` and ``0.0``
     differ and NaN equals NaN."""
 
-    __slots__ = ("_key", "value")
+    __slots__ = ("_hash", "_key", "value")
 
     def __init__(self, value: object) -> None:
         self.value = value
         exact = repr(value) if isinstance(value, (float, complex)) else value
         self._key = (type(value), exact)
+        self._hash = hash(self._key)  # keys are hashed on every lookup of a program
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Value) and other._key == self._key
 
     def __hash__(self) -> int:
-        return hash(self._key)
+        return self._hash
 
 
 def value_key(obj: object) -> Value | None:

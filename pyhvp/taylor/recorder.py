@@ -135,6 +135,13 @@ def _grad_disabled_by_f() -> bool:
 
 
 @functools.cache
+def _traits(func: torch._ops.OpOverload) -> tuple[bool, bool]:
+    """``(draws randomly, writes an argument)``: read off the op's tags and schema once per op
+    (each costs a C++ call and a list scan on every recorded op otherwise)."""
+    return torch.Tag.nondeterministic_seeded in func.tags, func._schema.is_mutable
+
+
+@functools.cache
 def argument_kinds(func: torch._ops.OpOverload) -> tuple[tuple[str, ...], dict[str, str]]:
     """Per schema argument: ``"write"`` (mutated), ``"alias"`` (a view's base) or ``"read"``."""
 
@@ -190,17 +197,17 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's _
         if self.watch_backward and _current_autograd_node() is not None:
             self.saw_backward = True  # (in case f swallows the exception)
             raise BackwardInside
-        if torch.Tag.nondeterministic_seeded in func.tags:
+        draws, mutable = _traits(func)
+        if draws:
             return self._drawn(func, types, args, kwargs)
         if func is SCALAR_TENSOR and type(args[0]) is float:  # where(c, y, 0.5): lifted
             out = func(*args, **kwargs)
             self._describe(out)
             return out
         recorded, recorded_args = self._lift_scalars(func, args)
-        mutable = func._schema.is_mutable
         if mutable:
             self._refuse_input_writes(func, args, kwargs)
-        items = tuple(sorted(kwargs.items()))
+        items = tuple(sorted(kwargs.items())) if kwargs else ()
         no_grad = not torch.is_grad_enabled() and _grad_disabled_by_f()
         note: str | bool | None = KEEP if no_grad and mutable else None
         described: tuple[Hashable, Hashable]
@@ -304,7 +311,7 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's _
                 self._stops_outputs = True
             return label
         if isinstance(value, (list, tuple)):
-            return (type(value) is list, tuple(self._describe(v, kind) for v in value))
+            return (type(value) is list, tuple([self._describe(v, kind) for v in value]))
         return value_key(value) or ("object", Identity(value))
 
     def _outputs(self, out: object, label: tuple[Hashable, ...], stopped: bool) -> Hashable:
