@@ -458,12 +458,10 @@ def _sums(
 ) -> list[torch.Tensor]:
     """The call's blocks (unsymmetrised), summed over the batches, each batch by the route the
     cost model picks: sparse while it applies, reverse from the first batch it does not."""
-    refusal = None if method == "reverse" else _sparse_refusal(plan, backend, method)
+    refusal = "method='reverse'" if method == "reverse" else _sparse_refusal(plan, backend, method)
     if method == "sparse" and refusal is not None:
         raise ValueError(f"method='sparse' does not apply: {refusal}")
-    use_sparse = method != "reverse" and refusal is None
-    if method == "reverse":
-        refusal = "method='reverse'"
+    use_sparse = refusal is None
     flats = [flat.to(t.device) for flat, t in zip(plan.flats, plan.tensors, strict=True)]
     sizes = [len(flat) for flat in flats]
     sparse_sum: torch.Tensor | None = None

@@ -188,8 +188,11 @@ class Entry:
     judged: bool = False
 
     def on_trial(self) -> bool:
-        """Still timing the compiled kernel: fewer than :data:`TRIAL_CALLS` calls, or fewer
-        than :data:`LONGEST_TRIAL` while its median is slower than eager's."""
+        """Still timing the compiled kernel: not judged yet, and fewer than :data:`TRIAL_CALLS`
+        calls, or fewer than :data:`LONGEST_TRIAL` while its median is slower than eager's (the
+        medians are not recomputed on every call once it is judged)."""
+        if self.judged:
+            return False
         calls = len(self.compiled_runs.recent)
         return calls < TRIAL_CALLS or (calls < LONGEST_TRIAL and self.compiled_is_slower())
 

@@ -555,7 +555,7 @@ class TorchBackend:
         entry = _CACHE.entry(key)
         auto = self.compile == "auto"
         device = next(t.device for t in inputs if isinstance(t, torch.Tensor))
-        if auto and entry.compiled is not None and not entry.on_trial() and not entry.judged:
+        if auto and entry.compiled is not None and not entry.judged and not entry.on_trial():
             _CACHE.judge(entry)  # here, not after the last trial call: its backward has run
         waiting = auto and entry.compiled is None and not _CACHE.should_compile(entry)
         if entry.failed or (auto and entry.declined) or waiting:

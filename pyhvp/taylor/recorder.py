@@ -199,7 +199,7 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's _
             raise BackwardInside
         draws, mutable = _traits(func)
         if draws:
-            return self._drawn(func, types, args, kwargs)
+            return self._drawn(func, types, args, kwargs, mutable)
         if func is SCALAR_TENSOR and type(args[0]) is float:  # where(c, y, 0.5): lifted
             out = func(*args, **kwargs)
             self._describe(out)
@@ -232,12 +232,12 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's _
         return out
 
     def _drawn(self, func: torch._ops.OpOverload, types: Sequence[type], args: tuple[Any, ...],
-               kwargs: dict[str, Any]) -> Any:  # fmt: skip
+               kwargs: dict[str, Any], mutable: bool) -> Any:  # fmt: skip
         """A random op: its draw is ``f``'s and stays a constant of the program (see
         :data:`DRAWN_WITHOUT_DERIVATIVES`, :data:`DROPOUTS`, :data:`RRELU`).
         Any other whose value varies with a tensor ``f`` computed (``_standard_gamma``, as in
         ``Gamma(x).rsample()``) is refused: its kernel would draw another sample."""
-        if func._schema.is_mutable:
+        if mutable:
             self._refuse_input_writes(func, args, kwargs)
         out = func(*args, **kwargs)
         if func in DROPOUTS:
