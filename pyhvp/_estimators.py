@@ -63,6 +63,17 @@ class Checked:
     def __name__(self) -> str:  # what warnings print
         return getattr(self.f, "__name__", type(self.f).__name__)
 
+    @property
+    def __wrapped__(self) -> Callable[..., torch.Tensor]:
+        return self.f
+
+    @property
+    def __guarded_call__(self) -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor],
+                                        tuple[object, ...]]:  # fmt: skip
+        """This call as ``(f, check, its arguments)`` for dynamo's guards (pyhvp.taylor.guards),
+        which would otherwise see a new object at every call."""
+        return self.f, check_batched_output, (self.batch, self.scalar_hint)
+
     def __call__(self, y: torch.Tensor, *args: object) -> torch.Tensor:
         return check_batched_output(self.f(y, *args), self.batch, self.scalar_hint)
 

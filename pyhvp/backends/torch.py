@@ -378,17 +378,22 @@ def _require_torch_function(f: object) -> None:
 
 
 class TorchBackend:
-    """torch.func primitives; ``compile`` is ``"auto"`` (default), ``True`` or ``False``."""
+    """torch.func primitives; ``compile`` is ``"auto"`` (default), ``True`` or ``False``;
+    ``guards``: the Taylor engine reuses a program while dynamo's guards on ``f`` hold instead
+    of recording ``f`` at every call (:mod:`pyhvp.taylor.guards`)."""
 
     name = "torch"
 
-    def __init__(self, compile: CompileMode = "auto") -> None:
+    def __init__(self, compile: CompileMode = "auto", guards: bool = True) -> None:
         if not (isinstance(compile, bool) or compile == "auto"):
             raise ValueError(f"compile must be 'auto', True or False, got {compile!r}")
+        if not isinstance(guards, bool):
+            raise ValueError(f"guards must be True or False, got {guards!r}")
         self.compile = compile
+        self.guards = guards
 
     def __repr__(self) -> str:
-        return f"TorchBackend(compile={self.compile!r})"
+        return f"TorchBackend(compile={self.compile!r}, guards={self.guards!r})"
 
     def grad_and_hvp(
         self,
@@ -474,11 +479,12 @@ class TorchBackend:
     def _capture(
         self, f: Callable[..., torch.Tensor], x: torch.Tensor, args: Sequence[object]
     ) -> taylor.Capture:
-        """``f``'s program (recorded at every call, :func:`pyhvp.taylor.capture`); ``x`` enters
-        as a fresh alias, so ``x`` in ``args`` or captured by ``f`` is a constant there."""
+        """``f``'s program (:func:`pyhvp.taylor.capture`: recorded, or found by dynamo's guards);
+        ``x`` enters as a fresh alias, so ``x`` in ``args`` or captured by ``f`` is a constant
+        there."""
         _require_torch_function(f)
         with torch.inference_mode(False):
-            return taylor.capture(f, x.clone() if x.is_inference() else x, args)
+            return taylor.capture(f, x.clone() if x.is_inference() else x, args, self.guards)
 
     def _jets(
         self,

@@ -45,13 +45,13 @@ from torch._decomp import core_aten_decompositions, get_decompositions
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from pyhvp._keys import Value
+from pyhvp.taylor import guards
 from pyhvp.taylor.custom_ops import STOP_GRADIENT, WITH_DERIVATIVES_OF
 from pyhvp.taylor.kernel import JetKernel, basis_event, build_kernel, traceable
 from pyhvp.taylor.recorder import (
     BY_CONDITIONING,
     KEEP,
     STOP,
-    BackwardInside,
     InPlaceInputError,
     Recorder,
     X,
@@ -181,18 +181,26 @@ class Capture:
         return self.program.kernel(collapsed, x, directions, self.constants, second_only)
 
 
-def capture(f: Callable[..., Tensor], x: Tensor, args: Sequence[object]) -> Capture:
-    """Run ``f(x, *args)`` once under the recorder; return its (cached or new) program.
+def capture(f: Callable[..., Tensor], x: Tensor, args: Sequence[object], guarded: bool = False
+            ) -> Capture:  # fmt: skip
+    """Run ``f(x, *args)`` once under the recorder; return its (cached or new) program. With
+    ``guarded``, a call whose dynamo guards hold reuses its graph's program unrecorded
+    (:mod:`.guards`).
 
     ``f`` gets a fresh alias of ``x`` as its variable: the tensor ``x`` itself, passed again in
     ``args`` or captured by ``f``, is a constant there (partial derivatives, as on the
     Hessian-vector-product path).
     """
     variable = x.detach()
-    try:
-        recorder, out = record(f, variable, args, tell_backward_apart=False)
-    except BackwardInside:
-        recorder, out = record(f, variable, args, tell_backward_apart=True)
+    if guarded:
+        found = guards.capture(f, variable, args, _program)
+        if found is not None:
+            return Capture(*found)
+    return Capture(*_program(*record(f, variable, args), variable))
+
+
+def _program(recorder: Recorder, out: object, x: Tensor) -> tuple[Program, tuple[Tensor, ...]]:
+    """The (cached or new) program of a record, and the constants to pass it."""
     if not isinstance(out, Tensor):
         raise TypeError(f"f must return a torch.Tensor, got {type(out).__name__}")
     if not out.is_floating_point():  # integers do not vary smoothly; complex is not supported
@@ -210,7 +218,7 @@ def capture(f: Callable[..., Tensor], x: Tensor, args: Sequence[object]) -> Capt
     _PROGRAMS[key] = program
     while len(_PROGRAMS) > PROGRAMS_CACHED:
         _PROGRAMS.popitem(last=False)
-    return Capture(program, tuple(recorder.constants))
+    return program, tuple(recorder.constants)
 
 
 def _functional_graph(recorder: Recorder, output: Hashable, x: Tensor) -> fx.GraphModule:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, cast
 
 import torch
@@ -112,7 +112,7 @@ def _lifted_dtype(other: object) -> torch.dtype | None:
     return dtype if dtype in LIFTED_DTYPES else None
 
 
-def _storage(t: Tensor) -> int:
+def storage_id(t: Tensor) -> int:
     """Where ``t``'s elements live (0: nowhere to write, or a tensor without plain storage)."""
     try:
         return t.untyped_storage().data_ptr()
@@ -176,8 +176,8 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's _
         # stay alive): an id whose tensor died may be reused by an unrelated tensor
         self.labels: dict[int, tuple[Hashable, weakref.ref[Tensor] | None]] = {id(x): (X, None)}
         self.constants: list[Tensor] = []
-        self.inputs = {_storage(x)} - {0}  # storages of x and of the constants
-        self.x_storage = _storage(x)
+        self.inputs = {storage_id(x)} - {0}  # storages of x and of the constants
+        self.x_storage = storage_id(x)
         self.stopped: set[Hashable] = set()  # labels of views made without grad
         self.written_constants: set[int] = set()  # copied before their first write
         # (op, its args' and kwargs' descriptions, its outputs' description, note)
@@ -185,6 +185,7 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's _
             tuple[torch._ops.OpOverload, Hashable, Hashable, Hashable, str | bool | None]
         ] = []
         self._stops_outputs = False
+        self.drew = False  # f drew random values: constants of this record alone
 
     def __torch_dispatch__(
         self,
@@ -240,6 +241,7 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's _
         if mutable:
             self._refuse_input_writes(func, args, kwargs)
         out = func(*args, **kwargs)
+        self.drew = True
         if func in DROPOUTS:
             source, p = args[0], float(args[1])
             train = (args[2] if len(args) > 2 else kwargs.get("train")) is not False
@@ -299,7 +301,7 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's _
                 label = ("constant", len(self.constants))
                 self.labels[id(value)] = (label, None)
                 self.constants.append(value)
-                self.inputs.add(_storage(value))
+                self.inputs.add(storage_id(value))
                 self.inputs.discard(0)
             if kind is None:
                 return label
@@ -372,7 +374,7 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's _
             if not isinstance(value, Tensor):
                 continue
             label = self._label(value)
-            storage = _storage(value)
+            storage = storage_id(value)
             if label == X:
                 what = "x"
             elif storage != 0 and storage == self.x_storage:
@@ -395,7 +397,7 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's _
             if (
                 index not in self.written_constants
                 and storage != 0
-                and _storage(constant) == storage
+                and storage_id(constant) == storage
             ):
                 self.written_constants.add(index)
                 self.constants[index] = constant.clone()
@@ -454,24 +456,41 @@ class BackwardInside(BaseException):
     ``f`` is recorded without it and, when this is raised, recorded again with it."""
 
 
-def record(f: Callable[..., Tensor], variable: Tensor, args: Sequence[object],
-            tell_backward_apart: bool) -> tuple[Recorder, object]:  # fmt: skip
-    """``f(variable, *args)`` under the recorder: grad mode on (so that ``f``'s own ``no_grad``
-    shows), the fused multi-head-attention inference path off (it has no derivatives), and
-    ``scaled_dot_product_attention`` on its math path: the fused kernels (flash, efficient,
-    cuDNN on CUDA; flash on the CPU) have no decomposition and no second derivatives."""
-    recorder = Recorder(variable, watch_backward=not tell_backward_apart)
+@contextlib.contextmanager
+def recording_state() -> Iterator[None]:
+    """The state ``f`` runs in while it is recorded: grad mode on (so that ``f``'s own
+    ``no_grad`` shows), the fused multi-head-attention inference path off (it has no
+    derivatives), and ``scaled_dot_product_attention`` on its math path: the fused kernels
+    (flash, efficient, cuDNN on CUDA; flash on the CPU) have no decomposition and no second
+    derivatives."""
     mha = getattr(torch.backends, "mha", None)
     fastpath = mha.get_fastpath_enabled() if mha is not None else None
-    guard = _NoAutogradInside() if tell_backward_apart else contextlib.nullcontext()
     try:
         if mha is not None:
             mha.set_fastpath_enabled(False)
-        with torch.enable_grad(), guard, _MathAttention(), recorder:
-            out = f(variable, *args)
+        with torch.enable_grad(), _MathAttention():
+            yield
     finally:
         if mha is not None:
             mha.set_fastpath_enabled(fastpath)
+
+
+def record(f: Callable[..., Tensor], variable: Tensor, args: Sequence[object]
+           ) -> tuple[Recorder, object]:  # fmt: skip
+    """``f(variable, *args)`` under the recorder, in :func:`recording_state`; recorded again
+    under :class:`_NoAutogradInside` when autograd's engine ran inside (:class:`BackwardInside`)."""
+    try:
+        return _record(f, variable, args, tell_backward_apart=False)
+    except BackwardInside:
+        return _record(f, variable, args, tell_backward_apart=True)
+
+
+def _record(f: Callable[..., Tensor], variable: Tensor, args: Sequence[object],
+            tell_backward_apart: bool) -> tuple[Recorder, object]:  # fmt: skip
+    recorder = Recorder(variable, watch_backward=not tell_backward_apart)
+    guard = _NoAutogradInside() if tell_backward_apart else contextlib.nullcontext()
+    with recording_state(), guard, recorder:
+        out = f(variable, *args)
     if recorder.saw_backward:
         raise BackwardInside
     return recorder, out

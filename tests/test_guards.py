@@ -1,0 +1,203 @@
+"""Dynamo's guards in place of the per-call record (issue 17): a program is reused while the
+guards on ``f`` hold, and never once anything ``f``'s result depends on has changed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dense import instance_hessian_diagonal, instance_laplacian
+from torch import nn
+
+import pyhvp
+from pyhvp.taylor import guards, program
+
+GUARDED = pyhvp.TorchBackend(compile=False, guards=True)
+RECORDED = pyhvp.TorchBackend(compile=False, guards=False)
+
+
+@pytest.fixture
+def records(monkeypatch):
+    """How many times ``f`` (or the graph dynamo traced) has been recorded so far."""
+    count = [0]
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return record(*args, **kwargs)
+
+    record = program.record
+    monkeypatch.setattr(program, "record", counted)
+    monkeypatch.setattr(guards, "record", counted)
+    return count
+
+
+class Branchy(nn.Module):
+    """Takes another branch in evaluation mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(3, 1)
+
+    def forward(self, x):
+        y = self.inner(torch.tanh(x)).squeeze(-1)
+        return y**3 if self.training else torch.sin(y)
+
+
+def _net(device):
+    return nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1)).double().to(device)
+
+
+def parameter_updated_in_place(device):
+    net = _net(device)
+
+    def change():
+        with torch.no_grad():
+            net[0].weight.mul_(2)
+
+    return lambda x: net(x).squeeze(-1), change
+
+
+def parameter_replaced(device):
+    net = _net(device)
+
+    def change():
+        net[0].weight = nn.Parameter(torch.randn(8, 3, dtype=torch.float64, device=device))
+
+    return lambda x: net(x).squeeze(-1), change
+
+
+def module_switched_to_evaluation(device):
+    net = Branchy().double().to(device)
+    return net, lambda: net.train(False)
+
+
+def python_state_changed(device):
+    state = {"power": 3}
+
+    def change():
+        state["power"] = 4
+
+    return lambda x: (torch.tanh(x) ** state["power"]).sum(-1), change
+
+
+def float_in_a_closure_changed(device):
+    width = [0.5]
+
+    def change():
+        width[0] = 1.5
+
+    return lambda x: torch.exp(-width[0] * (x**2).sum(-1)), change
+
+
+def closed_over_tensor_replaced(device):
+    centre = {"mu": torch.zeros(3, dtype=torch.float64, device=device)}
+
+    def change():
+        centre["mu"] = torch.ones(3, dtype=torch.float64, device=device)
+
+    return lambda x: torch.exp(-((x - centre["mu"]) ** 2)).sum(-1), change
+
+
+CHANGES = {  # f, and a change between calls that its result depends on
+    "a parameter updated in place": parameter_updated_in_place,
+    "a parameter replaced": parameter_replaced,
+    "a module switched to evaluation (another branch)": module_switched_to_evaluation,
+    "an int in Python state changed": python_state_changed,
+    "a float in a closure changed": float_in_a_closure_changed,
+    "a closed-over tensor replaced": closed_over_tensor_replaced,
+}
+
+
+@pytest.mark.parametrize("make", CHANGES.values(), ids=CHANGES.keys())
+def test_a_change_f_depends_on_is_seen_at_the_next_call(make, device):
+    f, change = make(device)
+    x = torch.randn(5, 3, dtype=torch.float64, device=device)
+    for _ in range(2):  # traced, then reused
+        pyhvp.laplacian(f, x, backend=GUARDED)
+    change()
+    torch.testing.assert_close(pyhvp.laplacian(f, x, backend=GUARDED), instance_laplacian(f, x))
+
+
+@pytest.mark.parametrize("make", CHANGES.values(), ids=CHANGES.keys())
+def test_a_call_whose_guards_hold_is_not_recorded(make, records, device):
+    """What the route is for: after the call dynamo traced (which records f and dynamo's graph,
+    and checks that both give one program), f is neither run nor recorded."""
+    f, _ = make(device)
+    x = torch.randn(5, 3, dtype=torch.float64, device=device)
+    pyhvp.laplacian(f, x, backend=GUARDED)
+    traced = records[0]
+    for _ in range(3):
+        pyhvp.hessian_diagonal(f, x, backend=GUARDED)
+    assert (traced, records[0]) == (2, 2)
+
+
+def _item_branch(x):
+    return x.pow(3).sum(-1) if x.sum().item() > 0 else x.pow(2).sum(-1)
+
+
+def _dropout(x):
+    return torch.nn.functional.dropout(torch.tanh(x), 0.5).pow(2).sum(-1)
+
+
+def _write(x):
+    y = x * 1.0
+    y[..., 0] = 2 * y[..., 0]
+    return y.pow(3).sum(-1)
+
+
+def _determinant(x):
+    return torch.linalg.det(x.reshape(*x.shape[:-1], 2, 2) + 1)
+
+
+DECLINED = {  # f the route must leave to the record at every call, and why
+    "a branch on a value (.item(), a graph break)": _item_branch,
+    "a random draw (dropout)": _dropout,
+    "a write to a tensor": _write,
+    "a determinant (its rule depends on the values)": _determinant,
+}
+
+
+@pytest.mark.parametrize("f", DECLINED.values(), ids=DECLINED.keys())
+def test_what_must_be_done_or_judged_anew_is_recorded_at_every_call(f, records, device):
+    x = torch.randn(5, 4, dtype=torch.float64, device=device)
+    for calls in (1, 2, 3):
+        torch.manual_seed(0)
+        guarded = pyhvp.laplacian(f, x, backend=GUARDED)
+        torch.manual_seed(0)
+        torch.testing.assert_close(guarded, pyhvp.laplacian(f, x, backend=RECORDED))
+        assert records[0] >= 2 * calls
+
+
+def test_gradients_through_a_guarded_laplacian_reach_the_parameters(device):
+    """A PINN step: the residual's gradient in the parameters, the same on both routes (the
+    last bias has none: a Laplacian does not depend on it)."""
+    net = _net(device)
+    x = torch.randn(6, 3, dtype=torch.float64, device=device)
+
+    def step(backend):
+        net.zero_grad()
+        pyhvp.laplacian(lambda y: net(y).squeeze(-1), x, backend=backend).square().mean().backward()
+        return [p.grad for p in net.parameters()]
+
+    for _ in range(2):
+        torch.testing.assert_close(step(GUARDED), step(RECORDED))
+
+
+def test_a_float_that_changes_every_call_leaves_the_route_after_a_few_graphs(records, device):
+    """Dynamo specialises floats: each value is a graph, until the route gives way to the
+    record, which serves every value with one program."""
+    x = torch.randn(5, 3, dtype=torch.float64, device=device)
+    for step in range(guards.GRAPHS_PER_ROUTE + 3):
+        t = 0.5 + step / 10
+
+        def f(y, t=t):
+            return torch.exp(-t * (y**2).sum(-1))
+
+        torch.testing.assert_close(pyhvp.hessian_diagonal(f, x, backend=GUARDED),
+                                   instance_hessian_diagonal(f, x))  # fmt: skip
+    route = guards._ROUTES[f.__code__]
+    assert route.graphs == guards.GRAPHS_PER_ROUTE and route.declined is not None
+
+
+def test_guards_must_be_a_bool():
+    with pytest.raises(ValueError, match="guards must be True or False, got 'yes'"):
+        pyhvp.TorchBackend(guards="yes")
