@@ -44,6 +44,10 @@ MAX_ELEMENTS = 48
 SAMPLES = 3  # the op's first samples of at most MAX_ELEMENTS: values on each, third order on one
 TIMEOUT_S = 120.0
 MEMORY_LIMIT = 3 << 30  # bytes a case may allocate (beyond the forked process's own)
+RECORDED = pyhvp.TorchBackend(guards=False)
+"""The sweep checks the engine's rules, which see the record of f either way: without dynamo's
+guards, which would trace each sample's f anew (its shapes differ) and more than double the
+sweep's time. The guards' program is the record's by construction (tests/test_guards.py)."""
 VALUE_RTOL = 1e-6  # of the dense Hessian's largest entry (plus an absolute 1e-6)
 THIRD_RTOL = 1e-5  # of the larger of the derivative and <v, diagonal>, plus an absolute 1e-5
 THIRD_STEP = 1e-4  # five-point central differences: error ~ step^4 f^(7), roundoff ~ 1e-16 / step
@@ -308,8 +312,8 @@ def check_sample(f, x, third_order: bool = True) -> tuple:
     scale = 1.0 + hessian.abs().max().item()
 
     try:
-        diagonal = pyhvp.hessian_diagonal(f, flat, event_dims=1)
-        laplacian = pyhvp.laplacian(f, flat, event_dims=1)
+        diagonal = pyhvp.hessian_diagonal(f, flat, event_dims=1, backend=RECORDED)
+        laplacian = pyhvp.laplacian(f, flat, event_dims=1, backend=RECORDED)
     except Exception as error:
         return (*_engine_failure(error, "values"), [])
     for what, got, want, tol in (
@@ -343,7 +347,7 @@ def check_third_order(f, flat, reference) -> tuple:
         return EXACT, "", "", ["no third-order reference: central differences not finite"]
     leaf = flat.clone().requires_grad_()
     try:
-        diagonal = pyhvp.hessian_diagonal(f, leaf, event_dims=1)
+        diagonal = pyhvp.hessian_diagonal(f, leaf, event_dims=1, backend=RECORDED)
         gradient = None
         if diagonal.requires_grad:
             (gradient,) = torch.autograd.grad((v * diagonal).sum(), leaf, allow_unused=True)
