@@ -380,7 +380,7 @@ def _require_torch_function(f: object) -> None:
 class TorchBackend:
     """torch.func primitives; ``compile`` is ``"auto"`` (default), ``True`` or ``False``;
     ``guards``: the Taylor engine reuses a program while dynamo's guards on ``f`` hold instead
-    of recording ``f`` at every call (:mod:`pyhvp.taylor.guards`)."""
+    of recording ``f`` at every call (the Taylor engine guide, "Guards")."""
 
     name = "torch"
 
