@@ -64,10 +64,6 @@ class Checked:
         return getattr(self.f, "__name__", type(self.f).__name__)
 
     @property
-    def __wrapped__(self) -> Callable[..., torch.Tensor]:
-        return self.f
-
-    @property
     def __guarded_call__(self) -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor],
                                         tuple[object, ...]]:  # fmt: skip
         """This call as ``(f, check, its arguments)`` for dynamo's guards (pyhvp.taylor.guards),

@@ -112,6 +112,8 @@ class _Route:
         self, module: fx.GraphModule, example_inputs: Sequence[object]
     ) -> Callable[..., tuple[object]]:
         self.graphs += 1
+        if self.graphs >= min(GRAPHS_PER_ROUTE, _dynamo_limit() - 1):
+            self.declined = f"{self.graphs} graphs"  # from the next call on
         (outputs,) = next(node.args for node in module.graph.nodes if node.op == "output")
         if len(outputs) != 1:  # dynamo would store a placeholder where f keeps an intermediate
             raise _Declined(f"the graph returns {len(outputs)} tensors, more than f's result")
@@ -188,7 +190,8 @@ def capture(f: Callable[..., Tensor], variable: Tensor, args: Sequence[object], 
     first of each graph) ends dynamo's before it replays any, so ``f`` runs once per call."""
     if not _plain_call():
         return None
-    key = _route_key(f)
+    parts = _parts(f)
+    key = _route_key(parts[0])
     route = _ROUTES.get(key)
     if route is None:
         route = _ROUTES[key] = _Route()
@@ -197,15 +200,13 @@ def capture(f: Callable[..., Tensor], variable: Tensor, args: Sequence[object], 
     _pending.value = None
     try:
         with recording_state():
-            route.compiled(*_parts(f), variable, *args)
+            route.compiled(*parts, variable, *args)
     except _Unchecked:
         pass
     except Exception as error:  # dynamo cannot take f whole; the record shows any error of f's
         route.declined = f"dynamo: {type(error).__name__}: {error}"
         return None
     pending, _pending.value = _pending.value, None
-    if route.graphs >= min(GRAPHS_PER_ROUTE, _dynamo_limit() - 1):
-        route.declined = f"{route.graphs} graphs"
     if pending is None:  # dynamo ran f itself
         route.declined = route.declined or "dynamo ran f eagerly"
         return None
@@ -230,7 +231,7 @@ def _refusal(graph: _Graph, variable: Tensor, inputs: Sequence[object], build: B
     constants must be this call's inputs or scalars it made (which the guards fix)."""
     if recorder.drew:
         return "f draws random values"
-    if any(func is DET or func._schema.is_mutable for func, *_ in recorder.events):
+    if recorder.wrote or any(func is DET for func, *_ in recorder.events):
         return "f writes to a tensor or computes a determinant"
     if not all(isinstance(t, Tensor) for t in inputs):
         return "a graph input is not a tensor"

@@ -186,6 +186,7 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's _
         ] = []
         self._stops_outputs = False
         self.drew = False  # f drew random values: constants of this record alone
+        self.wrote = False  # f ran an op that writes to one of its arguments
 
     def __torch_dispatch__(
         self,
@@ -199,6 +200,7 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's _
             self.saw_backward = True  # (in case f swallows the exception)
             raise BackwardInside
         draws, mutable = _traits(func)
+        self.wrote |= mutable
         if draws:
             return self._drawn(func, types, args, kwargs, mutable)
         if func is SCALAR_TENSOR and type(args[0]) is float:  # where(c, y, 0.5): lifted
