@@ -8,6 +8,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 
 .PHONY: setup example test test-torch-range typecheck docs bench sweep
+.PRECIOUS: .venv-torch-%/.installed
 
 setup: $(VENV)/.installed
 
@@ -41,20 +42,26 @@ docs: $(VENV)/.docs-installed
 # The suite (pytest only) on the ends of the torch range pyproject.toml declares besides the pin:
 # its floor and the newest release pip installs here, each in a venv of its own
 # (.venv-torch-<version>, git-ignored); the pinned .venv is not touched. These are PyPI's CUDA
-# builds, which run on the CPU. The OpInfo sweep runs with the pin only: each release has its own
-# op database, and the sweep's table of refusals names the pinned one's ops.
+# builds, which run on the CPU, about 5.5 GB each: pip keeps no cache of them, and with PRUNE=1
+# (CI) each venv is removed once its suite has passed, so the disk never holds two. The OpInfo
+# sweep runs with the pin only: each release has its own op database, and the sweep's table of
+# refusals names the pinned one's ops.
 TORCH_RANGE ?= 2.5.1 2.14.1
+PRUNE ?=
 
-test-torch-range: $(foreach v,$(TORCH_RANGE),.venv-torch-$(v)/.installed)
-	for v in $(TORCH_RANGE); do \
-		echo "== torch $$v"; \
-		.venv-torch-$$v/bin/python -m pytest -p no:cacheprovider -m "not opinfo" || exit 1; \
-	done
+test-torch-range:
+	for v in $(TORCH_RANGE); do $(MAKE) --no-print-directory test-torch-$$v || exit 1; done
+
+test-torch-%: .venv-torch-%/.installed
+	@echo "== torch $*"
+	.venv-torch-$*/bin/python -m pytest -p no:cacheprovider -m "not opinfo"
+	$(if $(PRUNE),rm -rf .venv-torch-$*)
 
 .venv-torch-%/.installed: pyproject.toml
+	@df -h . | tail -1 | awk '{print "== disk before torch $*: " $$4 " free"}'
 	rm -rf .venv-torch-$*
 	$(PYTHON) -m venv .venv-torch-$*
-	.venv-torch-$*/bin/python -m pip install --quiet "torch==$*" -e ".[test,julia]"
+	.venv-torch-$*/bin/python -m pip install --quiet --no-cache-dir "torch==$*" -e ".[test,julia]"
 	touch $@
 
 # the OpInfo sweep's counts table ("N of M ops exact"); --report FILE for every op not exact
