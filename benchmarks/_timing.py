@@ -10,7 +10,9 @@ log-log, one panel per problem, every method beside the baselines.
 
 from __future__ import annotations
 
+import gc
 import platform
+import random
 import re
 import statistics
 import time
@@ -58,22 +60,35 @@ def interleaved_ms(
     """Median wall time (ms) of each function, timed round-robin: one call of each per round.
 
     ``warmup`` untimed calls each first; stops after ``rounds`` rounds, or once ``budget_s``
-    seconds have passed and at least 3 rounds were made.
+    seconds have passed and at least 3 rounds were made. Each round takes the functions in a new
+    order (seeded), and garbage is collected before each timed call: otherwise a function that
+    leaves reference cycles (``backward(create_graph=True)``) has them collected, and timed, in
+    whichever call comes next. (The objects alive before timing are frozen out of collection:
+    a full collection over them takes 150 ms with torch imported.)
     """
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     synchronize(device)
     times: dict[str, list[float]] = {name: [] for name in fns}
-    start = time.perf_counter()
-    for done in range(rounds):
-        if done >= 3 and time.perf_counter() - start > budget_s:
-            break
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            synchronize(device)
-            times[name].append((time.perf_counter() - t0) * 1e3)
+    order = list(fns.items())
+    shuffle = random.Random(0).shuffle
+    gc.collect()
+    gc.freeze()
+    try:
+        start = time.perf_counter()
+        for done in range(rounds):
+            if done >= 3 and time.perf_counter() - start > budget_s:
+                break
+            shuffle(order)
+            for name, fn in order:
+                gc.collect()
+                t0 = time.perf_counter()
+                fn()
+                synchronize(device)
+                times[name].append((time.perf_counter() - t0) * 1e3)
+    finally:
+        gc.unfreeze()
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
