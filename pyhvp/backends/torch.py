@@ -57,7 +57,7 @@ from torch.func import grad, vjp, vmap
 
 from pyhvp import taylor
 from pyhvp._checks import check_output
-from pyhvp.backends import Blocks, compile_policy
+from pyhvp.backends import Blocks, compile_policy, inductor_overlap
 from pyhvp.backends.compile_policy import CompileCache
 
 CompileMode = Literal["auto"] | bool
@@ -193,7 +193,8 @@ def _compile_bound(
 
     Dynamo keeps its compiled graphs (and its recompile limit, 8) per code object, so each cached
     signature gets a function with a code object of its own: many functions or shapes in one
-    process then never evict each other or fall back to eager.
+    process then never evict each other or fall back to eager. Inductor runs with
+    :mod:`.inductor_overlap`'s pass (indexed writes into expanded tensors, pytorch#183986).
     """
 
     def bound(*inputs: object) -> object:
@@ -201,7 +202,7 @@ def _compile_bound(
 
     code = bound.__code__.replace()
     fresh = types.FunctionType(code, bound.__globals__, bound.__name__, None, bound.__closure__)
-    return torch.compile(fresh, dynamic=False)
+    return torch.compile(fresh, dynamic=False, backend=inductor_overlap.inductor())
 
 
 def _needs_autograd(values: Sequence[object]) -> bool:

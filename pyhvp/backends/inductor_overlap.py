@@ -1,0 +1,102 @@
+"""A post-grad pass for the kernels the torch backend compiles: indexed writes into an expanded
+tensor get a fresh destination.
+
+Inductor's reinplace pass turns a functional indexed write (``index_put``, which ``index_add``,
+``index_copy`` and advanced-index assignment lower to; ``slice_scatter``, ``select_scatter``...)
+into an in-place one when it judges the mutation unobservable. When the destination is an
+intermediate with internal overlap -- ``zeros(n).expand(k, n)``, which ``vmap`` makes of an
+unbatched destination -- the rows then share one storage, and every row gets the sum of all
+rows' writes: a silently wrong result (pytorch#183986; seen on torch 2.5.1 and 2.13, fixed in
+2.14). pyhvp's compiled Hessian-vector products hit it for any ``f`` using ``index_select`` or
+``index_add`` (the batched backward of ``index_select`` is an ``index_add`` into expanded
+zeros), and its jet kernels for ``index_add``.
+
+:func:`inductor` makes the backend pyhvp compiles with: inductor with this pass, which runs after
+inductor's own post-grad passes and before reinplacing and clones such a destination into a
+dense tensor first (a copy only where the destination overlaps itself; no other graph change).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import cast
+
+import torch
+from torch import fx
+
+aten = torch.ops.aten
+
+INDEXED_WRITES = frozenset(
+    {
+        aten.index_put.default,
+        aten._unsafe_index_put.default,
+        aten.index_add.default,
+        aten.index_copy.default,
+        aten.slice_scatter.default,
+        aten.select_scatter.default,
+        aten.diagonal_scatter.default,
+        aten.as_strided_scatter.default,
+        aten.scatter.src,
+        aten.scatter.value,
+        aten.scatter_add.default,
+        aten.scatter_reduce.two,
+    }
+)
+"""Functional writes whose first argument is the destination."""
+
+
+def overlaps_itself(value: object) -> bool:
+    """A tensor whose elements share storage: a dim of size > 1 with stride 0, or any layout
+    torch cannot prove free of overlap."""
+    if not isinstance(value, torch.Tensor):
+        return False
+    if any(size > 1 and stride == 0 for size, stride in zip(value.shape, value.stride(),
+                                                             strict=True)):  # fmt: skip
+        return True
+    return bool(torch._debug_has_internal_overlap(value))
+
+
+def fresh_destinations(graph: fx.Graph) -> None:
+    """Clone (contiguous) the destination of every indexed write that overlaps itself."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in INDEXED_WRITES or not node.args:
+            continue
+        destination = node.args[0]
+        if not isinstance(destination, fx.Node):
+            continue
+        value = destination.meta.get("val")
+        if not overlaps_itself(value):
+            continue
+        with graph.inserting_before(node):
+            fresh = graph.call_function(
+                aten.clone.default, (destination,), {"memory_format": torch.contiguous_format}
+            )
+        assert isinstance(value, torch.Tensor)
+        fresh.meta["val"] = value.clone(memory_format=torch.contiguous_format)
+        node.update_arg(0, fresh)
+
+
+try:  # torch 2.6 and later: the FX graph cache keys a custom pass by its uuid, else bypasses
+    from torch._inductor.custom_graph_pass import CustomGraphPass as _PassBase
+    from torch._inductor.custom_graph_pass import get_hash_for_files
+except ImportError:  # torch 2.5 pickles the pass into the cache key: a module-level class
+    _PassBase = object  # type: ignore[misc, assignment]
+
+
+class FreshDestinations(_PassBase):
+    """:func:`fresh_destinations` as inductor's FX graph cache wants a custom pass."""
+
+    def __call__(self, graph: fx.Graph) -> None:
+        fresh_destinations(graph)
+
+    def uuid(self) -> bytes:
+        return bytes(get_hash_for_files((__file__,)))
+
+
+def inductor() -> Callable[..., object]:
+    """A ``torch.compile`` backend: what ``backend="inductor"`` makes, with this pass among its
+    options. (``options=`` would not take it on torch 2.5, which checks an option's type against
+    its default, ``None``.)"""
+    backend = torch._TorchCompileInductorWrapper(None, None, False)  # type: ignore[no-untyped-call]
+    backend.config["post_grad_custom_post_pass"] = FreshDestinations()
+    return cast(Callable[..., object], backend)

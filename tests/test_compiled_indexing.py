@@ -1,0 +1,101 @@
+"""Specification: compiled kernels are right where inductor would write into an expanded tensor.
+
+Inductor (torch 2.5-2.13) reinplaces an indexed write into an intermediate with internal overlap
+-- ``zeros(n).expand(k, n)``, which ``vmap`` makes of an unbatched destination -- so that every
+row gets the sum of all rows' writes (pytorch#183986). Compiled Hessian-vector products of any
+``f`` using ``index_select`` or ``index_add``, and compiled jet kernels of ``index_add``, gave
+silently wrong values. pyhvp compiles with a pass that gives such writes a fresh destination
+(:mod:`pyhvp.backends.inductor_overlap`): each case here is checked against dense float64.
+"""
+
+import pytest
+import torch
+from dense import instance_hvp, instance_laplacian
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import pyhvp
+from pyhvp.backends import inductor_overlap
+
+COMPILED = pyhvp.TorchBackend(compile=True)
+PICK = torch.tensor([3, 0, 5, 3])  # a repeat: two writes to one place
+DISTINCT = torch.tensor([4, 0, 2])
+
+
+def index_select(x):
+    return (x.index_select(-1, PICK.to(x.device)) ** 3).sum(-1)
+
+
+def index_add(x):
+    added = torch.zeros_like(x).index_add(-1, PICK.to(x.device), torch.sin(x[..., :4]))
+    return (added**2 * x).sum(-1)
+
+
+def index_copy(x):
+    copied = torch.zeros_like(x).index_copy(-1, DISTINCT.to(x.device), x[..., :3] ** 2)
+    return (copied * torch.cos(x)).sum(-1)
+
+
+def index_assignment(x):
+    y = x.clone()
+    y[..., DISTINCT.to(x.device)] = torch.tanh(x[..., 3:])
+    return (y**3).sum(-1)
+
+
+def slice_assignment(x):
+    y = x.clone()
+    y[..., 1:4] = torch.sin(x[..., :3])
+    return (y**2 * x).sum(-1)
+
+
+FUNCTIONS = [index_select, index_add, index_copy, index_assignment, slice_assignment]
+
+
+@pytest.mark.parametrize("f", FUNCTIONS, ids=lambda f: f.__name__)
+def test_compiled_hvps_equal_the_dense_hessian_times_v(f, device):
+    x = torch.randn(5, 6, dtype=torch.float64, device=device)
+    v = torch.randn(3, 5, 6, dtype=torch.float64, device=device)
+    _, hv = pyhvp.grad_and_hvp(f, x, v, backend=COMPILED)
+    torch.testing.assert_close(hv, instance_hvp(f, x, v))
+
+
+@pytest.mark.parametrize("f", FUNCTIONS, ids=lambda f: f.__name__)
+def test_compiled_laplacians_equal_the_dense_trace(f, device):
+    x = torch.randn(5, 6, dtype=torch.float64, device=device)
+    torch.testing.assert_close(pyhvp.laplacian(f, x, backend=COMPILED), instance_laplacian(f, x))
+
+
+def expanded_zeros(x):
+    return torch.zeros(x.shape[-1], dtype=x.dtype, device=x.device).expand_as(x)
+
+
+WRITES = {
+    "index_add": lambda x, i: expanded_zeros(x).index_add(-1, i, x[..., : len(i)]),
+    "index_copy": lambda x, i: expanded_zeros(x).index_copy(-1, i.unique(), x[..., :3]),
+    "index_put": lambda x, i: expanded_zeros(x).index_put(
+        (torch.arange(len(x), device=x.device)[:, None], i), x[..., : len(i)], accumulate=True
+    ),
+    "slice_scatter": lambda x, i: expanded_zeros(x).slice_scatter(x[..., :2], -1, 0, 2),
+    "select_scatter": lambda x, i: expanded_zeros(x).select_scatter(x[..., 0], -1, 1),
+}
+
+
+@pytest.mark.parametrize("write", WRITES.values(), ids=WRITES.keys())
+def test_a_write_into_an_expanded_intermediate_compiles_to_eager_values(write, device):
+    x = torch.randn(4, 6, device=device)
+    i = PICK.to(device)
+    compiled = torch.compile(write, dynamic=False, backend=inductor_overlap.inductor())
+    torch.testing.assert_close(compiled(x, i), write(x, i))
+
+
+def clones(graph_module):
+    return sum(node.target is torch.ops.aten.clone.default for node in graph_module.graph.nodes)
+
+
+def test_the_pass_copies_only_destinations_that_overlap_themselves():
+    x, i = torch.randn(4, 6), PICK
+    overlapping = make_fx(WRITES["index_add"])(x, i)
+    dense = make_fx(lambda x, i: torch.zeros_like(x).index_add(-1, i, x[..., :4]))(x, i)
+    before = clones(overlapping), clones(dense)
+    inductor_overlap.fresh_destinations(overlapping.graph)
+    inductor_overlap.fresh_destinations(dense.graph)
+    assert (clones(overlapping), clones(dense)) == (before[0] + 1, before[1])
