@@ -99,3 +99,18 @@ def test_the_pass_copies_only_destinations_that_overlap_themselves():
     inductor_overlap.fresh_destinations(overlapping.graph)
     inductor_overlap.fresh_destinations(dense.graph)
     assert (clones(overlapping), clones(dense)) == (before[0] + 1, before[1])
+
+
+def test_compiled_laplacian_gradients_in_captured_weights_equal_the_dense_ones(device):
+    """A PINN-style step: the compiled kernel's backward (AOTAutograd) carries the same writes."""
+    w = torch.randn(4, dtype=torch.float64, device=device, requires_grad=True)
+
+    def f(x):
+        return torch.tanh(torch.zeros_like(x).index_add(-1, PICK.to(device), x[..., :4] * w)).sum(
+            -1
+        )
+
+    x = torch.randn(5, 6, dtype=torch.float64, device=device)
+    (got,) = torch.autograd.grad(pyhvp.laplacian(f, x, backend=COMPILED).square().sum(), w)
+    (expected,) = torch.autograd.grad(instance_laplacian(f, x).square().sum(), w)
+    torch.testing.assert_close(got, expected)

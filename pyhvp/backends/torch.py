@@ -35,6 +35,9 @@ Compilation (``TorchBackend(compile=...)``; the rule itself is :mod:`.compile_po
   code segfaults on in torch 2.13 (pytorch#190856, #197067; ``jvp`` of ``jvp`` is therefore no
   longer used). Their compile key is the kernel, shared by every call that records the same
   program.
+* Inductor runs with :mod:`.inductor_overlap`'s pass: on torch 2.5-2.13 its reinplace pass wrote
+  indexed updates into expanded destinations (``vmap``'s batched backward of ``index_select``)
+  in place, summing every row's writes (pytorch#183986): silently wrong compiled HVPs.
 * If compilation or a compiled run fails while the eager run succeeds, pyhvp warns once per
   signature and runs that signature eagerly from then on; errors of ``f`` itself are raised as
   they would be eagerly, and out-of-memory errors are re-raised.
