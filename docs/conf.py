@@ -46,7 +46,7 @@ nitpick_ignore_regex = [
     ("py:class", r"BatchedFunction|Params|CompileMode|Blocks"),
     ("py:class", r"pyhvp\.instances\.Out"),  # a TypeVar: what a per-instance function returns
     # internal modules and helpers that the design notes name but the reference does not document
-    ("py:mod", r"pyhvp\.taylor(\..*)?|(pyhvp\.backends)?\.?(compile_policy|inductor_overlap)"),
+    ("py:mod", r"pyhvp\.taylor(\..*)?|(pyhvp\.backends)?\.?(compile_policy|inductor)"),
     ("py:func", r"require_primitive|sum_over_ranks|pyhvp\.taylor\..*"),
 ]
 

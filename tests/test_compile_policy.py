@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pyhvp
-from pyhvp.backends import compile_policy
+from pyhvp.backends import compile_policy, inductor
 from pyhvp.backends import torch as torch_backend
 from pyhvp.backends.compile_policy import function_key
 
@@ -95,8 +95,9 @@ def test_auto_total_time_is_within_twice_the_better_fixed_choice(
     eager, speedup, compile_cost, calls
 ):
     """Ski rental, with the compile cost known: for any number of calls, "auto" costs at most
-    twice the better of always-eager and always-compiled, plus one eager call and the timed trial
-    of a compiled kernel that turns out slower than eager (then declined)."""
+    twice the better of always-eager and always-compiled, plus two eager calls (one past the
+    compile cost, one that checks the compiled kernel's first result) and the timed trial of a
+    compiled kernel that turns out slower than eager (then declined)."""
     compiled_call = eager / speedup
     now = [0.0]
     cache = compile_policy.CompileCache()
@@ -126,7 +127,7 @@ def test_auto_total_time_is_within_twice_the_better_fixed_choice(
             backend._run(eager_kernel, eager_kernel, scaled, (), (x,))
     best = min(calls * eager, compile_cost + calls * compiled_call)
     trial = (compile_policy.LONGEST_TRIAL + 1) * compiled_call
-    assert now[0] <= 2 * best + eager + trial + 1e-9
+    assert now[0] <= 2 * best + 2 * eager + trial + 1e-9
 
 
 def test_a_compiled_kernel_slower_than_eager_is_declined_after_its_trial(
@@ -152,7 +153,9 @@ def test_a_compiled_kernel_slower_than_eager_is_declined_after_its_trial(
     for _ in range(15):
         backend._run(eager_kernel, eager_kernel, scaled, (), (torch.zeros(1),))
     trial = 1 + compile_policy.LONGEST_TRIAL  # the compiling call, then the timed ones
-    assert runs == ["eager"] * 2 + ["compiled"] * trial + ["eager"] * (15 - 2 - trial)
+    first = ["compiled", "eager"]  # the compiling call, checked against an eager run
+    rest = ["compiled"] * (trial - 1) + ["eager"] * (15 - 2 - trial)
+    assert runs == ["eager"] * 2 + first + rest
 
 
 def test_a_faster_kernel_whose_first_trial_calls_stall_is_kept(monkeypatch, compile_cache):
@@ -181,7 +184,7 @@ def test_a_faster_kernel_whose_first_trial_calls_stall_is_kept(monkeypatch, comp
     backend = pyhvp.TorchBackend(compile="auto")
     for _ in range(20):
         backend._run(eager_kernel, eager_kernel, scaled, (), (torch.zeros(1),))
-    assert runs == ["eager"] * 2 + ["compiled"] * 18
+    assert runs == ["eager"] * 2 + ["compiled", "eager"] + ["compiled"] * 17  # eager: the check
 
 
 def costing(now, forward_s, backward_s):
@@ -242,7 +245,9 @@ def test_training_steps_are_judged_on_forward_and_backward(
     trial = 1 + (
         compile_policy.LONGEST_TRIAL if settles_on == "eager" else compile_policy.TRIAL_CALLS
     )
-    assert runs == ["eager"] + ["compiled"] * trial + [settles_on] * (15 - 1 - trial)
+    first = ["compiled", "eager"]  # the compiling call, checked against an eager run
+    rest = ["compiled"] * (trial - 1) + [settles_on] * (15 - 1 - trial)
+    assert runs == ["eager", *first, *rest]
 
 
 def test_expected_compile_cost_is_the_median_of_measured_compiles():
@@ -326,3 +331,69 @@ def test_python_numbers_are_signatures_of_their_own(compiled):
 def test_compile_accepts_only_auto_true_false(mode):
     with pytest.raises(ValueError, match="compile must be 'auto', True or False"):
         pyhvp.TorchBackend(compile=mode)
+
+
+def test_a_compiled_kernel_that_disagrees_with_eager_never_serves(monkeypatch, compile_cache):
+    """Its first result is checked against an eager run: the call returns eager's, warns, and
+    every later call of the signature runs eagerly."""
+    runs = []
+
+    def miscompile(kernel, f, static):
+        def run(x):
+            runs.append("compiled")
+            return x + 1
+
+        return run
+
+    def eager_kernel(f, x):
+        runs.append("eager")
+        return x
+
+    monkeypatch.setattr(torch_backend, "_compile_bound", miscompile)
+    backend = pyhvp.TorchBackend(compile=True)
+    with pytest.warns(RuntimeWarning, match="disagrees with the eager one on its first call"):
+        first = backend._run(eager_kernel, eager_kernel, scaled, (), (torch.zeros(3),))
+    later = [backend._run(eager_kernel, eager_kernel, scaled, (), (torch.zeros(3),))
+             for _ in range(2)]  # fmt: skip
+    assert all(torch.equal(out, torch.zeros(3)) for out in (first, *later))
+    assert runs == ["compiled", "eager", "eager", "eager", "eager"]
+
+
+AGREEING = {
+    "rounding (float32)": (torch.tensor([1.0, 2.0]), torch.tensor([1.0 + 1e-6, 2.0])),
+    "NaN and inf in the same places": (
+        torch.tensor([float("nan"), float("inf"), 1.0]),
+        torch.tensor([float("nan"), float("inf"), 1.0]),
+    ),
+    "inside a tuple": ((torch.ones(2), torch.zeros(1)), (torch.ones(2), torch.zeros(1))),
+}
+DISAGREEING = {
+    "summed rows (pytorch#183986)": (torch.tensor([3.0, 3.0]), torch.tensor([1.0, 2.0])),
+    "NaN where eager is finite": (torch.tensor([float("nan")]), torch.tensor([1.0])),
+    "float64 beyond rounding": (torch.tensor([1.0 + 1e-6]).double(), torch.tensor([1.0]).double()),
+}
+
+
+@pytest.mark.parametrize(("got", "expected"), AGREEING.values(), ids=AGREEING.keys())
+def test_results_equal_up_to_rounding_agree(got, expected):
+    assert compile_policy.disagreement(got, expected) is None
+
+
+@pytest.mark.parametrize(("got", "expected"), DISAGREEING.values(), ids=DISAGREEING.keys())
+def test_results_beyond_rounding_disagree(got, expected):
+    assert "max difference" in compile_policy.disagreement(got, expected)
+
+
+@pytest.mark.skipif(torch.__version__ >= "2.14", reason="pytorch#183986 is fixed in torch 2.14")
+def test_the_check_catches_inductors_overlap_bug_without_pyhvps_pass(monkeypatch):
+    """With plain inductor (no pass of pyhvp.backends.inductor), the compiled HVP of
+    index_select is wrong on this torch; the first-call check returns eager's result instead."""
+    monkeypatch.setattr(inductor, "backend", lambda: "inductor")
+    pick = torch.tensor([3, 0, 5, 3])
+    f = lambda x: (x.index_select(-1, pick) ** 3).sum(-1)  # noqa: E731
+    x = torch.randn(5, 6, dtype=torch.float64)
+    v = torch.randn(3, 5, 6, dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match="disagrees"):
+        _, hv = pyhvp.grad_and_hvp(f, x, v, backend=pyhvp.TorchBackend(compile=True))
+    _, eager = pyhvp.grad_and_hvp(f, x, v, backend=pyhvp.TorchBackend(compile=False))
+    torch.testing.assert_close(hv, eager)

@@ -5,7 +5,7 @@ Inductor (torch 2.5-2.13) reinplaces an indexed write into an intermediate with 
 row gets the sum of all rows' writes (pytorch#183986). Compiled Hessian-vector products of any
 ``f`` using ``index_select`` or ``index_add``, and compiled jet kernels of ``index_add``, gave
 silently wrong values. pyhvp compiles with a pass that gives such writes a fresh destination
-(:mod:`pyhvp.backends.inductor_overlap`): each case here is checked against dense float64.
+(:mod:`pyhvp.backends.inductor`): each case here is checked against dense float64.
 """
 
 import pytest
@@ -14,7 +14,7 @@ from dense import instance_hvp, instance_laplacian
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import pyhvp
-from pyhvp.backends import inductor_overlap
+from pyhvp.backends import inductor
 
 COMPILED = pyhvp.TorchBackend(compile=True)
 PICK = torch.tensor([3, 0, 5, 3])  # a repeat: two writes to one place
@@ -83,7 +83,7 @@ WRITES = {
 def test_a_write_into_an_expanded_intermediate_compiles_to_eager_values(write, device):
     x = torch.randn(4, 6, device=device)
     i = PICK.to(device)
-    compiled = torch.compile(write, dynamic=False, backend=inductor_overlap.inductor())
+    compiled = torch.compile(write, dynamic=False, backend=inductor.backend())
     torch.testing.assert_close(compiled(x, i), write(x, i))
 
 
@@ -96,8 +96,8 @@ def test_the_pass_copies_only_destinations_that_overlap_themselves():
     overlapping = make_fx(WRITES["index_add"])(x, i)
     dense = make_fx(lambda x, i: torch.zeros_like(x).index_add(-1, i, x[..., :4]))(x, i)
     before = clones(overlapping), clones(dense)
-    inductor_overlap.fresh_destinations(overlapping.graph)
-    inductor_overlap.fresh_destinations(dense.graph)
+    inductor.fresh_destinations(overlapping.graph)
+    inductor.fresh_destinations(dense.graph)
     assert (clones(overlapping), clones(dense)) == (before[0] + 1, before[1])
 
 

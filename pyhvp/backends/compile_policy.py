@@ -17,6 +17,10 @@ script of ten calls never stalls on a compile and a loop of thousands still runs
   first :data:`TRIAL_CALLS` compiled calls are timed too -- up to :data:`LONGEST_TRIAL` while
   they look slower, so one stalled call does not decide -- and a signature whose compiled
   median is then slower than its eager median goes back to eager for good.
+* Compiling is not always right (compilers have bugs, e.g. pytorch#183986): the first result
+  of every compiled kernel (``compile=True`` too) is checked against an eager run from the same
+  random state (:func:`disagreement`); a kernel that disagrees never serves, its signature runs
+  eagerly from then on, with a warning. This costs one eager call per compile.
 
 **Keys.** Functions are keyed by what they compute, not by object identity: a function rebuilt on
 every call from the same code over the same captured objects (a lambda in a training loop, a
@@ -120,6 +124,32 @@ def signature(
         return function_key(value)
 
     return (kernel, function_key(f), static, tuple(describe(t) for t in inputs))
+
+
+AGREEMENT = {torch.float64: 1e-9, torch.float32: 1e-3, torch.float16: 5e-2, torch.bfloat16: 5e-2}
+"""How far a compiled kernel's first result may lie from the eager kernel's, relative to the
+largest finite eager value (plus one): rounding and a reordered sum stay far inside, a
+miscompiled kernel (pytorch#183986 summed every row's writes) lies far outside."""
+
+
+def disagreement(got: object, expected: object) -> str | None:
+    """Where a compiled kernel's result and the eager kernel's differ beyond :data:`AGREEMENT`
+    (NaN and infinities in the same places), or None."""
+    for a, b in zip(pytree.tree_leaves(got), pytree.tree_leaves(expected), strict=True):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            continue
+        a, b = a.detach(), b.detach()
+        if a.shape != b.shape:
+            return f"shape {tuple(a.shape)} against {tuple(b.shape)}"
+        finite = b[torch.isfinite(b)] if b.is_floating_point() else b
+        scale = 1.0 + (finite.abs().max().item() if finite.numel() else 0.0)
+        tolerance = AGREEMENT.get(b.dtype, 0.0) * scale
+        try:
+            torch.testing.assert_close(a, b, rtol=0.0, atol=tolerance, equal_nan=True)
+        except AssertionError:
+            difference = (a.double() - b.double()).abs().nan_to_num(nan=float("inf")).max()
+            return f"max difference {difference.item():.3g}, tolerance {tolerance:.3g}"
+    return None
 
 
 TRIAL_CALLS = 3

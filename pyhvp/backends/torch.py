@@ -35,9 +35,11 @@ Compilation (``TorchBackend(compile=...)``; the rule itself is :mod:`.compile_po
   code segfaults on in torch 2.13 (pytorch#190856, #197067; ``jvp`` of ``jvp`` is therefore no
   longer used). Their compile key is the kernel, shared by every call that records the same
   program.
-* Inductor runs with :mod:`.inductor_overlap`'s pass: on torch 2.5-2.13 its reinplace pass wrote
+* Inductor runs with :mod:`.inductor`'s pass: on torch 2.5-2.13 its reinplace pass wrote
   indexed updates into expanded destinations (``vmap``'s batched backward of ``index_select``)
-  in place, summing every row's writes (pytorch#183986): silently wrong compiled HVPs.
+  in place, summing every row's writes (pytorch#183986): silently wrong compiled HVPs. And the
+  first result of every compiled kernel is checked against an eager run; one that disagrees
+  never serves (``compile_policy.disagreement``).
 * If compilation or a compiled run fails while the eager run succeeds, pyhvp warns once per
   signature and runs that signature eagerly from then on; errors of ``f`` itself are raised as
   they would be eagerly, and out-of-memory errors are re-raised.
@@ -60,7 +62,7 @@ from torch.func import grad, vjp, vmap
 
 from pyhvp import taylor
 from pyhvp._checks import check_output
-from pyhvp.backends import Blocks, compile_policy, inductor_overlap
+from pyhvp.backends import Blocks, compile_policy, inductor
 from pyhvp.backends.compile_policy import CompileCache
 
 CompileMode = Literal["auto"] | bool
@@ -197,7 +199,7 @@ def _compile_bound(
     Dynamo keeps its compiled graphs (and its recompile limit, 8) per code object, so each cached
     signature gets a function with a code object of its own: many functions or shapes in one
     process then never evict each other or fall back to eager. Inductor runs with
-    :mod:`.inductor_overlap`'s pass (indexed writes into expanded tensors, pytorch#183986).
+    :mod:`.inductor`'s pass (indexed writes into expanded tensors, pytorch#183986).
     """
 
     def bound(*inputs: object) -> object:
@@ -205,7 +207,7 @@ def _compile_bound(
 
     code = bound.__code__.replace()
     fresh = types.FunctionType(code, bound.__globals__, bound.__name__, None, bound.__closure__)
-    return torch.compile(fresh, dynamic=False, backend=inductor_overlap.inductor())
+    return torch.compile(fresh, dynamic=False, backend=inductor.backend())
 
 
 def _needs_autograd(values: Sequence[object]) -> bool:
@@ -354,6 +356,20 @@ def _detached(out: object) -> object:
     if isinstance(out, tuple):
         return tuple(_detached(item) for item in out)
     return out.detach() if isinstance(out, torch.Tensor) else out
+
+
+def _random_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The CPU generator's state, and the device's on CUDA."""
+    on_cuda = device.type == "cuda"
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if on_cuda else None
+
+
+def _restore_random_state(
+    device: torch.device, state: tuple[torch.Tensor, torch.Tensor | None]
+) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
 
 
 def _stacklevel_outside_pyhvp() -> int:
@@ -601,6 +617,7 @@ class TorchBackend:
         try:
             if first_call:
                 later: list[Callable[[float], None]] = []  # the backward runs after the record
+                random_state = _random_state(device)
                 start = compile_policy.clock()
                 cpu = device.type == "cpu"
                 out = run((lambda seconds: later[0](seconds) if later else None) if cpu else None)
@@ -617,4 +634,21 @@ class TorchBackend:
             result = eager(*inputs)  # an error of f's own is raised here, as eagerly
             failed(error)
             return result
+        if first_call:  # a compiled kernel serves only once its first result is eager's
+            _restore_random_state(device, random_state)  # random ops draw the same values
+            with torch.no_grad():
+                expected = eager(*inputs)
+            difference = compile_policy.disagreement(out, expected)
+            if difference is not None:
+                entry.failed = True
+                warnings.warn(
+                    f"pyhvp: the compiled kernel for {getattr(f, '__name__', f)!s} disagrees "
+                    f"with the eager one on its first call ({difference}); running this "
+                    f"signature eagerly. A compiler bug: please report it with your torch "
+                    f"version",
+                    RuntimeWarning,
+                    stacklevel=_stacklevel_outside_pyhvp(),
+                )
+                _restore_random_state(device, random_state)
+                return eager(*inputs)  # with autograd history where the call needs it
         return out

@@ -1,5 +1,5 @@
-"""A post-grad pass for the kernels the torch backend compiles: indexed writes into an expanded
-tensor get a fresh destination.
+"""The inductor backend the torch backend compiles with: ``backend="inductor"`` with a pass that
+gives indexed writes into an expanded tensor a fresh destination.
 
 Inductor's reinplace pass turns a functional indexed write (``index_put``, which ``index_add``,
 ``index_copy`` and advanced-index assignment lower to; ``slice_scatter``, ``select_scatter``...)
@@ -9,11 +9,12 @@ unbatched destination -- the rows then share one storage, and every row gets the
 rows' writes: a silently wrong result (pytorch#183986; seen on torch 2.5.1 and 2.13, fixed in
 2.14). pyhvp's compiled Hessian-vector products hit it for any ``f`` using ``index_select`` or
 ``index_add`` (the batched backward of ``index_select`` is an ``index_add`` into expanded
-zeros), and its jet kernels for ``index_add``.
-
-:func:`inductor` makes the backend pyhvp compiles with: inductor with this pass, which runs after
-inductor's own post-grad passes and before reinplacing and clones such a destination into a
-dense tensor first (a copy only where the destination overlaps itself; no other graph change).
+zeros), and its jet kernels for ``index_add``. :func:`fresh_destinations`, run after inductor's
+own post-grad passes and before reinplacing, clones such a destination into a dense tensor
+first (a copy only where the destination overlaps itself; no other graph change). What the pass
+does not catch, the first-call check of every compiled kernel does
+(:func:`pyhvp.backends.compile_policy.disagreement`): on torch 2.5.1 the compiled HVP of an
+index assignment is still wrong with the pass, and runs eagerly.
 """
 
 from __future__ import annotations
@@ -93,10 +94,10 @@ class FreshDestinations(_PassBase):
         return bytes(get_hash_for_files((__file__,)))
 
 
-def inductor() -> Callable[..., object]:
-    """A ``torch.compile`` backend: what ``backend="inductor"`` makes, with this pass among its
-    options. (``options=`` would not take it on torch 2.5, which checks an option's type against
+def backend() -> Callable[..., object]:
+    """A ``torch.compile`` backend: what ``backend="inductor"`` makes, with this pass.
+    (``options=`` would not take the pass on torch 2.5, which checks an option's type against
     its default, ``None``.)"""
-    backend = torch._TorchCompileInductorWrapper(None, None, False)  # type: ignore[no-untyped-call]
-    backend.config["post_grad_custom_post_pass"] = FreshDestinations()
-    return cast(Callable[..., object], backend)
+    wrapper = torch._TorchCompileInductorWrapper(None, None, False)  # type: ignore[no-untyped-call]
+    wrapper.config["post_grad_custom_post_pass"] = FreshDestinations()
+    return cast(Callable[..., object], wrapper)
