@@ -358,6 +358,16 @@ def _detached(out: object) -> object:
     return out.detach() if isinstance(out, torch.Tensor) else out
 
 
+class CompiledKernelDisagrees(RuntimeError):
+    """A compiled kernel's first result differs from the eager kernel's: a compiler bug."""
+
+    def __init__(self, difference: str) -> None:
+        super().__init__(
+            f"the compiled kernel disagrees with the eager one on its first call ({difference}); "
+            f"please report it with your torch version"
+        )
+
+
 def _random_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The CPU generator's state, and the device's on CUDA."""
     on_cuda = device.type == "cuda"
@@ -640,15 +650,7 @@ class TorchBackend:
                 expected = eager(*inputs)
             difference = compile_policy.disagreement(out, expected)
             if difference is not None:
-                entry.failed = True
-                warnings.warn(
-                    f"pyhvp: the compiled kernel for {getattr(f, '__name__', f)!s} disagrees "
-                    f"with the eager one on its first call ({difference}); running this "
-                    f"signature eagerly. A compiler bug: please report it with your torch "
-                    f"version",
-                    RuntimeWarning,
-                    stacklevel=_stacklevel_outside_pyhvp(),
-                )
+                failed(CompiledKernelDisagrees(difference))
                 _restore_random_state(device, random_state)
                 return eager(*inputs)  # with autograd history where the call needs it
         return out
