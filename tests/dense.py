@@ -347,6 +347,17 @@ def _writes_and_scatters(x):
     return torch.exp(y).sum(-1) + scattered.pow(3).sum(-1) + square.sum((-2, -1)) + put.sum(-1)
 
 
+SENDERS, RECEIVERS = [0, 1, 2, 3, 3, 1], [1, 2, 3, 0, 1, 1]
+
+
+def message_passing(x):
+    """A graph network's step: a message per edge (gathers of both ends), summed into each
+    receiver by ``index_add``."""
+    senders, receivers = (torch.tensor(i, device=x.device) for i in (SENDERS, RECEIVERS))
+    messages = torch.tanh(x[..., senders] - 2 * x[..., receivers])
+    return torch.zeros_like(x).index_add(-1, receivers, messages).pow(2).sum(-1)
+
+
 def _selections(x):
     """sort, topk, cumprod and prod -- with zeros in the product (instance 0 of ZEROS)."""
     weights = torch.arange(1.0, 5.0, dtype=x.dtype, device=x.device)
@@ -405,6 +416,7 @@ TAYLOR_CASES = [
     TaylorCase("conv2d, max and average pooling", lambda d: (_small_cnn(d), None),
                lambda d: _at(d, shape=(2, 2, 5, 5)), event_dims=3),
     TaylorCase("setitem, index_put, scatter_add, roll, tril", _same(_writes_and_scatters)),
+    TaylorCase("message passing: gathers and index_add", _same(message_passing)),
     TaylorCase("sort, topk, cumprod, prod with zeros", _same(_selections),
                lambda d: _at(d, ZEROS)),
     TaylorCase("eigvalsh", _same(_eigenvalues)),

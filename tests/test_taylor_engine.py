@@ -8,7 +8,7 @@ from collections import OrderedDict
 import pytest
 import torch
 import torch.nn.functional as F
-from dense import instance_hessian_diagonal, instance_laplacian
+from dense import instance_hessian_diagonal, instance_laplacian, message_passing
 
 import pyhvp
 from pyhvp.taylor import chain, program
@@ -210,6 +210,17 @@ def test_register_jet_rule_refuses_what_is_not_an_op_and_a_rule_with_a_flag():
         pyhvp.register_jet_rule(torch.sin, linear=True)
     with pytest.raises(ValueError, match="one of rule=, linear=True and indexing=True"):
         pyhvp.register_jet_rule(softsign, lambda *a: None, linear=True)
+
+
+def test_index_add_runs_as_one_batched_index_add_in_the_kernel():
+    """Not as the decomposition's accumulating ``index_put``: batched over directions, that is
+    2-4x slower on the CPU (a graph network's Laplacian 1.5 vs 1.1 ms, its diagonal 3.1 vs 1.5)."""
+    x = torch.randn(3, 4, dtype=torch.float64)
+    captured = program.capture(message_passing, x, ())
+    for collapsed in (True, False):
+        kernel = captured.kernel(collapsed, x, torch.eye(4, dtype=x.dtype)[:, None])
+        ops = {node.target for node in kernel.graph.graph.nodes}
+        assert aten.index_add.default in ops and aten.index_put.default not in ops
 
 
 # --- state f writes: running statistics, a captured tensor ------------------------------------

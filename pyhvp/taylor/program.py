@@ -88,7 +88,7 @@ EXTRA_DECOMPOSITIONS = (
 def decompositions() -> dict[torch._ops.OpOverload, Callable[..., object]]:
     """PyTorch's core ATen decompositions (``torch._decomp``, plus :data:`EXTRA_DECOMPOSITIONS`)
     of every op without a jet rule, applied while the program is replayed: composite ops
-    (``mse_loss`` and the other losses, ``addr``, ``index_add``, norms, attention's math path,
+    (``mse_loss`` and the other losses, ``addr``, norms, attention's math path,
     ...) become ops that have rules before any fallback is needed. Elementwise ops keep
     autograd's own elementwise derivatives (:func:`~pyhvp.taylor.fallbacks.pointwise_fallback`);
     random ops and ops with zero derivatives are left alone."""

@@ -26,6 +26,7 @@ INDEXING = (
 """Ops that only move, select or repeat (or zero) the elements of their one floating input."""
 
 LINEAR = (
+    aten.index_add.default,
     aten.index_put.default,
     aten._unsafe_index_put.default,
     aten.scatter.src,
