@@ -245,7 +245,8 @@ def test_training_steps_are_judged_on_forward_and_backward(
     trial = 1 + (
         compile_policy.LONGEST_TRIAL if settles_on == "eager" else compile_policy.TRIAL_CALLS
     )
-    first = ["compiled", "eager"]  # the compiling call, checked against an eager run
+    # the compiling call, checked against an eager run, then its backward against eager's
+    first = ["compiled", "eager", "eager"]
     rest = ["compiled"] * (trial - 1) + [settles_on] * (15 - 1 - trial)
     assert runs == ["eager", *first, *rest]
 
@@ -356,6 +357,51 @@ def test_a_compiled_kernel_that_disagrees_with_eager_never_serves(monkeypatch, c
     later = [backend._run(eager_kernel, eager_kernel, scaled, (), (torch.zeros(3),))
              for _ in range(2)]  # fmt: skip
     assert all(torch.equal(out, torch.zeros(3)) for out in (first, *later))
+    assert runs == ["compiled", "eager", "eager", "eager", "eager"]
+
+
+class WrongBackward(torch.autograd.Function):
+    """``2 x`` with the gradient of ``3 x``: a kernel whose compiled backward is miscompiled."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return 2 * x
+
+    @staticmethod
+    def backward(ctx, g):
+        return 3 * g
+
+
+def test_a_compiled_kernel_whose_backward_disagrees_never_serves_gradients(monkeypatch,
+                                                                         compile_cache):  # fmt: skip
+    """The compiled backward is a graph of its own: its first gradients are checked against the
+    eager kernel's as its first result is. One that disagrees gives eager's gradients and a
+    warning, and every later call of the signature runs eagerly."""
+    runs = []
+
+    def miscompile(kernel, f, static):
+        def run(x, w):
+            runs.append("compiled")
+            return WrongBackward.apply(x * w)
+
+        return run
+
+    def eager_kernel(f, x, w):
+        runs.append("eager")
+        return 2 * (x * w)
+
+    monkeypatch.setattr(torch_backend, "_compile_bound", miscompile)
+    backend = pyhvp.TorchBackend(compile=True)
+    x, w = torch.arange(3.0), torch.ones(3, requires_grad=True)
+    for step in range(3):
+        w.grad = None
+        out = backend._run(eager_kernel, eager_kernel, scaled, (), (x, w), True)
+        if step == 0:
+            with pytest.warns(RuntimeWarning, match="disagrees.*in its first compiled backward"):
+                out.sum().backward()
+        else:
+            out.sum().backward()
+        assert torch.equal(w.grad, 2 * x)
     assert runs == ["compiled", "eager", "eager", "eager", "eager"]
 
 

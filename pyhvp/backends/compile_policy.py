@@ -20,7 +20,9 @@ script of ten calls never stalls on a compile and a loop of thousands still runs
 * Compiling is not always right (compilers have bugs, e.g. pytorch#183986): the first result
   of every compiled kernel (``compile=True`` too) is checked against an eager run from the same
   random state (:func:`disagreement`); a kernel that disagrees never serves, its signature runs
-  eagerly from then on, with a warning. This costs one eager call per compile.
+  eagerly from then on, with a warning. This costs one eager call per compile. A kernel autograd
+  differentiates (a training step) has a compiled backward too, compiled at its first backward:
+  its first gradients are checked against the eager kernel's the same way.
 
 **Keys.** Functions are keyed by what they compute, not by object identity: a function rebuilt on
 every call from the same code over the same captured objects (a lambda in a training loop, a
@@ -216,6 +218,7 @@ class Entry:
     failed: bool = False
     declined: bool = False
     judged: bool = False
+    backward_checked: bool = False  # the compiled kernel's backward agreed with eager's once
 
     def on_trial(self) -> bool:
         """Still timing the compiled kernel: not judged yet, and fewer than :data:`TRIAL_CALLS`

@@ -38,8 +38,9 @@ Compilation (``TorchBackend(compile=...)``; the rule itself is :mod:`.compile_po
 * Inductor runs with :mod:`.inductor`'s pass: on torch 2.5-2.13 its reinplace pass wrote
   indexed updates into expanded destinations (``vmap``'s batched backward of ``index_select``)
   in place, summing every row's writes (pytorch#183986): silently wrong compiled HVPs. And the
-  first result of every compiled kernel is checked against an eager run; one that disagrees
-  never serves (``compile_policy.disagreement``).
+  first result of every compiled kernel is checked against an eager run, and so are the first
+  gradients of its compiled backward in a training step; one that disagrees never serves
+  (``compile_policy.disagreement``).
 * If compilation or a compiled run fails while the eager run succeeds, pyhvp warns once per
   signature and runs that signature eagerly from then on; errors of ``f`` itself are raised as
   they would be eagerly, and out-of-memory errors are re-raised.
@@ -236,11 +237,14 @@ def _normal(inputs: tuple[object, ...]) -> tuple[object, ...]:
 class Hooks:
     """How a ``_Detour`` node reports: ``failed(error)`` when its kernel's backward fails
     (None: raise), ``spent(seconds)`` with the time of its kernel's backward (None: untimed),
-    ``reusable``: whether the kernel's own graph may serve a backward that keeps it."""
+    ``reusable``: whether the kernel's own graph may serve a backward that keeps it,
+    ``checked()`` once the kernel's own backward has been compared with the eager kernel's and
+    agreed (None: not compared; a compiled kernel's first backward is)."""
 
     failed: Callable[[Exception], None] | None = None
     spent: Callable[[float], None] | None = None
     reusable: bool = False
+    checked: Callable[[], None] | None = None
 
 
 class _Detour(torch.autograd.Function):
@@ -256,7 +260,11 @@ class _Detour(torch.autograd.Function):
     it runs), or keeps the graph of a compiled kernel, reruns the kernel eagerly from the saved
     inputs and differentiates that: exact, gradients of gradients included, for one more eager
     forward. The node also times the kernel's backward (``Hooks.spent``), so that the compile
-    policy weighs a training step's backward, not only its forward.
+    policy weighs a training step's backward, not only its forward. A compiled kernel's backward
+    is a graph compiled on its own (at its first call), so it is checked as the forward is: until
+    one has agreed (``Hooks.checked``), its gradients are compared with the eager kernel's, and
+    one that disagrees is reported as a failure (the signature runs eagerly from then on) and
+    the eager gradients are returned.
     """
 
     @staticmethod
@@ -294,20 +302,39 @@ class _Detour(torch.autograd.Function):
                                      len(inputs), retain=keep)  # fmt: skip
                 if hooks.spent is not None:
                     hooks.spent(compile_policy.clock() - start)
-                return (None, None, None, *got)
             except torch.cuda.OutOfMemoryError:
                 raise
             except Exception as error:  # a compiled backward compiles at its first call
                 if hooks.failed is None:
                     raise
                 hooks.failed(error)
+            else:
+                if hooks.checked is None or hooks.failed is None:
+                    return (None, None, None, *got)
+                expected = _Detour._eager_grads(ctx, inputs, grads, wanted, differentiable)
+                difference = compile_policy.disagreement(got, expected)
+                if difference is None:
+                    hooks.checked()
+                    return (None, None, None, *got)
+                hooks.failed(CompiledKernelDisagrees(difference, "in its first compiled backward"))
+                return (None, None, None, *expected)
+        return (None, None, None, *_Detour._eager_grads(ctx, inputs, grads, wanted,
+                                                        differentiable))  # fmt: skip
+
+    @staticmethod
+    def _eager_grads(
+        ctx: Any,
+        inputs: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor | None],
+        wanted: list[int],
+        differentiable: bool,
+    ) -> list[torch.Tensor | None]:
+        """The eager kernel rerun from the saved inputs, and its vector-Jacobian products."""
         with torch.enable_grad():
             rerun = ctx.eager(*inputs)
         results = (rerun,) if ctx.single else rerun
-        return (None, None, None, *_Detour._grads(
-            results, grads, [inputs[i] for i in wanted], wanted, len(inputs),
-            differentiable=differentiable,
-        ))  # fmt: skip
+        return _Detour._grads(results, grads, [inputs[i] for i in wanted], wanted, len(inputs),
+                              differentiable=differentiable)  # fmt: skip
 
     @staticmethod
     def _grads(
@@ -359,11 +386,12 @@ def _detached(out: object) -> object:
 
 
 class CompiledKernelDisagrees(RuntimeError):
-    """A compiled kernel's first result differs from the eager kernel's: a compiler bug."""
+    """A compiled kernel's first result, or its first gradients, differ from the eager
+    kernel's: a compiler bug."""
 
-    def __init__(self, difference: str) -> None:
+    def __init__(self, difference: str, where: str = "on its first call") -> None:
         super().__init__(
-            f"the compiled kernel disagrees with the eager one on its first call ({difference}); "
+            f"the compiled kernel disagrees with the eager one {where} ({difference}); "
             f"please report it with your torch version"
         )
 
@@ -611,6 +639,7 @@ class TorchBackend:
         if compiled is None:
             compiled = _compile_bound(traced_kernel, f, static)
             entry.compiled, entry.compiled_for = compiled, f
+            entry.backward_checked = False
 
         def failed(error: Exception) -> None:  # compile is an optimisation: say so once
             entry.failed = True
@@ -621,8 +650,14 @@ class TorchBackend:
                 stacklevel=_stacklevel_outside_pyhvp(),
             )
 
+        def backward_checked() -> None:
+            entry.backward_checked = True
+
         def run(spent: Callable[[float], None] | None = None) -> object:
-            return compiled(*inputs) if detour is None else detour(compiled, Hooks(failed, spent))
+            if detour is None:
+                return compiled(*inputs)
+            check = None if entry.backward_checked else backward_checked
+            return detour(compiled, Hooks(failed, spent, checked=check))
 
         try:
             if first_call:
