@@ -550,7 +550,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report", type=Path, help="write the markdown report here")
     parser.add_argument("--only", nargs="*", help="op ids to run (default: all)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--compile", action="store_true",
+                        help="run the jet kernels compiled (compile=True): inductor, pyhvp's "
+                             "pass and the first-call checks; about 7x the time")  # fmt: skip
     options = parser.parse_args(argv)
+    if options.compile:
+        global RECORDED
+        RECORDED = pyhvp.TorchBackend(compile=True, guards=False)
     ops = [op for op in swept_ops() if not options.only or op_id(op) in options.only]
     start = time.perf_counter()
     outcomes = []
