@@ -11,6 +11,7 @@ log-log, one panel per problem, every method beside the baselines.
 from __future__ import annotations
 
 import gc
+import os
 import platform
 import random
 import re
@@ -22,6 +23,18 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def one_core() -> None:
+    """One core for torch and XLA alike, so that a JAX row is timed as torch's are: the process
+    is pinned to one CPU (XLA's CPU runtime ignores its single-thread flags, and its thread pool,
+    squeezed onto one pinned core, runs several times slower) and XLA is told to use one thread.
+    Call before JAX is imported."""
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    os.environ.setdefault(
+        "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+    )
 
 
 def synchronize(device: torch.device | str) -> None:

@@ -24,23 +24,16 @@ Usage: python benchmarks/bench_diagonal.py [cuda]
 from __future__ import annotations
 
 import math
-import os
 import sys
 from dataclasses import dataclass
 
-# One core for torch and XLA alike (XLA's CPU runtime ignores the single-thread flags below):
-# pinned before JAX starts its thread pool.
-if hasattr(os, "sched_setaffinity"):
-    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
-os.environ.setdefault(
-    "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-)
-
 import torch
-from _timing import Report, announce, median_ms
+from _timing import Report, announce, median_ms, one_core
 from torch.func import hessian, jacrev, jvp, vmap
 
 import pyhvp
+
+one_core()  # before JAX starts: its rows run on one thread, as torch's do
 
 B = 1024
 CHUNK = 32  # basis directions per pass: bounds memory at n = 256

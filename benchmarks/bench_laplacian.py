@@ -36,21 +36,15 @@ import sys
 from dataclasses import dataclass
 from functools import partial
 
-# One core for torch and XLA alike (XLA's CPU runtime ignores the single-thread flags below):
-# pinned before JAX starts its thread pool.
-if hasattr(os, "sched_setaffinity"):
-    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
-os.environ.setdefault(
-    "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-)
-
 import torch
-from _timing import Report, announce, interleaved_ms, median_ms
+from _timing import Report, announce, interleaved_ms, median_ms, one_core
 from torch.func import grad, hessian, jvp, vmap
 
 import pyhvp
 from pyhvp import taylor
 from pyhvp._estimators import Space, checked
+
+one_core()  # before JAX starts: its rows run on one thread, as torch's do
 
 B = 1024
 PROBES = 16
