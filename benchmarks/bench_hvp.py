@@ -5,7 +5,8 @@ Rows: pyhvp (eager, compiled, and julia where available), autograd double backwa
 torch.func jvp(grad(sum f)), the hand-derived formula (eager and compiled), a plain copy of the
 same bytes (the memory floor; the HVP reads x and v and writes g and hv) and JAX if installed.
 Ratios are against the compiled hand-derived formula; methods are timed interleaved, one thread
-on the CPU (JAX's too: the process is pinned to one core). Writes results/bench_hvp-<device>.{txt,png}. Usage: python benchmarks/bench_hvp.py [cuda]
+on the CPU (JAX's too: the process is pinned to one core). Writes
+results/bench_hvp-<device>.{txt,png}. Usage: python benchmarks/bench_hvp.py [cuda]
 """
 
 from __future__ import annotations
