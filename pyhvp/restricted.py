@@ -20,6 +20,14 @@ direction costs the part of the network downstream of the first layer that holds
 entry, not a full Hessian-vector product (on the seed's ``Linear(784, 10)`` a direction costs
 ``O(batch * classes)`` instead of ``O(batch * 784 * 10)``). Scope: any loss, with the speed-up for
 selected weights of ``F.linear``; everything else is refused here, never approximated.
+
+:func:`restricted_hessian` is a kernel of the torch backend (``TorchBackend.restricted_hessian``),
+run eagerly or compiled under its compile policy. Dynamo traces it whole -- the mode, ``jacrev``
+and ``vmap`` -- into one graph that inductor fuses, guarded as every compiled kernel is (the
+loss's code and captured state, every tensor's metadata); the mode is written for that: it finds
+a selected tensor by ``is`` rather than by ``id()`` (which dynamo would guard on) and reads an
+op's name through ``torch.compiler.assume_constant_result``. A loss it refuses raises
+:class:`NotSparse` compiled as eagerly.
 """
 
 from __future__ import annotations
@@ -38,9 +46,11 @@ DENSE_LIMIT = 4096
 
 MIN_COMPONENTS = 8
 """Fewest selected components (K, all tensors together) for which ``method="auto"`` takes the
-sparse route: below it the K reverse HVPs are few, and the reverse route's (compiled) kernel
-costs less than the sparse route's fixed ``jacrev``/``vmap`` setup (seed model, k = 2 per tensor:
-about 2x the seed loop sparse, 0.9x reverse)."""
+sparse route unless the backend compiles from the first call: below it the K reverse HVPs are
+few, and the eager reverse route costs less than the eager sparse route's fixed
+``jacrev``/``vmap`` setup (seed model, k = 2 per tensor: 1.24x the seed loop reverse, 1.53x
+sparse). Compiled, the sparse kernel is the faster one at every K measured (0.65x against
+0.85x there), so ``compile=True`` takes it from one component on."""
 
 
 class NotSparse(BaseException):
@@ -54,33 +64,33 @@ class _Injection(TorchFunctionMode):
     """Shifts the selected entries of ``tensors`` by ``z`` wherever the loss uses them."""
 
     def __init__(
-        self, tensors: Sequence[torch.Tensor], flats: Sequence[torch.Tensor], z: torch.Tensor
+        self, tensors: Sequence[torch.Tensor], entries: Sequence[torch.Tensor], z: torch.Tensor
     ) -> None:
         super().__init__()
-        parts = torch.split(z, [len(flat) for flat in flats])
-        self.selected = {
-            id(t): (t, flat, part) for t, flat, part in zip(tensors, flats, parts, strict=True)
-        }
+        parts = torch.split(z, [entry.shape[1] for entry in entries])
+        # found by ``is`` in a short list, not by ``id()``: dynamo traces ``is`` between tensors
+        # without guarding on object ids, which change with every call's tensors
+        self.selected = list(zip(tensors, entries, parts, strict=True))
         self.sparse_uses = 0
 
     def _entry(self, value: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         if isinstance(value, torch.Tensor):
-            entry = self.selected.get(id(value))
-            if entry is not None and entry[0] is value:
-                return entry
+            for entry in self.selected:
+                if entry[0] is value:
+                    return entry
         return None
 
     def _dense(self, value: object, func: Callable[..., Any]) -> object:
         entry = self._entry(value)
         if entry is None:
             return value
-        tensor, flat, part = entry
+        tensor, entries, part = entry
         if tensor.numel() > DENSE_LIMIT:
             raise NotSparse(
                 f"a selected tensor of {tensor.numel()} entries (over {DENSE_LIMIT}) is used by "
                 f"{_name(func)}, not as the weight of F.linear"
             )
-        return tensor.reshape(-1).index_add(0, flat, part).view_as(tensor)
+        return tensor.reshape(-1).index_add(0, entries[0], part).view_as(tensor)
 
     def __torch_function__(
         self,
@@ -99,16 +109,16 @@ class _Injection(TorchFunctionMode):
             named = dict(zip(("input", "weight", "bias"), args, strict=False)) | kwargs
             entry = self._entry(named.get("weight"))
             if entry is not None and set(named) <= {"input", "weight", "bias"}:
-                weight, flat, part = entry
+                weight, entries, part = entry
                 x = self._dense(named["input"], func)
                 bias = self._dense(named.get("bias"), func)
                 assert isinstance(x, torch.Tensor) and (
                     bias is None or isinstance(bias, torch.Tensor)
                 )
                 out = func(x, weight, bias)
-                n_in = weight.shape[-1]
                 self.sparse_uses += 1
-                return out.index_add(-1, flat // n_in, x.index_select(-1, flat % n_in) * part)
+                _, rows, columns = entries
+                return out.index_add(-1, rows, x.index_select(-1, columns) * part)
         args, kwargs = pytree.tree_map(lambda v: self._dense(v, func), (tuple(args), kwargs))
         return func(*args, **kwargs)
 
@@ -119,33 +129,51 @@ def _name(func: Callable[..., Any]) -> str:
 
 def _writes(func: Callable[..., Any], kwargs: dict[str, Any]) -> bool:
     """In place (``add_``, ``__iadd__``, ``__setitem__``, ``copy_``) or into ``out=``."""
+    return _in_place(func) or "out" in kwargs
+
+
+def _named_in_place(func: Callable[..., Any]) -> bool:
+    """Whether ``func``'s name says it writes to its first argument."""
     name = getattr(func, "__name__", "")
     dunder = name.startswith("__") and name.endswith("__")
     in_place = (name.endswith("_") and not dunder) or name == "__setitem__"
-    return (
-        in_place or (dunder and name.startswith("__i") and name != "__index__") or "out" in kwargs
-    )
+    return in_place or (dunder and name.startswith("__i") and name != "__index__")
+
+
+# torch.compiler.assume_constant_result carries no annotations (torch 2.13)
+_in_place: Callable[[Callable[..., Any]], bool] = torch.compiler.assume_constant_result(  # type: ignore[no-untyped-call]
+    _named_in_place
+)
+""":func:`_named_in_place`, which dynamo calls at trace time (a constant of ``func``) instead of
+tracing its string tests."""
+
+
+def selected_entries(tensor: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """``(3, k)``: the flat indices ``flat`` of ``tensor``'s entries, and their row and column as
+    a linear layer's weight (``divmod`` by the last dim). Computed once per call, outside the
+    kernel: inside, a compiler recomputes such an integer division in every loop that reads it."""
+    columns = tensor.shape[-1] if tensor.dim() else 1
+    return torch.stack((flat, flat // columns, flat % columns))
 
 
 def restricted_hessian(
-    loss: Callable[..., torch.Tensor],
-    tensors: Sequence[torch.Tensor],
-    flats: Sequence[torch.Tensor],
-    args: Sequence[Any],
-    chunk_size: int | None,
+    loss: Callable[..., torch.Tensor], n_tensors: int, chunk_size: int | None, *inputs: Any
 ) -> tuple[torch.Tensor, int]:
-    """``(K, K)`` Hessian of ``loss(*tensors, *args)`` over the entries ``flats`` of ``tensors``
-    (joint, ``K = sum(len(flat))``, not symmetrised), and how many ``F.linear`` calls took the
-    sparse route. Raises :class:`NotSparse` (before any Hessian work) where it does not apply.
+    """``(K, K)`` Hessian of ``loss(*tensors, *args)`` over the selected entries of ``tensors``
+    (joint, ``K`` entries in all, not symmetrised), and how many ``F.linear`` calls took the
+    sparse route; ``inputs`` are ``(*tensors, *entries, *args)``: ``n_tensors`` tensors, then
+    each one's :func:`selected_entries`, flat as a compiled kernel takes them. Raises
+    :class:`NotSparse` (before any Hessian work) where it does not apply.
 
     The tensors must share one dtype and device (checked by the caller).
     """
-    first = tensors[0]
-    z0 = first.new_zeros(sum(len(flat) for flat in flats))
+    tensors, entries = inputs[:n_tensors], inputs[n_tensors : 2 * n_tensors]
+    args = inputs[2 * n_tensors :]
+    z0 = tensors[0].new_zeros(sum(entry.shape[1] for entry in entries))
     uses = []
 
     def restricted(z: torch.Tensor) -> torch.Tensor:
-        mode = _Injection(tensors, flats, z)
+        mode = _Injection(tensors, entries, z)
         with mode:
             out = loss(*tensors, *args)
         uses.append(mode.sparse_uses)

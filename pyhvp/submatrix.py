@@ -12,14 +12,18 @@ Two routes, one picked per call (and per batch) by a cost model:
   whose columns ``H e_j`` only the selected rows are kept. Cost: one full Hessian-vector product
   per selected component; ``joint=True`` pushes all selected tensors as one vector.
 
-Cost model (``method="auto"``): sparse for at least ``restricted.MIN_COMPONENTS`` (8) selected
-components in all, whenever it applies -- the torch backend, the selected
-tensors of one dtype and device, and, as the loss runs, every selected tensor of more than
-``restricted.DENSE_LIMIT`` entries used only as the weight of ``F.linear`` and none written to --
-because then each of its directions costs at most what a reverse HVP costs past the first layer,
-and avoids that layer's dense ``O(batch * in * out)`` products. Otherwise reverse (the sparse
-route stops at the first use that does not qualify, before any Hessian work). The choice is
-logged on the ``pyhvp.sub_hessian`` logger at DEBUG level.
+Both routes' kernels compile under the torch backend's compile policy (the sparse one as one
+graph of the restricted loss's ``jacrev(grad)``). Cost model (``method="auto"``): sparse whenever
+it applies -- the torch backend, the selected tensors of one dtype and device, and, as the loss
+runs, every selected tensor of more than ``restricted.DENSE_LIMIT`` entries used only as the
+weight of ``F.linear`` and none written to -- because then each of its directions costs at most
+what a reverse HVP costs past the first layer, and avoids that layer's dense
+``O(batch * in * out)`` products; but for fewer than ``restricted.MIN_COMPONENTS`` (8) selected
+components in all only when the backend compiles from the first call (``compile=True``): eagerly
+the reverse route's few HVPs cost less than the sparse route's fixed setup, compiled the sparse
+kernel wins at every count. Otherwise reverse (the sparse route stops at the first use that does
+not qualify, before any Hessian work). The choice is logged on the ``pyhvp.sub_hessian`` logger
+at DEBUG level.
 
 With ``data``, the loss is summed over batches: one such pass per batch (and per chunk), the rows
 accumulated, so memory is bounded by one batch. With ``group``, each rank sums its own batches, and
@@ -55,7 +59,7 @@ from pyhvp._progress import progress_bar
 from pyhvp.backends import Backend, require_primitive, resolve_backend
 from pyhvp.backends.torch import TorchBackend
 from pyhvp.distributed import Fingerprint, check_group, sum_over_ranks
-from pyhvp.restricted import MIN_COMPONENTS, NotSparse, restricted_hessian
+from pyhvp.restricted import MIN_COMPONENTS, NotSparse
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -311,7 +315,7 @@ def _check_index(name: str, index: object, numel: int, of: str) -> torch.Tensor:
         raise ValueError(
             f"{name} must be a non-empty 1-D tensor of flat indices, got shape {fmt_shape(index.shape)}"
         )
-    low, high = int(index.min()), int(index.max())
+    low, high = map(int, torch.aminmax(index))
     if low < 0 or high >= numel:
         raise ValueError(
             f"{name} must hold flat indices in [0, {numel}) ({of} has {numel} entries; negative "
@@ -438,11 +442,11 @@ def _sparse_refusal(plan: _Plan, backend: Backend, method: str) -> str | None:
     """Why the sparse route cannot (or, under ``"auto"``, should not) run this call, or ``None``
     (the cost model's static part; the rest -- how the loss uses the tensors -- is learnt while it
     runs)."""
-    total = sum(len(flat) for flat in plan.flats)
-    if method == "auto" and total < MIN_COMPONENTS:
-        return f"{total} components, fewer than {MIN_COMPONENTS}: the reverse route costs less"
     if not isinstance(backend, TorchBackend):
         return f"backend {backend.name!r} is not the torch backend"
+    total = sum(len(flat) for flat in plan.flats)
+    if method == "auto" and total < MIN_COMPONENTS and backend.compile is not True:
+        return f"{total} components, fewer than {MIN_COMPONENTS}: the reverse route costs less"
     first = plan.tensors[0]
     if any(t.dtype != first.dtype or t.device != first.device for t in plan.tensors):
         return "the selected tensors differ in dtype or device"
@@ -473,7 +477,8 @@ def _sums(
         if use_sparse:
             loss = dataclasses.replace(plan.sparse, batch_spec=spec)
             try:
-                block, sparse_uses = restricted_hessian(
+                assert isinstance(backend, TorchBackend)  # _sparse_refusal's condition
+                block, sparse_uses = backend.restricted_hessian(
                     loss, plan.tensors, flats, (*plan.others, *batch_values), chunk_size
                 )
             except NotSparse as error:
@@ -492,19 +497,22 @@ def _sums(
             if reverse_sums is None
             else [a + b for a, b in zip(reverse_sums, sums, strict=True)]
         )
-    if plan.one_block:  # one (K, K) matrix on either route
-        total = plan.leaves[0].new_zeros(sum(sizes), sum(sizes))
-        for part in (sparse_sum, *(reverse_sums or [])):
-            total = total if part is None else total + part
-        return [total]
-    blocks = [t.new_zeros(k, k) for t, k in zip(plan.tensors, sizes, strict=True)]
-    if sparse_sum is not None:  # the joint (K, K): its diagonal blocks
-        offsets = accumulate([0, *sizes])
-        blocks = [b + sparse_sum[o : o + b.shape[0], o : o + b.shape[0]]
-                  for b, o in zip(blocks, offsets, strict=False)]  # fmt: skip
-    if reverse_sums is not None:
-        blocks = [b + r for b, r in zip(blocks, reverse_sums, strict=True)]
-    return blocks
+    sparse_sums = None
+    if sparse_sum is not None:  # the joint (K, K), or its diagonal blocks (views, which the
+        offsets = accumulate([0, *sizes])  # caller's symmetrising copies)
+        sparse_sums = (
+            [sparse_sum]
+            if plan.one_block
+            else [sparse_sum[o : o + k, o : o + k] for o, k in zip(offsets, sizes, strict=False)]
+        )
+    if sparse_sums is not None and reverse_sums is not None:
+        return [a + b for a, b in zip(sparse_sums, reverse_sums, strict=True)]
+    one_route = sparse_sums or reverse_sums
+    if one_route is not None:
+        return one_route
+    if plan.one_block:  # no batches: zeros
+        return [plan.leaves[0].new_zeros(sum(sizes), sum(sizes))]
+    return [t.new_zeros(k, k) for t, k in zip(plan.tensors, sizes, strict=True)]
 
 
 def _reverse_pass(

@@ -360,6 +360,38 @@ def test_a_compiled_kernel_that_disagrees_with_eager_never_serves(monkeypatch, c
     assert runs == ["compiled", "eager", "eager", "eager", "eager"]
 
 
+class Interrupt(BaseException):
+    """Not an Exception: the compile policy neither falls back on it nor swallows it."""
+
+
+def test_a_compiled_kernel_is_checked_at_its_first_run_that_returns(monkeypatch, compile_cache):
+    """A first compiled run that raises past the policy (the sparse route's NotSparse, an
+    interrupt) returns nothing to check: the check waits for the first run that returns."""
+    runs = []
+
+    def miscompile(kernel, f, static):
+        def run(x):
+            runs.append("compiled")
+            if len(runs) == 1:
+                raise Interrupt
+            return x + 1
+
+        return run
+
+    def eager_kernel(f, x):
+        runs.append("eager")
+        return x
+
+    monkeypatch.setattr(torch_backend, "_compile_bound", miscompile)
+    backend = pyhvp.TorchBackend(compile=True)
+    with pytest.raises(Interrupt):
+        backend._run(eager_kernel, eager_kernel, scaled, (), (torch.zeros(3),))
+    with pytest.warns(RuntimeWarning, match="disagrees with the eager one on its first call"):
+        second = backend._run(eager_kernel, eager_kernel, scaled, (), (torch.zeros(3),))
+    assert torch.equal(second, torch.zeros(3))
+    assert runs == ["compiled", "compiled", "eager", "eager"]
+
+
 class WrongBackward(torch.autograd.Function):
     """``2 x`` with the gradient of ``3 x``: a kernel whose compiled backward is miscompiled."""
 

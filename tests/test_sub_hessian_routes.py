@@ -3,6 +3,7 @@ model that picks one per call: both equal dense float64 references, and the choi
 on the ``pyhvp.sub_hessian`` logger (never inferred from timing)."""
 
 import logging
+import warnings
 from dataclasses import dataclass
 
 import pytest
@@ -104,6 +105,34 @@ def test_joint_and_blocks_equal_the_dense_sub_hessian(case, method, caplog):
     few = sum(len(flat) for flat in index.values()) < pyhvp.restricted.MIN_COMPONENTS
     route = "reverse" if method == "reverse" or (method == "auto" and few) else "sparse"
     assert routes_taken(caplog) == [route] * 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_the_compiled_sparse_kernel_equals_the_dense_sub_hessian(case, compiled):
+    """Compiled from the first call; its first result is checked against eager's, so a
+    warning-free call returned the compiled kernel's own result, as do later calls."""
+    loss, params, index = case.make()
+    backend = pyhvp.TorchBackend(compile=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        calls = [pyhvp.sub_hessian(loss, params, index, joint=True, method="sparse",
+                                   chunk_size=case.chunk_size, backend=backend)
+                 for _ in range(2)]  # fmt: skip
+    assert len(compiled) == 1
+    for got in calls:
+        torch.testing.assert_close(got, dense_sub_hessian(loss, params, index), **F64)
+
+
+@pytest.mark.slow
+def test_a_loss_the_sparse_route_refuses_takes_the_reverse_route_when_compiled(caplog):
+    backend = pyhvp.TorchBackend(compile=True)
+    index = torch.tensor([0, 9, 63, 9, 1, 2, 3, 17])
+    with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"):
+        calls = [pyhvp.sub_hessian(big_matmul, BIG, index, backend=backend) for _ in range(2)]
+    assert routes_taken(caplog) == ["reverse"] * 2
+    for got in calls:
+        torch.testing.assert_close(got, dense_sub_hessian(big_matmul, BIG, index), **F64)
 
 
 def seed_model():
@@ -219,6 +248,29 @@ def test_cost_model_choice_is_logged_and_both_agree_with_dense(case, caplog):
     torch.testing.assert_close(got, dense_sub_hessian(case.loss, case.params, index), **F64)
 
 
+def switching_loss(p, batch):
+    """Sparse for a batch whose flag is False; a dense use of the big weight where it is True."""
+    inputs, dense = batch
+    out = torch.tanh(F.linear(inputs, p["w"], p["b"])).sum() ** 2
+    return out + (p["w"] ** 3).sum() if dense else out
+
+
+def test_batches_after_one_the_sparse_route_refuses_take_the_reverse_route(caplog):
+    params = {"w": BIG, "b": torch.randn(80, dtype=torch.float64)}
+    index = {"w": torch.tensor([0, 9, 6399, 81, 9, 160]), "b": torch.tensor([3, 0])}
+    batches = [(X, False), (X[:3], True), (X[1:], False)]
+    with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"):
+        joint = pyhvp.sub_hessian(switching_loss, params, index, data=batches, joint=True)
+        blocks = pyhvp.sub_hessian(switching_loss, params, index, data=batches)
+    assert routes_taken(caplog) == ["sparse", "reverse", "reverse"] * 2
+    expected = sum(
+        dense_sub_hessian(lambda p, b=b: switching_loss(p, b), params, index) for b in batches
+    )
+    torch.testing.assert_close(joint, expected, **F64)
+    torch.testing.assert_close(blocks["w"], expected[:6, :6], **F64)
+    torch.testing.assert_close(blocks["b"], expected[6:, 6:], **F64)
+
+
 def test_forcing_the_sparse_route_where_it_does_not_apply_raises_the_reason():
     with pytest.raises(ValueError, match=r"method='sparse' does not apply.*not as the weight"):
         pyhvp.sub_hessian(big_matmul, BIG, torch.tensor([0, 1]), method="sparse")
@@ -239,6 +291,16 @@ def test_fewer_than_min_components_take_the_reverse_route_under_auto(caplog):
         forced = pyhvp.sub_hessian(weight_decay, SMALL, index, method="sparse")
     assert routes_taken(caplog) == ["reverse", "sparse"]
     torch.testing.assert_close(auto, forced, **F64)
+
+
+@pytest.mark.slow
+def test_fewer_than_min_components_take_the_sparse_route_when_compiled_from_the_first_call(caplog):
+    index = torch.tensor([0, 9, 63])
+    backend = pyhvp.TorchBackend(compile=True)
+    with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"):
+        got = pyhvp.sub_hessian(weight_decay, SMALL, index, backend=backend)
+    assert routes_taken(caplog) == ["sparse"]
+    torch.testing.assert_close(got, dense_sub_hessian(weight_decay, SMALL, index), **F64)
 
 
 def test_tensors_of_two_dtypes_take_the_reverse_route(caplog):

@@ -218,6 +218,7 @@ class Entry:
     failed: bool = False
     declined: bool = False
     judged: bool = False
+    checked: bool = False  # the compiled kernel's first result agreed with eager's
     backward_checked: bool = False  # the compiled kernel's backward agreed with eager's once
 
     def on_trial(self) -> bool:

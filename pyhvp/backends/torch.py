@@ -13,7 +13,9 @@ eagerly or compiled, like the other kernels.
 every leaf's gradient and, per leaf, its own diagonal Hessian block times that leaf's tangents
 (``d^2 f / d leaf_i^2 @ v_i``), from ONE forward and ONE first backward shared by all leaves; each
 leaf's second pass is pruned to that leaf (autograd differentiates only towards it).
-``grad_and_hvp`` is its one-leaf case over ``sum_b f(x)[b]``.
+``grad_and_hvp`` is its one-leaf case over ``sum_b f(x)[b]``. ``restricted_hessian`` is the
+sparse sub-Hessian kernel of :mod:`pyhvp.restricted`, a torch-only technique kept here as a kernel
+so that it compiles under the same policy.
 
 Compilation (``TorchBackend(compile=...)``; the rule itself is :mod:`.compile_policy`):
 
@@ -61,7 +63,7 @@ from typing import Any, Literal, TypeVar, cast
 import torch
 from torch.func import grad, vjp, vmap
 
-from pyhvp import taylor
+from pyhvp import restricted, taylor
 from pyhvp._checks import check_output
 from pyhvp.backends import Blocks, compile_policy, inductor
 from pyhvp.backends.compile_policy import CompileCache
@@ -489,6 +491,24 @@ class TorchBackend:
             (*leaves, *tangents, *args),
         )
 
+    def restricted_hessian(
+        self,
+        f: Callable[..., torch.Tensor],
+        tensors: Sequence[torch.Tensor],
+        flats: Sequence[torch.Tensor],
+        args: Sequence[object],
+        chunk_size: int | None,
+    ) -> tuple[torch.Tensor, int]:
+        """``(K, K)`` Hessian of the scalar ``f(*tensors, *args)`` over the entries ``flats`` of
+        ``tensors`` by sparse injection (:func:`pyhvp.restricted.restricted_hessian`, which
+        raises :class:`~pyhvp.restricted.NotSparse` where it does not apply), and how many
+        ``F.linear`` calls took it; eager or compiled like the other kernels."""
+        _require_torch_function(f)
+        kernel = restricted.restricted_hessian
+        entries = map(restricted.selected_entries, tensors, flats)
+        static = (len(tensors), chunk_size)
+        return self._run(kernel, kernel, f, static, (*tensors, *entries, *args))
+
     def second_directional(
         self,
         f: Callable[..., torch.Tensor],
@@ -635,11 +655,13 @@ class TorchBackend:
             compile_policy.function_key(entry.compiled_for) != key[1]
         )
         compiled = None if stale else entry.compiled
-        first_call = compiled is None
         if compiled is None:
             compiled = _compile_bound(traced_kernel, f, static)
             entry.compiled, entry.compiled_for = compiled, f
-            entry.backward_checked = False
+            entry.checked = entry.backward_checked = False
+        # until a result was checked: a first run that raised a BaseException (the sparse
+        # route's NotSparse, an interrupt) returned nothing to check, so the next run is first
+        first_call = not entry.checked
 
         def failed(error: Exception) -> None:  # compile is an optimisation: say so once
             entry.failed = True
@@ -688,4 +710,5 @@ class TorchBackend:
                 failed(CompiledKernelDisagrees(difference))
                 _restore_random_state(device, random_state)
                 return eager(*inputs)  # with autograd history where the call needs it
+            entry.checked = True
         return out
