@@ -3,13 +3,16 @@
 Models: the seed's Linear(784, 10) and a 2-layer tanh MLP (784 -> 128 -> 10), CrossEntropy over
 100 random images, float32; k = 2, 16, 128 random components per tensor (all of a tensor that has
 fewer). Every row builds the loss anew per call from the model and data, as the seed's user
-writes it (``sub_hessian(*module_loss(...), index)``): pyhvp auto (``method="auto"``: the cost
-model's choice), pyhvp sparse (``method="sparse"``: the restricted loss with one-hot directions
-entering each linear layer as gathered columns, :mod:`pyhvp.restricted`), the reverse route
-(``method="reverse"``: one batched HVP per component) eager (``compile=False``) and compiled (the
-steady state of the backend's ``"auto"`` compile policy), the seed's loop (one reverse pass per component) and the answer the seed received
-(``torch.autograd.grad(..., is_grads_batched=True)``, one shared first backward, then one batched
-pass per tensor). Results are checked against each other first. Ratios are against the seed's
+writes it (``sub_hessian(*module_loss(...), index)``): pyhvp's ``method="auto"`` (the cost
+model's choice) eager (``compile=False``: what the default ``compile="auto"`` runs for its first
+calls) and compiled (``compile=True``: its steady state in a loop of many calls; the compile
+cache is shared, so a default backend here would run what the compiled rows compiled);
+the sparse route (``method="sparse"``: the restricted loss with
+one-hot directions entering each linear layer as gathered columns, :mod:`pyhvp.restricted`) and
+the reverse route (``method="reverse"``: one batched HVP per component), each eager
+(``compile=False``) and compiled; the seed's loop (one reverse pass per component) and the answer
+the seed received (``torch.autograd.grad(..., is_grads_batched=True)``, one shared first
+backward, then one batched pass per tensor). Results are checked against each other first. Ratios are against the seed's
 loop. One thread (``torch.set_num_threads(1)``): on a shared CPU idle-waiting OpenMP threads
 stall when other processes hold the cores. Usage: python benchmarks/bench_sub_hessian.py [cuda]
 """
@@ -63,11 +66,14 @@ def with_backend(backend, method):
     return sub_hessians
 
 
+EAGER, COMPILED = pyhvp.TorchBackend(compile=False), pyhvp.TorchBackend(compile=True)
 METHODS = {
-    "pyhvp auto": with_backend("torch", "auto"),
-    "pyhvp sparse": with_backend("torch", "sparse"),
-    "reverse eager": with_backend(pyhvp.TorchBackend(compile=False), "reverse"),
-    "reverse compiled": with_backend(pyhvp.TorchBackend(compile=True), "reverse"),
+    "auto eager": with_backend(EAGER, "auto"),
+    "auto compiled": with_backend(COMPILED, "auto"),
+    "sparse eager": with_backend(EAGER, "sparse"),
+    "sparse compiled": with_backend(COMPILED, "sparse"),
+    "reverse eager": with_backend(EAGER, "reverse"),
+    "reverse compiled": with_backend(COMPILED, "reverse"),
     "seed loop": seed_sub_hessians,
     "is_grads_batched": is_grads_batched,
 }
@@ -106,13 +112,13 @@ def main(device: str) -> None:
             report.table(f"{model_name}, k={k} per tensor, {device}", rows, "seed loop")
             report.point(f"sub-Hessians, {model_name}", "k components per tensor", k, rows)
             summary.append((model_name, k, times))
-    report.text("\npyhvp auto (cost model's choice), time / other method's time")
+    report.text("\npyhvp auto compiled (the cost model's choice, steady state), time / other's")
     report.text(
         f"  {'model':22} | {'k':>4} | {'/ seed loop':>11} | {'/ is_grads_batched':>18} "
         f"| {'/ reverse compiled':>18}"
     )
     for model_name, k, times in summary:
-        auto = times["pyhvp auto"]
+        auto = times["auto compiled"]
         report.text(
             f"  {model_name:22} | {k:4d} | {auto / times['seed loop']:11.2f} "
             f"| {auto / times['is_grads_batched']:18.2f} | {auto / times['reverse compiled']:18.2f}"
