@@ -47,6 +47,7 @@ import torch
 from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
+from pyhvp import restricted
 from pyhvp._checks import (
     check_chunk_size,
     check_output,
@@ -445,7 +446,8 @@ def _sparse_refusal(plan: _Plan, backend: Backend, method: str) -> str | None:
     if not isinstance(backend, TorchBackend):
         return f"backend {backend.name!r} is not the torch backend"
     total = sum(len(flat) for flat in plan.flats)
-    if method == "auto" and total < MIN_COMPONENTS and backend.compile is not True:
+    compiled = backend.compile is True and restricted.compiles()
+    if method == "auto" and total < MIN_COMPONENTS and not compiled:
         return f"{total} components, fewer than {MIN_COMPONENTS}: the reverse route costs less"
     first = plan.tensors[0]
     if any(t.dtype != first.dtype or t.device != first.device for t in plan.tensors):

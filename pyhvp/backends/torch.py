@@ -507,7 +507,8 @@ class TorchBackend:
         kernel = restricted.restricted_hessian
         entries = map(restricted.selected_entries, tensors, flats)
         static = (len(tensors), chunk_size)
-        return self._run(kernel, kernel, f, static, (*tensors, *entries, *args))
+        inputs = (*tensors, *entries, *args)
+        return self._run(kernel, kernel, f, static, inputs, compilable=restricted.compiles)
 
     def second_directional(
         self,
@@ -594,6 +595,7 @@ class TorchBackend:
         static: tuple[Hashable, ...],
         inputs: tuple[object, ...],
         differentiable_compiled: bool = False,
+        compilable: Callable[[], bool] | None = None,
     ) -> Result:
         """Results carry autograd history exactly when grad mode is on and an input requires
         grad; otherwise they are detached on every path, whatever f captures. With autograd
@@ -601,7 +603,9 @@ class TorchBackend:
         aten graphs, which AOTAutograd compiles forward and backward) and no functorch transform
         or forward-mode AD is active: then it follows the compile policy too, under a key of its
         own, run as one ``_Detour`` autograd node. Inference tensors are cloned
-        into normal ones outside inference mode."""
+        into normal ones outside inference mode. ``compilable()``, asked once a signature would
+        compile, says whether this torch compiles the kernel faithfully (if not, it runs eagerly
+        for good, without a warning: a known limit, not a compiler failure)."""
         eager = partial(eager_kernel, f, *static)
         if _needs_autograd(inputs):
             tensors_only = all(isinstance(t, torch.Tensor) for t in inputs)
@@ -609,12 +613,13 @@ class TorchBackend:
                 return eager(*inputs)
             inputs = _normal(inputs)
             detour = partial(_Detour.run, eager, cast(tuple[torch.Tensor, ...], inputs))
-            return cast(Result, self._dispatch(eager, traced_kernel, f, static, inputs, detour))
+            return cast(Result, self._dispatch(eager, traced_kernel, f, static, inputs,
+                                               compilable, detour))  # fmt: skip
         # no_grad: leaving inference mode turns grad mode on, and a kernel compiled with grad
         # mode on would be a forward-and-backward graph whose backward never runs
         with torch.inference_mode(False), torch.no_grad():
             inputs = _normal(inputs)
-            out = self._dispatch(eager, traced_kernel, f, static, inputs)
+            out = self._dispatch(eager, traced_kernel, f, static, inputs, compilable)
         # both kernels return what eager_kernel returns; the compile cache holds them untyped
         return cast(Result, _detached(out))
 
@@ -625,6 +630,7 @@ class TorchBackend:
         f: Callable[..., object],
         static: tuple[Hashable, ...],
         inputs: tuple[object, ...],
+        compilable: Callable[[], bool] | None = None,
         detour: Callable[[Callable[..., object], Hooks], object] | None = None,
     ) -> object:
         """``eager(*inputs)`` or the compiled kernel's results under the compile policy;
@@ -642,6 +648,8 @@ class TorchBackend:
         if auto and entry.compiled is not None and not entry.judged and not entry.on_trial():
             _CACHE.judge(entry)  # here, not after the last trial call: its backward has run
         waiting = auto and entry.compiled is None and not _CACHE.should_compile(entry)
+        if not waiting and entry.compiled is None and compilable is not None and not compilable():
+            entry.failed = True
         if entry.failed or (auto and entry.declined) or waiting:
             if detour is None or not waiting:
                 return entry.eager.timed(lambda: eager(*inputs), device)
