@@ -28,7 +28,7 @@ loss's code and captured state, every tensor's metadata); the mode is written fo
 a selected tensor by ``is`` rather than by ``id()`` (which dynamo would guard on) and reads an
 op's name through ``torch.compiler.assume_constant_result``. A loss it refuses raises
 :class:`NotSparse` compiled as eagerly. Where dynamo drops a mode entered inside the traced
-function (torch 2.5: the compiled Hessian would be zero), :func:`compiles` says so before the
+function (torch 2.5: a zero Hessian; 2.6 fails inside it), :func:`compiles` says so before the
 first compile, and the kernel runs eagerly.
 """
 
@@ -187,25 +187,29 @@ def restricted_hessian(
     return hessian.detach(), uses[0]
 
 
-def _cubes(w: torch.Tensor) -> torch.Tensor:
-    return (w**3).sum()
-
-
 @functools.cache
 def compiles() -> bool:
-    """Whether dynamo traces :func:`restricted_hessian` faithfully on this torch: asked once per
-    process, before its first compile, on ``sum(w ** 3)`` at ``w = 1`` (Hessian ``6 I``), traced by
-    dynamo alone (no inductor; 0.7 s here, 2.6 s as the first dynamo trace of a process). Torch
-    2.5 traces the function without the mode it enters, and its compiled Hessian would be zero;
-    2.13 and 2.14 trace it."""
-    w = torch.ones(2, dtype=torch.float64)
+    """Whether dynamo traces :func:`restricted_hessian` as it runs eagerly on this torch: asked
+    once per process, before its first compile, on ``sum(F.linear(x, W, b) ** 3)`` with ``W`` and
+    ``b`` selected (both injection paths), traced by dynamo alone (no inductor; 0.7 s here, 2.6 s
+    as a process's first dynamo trace). Torch 2.5 traces the loss without the mode it enters (a
+    zero Hessian), 2.6 fails on ``F.linear`` inside it; 2.13 and 2.14 trace it."""
+    inputs = torch.tensor([[1.0, 2.0]], dtype=torch.float64)
+
+    def cubed(weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return (F.linear(inputs, weight, bias) ** 3).sum()
+
+    tensors = (torch.tensor([[1.0, -1.0], [0.5, 2.0]], dtype=torch.float64), inputs[0])
+    entries = [selected_entries(t, torch.arange(t.numel())) for t in tensors]
+    expected, _ = restricted_hessian(cubed, 2, None, *tensors, *entries)
     probe = types.FunctionType(
         restricted_hessian.__code__.replace(), restricted_hessian.__globals__
     )
-    compiled = torch.compile(probe, backend="eager", dynamic=False)
     try:
         with torch.no_grad():
-            hessian, _ = compiled(_cubes, 1, None, w, selected_entries(w, torch.arange(2)))
+            got, _ = torch.compile(probe, backend="eager", dynamic=False)(
+                cubed, 2, None, *tensors, *entries
+            )
     except Exception:  # any failure to trace means: do not compile
         return False
-    return torch.equal(hessian, 6 * torch.eye(2, dtype=torch.float64))
+    return bool(expected.abs().sum() > 0) and torch.allclose(got, expected, rtol=1e-12, atol=0.0)

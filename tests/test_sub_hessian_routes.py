@@ -128,8 +128,8 @@ def test_the_compiled_sparse_kernel_equals_the_dense_sub_hessian(case, compiled)
 
 
 def test_where_dynamo_cannot_trace_the_mode_the_sparse_kernel_runs_eagerly(monkeypatch, compiled):
-    """Torch 2.5's dynamo traces the loss without the mode (a zero Hessian): there the kernel is
-    never compiled, and no warning says a compiler failed."""
+    """Torch 2.5's dynamo traces the loss without the mode (a zero Hessian), 2.6's fails inside
+    it: there the kernel is never compiled, and no warning says a compiler failed."""
     monkeypatch.setattr(pyhvp.restricted, "compiles", lambda: False)
     loss, params, index = CASES[0].make()
     backend = pyhvp.TorchBackend(compile=True)
