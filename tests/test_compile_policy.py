@@ -334,14 +334,16 @@ def test_compile_accepts_only_auto_true_false(mode):
         pyhvp.TorchBackend(compile=mode)
 
 
-def test_a_compiled_kernel_that_disagrees_with_eager_never_serves(monkeypatch, compile_cache):
-    """Its first result is checked against an eager run: the call returns eager's, warns, and
-    every later call of the signature runs eagerly."""
+def off_by_one_compiles(monkeypatch, first_raises=None):
+    """Compiled kernels that return ``x + 1`` (raising ``first_raises`` at their first run) and
+    an eager kernel that returns ``x``; both log their runs in the list returned with it."""
     runs = []
 
     def miscompile(kernel, f, static):
         def run(x):
             runs.append("compiled")
+            if first_raises is not None and runs.count("compiled") == 1:
+                raise first_raises
             return x + 1
 
         return run
@@ -351,6 +353,13 @@ def test_a_compiled_kernel_that_disagrees_with_eager_never_serves(monkeypatch, c
         return x
 
     monkeypatch.setattr(torch_backend, "_compile_bound", miscompile)
+    return runs, eager_kernel
+
+
+def test_a_compiled_kernel_that_disagrees_with_eager_never_serves(monkeypatch, compile_cache):
+    """Its first result is checked against an eager run: the call returns eager's, warns, and
+    every later call of the signature runs eagerly."""
+    runs, eager_kernel = off_by_one_compiles(monkeypatch)
     backend = pyhvp.TorchBackend(compile=True)
     with pytest.warns(RuntimeWarning, match="disagrees with the eager one on its first call"):
         first = backend._run(eager_kernel, eager_kernel, scaled, (), (torch.zeros(3),))
@@ -367,22 +376,7 @@ class Interrupt(BaseException):
 def test_a_compiled_kernel_is_checked_at_its_first_run_that_returns(monkeypatch, compile_cache):
     """A first compiled run that raises past the policy (the sparse route's NotSparse, an
     interrupt) returns nothing to check: the check waits for the first run that returns."""
-    runs = []
-
-    def miscompile(kernel, f, static):
-        def run(x):
-            runs.append("compiled")
-            if len(runs) == 1:
-                raise Interrupt
-            return x + 1
-
-        return run
-
-    def eager_kernel(f, x):
-        runs.append("eager")
-        return x
-
-    monkeypatch.setattr(torch_backend, "_compile_bound", miscompile)
+    runs, eager_kernel = off_by_one_compiles(monkeypatch, first_raises=Interrupt())
     backend = pyhvp.TorchBackend(compile=True)
     with pytest.raises(Interrupt):
         backend._run(eager_kernel, eager_kernel, scaled, (), (torch.zeros(3),))
