@@ -14,7 +14,7 @@ every leaf's gradient and, per leaf, its own diagonal Hessian block times that l
 (``d^2 f / d leaf_i^2 @ v_i``), from ONE forward and ONE first backward shared by all leaves; each
 leaf's second pass is pruned to that leaf (autograd differentiates only towards it).
 ``grad_and_hvp`` is its one-leaf case over ``sum_b f(x)[b]``. ``restricted_hessian`` is the
-sparse sub-Hessian kernel of :mod:`pyhvp.restricted`, a torch-only technique kept here as a kernel
+sparse sub-Hessian kernel of ``pyhvp.restricted``, a torch-only technique kept here as a kernel
 so that it compiles under the same policy.
 
 Compilation (``TorchBackend(compile=...)``; the rule itself is :mod:`.compile_policy`):
@@ -500,9 +500,9 @@ class TorchBackend:
         chunk_size: int | None,
     ) -> tuple[torch.Tensor, int]:
         """``(K, K)`` Hessian of the scalar ``f(*tensors, *args)`` over the entries ``flats`` of
-        ``tensors`` by sparse injection (:func:`pyhvp.restricted.restricted_hessian`, which
-        raises :class:`~pyhvp.restricted.NotSparse` where it does not apply), and how many
-        ``F.linear`` calls took it; eager or compiled like the other kernels."""
+        ``tensors`` by sparse injection (``pyhvp.restricted.restricted_hessian``, which raises
+        ``pyhvp.restricted.NotSparse`` where it does not apply), and how many ``F.linear`` calls
+        took it; eager or compiled like the other kernels."""
         _require_torch_function(f)
         kernel = restricted.restricted_hessian
         entries = map(restricted.selected_entries, tensors, flats)
