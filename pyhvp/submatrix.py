@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import types
 from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from itertools import accumulate
@@ -372,14 +373,47 @@ def _check_loss(loss: object, with_batch: bool) -> None:
     call = "loss(params, batch) (data is given)" if with_batch else "loss(params)"
     if not callable(loss):
         raise TypeError(f"loss must be callable as {call}, got {type(loss).__name__}")
+    if _accepts(loss, 2 if with_batch else 1) is False:
+        raise TypeError(f"loss must be callable as {call}, got loss{inspect.signature(loss)}")
+
+
+_ACCEPTS: dict[tuple[object, ...], bool] = {}
+""":func:`_accepts` of plain functions by what their signature depends on: a loss rebuilt at every
+call (``module_loss`` in a loop) reads it once, where ``inspect.signature`` costs 10-50 us a call
+(a tenth of a compiled sparse sub-Hessian of the seed model)."""
+
+
+def _accepts(loss: Callable[..., Any], n_args: int) -> bool | None:
+    """Whether ``loss`` takes ``n_args`` positional arguments (None: no signature to read)."""
+    key = None
+    if (
+        isinstance(loss, types.FunctionType)
+        and not {"__wrapped__", "__signature__"} & vars(loss).keys()
+    ):
+        # a plain function's signature is its code's, with which parameters have defaults
+        key = (
+            loss.__code__,
+            len(loss.__defaults__ or ()),
+            tuple(loss.__kwdefaults__ or ()),
+            n_args,
+        )
+        if key in _ACCEPTS:
+            return _ACCEPTS[key]
     try:
         signature = inspect.signature(loss)
     except (TypeError, ValueError):  # builtins and C functions: nothing to check up front
-        return
+        return None
     try:
-        signature.bind(*(None,) * (2 if with_batch else 1))
+        signature.bind(*(None,) * n_args)
     except TypeError:
-        raise TypeError(f"loss must be callable as {call}, got loss{signature}") from None
+        accepts = False
+    else:
+        accepts = True
+    if key is not None:
+        if len(_ACCEPTS) >= 1024:  # a process that makes code objects: start over
+            _ACCEPTS.clear()
+        _ACCEPTS[key] = accepts
+    return accepts
 
 
 @dataclasses.dataclass(frozen=True)

@@ -395,6 +395,23 @@ def test_bad_input_raises_naming_the_culprit(call, error, culprit):
         call()
 
 
+def test_the_signature_check_of_a_rebuilt_loss_holds_for_each_arity_and_defaults():
+    """The check is cached by a function's code, arity and defaults: a rebuilt loss that was
+    accepted without data is still refused with it, and one whose batch got a default is not."""
+
+    def make_loss(*defaults):
+        def loss(p, batch=None):
+            return square(p)
+
+        loss.__defaults__ = defaults
+        return loss
+
+    pyhvp.sub_hessian(make_loss(None), W, torch.tensor([0]))
+    with pytest.raises(TypeError, match="got loss\\(p, batch\\)"):
+        pyhvp.sub_hessian(make_loss(), W, torch.tensor([0]))
+    pyhvp.sub_hessian(make_loss(None), W, torch.tensor([0]), data=[W])
+
+
 # --- progress=: a tqdm bar over data's batches, on rank 0 only --------------------------------
 
 
