@@ -6,13 +6,13 @@ fewer). Every row builds the loss anew per call from the model and data, as the 
 writes it (``sub_hessian(*module_loss(...), index)``): pyhvp's ``method="auto"`` (the cost
 model's choice) eager (``compile=False``: what the default ``compile="auto"`` runs for its first
 calls) and compiled (``compile=True``: its steady state in a loop of many calls; the compile
-cache is shared, so a default backend here would run what the compiled rows compiled);
-the sparse route (``method="sparse"``: the restricted loss with
-one-hot directions entering each linear layer as gathered columns, :mod:`pyhvp.restricted`) and
-the reverse route (``method="reverse"``: one batched HVP per component), each eager
-(``compile=False``) and compiled; the seed's loop (one reverse pass per component) and the answer
-the seed received (``torch.autograd.grad(..., is_grads_batched=True)``, one shared first
-backward, then one batched pass per tensor). Results are checked against each other first. Ratios are against the seed's
+cache is shared, so a default backend here would run what the compiled rows compiled); the
+sparse route (``method="sparse"``: the restricted loss with one-hot directions entering each
+linear layer as gathered columns, :mod:`pyhvp.restricted`) and the reverse route
+(``method="reverse"``: one batched HVP per component), each eager (``compile=False``) and
+compiled; the seed's loop (one reverse pass per component) and the answer the seed received
+(``torch.autograd.grad(..., is_grads_batched=True)``, one shared first backward, then one batched
+pass per tensor). Results are checked against each other first. Ratios are against the seed's
 loop. One thread (``torch.set_num_threads(1)``): on a shared CPU idle-waiting OpenMP threads
 stall when other processes hold the cores. Usage: python benchmarks/bench_sub_hessian.py [cuda]
 """

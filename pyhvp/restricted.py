@@ -107,7 +107,7 @@ class _Injection(TorchFunctionMode):
         values = pytree.tree_leaves((args, kwargs))
         if not any(self._entry(v) is not None for v in values):
             return func(*args, **kwargs)
-        if _writes(func, kwargs):
+        if _in_place(func) or "out" in kwargs:
             raise NotSparse(f"{_name(func)} writes to a selected tensor")
         if func is F.linear:
             named = dict(zip(("input", "weight", "bias"), args, strict=False)) | kwargs
@@ -131,13 +131,9 @@ def _name(func: Callable[..., Any]) -> str:
     return getattr(func, "__qualname__", getattr(func, "__name__", repr(func)))
 
 
-def _writes(func: Callable[..., Any], kwargs: dict[str, Any]) -> bool:
-    """In place (``add_``, ``__iadd__``, ``__setitem__``, ``copy_``) or into ``out=``."""
-    return _in_place(func) or "out" in kwargs
-
-
 def _named_in_place(func: Callable[..., Any]) -> bool:
-    """Whether ``func``'s name says it writes to its first argument."""
+    """Whether ``func``'s name says it writes to its first argument (``add_``, ``__iadd__``,
+    ``__setitem__``, ``copy_``); a write into ``out=`` is the other kind a caller checks."""
     name = getattr(func, "__name__", "")
     dunder = name.startswith("__") and name.endswith("__")
     in_place = (name.endswith("_") and not dunder) or name == "__setitem__"

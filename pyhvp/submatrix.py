@@ -504,6 +504,8 @@ def _sums(
     use_sparse = refusal is None
     flats = [flat.to(t.device) for flat, t in zip(plan.flats, plan.tensors, strict=True)]
     sizes = [len(flat) for flat in flats]
+    # the sparse kernel's view of the selection: the same for every batch
+    entries = list(map(restricted.selected_entries, plan.tensors, flats)) if use_sparse else []
     sparse_sum: torch.Tensor | None = None
     reverse_sums: list[torch.Tensor] | None = None
     for batch in [None] if batches is None else batches:
@@ -515,7 +517,7 @@ def _sums(
             try:
                 assert isinstance(backend, TorchBackend)  # _sparse_refusal's condition
                 block, sparse_uses = backend.restricted_hessian(
-                    loss, plan.tensors, flats, (*plan.others, *batch_values), chunk_size
+                    loss, plan.tensors, entries, (*plan.others, *batch_values), chunk_size
                 )
             except NotSparse as error:
                 if method == "sparse":

@@ -495,17 +495,17 @@ class TorchBackend:
         self,
         f: Callable[..., torch.Tensor],
         tensors: Sequence[torch.Tensor],
-        flats: Sequence[torch.Tensor],
+        entries: Sequence[torch.Tensor],
         args: Sequence[object],
         chunk_size: int | None,
     ) -> tuple[torch.Tensor, int]:
-        """``(K, K)`` Hessian of the scalar ``f(*tensors, *args)`` over the entries ``flats`` of
-        ``tensors`` by sparse injection (``pyhvp.restricted.restricted_hessian``, which raises
-        ``pyhvp.restricted.NotSparse`` where it does not apply), and how many ``F.linear`` calls
-        took it; eager or compiled like the other kernels."""
+        """``(K, K)`` Hessian of the scalar ``f(*tensors, *args)`` over the selected entries of
+        ``tensors`` (each one's ``pyhvp.restricted.selected_entries``) by sparse injection
+        (``pyhvp.restricted.restricted_hessian``, which raises ``pyhvp.restricted.NotSparse``
+        where it does not apply), and how many ``F.linear`` calls took it; eager or compiled
+        like the other kernels."""
         _require_torch_function(f)
         kernel = restricted.restricted_hessian
-        entries = map(restricted.selected_entries, tensors, flats)
         static = (len(tensors), chunk_size)
         inputs = (*tensors, *entries, *args)
         return self._run(kernel, kernel, f, static, inputs, compilable=restricted.compiles)
