@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from dense import instance_hessian_diagonal, instance_laplacian, message_passing
 
 import pyhvp
+from pyhvp import taylor
 from pyhvp.taylor import chain, program
 
 aten = torch.ops.aten
@@ -218,7 +219,8 @@ def test_index_add_runs_as_one_batched_index_add_in_the_kernel():
     x = torch.randn(3, 4, dtype=torch.float64)
     captured = program.capture(message_passing, x, ())
     for collapsed in (True, False):
-        kernel = captured.kernel(collapsed, x, torch.eye(4, dtype=x.dtype)[:, None])
+        mode = taylor.JetMode(order=2, collapsed=collapsed, outputs=(2,))
+        kernel = captured.kernel(mode, x, torch.eye(4, dtype=x.dtype)[:, None])
         ops = {node.target for node in kernel.graph.graph.nodes}
         assert aten.index_add.default in ops and aten.index_put.default not in ops
 

@@ -50,6 +50,7 @@ Compilation (``TorchBackend(compile=...)``; the rule itself is :mod:`.compile_po
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import types
@@ -93,9 +94,6 @@ class InstanceSum:
 
 Result = TypeVar("Result")
 
-Jet = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-"""A collapsed jet kernel's result: value, first-order coefficients, summed second-order ones."""
-
 
 def _grad_and_block_hvps_traced(
     f: Callable[..., torch.Tensor], n_leaves: int, chunk_size: int | None, *inputs: object
@@ -131,6 +129,30 @@ def _reverse_over_reverse(
     if len(tangents) <= 1:  # no vmap for one tangent (nor for none)
         return g, torch.stack([product(t)[0] for t in tangents]) if len(tangents) else tangents
     return g, vmap(lambda t: product(t)[0], chunk_size=chunk_size)(tangents)
+
+
+def _grad_and_block_hvps_functional(
+    f: Callable[..., torch.Tensor], n_leaves: int, chunk_size: int | None, *inputs: object
+) -> Blocks:
+    """Reverse-over-reverse inside ``torch.func.grad`` alone, ``H t = grad(<grad f, t>)``
+    vmapped over the tangents: what runs nested in ``f`` of a Taylor-engine operator, whose
+    recorder follows ``torch.func.grad`` but not ``vjp``'s pullback (autograd's backward pass
+    run outside any transform)."""
+    leaves, tangents, args = _split(n_leaves, inputs)
+    grads, products = [], []
+    for i, leaf_tangents in enumerate(tangents):
+
+        def of_leaf(y: torch.Tensor, i: int = i) -> torch.Tensor:
+            return f(*leaves[:i], y, *leaves[i + 1 :], *args)
+
+        def along(t: torch.Tensor, of_leaf: Callable[..., torch.Tensor] = of_leaf,
+                  i: int = i) -> torch.Tensor:  # fmt: skip
+            return cast(torch.Tensor, grad(lambda y: (grad(of_leaf)(y) * t).sum())(leaves[i]))
+
+        grads.append(cast(torch.Tensor, grad(of_leaf)(leaves[i])))
+        products.append(vmap(along, chunk_size=chunk_size)(leaf_tangents) if len(leaf_tangents)
+                        else leaf_tangents)  # fmt: skip
+    return tuple(grads), tuple(products)
 
 
 def _grad_and_block_hvps_eager(
@@ -275,6 +297,7 @@ class _Detour(torch.autograd.Function):
         eager: Callable[..., object],
         kernel: Callable[..., object],
         hooks: Hooks,
+        kind: list[bool],
         *inputs: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
         ctx.eager, ctx.hooks = eager, hooks
@@ -284,6 +307,7 @@ class _Detour(torch.autograd.Function):
         with torch.enable_grad():
             out = kernel(*aliases)
         ctx.single = not isinstance(out, tuple)
+        kind.append(ctx.single)
         results = (cast(torch.Tensor, out),) if ctx.single else cast(tuple[torch.Tensor, ...], out)
         ctx.inner = (aliases, results)
         return tuple(r.detach() for r in results)
@@ -291,7 +315,7 @@ class _Detour(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         inputs, hooks = ctx.saved_tensors, ctx.hooks
-        wanted = [i for i, need in enumerate(ctx.needs_input_grad[3:]) if need]
+        wanted = [i for i, need in enumerate(ctx.needs_input_grad[4:]) if need]
         differentiable = torch.is_grad_enabled()  # create_graph=True
         keep = torch._C._autograd._get_current_graph_task_keep_graph()
         if not differentiable and ctx.inner is not None and (hooks.reusable or not keep):
@@ -312,15 +336,15 @@ class _Detour(torch.autograd.Function):
                 hooks.failed(error)
             else:
                 if hooks.checked is None or hooks.failed is None:
-                    return (None, None, None, *got)
+                    return (None, None, None, None, *got)
                 expected = _Detour._eager_grads(ctx, inputs, grads, wanted, differentiable)
                 difference = compile_policy.disagreement(got, expected)
                 if difference is None:
                     hooks.checked()
-                    return (None, None, None, *got)
+                    return (None, None, None, None, *got)
                 hooks.failed(CompiledKernelDisagrees(difference, "in its first compiled backward"))
-                return (None, None, None, *expected)
-        return (None, None, None, *_Detour._eager_grads(ctx, inputs, grads, wanted,
+                return (None, None, None, None, *expected)
+        return (None, None, None, None, *_Detour._eager_grads(ctx, inputs, grads, wanted,
                                                         differentiable))  # fmt: skip
 
     @staticmethod
@@ -375,10 +399,12 @@ class _Detour(torch.autograd.Function):
         kernel: Callable[..., object],
         hooks: Hooks,
     ) -> object:
-        """``kernel(*inputs)``'s results (a tensor or a tuple), differentiable in ``inputs``."""
+        """``kernel(*inputs)``'s results (a tensor or a tuple, as the kernel returns them),
+        differentiable in ``inputs``."""
+        kind: list[bool] = []  # the forward notes whether the kernel returned one tensor
         # Function.apply carries no annotations (torch 2.13)
-        out = _Detour.apply(eager, kernel, hooks, *inputs)  # type: ignore[no-untyped-call]
-        return out if len(out) > 1 else out[0]
+        out = _Detour.apply(eager, kernel, hooks, kind, *inputs)  # type: ignore[no-untyped-call]
+        return out[0] if kind[0] else out
 
 
 def _detached(out: object) -> object:
@@ -485,7 +511,7 @@ class TorchBackend:
         _require_torch_function(f)
         return self._run(
             _grad_and_block_hvps_eager,
-            _grad_and_block_hvps_traced,
+            _grad_and_block_hvps_functional if taylor.recording() else _grad_and_block_hvps_traced,
             f,
             (len(leaves), chunk_size),
             (*leaves, *tangents, *args),
@@ -520,11 +546,9 @@ class TorchBackend:
     ) -> torch.Tensor:
         """``d^2/dt^2 f(x + t u)`` per direction ``(k, *out)``: see :mod:`pyhvp.backends`.
         Second-order Taylor mode; ``f`` is recorded once for all chunks of directions."""
-        # a jet kernel that is not collapsed returns one tensor: the second-order coefficients
-        parts = cast(
-            list[torch.Tensor], self._jets(f, x, directions, args, chunk_size, collapsed=False)
-        )
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        (second,) = self.taylor_coefficients(f, x, directions, args, chunk_size, order=2,
+                                             outputs=(2,))  # fmt: skip
+        return second
 
     def collapsed_jet(
         self,
@@ -535,11 +559,10 @@ class TorchBackend:
         chunk_size: int | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(f(x), first (k, *out), sum over directions of second)``: see :mod:`pyhvp.backends`."""
-        parts = cast(list[Jet], self._jets(f, x, directions, args, chunk_size, collapsed=True))
-        if len(parts) == 1:
-            return parts[0]
-        first = torch.cat([p[1] for p in parts])
-        return parts[0][0], first, sum(p[2] for p in parts[1:]) + parts[0][2]
+        value, first, second = self.taylor_coefficients(f, x, directions, args, chunk_size,
+                                                        order=2, outputs=(0, 1, 2),
+                                                        collapsed=True)  # fmt: skip
+        return value, first, second
 
     def collapsed_second(
         self,
@@ -551,41 +574,85 @@ class TorchBackend:
     ) -> torch.Tensor:
         """``collapsed_jet``'s third result alone (``out``): its kernels compute neither the
         value nor the first derivatives of f's output, which a Laplacian does not need."""
-        parts = cast(list[torch.Tensor], self._jets(f, x, directions, args, chunk_size,
-                                                    collapsed=True, second_only=True))  # fmt: skip
-        return parts[0] if len(parts) == 1 else sum(parts[1:], parts[0])
+        (second,) = self.taylor_coefficients(f, x, directions, args, chunk_size, order=2,
+                                             outputs=(2,), collapsed=True)  # fmt: skip
+        return second
 
-    def _capture(
-        self, f: Callable[..., torch.Tensor], x: torch.Tensor, args: Sequence[object]
-    ) -> taylor.Capture:
-        """``f``'s program (:func:`pyhvp.taylor.capture`: recorded, or found by dynamo's guards);
-        ``x`` enters as a fresh alias, so ``x`` in ``args`` or captured by ``f`` is a constant
-        there."""
-        _require_torch_function(f)
-        with torch.inference_mode(False):
-            return taylor.capture(f, x.clone() if x.is_inference() else x, args, self.guards)
-
-    def _jets(
+    def taylor_coefficients(
         self,
         f: Callable[..., torch.Tensor],
         x: torch.Tensor,
         directions: torch.Tensor,
         args: Sequence[object],
         chunk_size: int | None,
-        collapsed: bool,
-        second_only: bool = False,
-    ) -> list[object]:
-        """The jet kernel's results per chunk of ``chunk_size`` directions, from one capture."""
-        captured = self._capture(f, x, args)
-        parts = []
+        *,
+        order: int,
+        outputs: tuple[int, ...],
+        collapsed: bool = False,
+        weights: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, ...]:
+        """Taylor coefficients of ``f`` along ``directions``: see :mod:`pyhvp.backends`. Taylor
+        mode of ``order`` (:mod:`pyhvp.taylor`); ``f`` is recorded once for all chunks, the
+        per-direction outputs of the chunks concatenated, the collapsed one summed."""
+        mode = taylor.JetMode(order, collapsed, outputs, weights is not None)
         size = chunk_size or len(directions)
         # one chunk: directions themselves (a split costs a few microseconds a call)
-        for part in (directions,) if size >= len(directions) else torch.split(directions, size):
+        chunks = (directions,) if size >= len(directions) else torch.split(directions, size)
+        parts_of_weights = (
+            [None] * len(chunks) if weights is None
+            else [weights] if len(chunks) == 1 else list(torch.split(weights, size))
+        )  # fmt: skip
+        parts = [
+            cast(tuple[torch.Tensor, ...], part)
+            for part in self._jets(f, x, chunks, parts_of_weights, args, mode)
+        ]
+        if len(parts) == 1:
+            return parts[0]
+        combined = []
+        for i, k in enumerate(outputs):
+            pieces = [p[i] for p in parts]
+            if k == 0:
+                combined.append(pieces[0])
+            elif mode.collapses(k):
+                combined.append(sum(pieces[1:], pieces[0]))
+            else:
+                combined.append(torch.cat(pieces))
+        return tuple(combined)
+
+    def _capture(
+        self, f: Callable[..., torch.Tensor], x: torch.Tensor, args: Sequence[object],
+        guarded: bool,
+    ) -> taylor.Capture:  # fmt: skip
+        """``f``'s program (:func:`pyhvp.taylor.capture`: recorded, or found by dynamo's guards);
+        ``x`` enters as a fresh alias, so ``x`` in ``args`` or captured by ``f`` is a constant
+        there."""
+        _require_torch_function(f)
+        with torch.inference_mode(False):
+            return taylor.capture(f, x.clone() if x.is_inference() else x, args, guarded)
+
+    def _jets(
+        self,
+        f: Callable[..., torch.Tensor],
+        x: torch.Tensor,
+        chunks: Sequence[torch.Tensor],
+        weights: Sequence[torch.Tensor | None],
+        args: Sequence[object],
+        mode: taylor.JetMode,
+    ) -> list[object]:
+        """The jet kernel's results per chunk of directions (and their weights), from one
+        capture. Nested inside ``f`` of another Taylor-engine operator, ``f`` is recorded and the
+        kernels traced outside the outer record, and the kernels run in it (:meth:`_run`)."""
+        nested = taylor.recording()
+        with taylor.outside_recording() if nested else contextlib.nullcontext():
+            captured = self._capture(f, x, args, self.guards and not nested)
             with torch.inference_mode(False):
-                kernel = captured.kernel(collapsed, x, part, second_only)
-            inputs = (x, part, *captured.constants)
-            parts.append(self._run(_jet_kernel, _jet_kernel, kernel, (), inputs, True))
-        return parts
+                kernels = [captured.kernel(mode, x, part, w)
+                           for part, w in zip(chunks, weights, strict=True)]  # fmt: skip
+        return [
+            self._run(_jet_kernel, _jet_kernel, kernel, (),
+                      (x, part, *([] if w is None else [w]), *captured.constants), True)
+            for kernel, part, w in zip(kernels, chunks, weights, strict=True)
+        ]  # fmt: skip
 
     def _run(
         self,
@@ -606,6 +673,8 @@ class TorchBackend:
         into normal ones outside inference mode. ``compilable()``, asked once a signature would
         compile, says whether this torch compiles the kernel faithfully (if not, it runs eagerly
         for good, without a warning: a known limit, not a compiler failure)."""
+        if taylor.recording():  # nested in f of a Taylor-engine operator: its ops are f's
+            return traced_kernel(f, *static, *inputs)
         eager = partial(eager_kernel, f, *static)
         if _needs_autograd(inputs):
             tensors_only = all(isinstance(t, torch.Tensor) for t in inputs)

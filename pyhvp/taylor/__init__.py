@@ -60,10 +60,10 @@ Where things are:
 """
 
 from pyhvp.taylor.fallbacks import UnsupportedOpError
-from pyhvp.taylor.jets import Context, Jet, chain
-from pyhvp.taylor.kernel import JetKernel
+from pyhvp.taylor.jets import Context, Jet, NotAtThisOrder, chain
+from pyhvp.taylor.kernel import JetKernel, JetMode
 from pyhvp.taylor.program import Capture, capture
-from pyhvp.taylor.recorder import InPlaceInputError
+from pyhvp.taylor.recorder import InPlaceInputError, outside_recording, recording
 from pyhvp.taylor.registry import register_jet_rule
 
 __all__ = [
@@ -72,8 +72,12 @@ __all__ = [
     "InPlaceInputError",
     "Jet",
     "JetKernel",
+    "JetMode",
+    "NotAtThisOrder",
     "UnsupportedOpError",
     "capture",
     "chain",
+    "outside_recording",
+    "recording",
     "register_jet_rule",
 ]

@@ -47,7 +47,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from pyhvp._keys import Value
 from pyhvp.taylor import guards
 from pyhvp.taylor.custom_ops import STOP_GRADIENT, WITH_DERIVATIVES_OF
-from pyhvp.taylor.kernel import JetKernel, basis_event, build_kernel, traceable
+from pyhvp.taylor.kernel import JetKernel, JetMode, basis_event, build_kernel, traceable
 from pyhvp.taylor.recorder import (
     BY_CONDITIONING,
     KEEP,
@@ -151,18 +151,23 @@ class Program:
     graph: fx.GraphModule
     kernels: dict[Hashable, JetKernel] = field(default_factory=dict)
 
-    def kernel(
-        self, collapsed: bool, x: Tensor, directions: Tensor, constants: Sequence[Tensor],
-        second_only: bool = False,
-    ) -> JetKernel:  # fmt: skip
-        """The jet kernel for this mode, directions layout and outputs (traced on first use);
-        collapsed along the basis of x's event, one that keeps x's coefficient diagonal."""
-        event = basis_event(x, directions) if collapsed else None
-        key = (collapsed, _meta(directions), event, second_only)
+    def kernel(self, mode: JetMode, x: Tensor, directions: Tensor, weights: Tensor | None,
+               constants: Sequence[Tensor]) -> JetKernel:  # fmt: skip
+        """The jet kernel for this mode and directions layout (traced on first use); a
+        collapsed second-order one along the basis of x's event keeps x's coefficient
+        diagonal."""
+        event = basis_event(x, directions) if _keeps_diagonal(mode) else None
+        key = (mode, _meta(directions), event, None if weights is None else _meta(weights))
         if key not in self.kernels:
-            self.kernels[key] = build_kernel(self.graph, collapsed, x, directions, constants,
-                                             event, second_only)  # fmt: skip
+            self.kernels[key] = build_kernel(self.graph, mode, x, directions, weights, constants,
+                                             event)  # fmt: skip
         return self.kernels[key]
+
+
+def _keeps_diagonal(mode: JetMode) -> bool:
+    """Diagonal first-order coefficients are kept by collapsed, unweighted second-order
+    kernels (their collapsed square is the diagonal's square)."""
+    return mode.collapsed and mode.order == 2 and not mode.weighted
 
 
 _PROGRAMS: OrderedDict[Hashable, Program] = OrderedDict()
@@ -175,10 +180,9 @@ class Capture:
     program: Program
     constants: tuple[Tensor, ...]
 
-    def kernel(
-        self, collapsed: bool, x: Tensor, directions: Tensor, second_only: bool = False
-    ) -> JetKernel:
-        return self.program.kernel(collapsed, x, directions, self.constants, second_only)
+    def kernel(self, mode: JetMode, x: Tensor, directions: Tensor,
+               weights: Tensor | None = None) -> JetKernel:  # fmt: skip
+        return self.program.kernel(mode, x, directions, weights, self.constants)
 
 
 def capture(f: Callable[..., Tensor], x: Tensor, args: Sequence[object], guarded: bool = False

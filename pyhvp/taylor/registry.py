@@ -11,8 +11,13 @@ import torch
 from torch.utils import _pytree as pytree
 
 from pyhvp.taylor.custom_ops import DET_BY_SVD, STOP_GRADIENT, WITH_DERIVATIVES_OF
-from pyhvp.taylor.fallbacks import general_fallback, linear_rule, pointwise_fallback
-from pyhvp.taylor.jets import ENGINE, Context, Jet, dense_only, value_of
+from pyhvp.taylor.fallbacks import (
+    UnsupportedOpError,
+    general_fallback,
+    linear_rule,
+    pointwise_fallback,
+)
+from pyhvp.taylor.jets import ENGINE, Context, Jet, NotAtThisOrder, dense_only, value_of
 
 aten = torch.ops.aten
 Tensor = torch.Tensor
@@ -63,10 +68,37 @@ def apply(ctx: Context, op: Callable[..., Any], *args: Any, **kwargs: Any) -> An
         return out
     pointwise = torch.Tag.pointwise in getattr(op, "tags", ()) and isinstance(out, Tensor)
     if op in RULES and (pointwise or op in SCALAR_SAFE or not _on_scalars(args, kwargs, results)):
-        return RULES[op](ctx, out, *args, **kwargs)
+        try:
+            return _checked_order(ctx, op, RULES[op](ctx, out, *args, **kwargs))
+        except NotAtThisOrder as lower:  # a rule of a lower order: the op's exact fallback
+            try:
+                return _fallback(ctx, op, out, args, kwargs, pointwise)
+            except UnsupportedOpError as error:
+                raise UnsupportedOpError(f"{error} (its jet rule: {lower})") from error
+    return _fallback(ctx, op, out, args, kwargs, pointwise)
+
+
+def _fallback(ctx: Context, op: Callable[..., Any], out: Any, args: tuple[Any, ...],
+              kwargs: dict[str, Any], pointwise: bool) -> Any:  # fmt: skip
     if pointwise:
         return pointwise_fallback(ctx, op, out, args, kwargs)
     return general_fallback(ctx, op, out, args, kwargs)
+
+
+def _checked_order(ctx: Context, op: object, out: Any) -> Any:
+    """A rule's result, each jet of which must carry the kernel's order: a user's rule written
+    for second order that returns two coefficients at fourth would leave the others missing
+    (silently zero), so it is refused, naming the op."""
+    for jet in pytree.tree_leaves(out):
+        if isinstance(jet, Jet) and len(jet.coefficients) != ctx.order:
+            raise UnsupportedOpError(
+                f"pyhvp: the jet rule of {op} returned {len(jet.coefficients)} Taylor "
+                f"coefficients where the kernel carries {ctx.order}: a rule must return one "
+                f"per order up to ctx.order (pyhvp.taylor.chain takes the derivatives of "
+                f"every order), or raise pyhvp.taylor.NotAtThisOrder for orders it does not "
+                f"carry, and the engine falls back"
+            )
+    return out
 
 
 SCALAR_SAFE = {

@@ -13,6 +13,7 @@ from pyhvp.taylor.jets import (
     Jet,
     coefficient_of,
     expanded,
+    leibniz,
     lifted,
     plus,
     times_or_none,
@@ -36,17 +37,14 @@ def matmul_jet(ctx: Context, out: Tensor, a: Jet | Tensor, b: Jet | Tensor) -> J
         # lifted to the result's dims: an operand with fewer batch dims broadcasts (solve)
         return None if t is None else lifted(expanded(t, value_of(arg).shape, [dim]), nd)
 
-    va, vb = value_of(a), value_of(b)
-    sa, sb = contracted(a, 2, q_a), contracted(b, 2, q_b)
-    first = _factored_matmul(a, b)
-    cross = None
-    if first is None:
-        fa, fb = contracted(a, 1, q_a), contracted(b, 1, q_b)
-        first = plus(None if fa is None else fa @ vb, None if fb is None else va @ fb)
-        cross = None if fa is None or fb is None else 2 * ctx.pair(operator.matmul, fa, fb)
-    second = plus(None if sa is None else sa @ vb, None if sb is None else va @ sb, cross)
-    first = cast(Tensor, first)  # a or b is a jet: not None
-    return Jet(out, lifted(first, nd), None if second is None else lifted(second, nd))
+    factored = _factored_matmul(a, b)  # one operand is a jet: then no cross terms
+    orders = range(1, ctx.order + 1)
+    ca = [None if k == 1 and factored is not None else contracted(a, k, q_a) for k in orders]
+    cb = [None if k == 1 and factored is not None else contracted(b, k, q_b) for k in orders]
+    coefficients = leibniz(ctx, operator.matmul, value_of(a), value_of(b), ca, cb)
+    if factored is not None:
+        coefficients[0] = factored
+    return Jet(out, tuple(None if c is None else lifted(c, nd) for c in coefficients))
 
 
 def _factored_matmul(a: Jet | Tensor, b: Jet | Tensor) -> Tensor | None:
@@ -100,11 +98,11 @@ def _addmm(
     bias_part = bias if isinstance(bias, Jet) and beta != 0 else None
     nd = out.ndim
     orders = []
-    for order in (1, 2):
-        p = None if product is None else (product.first if order == 1 else product.second)
+    for order in range(1, ctx.order + 1):
+        p = None if product is None else product.dense(order)
         orders.append(plus(times_or_none(p, alpha) if alpha != 1 else p,
                            times_or_none(coefficient_of(bias_part, nd, order), beta)))  # fmt: skip
-    return Jet(out, cast(Tensor, orders[0]), orders[1])  # an input is a jet: not None
+    return Jet(out, tuple(orders))  # an input is a jet: the first is not None
 
 
 @rule(aten.mv.default)
