@@ -140,6 +140,54 @@ def instance_jacobian(f, x, *args, event_dims=1):
 # diagonal specs): f, the point, and a mathematically equal f that torch.func differentiates ---
 
 
+def nested_mixed_partial(f, x, alpha, *args, event_dims=1, create_graph=False):
+    """``d^alpha f`` per instance and output by nested ``torch.autograd.grad`` (the PINN
+    libraries' idiom) in float64: ``alpha`` lists the flat event indices differentiated, with
+    repeats; ``batch + out``. Instances are independent, so each grad of a sum over instances
+    is every instance's own. ``x`` keeps its own dtype when it requires grad (then the result is
+    differentiable in ``x``, ``args`` and what ``f`` captures, with ``create_graph``)."""
+    y = x if x.requires_grad else x.detach().double().requires_grad_()
+    n_batch = x.ndim - event_dims
+    out = f(y, *(args if x.requires_grad else map(to64, args)))
+    flat_out = out.reshape(*out.shape[:n_batch], -1)
+    results = []
+    for k in range(flat_out.shape[-1]):
+        h = flat_out[..., k]
+        for i in alpha:
+            (g,) = torch.autograd.grad(h.sum(), y, create_graph=True, allow_unused=True,
+                                       materialize_grads=True)  # fmt: skip
+            h = g.reshape(*g.shape[:n_batch], -1)[..., i]
+        results.append(h if create_graph else h.detach())
+    return torch.stack(results, -1).reshape(out.shape)
+
+
+def nested_directional_derivatives(f, x, v, order, *args, event_dims=1):
+    """``d^k/dt^k f(x + t v)`` for ``k = 0..order`` per instance by nested ``torch.autograd.grad``
+    in a per-instance ``t`` (float64): ``(order + 1, *batch, *out)``. ``v``: x's shape or the
+    event's."""
+    n_batch = x.ndim - event_dims
+    t = torch.zeros(x.shape[:n_batch], dtype=torch.float64, requires_grad=True)
+    out = f(x.double() + t.reshape(*t.shape, *(1,) * event_dims) * v.double(), *map(to64, args))
+    flat_out = out.reshape(*out.shape[:n_batch], -1)
+    columns = []
+    for k in range(flat_out.shape[-1]):
+        h, orders = flat_out[..., k], [flat_out[..., k].detach()]
+        for _ in range(order):
+            (h,) = torch.autograd.grad(h.sum(), t, create_graph=True, allow_unused=True,
+                                       materialize_grads=True)  # fmt: skip
+            orders.append(h.detach())
+        columns.append(torch.stack(orders))
+    return torch.stack(columns, -1).reshape(order + 1, *out.shape)
+
+
+def nested_bilaplacian(f, x, *args, event_dims=1, create_graph=False):
+    """``sum_{i,j} d^4 f / dx_i^2 dx_j^2`` per instance and output by nested autograd."""
+    n = math.prod(x.shape[x.ndim - event_dims :])
+    return sum(nested_mixed_partial(f, x, (i, i, j, j), *args, event_dims=event_dims,
+                                    create_graph=create_graph)
+               for i in range(n) for j in range(n))  # fmt: skip
+
+
 def _at(device, values=None, shape=(4, 4), seed=3):
     """A float64 point: ``values``, or standard normals of ``shape``."""
     if values is not None:
