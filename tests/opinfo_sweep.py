@@ -12,7 +12,13 @@ every other argument fixed, called through the op's ``gradcheck_wrapper`` (so ``
 * ``hessian_diagonal(f, flat)`` against its diagonal, ``laplacian(f, flat)`` against its trace;
 * the third order, where torch has one: the gradient of ``<v, hessian_diagonal(f, flat)>`` in
   ``flat`` along a fixed random direction, against central differences of the dense diagonal
-  (autograd's triple backward is not the judge: it is wrong for LayerNorm on torch 2.14).
+  (autograd's triple backward is not the judge: it is wrong for LayerNorm on torch 2.14);
+* the fourth order, where torch has one: ``directional_derivatives(f, flat, v, order=4)`` (the
+  engine's fourth-order jets) against ``d^k/dt^k f(flat + t v)``, ``k = 0..4``, by nested
+  ``torch.autograd.grad`` in ``t``. Where they differ at orders 3 and 4 only, central differences
+  of ``v^T H(flat + t v) v`` (the dense Hessian: autograd's double backward) judge: autograd's
+  own higher derivatives are wrong for some ops (``native_layer_norm``'s third and fourth, on
+  torch 2.13), and an op whose engine result agrees with the differences is exact.
 
 Run as a script for the counts table and a markdown report of every op that is not exact::
 
@@ -49,6 +55,9 @@ RECORDED = pyhvp.TorchBackend(guards=False)
 guards, which would trace each sample's f anew (its shapes differ) and more than double the
 sweep's time. The guards' program is the record's by construction (tests/test_guards.py)."""
 VALUE_RTOL = 1e-6  # of the dense Hessian's largest entry (plus an absolute 1e-6)
+FOURTH_RTOL = 1e-6  # of the largest of the reference's five derivatives (plus an absolute 1e-6)
+FOURTH_DIFFERENCES_RTOL = 1e-5  # the same, against central differences of the dense Hessian
+FOURTH_STEP = 1e-3
 THIRD_RTOL = 1e-5  # of the larger of the derivative and <v, diagonal>, plus an absolute 1e-5
 THIRD_STEP = 1e-4  # five-point central differences: error ~ step^4 f^(7), roundoff ~ 1e-16 / step
 
@@ -92,6 +101,15 @@ NO_THIRD_ORDER = Refusal(
     "(a third derivative) is not available",
 )
 
+BEYOND_DENSE_FALLBACK = Refusal(
+    "no fourth-order rule, and the dense reverse-mode fallback's work (autograd's fourth "
+    "derivatives in every input) is over its limit for this sample",
+    "over the limit of its work",
+)
+
+# Ops refused at the fourth order only (their values and third order are exact), by OpInfo name.
+REFUSED_AT_FOURTH_ORDER: dict[str, Refusal] = {}
+
 # Ops refused on purpose, by OpInfo name ("name" or "name.variant"). Everything else must be exact.
 REFUSED_OPS: dict[str, Refusal] = {
     **dict.fromkeys(
@@ -116,6 +134,13 @@ JUDGED_OUTPUTS = {"native_group_norm": (0,)}
 """Ops whose other floating outputs autograd is not the judge of: ``native_group_norm``'s mean
 and inverse deviation are differentiable in autograd, yet its double backward drops the inverse
 deviation's gradient unless the mean's is there too (the engine gives their true derivatives)."""
+
+
+def refusal_of(outcome) -> Refusal | None:
+    """The refusal on purpose that covers this outcome's op at its stage, if any."""
+    if outcome.stage == "fourth order":
+        return REFUSED_AT_FOURTH_ORDER.get(outcome.op)
+    return REFUSED_OPS.get(outcome.op)
 
 
 def op_id(op) -> str:
@@ -367,6 +392,66 @@ def check_third_order(f, flat, reference) -> tuple:
     return EXACT, "", "", []
 
 
+def _nested_directional_derivatives(f, flat, v, order):
+    """``d^k/dt^k f(flat + t v)`` at 0, ``k = 0..order``, by nested ``torch.autograd.grad``."""
+    t = torch.zeros((), dtype=flat.dtype, device=flat.device, requires_grad=True)
+    h = f(flat + t * v)
+    values = [h.detach()]
+    for _ in range(order):
+        (h,) = torch.autograd.grad(h, t, create_graph=True, allow_unused=True,
+                                   materialize_grads=True)  # fmt: skip
+        values.append(h.detach())
+    return torch.stack(values)
+
+
+def check_fourth_order(f, flat) -> tuple:
+    """``directional_derivatives(f, flat, v, order=4)`` against nested autograd in ``t``."""
+    generator = torch.Generator().manual_seed(2)
+    v = torch.randn(flat.shape, generator=generator, dtype=flat.dtype).to(flat.device)
+    try:
+        want = _nested_directional_derivatives(f, flat, v, 4)
+    except Exception as error:
+        return EXACT, "", "", [f"no fourth order in torch: {_first_line(error)}"]
+    if not torch.isfinite(want).all():
+        return EXACT, "", "", ["no fourth-order reference: autograd's derivatives not finite"]
+    try:
+        got = pyhvp.directional_derivatives(f, flat, v, order=4, backend=RECORDED)
+    except Exception as error:
+        return (*_engine_failure(error, "fourth order"), [])
+    scale = 1.0 + want.abs().max().item()
+    error = (got - want).abs().max().item() if got.shape == want.shape else float("nan")
+    if error <= FOURTH_RTOL * scale:
+        return EXACT, "", "", []
+    detail = (f"derivatives of orders 0..4 {got.tolist()}, nested autograd {want.tolist()} "
+              f"(max error {error:.3g}, tolerance {FOURTH_RTOL * scale:.3g})")  # fmt: skip
+    if got.shape == want.shape and (got[:3] - want[:3]).abs().max() <= FOURTH_RTOL * scale:
+        try:
+            differences = _hessian_differences(f, flat, v)
+        except Exception as failure:
+            return WRONG, "fourth order", f"{detail}; no second judge: {_first_line(failure)}", []
+        off = (got[3:] - differences).abs().max().item()
+        if off <= FOURTH_DIFFERENCES_RTOL * scale:
+            note = (f"nested autograd's orders 3 and 4 are wrong ({want[3:].tolist()}); central "
+                    f"differences of the dense Hessian agree with pyhvp")  # fmt: skip
+            return EXACT, "", "", [note]
+        detail += f"; central differences of the dense Hessian give {differences.tolist()}"
+    return WRONG, "fourth order", detail, []
+
+
+def _hessian_differences(f, flat, v) -> torch.Tensor:
+    """``d/dt`` and ``d^2/dt^2`` of ``v^T H(flat + t v) v`` at 0 (orders 3 and 4 of ``f`` along
+    ``v``) by five-point central differences (error ~ step^4; roundoff ~ 1e-16 / step^2)."""
+    h = FOURTH_STEP
+
+    def quadratic(t):
+        return v @ _dense_hessian(f, flat + t * v) @ v
+
+    g = {k: quadratic(k * h) for k in (-2, -1, 0, 1, 2)}
+    third = (8 * (g[1] - g[-1]) - (g[2] - g[-2])) / (12 * h)
+    fourth = (-g[2] + 16 * g[1] - 30 * g[0] + 16 * g[-1] - g[-2]) / (12 * h * h)
+    return torch.stack([third, fourth])
+
+
 SEVERITY = (EXACT, SKIP, REFUSED, WRONG, INTERNAL, TIMEOUT, CRASH)
 
 
@@ -384,10 +469,15 @@ def run_case(op, device: str, progress=None) -> Outcome:
     for k, (f, x, description) in enumerate(samples):
         if progress is not None:
             progress(description)
-        status, stage, detail, notes = check_sample(f, x, third_order=k == 0)
-        outcome = Outcome(name, status, stage, description, detail, notes=notes)
-        if worst is None or SEVERITY.index(status) > SEVERITY.index(worst.status):
-            worst = outcome
+        checks = [check_sample(f, x, third_order=k == 0)]
+        if k == 0 and checks[0][0] == EXACT:
+            checks.append(check_fourth_order(f, x.reshape(-1).clone()))
+        for status, stage, detail, notes in checks:
+            outcome = Outcome(name, status, stage, description, detail, notes=notes)
+            if worst is None or SEVERITY.index(status) > SEVERITY.index(worst.status):
+                worst = outcome
+            elif notes:
+                worst.notes += notes
     worst.seconds = time.perf_counter() - start
     worst.samples = len(samples)
     return worst
@@ -526,7 +616,7 @@ def markdown_report(outcomes: list[Outcome], device: str, seconds: float) -> str
         for o in sorted(cases, key=lambda o: o.op):
             shape = f" {o.sample}" if o.sample else ""
             stage = f" [{o.stage}]" if o.stage else ""
-            known = REFUSED_OPS.get(o.op)
+            known = refusal_of(o)
             if known is not None:
                 table = f" (refused on purpose: {known.reason})"
             elif status == REFUSED:

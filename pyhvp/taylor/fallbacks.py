@@ -302,13 +302,15 @@ def _higher_order_fallback(ctx: Context, op: Callable[..., Any], args: tuple[Any
         )
     sizes_in = sum(value_of(leaves[i]).numel() for i in jets) // max(count, 1)
     sizes_out = sum(outputs[i].numel() for i in smooth) // max(count, 1)
-    needed = sizes_out * sizes_in**ctx.order
-    if needed > REVERSE_FALLBACK_LIMIT:
+    needed = (sizes_in + sizes_out) * sizes_in**ctx.order * max(count, 1)
+    if needed > HIGHER_ORDER_FALLBACK_LIMIT:
         raise UnsupportedOpError(
             f"pyhvp: {op} has no jet rule of order {ctx.order}, and the reverse-mode fallback "
-            f"would hold its dense derivative of that order ({needed} numbers, over the limit "
-            f"{REVERSE_FALLBACK_LIMIT}). Register a rule for it (pyhvp.register_jet_rule), or "
-            f"apply f to fewer elements at a time"
+            f"would go over the limit of its work: autograd's derivatives of order "
+            f"{ctx.order} in all {sizes_in} inputs of each of its {max(count, 1)} "
+            f"instance(s), about {needed} numbers, over {HIGHER_ORDER_FALLBACK_LIMIT}. "
+            f"Register a rule for it (pyhvp.register_jet_rule), or apply f to fewer elements "
+            f"at a time"
         )
     # each present coefficient, full-shaped, batch dims (of a matrix op) as one
     present = [(n, k) for n, i in enumerate(jets)
@@ -437,6 +439,13 @@ DENSE_FALLBACK_ORDER = 4
 """The highest order the dense reverse-mode fallback carries: ``jacrev`` nested that many
 times over an op's autograd formulas (the graph grows about threefold with each nesting: a 2x2
 ``eigvalsh`` at order 6 took over 20 GB to trace)."""
+
+HIGHER_ORDER_FALLBACK_LIMIT = 2**18
+"""Most numbers the dense fallback above second order may make, estimated as ``(inputs +
+outputs) * inputs^order`` per instance: ``jacrev`` nested ``order`` times holds the op's
+intermediates once per basis tuple, and runs their backward as often (a 5x5 ``eigvalsh`` at
+order 4, 12 million by this count, took over 3 GB; a 5x5 ``svd`` over two minutes). A 3x3
+matrix op at fourth order is about 150 thousand."""
 
 REVERSE_FALLBACK_LIMIT = 2**26
 """Most numbers the reverse-mode fallback may hold in one op's dense Hessian (of one instance,
