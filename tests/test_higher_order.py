@@ -297,7 +297,9 @@ def test_a_second_order_rule_without_a_fallback_is_refused_by_name():
     @pyhvp.register_jet_rule(softsign)
     def _(ctx, out, u):
         d1 = 1 / (1 + u.value.abs()) ** 2
-        return pyhvp.taylor.chain(ctx, out, u, d1, -2 * torch.sign(u.value) * d1 / (1 + u.value.abs()))
+        return pyhvp.taylor.chain(
+            ctx, out, u, d1, -2 * torch.sign(u.value) * d1 / (1 + u.value.abs())
+        )
 
     with pytest.raises(pyhvp.UnsupportedOpError, match=r"softsign.*order 4.*its jet rule"):
         pyhvp.directional_derivatives(lambda y: softsign(y).sum(-1), point("cpu"),
