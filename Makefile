@@ -7,6 +7,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
+# pytest on every core (pytest-xdist); the specs of one xdist_group share a worker (loadgroup).
+# XDIST= runs the suite in one process.
+XDIST ?= -n auto --dist loadgroup
 
 .PHONY: setup example test test-all lint test-torch-range typecheck docs bench sweep
 .PRECIOUS: .venv-torch-%/.installed
@@ -23,10 +26,10 @@ example: setup
 	$(PY) examples/particles_hvp.py
 
 test: setup typecheck lint
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest -m "not slow" $(XDIST)
 
 test-all: setup typecheck lint
-	$(PY) -m pytest
+	$(PY) -m pytest $(XDIST)
 
 lint: setup
 	$(PY) -m ruff check .
@@ -60,7 +63,7 @@ test-torch-range:
 
 test-torch-%: .venv-torch-%/.installed
 	@echo "== torch $*"
-	.venv-torch-$*/bin/python -m pytest -p no:cacheprovider
+	.venv-torch-$*/bin/python -m pytest -p no:cacheprovider $(XDIST)
 	$(if $(PRUNE),rm -rf .venv-torch-$*)
 
 .venv-torch-%/.installed: pyproject.toml
