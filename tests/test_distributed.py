@@ -38,7 +38,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import pyhvp
 
-pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is unavailable")
+pytestmark = [
+    pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is unavailable"),
+    # one worker under pytest-xdist (--dist loadgroup): the module's ranks are spawned once
+    pytest.mark.xdist_group("distributed"),
+]
 
 F64 = {"rtol": 1e-10, "atol": 1e-12}  # float64 sums of a few terms in another order
 
@@ -543,25 +547,21 @@ def value(outcome):
     return outcome["value"]
 
 
-@pytest.mark.slow
 def test_a_world_of_one_gives_the_single_process_result(alone):
     grouped, single = value(alone["data set"])
     assert torch.equal(grouped, single)
 
 
-@pytest.mark.slow
 def test_blocks_of_two_dtypes_travel_together_and_keep_their_dtypes(alone):
     """One all_reduce carries every block (in the promoted dtype); each comes back in its own."""
     grouped, single = value(alone["two dtypes"])
     torch.testing.assert_close(grouped, single, rtol=0, atol=0)
 
 
-@pytest.mark.slow
 def test_a_world_of_one_reraises_its_own_error(alone):
     assert alone["its own error"].get("error") == "ZeroDivisionError", alone["its own error"]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("method", ROUTES)
 def test_a_world_of_one_gives_the_dense_sum_on_every_sub_hessian_route(alone, method):
     got = value(alone[f"route {method}"])
@@ -574,7 +574,6 @@ def test_a_world_of_one_gives_the_dense_sum_on_every_sub_hessian_route(alone, me
         start += len(flat)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("operator, function", CASES, ids=[f"{o.name}: {f.name}" for o, f in CASES])
 def test_two_ranks_gather_the_full_batch_result(ranks, operator, function):
     x, v, mu = particles()
@@ -601,7 +600,6 @@ SUMS = {  # scenario: joint
 }
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("scenario, joint", SUMS.items(), ids=SUMS.keys())
 def test_every_rank_returns_the_same_sum_over_all_batches(ranks, scenario, joint):
     results = [value(outcome[scenario]) for outcome in ranks]
@@ -613,7 +611,6 @@ def test_every_rank_returns_the_same_sum_over_all_batches(ranks, scenario, joint
         assert torch.equal(results[0], results[0].T)
 
 
-@pytest.mark.slow
 def test_the_group_stays_in_step_after_errors(ranks):
     first, again = (value(ranks[0][name]) for name in ("data set", "data set, after the errors"))
     assert torch.equal(first, again)
@@ -629,7 +626,6 @@ FAILURES = {  # scenario: (rank 0's error, its message must contain, rank 1's er
 }
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("scenario, expected", FAILURES.items(), ids=FAILURES.keys())
 def test_a_failure_on_one_rank_is_an_error_on_every_rank(ranks, scenario, expected):
     for outcome, (error, text) in zip(ranks, [expected[:2], expected[2:]], strict=True):
@@ -644,7 +640,6 @@ def test_a_failure_on_one_rank_is_an_error_on_every_rank(ranks, scenario, expect
         assert "rank 0:" in ranks[0][scenario]["message"]
 
 
-@pytest.mark.slow
 def test_a_rank_that_never_calls_is_bounded_by_the_group_timeout(ranks):
     waiting = ranks[0]["a rank never calls"]
     assert waiting.get("error") == "RuntimeError", waiting
