@@ -22,8 +22,7 @@ import os
 import sys
 import threading
 import types
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import ParamSpec, TypeVar
 
@@ -128,7 +127,10 @@ TRACING_LOGGERS = (
 )
 """torch's loggers of tracing and compiling, and their children."""
 
-_quiet = threading.local()
+
+_QUIET: dict[int, int] = {}
+"""Thread id -> how many :class:`quiet_tracing` blocks that thread is inside (none: absent)."""
+_TORCH = logging.getLogger("torch")
 
 
 class _DropTracingRecords(logging.Filter):
@@ -136,7 +138,7 @@ class _DropTracingRecords(logging.Filter):
     :func:`quiet_tracing`, unless the user set a level on their logger (``TORCH_LOGS``)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not getattr(_quiet, "depth", 0) or not record.name.startswith(TRACING_LOGGERS):
+        if threading.get_ident() not in _QUIET or not record.name.startswith(TRACING_LOGGERS):
             return True
         return _level_set_by_user(record.name)
 
@@ -157,30 +159,32 @@ _DROP = _DropTracingRecords()
 def _filtered_handlers() -> None:
     """Put :data:`_DROP` on every handler of the ``torch`` loggers (torch gives many of them
     handlers of their own, which do not propagate), once, and again when torch's logging set
-    new handlers (``torch._logging.set_logs``)."""
-    manager = logging.Logger.manager
-    names = ("torch", *TRACING_LOGGERS)
-    loggers = [manager.loggerDict.get(name) for name in names]
-    if all(
-        _DROP in handler.filters
-        for logger in loggers
-        if isinstance(logger, logging.Logger)
-        for handler in logger.handlers
-    ):
+    new handlers (``torch._logging.set_logs`` replaces them all, the ``torch`` logger's too)."""
+    torch_handlers = tuple(_TORCH.handlers)
+    if torch_handlers == _scanned[0]:
         return
-    for name, logger in list(manager.loggerDict.items()):
+    for name, logger in list(logging.Logger.manager.loggerDict.items()):
         if isinstance(logger, logging.Logger) and (name == "torch" or name.startswith("torch.")):
             for handler in logger.handlers:
                 if _DROP not in handler.filters:
                     handler.addFilter(_DROP)
+    _scanned[0] = torch_handlers
 
 
-@contextmanager
-def quiet_tracing() -> Iterator[None]:
+_scanned: list[tuple[logging.Handler, ...] | None] = [None]
+"""The ``torch`` logger's handlers when the loggers were last scanned."""
+
+
+class quiet_tracing:  # named as the function it replaces: with quiet_tracing(): ...
     """While pyhvp traces or compiles: torch's tracing logs from this thread are dropped."""
-    _filtered_handlers()
-    _quiet.depth = getattr(_quiet, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _quiet.depth -= 1
+
+    def __enter__(self) -> None:
+        _filtered_handlers()
+        thread = threading.get_ident()
+        _QUIET[thread] = _QUIET.get(thread, 0) + 1
+
+    def __exit__(self, *exc: object) -> None:
+        thread = threading.get_ident()
+        depth = _QUIET.pop(thread) - 1
+        if depth:
+            _QUIET[thread] = depth

@@ -422,7 +422,7 @@ def _check_data(data: object) -> Iterable[Any] | None:
 def _check_loss(loss: object, with_batch: bool) -> None:
     """``loss`` is callable as ``loss(params)``, or ``loss(params, batch)`` with ``data``; each
     refusal says how to build such a loss."""
-    call = "loss(params, batch) (data is given)" if with_batch else "loss(params) (no data)"
+    call = "loss(params, batch) (data is given)" if with_batch else "loss(params)"
     if isinstance(loss, torch.nn.Module):
         raise TypeError(
             f"loss must be a function of the parameters, callable as {call}, got the module "

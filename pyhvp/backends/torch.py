@@ -23,7 +23,8 @@ Compilation (``TorchBackend(compile=...)``; the rule itself is :mod:`.compile_po
   eagerly until the eager time spent on it reaches the expected compile cost, then runs a
   ``torch.compile``-d kernel cached for it (ski rental: never much worse than the better of
   always-eager and always-compiled). A function rebuilt per call from the same code and captured
-  objects shares its signature.
+  objects shares its signature. The first compile in a process is announced on the
+  ``pyhvp.compile`` logger (WARNING), with its expected duration and how to choose instead.
 * ``True``: compile from the first call. ``False``: always eager.
 * Results are differentiable when an input requires grad with grad mode on, detached otherwise
   (no-grad calls run under ``no_grad``: a compiled kernel is then an inference graph). Under
@@ -705,7 +706,9 @@ class TorchBackend:
                     random_state = _random_state(device)
                     start = compile_policy.clock()
                     cpu = device.type == "cpu"
-                    out = run((lambda s: later[0](s) if later else None) if cpu else None)
+                    with warnings.catch_warnings():  # torch's deprecations inside inductor
+                        warnings.filterwarnings("ignore", category=FutureWarning, module="torch")
+                        out = run((lambda s: later[0](s) if later else None) if cpu else None)
                     later.append(_CACHE.record_compile(entry, compile_policy.clock() - start))
                 elif auto and entry.on_trial():
                     account = entry.compiled_runs
