@@ -208,7 +208,7 @@ def capture(f: Callable[..., Tensor], variable: Tensor, args: Sequence[object], 
         pass
     except Exception as error:  # dynamo cannot take f whole, or f raised
         recorder, out = record(f, variable, args)  # raises f's own error as eager code would
-        route.declined = f"dynamo: {type(error).__name__}: {error}"  # f ran: dynamo's limit
+        route.declined = f"dynamo: {type(error).__name__}: {error}"  # f ran fine: not its error
         return build(recorder, out, variable)
     pending, _pending.value = _pending.value, None
     if pending is None:  # dynamo ran f itself
