@@ -39,7 +39,8 @@ import dataclasses
 import inspect
 import logging
 import types
-from collections.abc import Callable, Iterable, Mapping
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from functools import partial
 from itertools import accumulate
 from typing import TYPE_CHECKING, Any, Literal, overload
@@ -58,6 +59,7 @@ from pyhvp._checks import (
     require_tensor,
 )
 from pyhvp._progress import progress_bar
+from pyhvp._user_errors import stacklevel_outside_pyhvp, user_errors
 from pyhvp.backends import Backend, require_primitive, resolve_backend
 from pyhvp.backends.torch import TorchBackend
 from pyhvp.distributed import Fingerprint, check_group, sum_over_ranks
@@ -120,6 +122,7 @@ def sub_hessian(
 ) -> torch.Tensor: ...
 
 
+@user_errors
 def sub_hessian(
     loss: Callable[..., torch.Tensor],
     params: torch.Tensor | Mapping[str, torch.Tensor],
@@ -198,9 +201,12 @@ def _local_sums(
     if progress and batches is not None:
         batches = progress_bar(batches, "sub_hessian", "batch", group)
     _check_loss(loss, batches is not None)
+    averaging = _averaging_criterion(loss)
+    if batches is not None and averaging is not None:
+        batches = _warn_on_uneven_batches(batches, averaging)
     if isinstance(params, torch.Tensor):
         tensor = require_floating("params", params).detach()
-        flat = _check_index("index", index, tensor.numel(), "params")
+        flat = _check_index("index", index, tensor.shape, "params")
         selection = _Selection(loss, (), ())
         fingerprint: Fingerprint = {
             "params' shape, dtype": (tuple(tensor.shape), str(tensor.dtype)),
@@ -278,14 +284,34 @@ def module_loss(
         )
     params = {name: p.detach() for name, p in module.named_parameters()}
     if not params:
-        raise ValueError(f"module must have parameters, got a {type(module).__name__} with none")
+        swapped = isinstance(module, torch.nn.modules.loss._Loss) or (
+            isinstance(criterion, torch.nn.Module) and any(criterion.parameters())
+        )
+        raise ValueError(
+            f"module must have parameters, got a {type(module).__name__} with none"
+            + (
+                f" (and a {type(criterion).__name__} as criterion): module_loss takes the model "
+                f"first and the criterion second, module_loss(model, criterion, inputs, targets)"
+                if swapped
+                else ""
+            )
+        )
     if inputs is None and targets is None:
         return _ModuleBatchLoss(module, criterion), params
+    return _ModuleLoss(module, criterion, inputs, targets), params
 
-    def loss(p: Params) -> torch.Tensor:
-        return criterion(functional_call(module, p, inputs), targets)
 
-    return loss, params
+@dataclasses.dataclass(frozen=True, eq=False)
+class _ModuleLoss:
+    """``loss(params)`` of a module on its inputs and targets: :func:`module_loss` with data."""
+
+    module: torch.nn.Module
+    criterion: Callable[[Any, Any], torch.Tensor]
+    inputs: Any
+    targets: Any
+
+    def __call__(self, params: Params) -> torch.Tensor:
+        return self.criterion(functional_call(self.module, params, self.inputs), self.targets)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,17 +332,22 @@ class _ModuleBatchLoss:
         return self.criterion(functional_call(self.module, params, inputs), targets)
 
 
-def _check_index(name: str, index: object, numel: int, of: str) -> torch.Tensor:
-    """A 1-D, non-empty integer tensor of flat indices in ``[0, numel)``, as int64."""
+def _check_index(name: str, index: object, shape: torch.Size, of: str) -> torch.Tensor:
+    """A 1-D integer tensor of flat indices into a tensor of ``shape``, as int64 (no entries:
+    a ``(0, 0)`` block, as no batches give zeros -- nothing selected is not an error)."""
     index = require_tensor(name, index)
     if index.is_floating_point() or index.is_complex() or index.dtype == torch.bool:
         raise TypeError(
             f"{name} must have an integer dtype (flat indices, e.g. torch.long), got {index.dtype}"
         )
-    if index.ndim != 1 or index.numel() == 0:
+    if index.ndim != 1:
         raise ValueError(
-            f"{name} must be a non-empty 1-D tensor of flat indices, got shape {fmt_shape(index.shape)}"
+            f"{name} must be a 1-D tensor of flat indices, got shape {fmt_shape(index.shape)}"
+            + _flat_index_hint(index, shape, of)
         )
+    numel = shape.numel()
+    if index.numel() == 0:
+        return index.long()
     low, high = map(int, torch.aminmax(index))
     if low < 0 or high >= numel:
         raise ValueError(
@@ -324,6 +355,23 @@ def _check_index(name: str, index: object, numel: int, of: str) -> torch.Tensor:
             f"indices are not accepted), got {low if low < 0 else high}"
         )
     return index.long()
+
+
+def _flat_index_hint(index: torch.Tensor, shape: torch.Size, of: str) -> str:
+    """How to flatten multi-indices (``(row, col)`` pairs) into the flat ones ``index`` takes."""
+    if index.ndim != 2 or len(shape) < 2:
+        return ""
+    if len(shape) == 2:
+        return (
+            f": to select (row, col) entries of {of} (shape {fmt_shape(shape)}), pass flat "
+            f"indices row * {shape[1]} + col, as np.ravel_multi_index((rows, cols), "
+            f"{tuple(shape)}) computes them"
+        )
+    return (
+        f": to select entries of {of} (shape {fmt_shape(shape)}) by their multi-indices, pass "
+        f"flat (row-major) indices, as np.ravel_multi_index(multi_indices, {tuple(shape)}) "
+        f"computes them"
+    )
 
 
 def _check_named(
@@ -339,7 +387,10 @@ def _check_named(
             f"index must be a dict[str, LongTensor] like params, got {type(index).__name__}"
         )
     if not index:
-        raise ValueError("index must name at least one tensor of params, got an empty dict")
+        raise ValueError(
+            "index must name at least one tensor of params, got an empty dict (a tensor may "
+            "have no selected entries: its block is then (0, 0))"
+        )
     fixed = {name: require_tensor(f"params[{name!r}]", p).detach() for name, p in params.items()}
     first = next(iter(index))
     flats = {}
@@ -352,7 +403,7 @@ def _check_named(
         if joint:  # one concatenated vector: one dtype, one device
             require_like(f"params[{name!r}]", tensor, f"params[{first!r}]", fixed[first])
         flats[name] = _check_index(
-            f"index[{name!r}]", index[name], tensor.numel(), f"params[{name!r}]"
+            f"index[{name!r}]", index[name], tensor.shape, f"params[{name!r}]"
         )
     return fixed, flats
 
@@ -369,12 +420,79 @@ def _check_data(data: object) -> Iterable[Any] | None:
 
 
 def _check_loss(loss: object, with_batch: bool) -> None:
-    """``loss`` is callable as ``loss(params)``, or ``loss(params, batch)`` with ``data``."""
+    """``loss`` is callable as ``loss(params)``, or ``loss(params, batch)`` with ``data``; each
+    refusal says how to build such a loss."""
     call = "loss(params, batch) (data is given)" if with_batch else "loss(params)"
+    if isinstance(loss, torch.nn.Module):
+        raise TypeError(
+            f"loss must be a function of the parameters, callable as {call}, got the module "
+            f"{type(loss).__name__} itself: build the loss and its params with "
+            + (
+                "loss, params = pyhvp.module_loss(model, criterion) (no inputs: each batch of "
+                "data is an (inputs, targets) pair)"
+                if with_batch
+                else "loss, params = pyhvp.module_loss(model, criterion, inputs, targets)"
+            )
+        )
+    if isinstance(loss, _ModuleLoss) and with_batch:
+        raise TypeError(
+            f"loss must be callable as {call}, got module_loss(model, criterion, inputs, "
+            f"targets), which holds its inputs already: with data=, call module_loss(model, "
+            f"criterion) without inputs and targets (each batch is an (inputs, targets) pair)"
+        )
+    if isinstance(loss, _ModuleBatchLoss) and not with_batch:
+        raise TypeError(
+            f"loss must be callable as {call}, got module_loss(model, criterion) without inputs, "
+            f"which takes (inputs, targets) batches: pass them as data=[(inputs, targets)] (or "
+            f"a DataLoader), or call module_loss(model, criterion, inputs, targets)"
+        )
+    if isinstance(loss, (_ModuleLoss, _ModuleBatchLoss)):
+        return
     if not callable(loss):
         raise TypeError(f"loss must be callable as {call}, got {type(loss).__name__}")
     if _accepts(loss, 2 if with_batch else 1) is False:
         raise TypeError(f"loss must be callable as {call}, got loss{inspect.signature(loss)}")
+
+
+AVERAGING = ("mean", "batchmean")
+"""Reductions of torch's loss modules that divide by the batch size."""
+
+
+def _averaging_criterion(loss: object) -> str | None:
+    """``"MSELoss(reduction='mean')"`` when ``loss`` is a ``module_loss`` whose criterion
+    averages over each batch, else None."""
+    if not isinstance(loss, _ModuleBatchLoss):
+        return None
+    reduction = getattr(loss.criterion, "reduction", None)
+    if reduction not in AVERAGING:
+        return None
+    return f"{type(loss.criterion).__name__}(reduction={reduction!r})"
+
+
+def _warn_on_uneven_batches(batches: Iterable[Any], criterion: str) -> Iterator[Any]:
+    """``batches``, with one warning when their sizes (the first dim of each batch's first
+    tensor) differ: a sum of per-batch means then weighs the samples of small batches more."""
+    first: int | None = None
+    warned = False
+    for batch in batches:
+        if not warned:
+            tensors = [t for t in pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
+            size = tensors[0].shape[0] if tensors and tensors[0].ndim else None
+            if first is None:
+                first = size
+            elif size is not None and size != first:
+                warned = True
+                warnings.warn(
+                    f"sub_hessian: the criterion {criterion} averages over each batch and data= "
+                    f"holds batches of different sizes ({first}, then {size}): the sum over "
+                    f"batches weighs the samples of smaller batches more, so it is neither the "
+                    f"data set's total nor its mean. Use reduction='sum' (and divide by the data "
+                    f"set's size for a mean), or batches of one size (DataLoader(..., "
+                    f"drop_last=True))",
+                    UserWarning,
+                    stacklevel=stacklevel_outside_pyhvp(),
+                )
+        yield batch
 
 
 _ACCEPTS: dict[tuple[object, ...], bool] = {}
@@ -502,6 +620,8 @@ def _sums(
     if method == "sparse" and refusal is not None:
         raise ValueError(f"method='sparse' does not apply: {refusal}")
     use_sparse = refusal is None
+    if not any(len(flat) for flat in plan.flats):  # nothing selected: (0, 0) blocks
+        batches = []
     flats = [flat.to(t.device) for flat, t in zip(plan.flats, plan.tensors, strict=True)]
     sizes = [len(flat) for flat in flats]
     # the sparse kernel's view of the selection: the same for every batch

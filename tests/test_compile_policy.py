@@ -2,6 +2,7 @@
 
 import functools
 import gc
+import logging
 import subprocess
 import sys
 import weakref
@@ -469,3 +470,40 @@ def test_the_check_catches_inductors_overlap_bug_without_pyhvps_pass(monkeypatch
         _, hv = pyhvp.grad_and_hvp(f, x, v, backend=pyhvp.TorchBackend(compile=True))
     _, eager = pyhvp.grad_and_hvp(f, x, v, backend=pyhvp.TorchBackend(compile=False))
     torch.testing.assert_close(hv, eager)
+
+
+def exact_compiles(monkeypatch):
+    """Compiled kernels that run the traced kernel eagerly (no torch.compile: instant)."""
+    monkeypatch.setattr(
+        torch_backend,
+        "_compile_bound",
+        lambda kernel, f, static: functools.partial(kernel, f, *static),
+    )
+
+
+def test_the_first_compile_under_auto_is_announced_once_with_how_to_choose(
+    monkeypatch, compile_after_eager_calls, caplog
+):
+    """A compile mid-loop stalls for seconds: the first one says what compiles, for how long,
+    and how to choose instead (WARNING on the pyhvp logger); later ones say it at INFO."""
+    exact_compiles(monkeypatch)
+    compile_after_eager_calls(2)
+    caplog.set_level(logging.INFO, logger="pyhvp")
+    x = torch.randn(4, 3)
+    for f in (lambda x: (x**3).sum(-1), lambda x: (x**4).sum(-1)):
+        for _ in range(3):
+            pyhvp.hvp(f, x, x)
+    (first, second) = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert first[0] == "WARNING" and second[0] == "INFO"
+    for text in ("Hessian-vector products of <lambda>", "(4, 3) float32 input", "about 2 s",
+                 "TorchBackend(compile=False) never compiles",
+                 "TorchBackend(compile=True) compiles at the first call"):  # fmt: skip
+        assert text in first[1]
+
+
+def test_compile_true_compiles_without_an_announcement(monkeypatch, caplog):
+    exact_compiles(monkeypatch)
+    caplog.set_level(logging.INFO, logger="pyhvp")
+    x = torch.randn(4, 3)
+    pyhvp.hvp(lambda x: (x**3).sum(-1), x, x, backend=pyhvp.TorchBackend(compile=True))
+    assert caplog.records == []

@@ -23,7 +23,8 @@ Compilation (``TorchBackend(compile=...)``; the rule itself is :mod:`.compile_po
   eagerly until the eager time spent on it reaches the expected compile cost, then runs a
   ``torch.compile``-d kernel cached for it (ski rental: never much worse than the better of
   always-eager and always-compiled). A function rebuilt per call from the same code and captured
-  objects shares its signature.
+  objects shares its signature. The first compile in a process is announced on the
+  ``pyhvp.compile`` logger (WARNING), with its expected duration and how to choose instead.
 * ``True``: compile from the first call. ``False``: always eager.
 * Results are differentiable when an input requires grad with grad mode on, detached otherwise
   (no-grad calls run under ``no_grad``: a compiled kernel is then an inference graph). Under
@@ -51,21 +52,19 @@ Compilation (``TorchBackend(compile=...)``; the rule itself is :mod:`.compile_po
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
 import types
 import warnings
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Any, Literal, TypeVar, cast
 
 import torch
 from torch.func import grad, vjp, vmap
 
 from pyhvp import restricted, taylor
-from pyhvp._checks import check_output
+from pyhvp._checks import check_output, fmt_shape
+from pyhvp._user_errors import quiet_tracing, stacklevel_outside_pyhvp
 from pyhvp.backends import Blocks, compile_policy, inductor
 from pyhvp.backends.compile_policy import CompileCache
 
@@ -438,15 +437,22 @@ def _restore_random_state(
         torch.cuda.set_rng_state(state[1], device)
 
 
-def _stacklevel_outside_pyhvp() -> int:
-    """The ``warnings.warn`` stacklevel, for the caller of this function, that names the first
-    frame outside the pyhvp package: the user's call."""
-    package = str(Path(__file__).resolve().parents[1]) + os.sep
-    frame: types.FrameType | None = sys._getframe(1)
-    level = 1
-    while frame is not None and frame.f_code.co_filename.startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level
+KERNELS = {
+    "_jet_kernel": "a Taylor-mode kernel (hessian_diagonal, laplacian)",
+    "_grad_and_block_hvps_traced": "the Hessian-vector products of {f} (hvp, sub_hessian)",
+    "restricted_hessian": "the sparse sub-Hessian of {f}",
+}
+"""What each compiled kernel computes, for the compile announcement."""
+
+
+def _describe(kernel: Callable[..., object], f: object, inputs: Sequence[object]) -> str:
+    """What compiles: the kernel and its first tensor input, e.g. ``a Taylor-mode kernel
+    (hessian_diagonal, laplacian) on a (4096, 2) float32 input on cpu``."""
+    name = getattr(f, "__name__", type(f).__name__)
+    what = KERNELS.get(kernel.__name__, kernel.__name__).format(f=name)
+    x = next(t for t in inputs if isinstance(t, torch.Tensor))
+    dtype = str(x.dtype).removeprefix("torch.")
+    return f"{what} on a {fmt_shape(x.shape)} {dtype} input on {x.device}"
 
 
 def _require_torch_function(f: object) -> None:
@@ -717,8 +723,9 @@ class TorchBackend:
         if auto and entry.compiled is not None and not entry.judged and not entry.on_trial():
             _CACHE.judge(entry)  # here, not after the last trial call: its backward has run
         waiting = auto and entry.compiled is None and not _CACHE.should_compile(entry)
-        if not waiting and entry.compiled is None and compilable is not None and not compilable():
-            entry.failed = True
+        if not waiting and entry.compiled is None and compilable is not None:
+            with quiet_tracing():
+                entry.failed = not compilable()
         if entry.failed or (auto and entry.declined) or waiting:
             if detour is None or not waiting:
                 return entry.eager.timed(lambda: eager(*inputs), device)
@@ -733,6 +740,8 @@ class TorchBackend:
         )
         compiled = None if stale else entry.compiled
         if compiled is None:
+            if auto:
+                _CACHE.announce(entry, _describe(traced_kernel, f, inputs))
             compiled = _compile_bound(traced_kernel, f, static)
             entry.compiled, entry.compiled_for = compiled, f
             entry.checked = entry.backward_checked = False
@@ -746,7 +755,7 @@ class TorchBackend:
                 f"pyhvp: torch.compile failed for {getattr(f, '__name__', f)!s} "
                 f"({type(error).__name__}: {error}); running this signature eagerly",
                 RuntimeWarning,
-                stacklevel=_stacklevel_outside_pyhvp(),
+                stacklevel=stacklevel_outside_pyhvp(),
             )
 
         def backward_checked() -> None:
@@ -758,24 +767,30 @@ class TorchBackend:
             check = None if entry.backward_checked else backward_checked
             return detour(compiled, Hooks(failed, spent, checked=check))
 
+        error: Exception | None = None
         try:
-            if first_call:
-                later: list[Callable[[float], None]] = []  # the backward runs after the record
-                random_state = _random_state(device)
-                start = compile_policy.clock()
-                cpu = device.type == "cpu"
-                out = run((lambda seconds: later[0](seconds) if later else None) if cpu else None)
-                later.append(_CACHE.record_compile(entry, compile_policy.clock() - start))
-            elif auto and entry.on_trial():
-                account = entry.compiled_runs
-                spent = account.add_to_last if device.type == "cpu" else None
-                out = account.timed(lambda: run(spent), device)
-            else:
-                out = run()
+            with quiet_tracing():  # dynamo traces f: a bug of f's is reported by eager below
+                if first_call:
+                    later: list[Callable[[float], None]] = []  # the backward runs after this
+                    random_state = _random_state(device)
+                    start = compile_policy.clock()
+                    cpu = device.type == "cpu"
+                    with warnings.catch_warnings():  # torch's deprecations inside inductor
+                        warnings.filterwarnings("ignore", category=FutureWarning, module="torch")
+                        out = run((lambda s: later[0](s) if later else None) if cpu else None)
+                    later.append(_CACHE.record_compile(entry, compile_policy.clock() - start))
+                elif auto and entry.on_trial():
+                    account = entry.compiled_runs
+                    spent = account.add_to_last if device.type == "cpu" else None
+                    out = account.timed(lambda: run(spent), device)
+                else:
+                    out = run()
         except torch.cuda.OutOfMemoryError:  # torch.OutOfMemoryError only exists from 2.5
             raise
-        except Exception as error:  # fall back
-            result = eager(*inputs)  # an error of f's own is raised here, as eagerly
+        except Exception as caught:  # fall back
+            error = caught
+        if error is not None:  # outside the handler: an error of f's own is raised as eagerly,
+            result = eager(*inputs)  # not chained to the compiler's
             failed(error)
             return result
         if first_call:  # a compiled kernel serves only once its first result is eager's

@@ -44,7 +44,9 @@ from torch import fx
 from torch._decomp import core_aten_decompositions, get_decompositions
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from pyhvp._checks import require_output_tensor
 from pyhvp._keys import Value
+from pyhvp._user_errors import quiet_tracing
 from pyhvp.taylor import guards
 from pyhvp.taylor.custom_ops import STOP_GRADIENT, WITH_DERIVATIVES_OF
 from pyhvp.taylor.kernel import JetKernel, JetMode, basis_event, build_kernel, traceable
@@ -205,10 +207,7 @@ def capture(f: Callable[..., Tensor], x: Tensor, args: Sequence[object], guarded
 
 def _program(recorder: Recorder, out: object, x: Tensor) -> tuple[Program, tuple[Tensor, ...]]:
     """The (cached or new) program of a record, and the constants to pass it."""
-    if not isinstance(out, Tensor):
-        raise TypeError(f"f must return a torch.Tensor, got {type(out).__name__}")
-    if not out.is_floating_point():  # integers do not vary smoothly; complex is not supported
-        raise TypeError(f"f must return a real floating tensor, got {out.dtype}")
+    out = require_output_tensor("f", out)  # integers do not vary smoothly; no complex
     output = recorder._describe(out, ("read", False))  # a view made without grad: constant
     key = (
         _meta(x),
@@ -251,10 +250,11 @@ def _functional_graph(recorder: Recorder, output: Hashable, x: Tensor) -> fx.Gra
             return make_fx(functional, decomposition_table=decompositions(),
                            tracing_mode=tracing_mode)(*inputs)  # fmt: skip
 
-    try:  # on fake tensors: shapes are all it needs, and f's intermediates are not held again
-        functional = replay("fake")
-    except Exception:  # data-dependent shapes (masks, nonzero): on real values
-        functional = replay("real")
+    with quiet_tracing():  # a fake replay that fails logs the failure: an expected one
+        try:  # on fake tensors: shapes are all it needs, and f's intermediates are not held
+            functional = replay("fake")
+        except Exception:  # data-dependent shapes (masks, nonzero): on real values
+            functional = replay("real")
     _drop_input_writes(functional.graph)
     functional.graph.eliminate_dead_code()
     functional.recompile()
