@@ -39,6 +39,13 @@ OPERATORS = {
         f, x, *args, method="hutchinson", samples=4, backend=b
     ),
     "grad_and_laplacian": lambda f, x, args, b: pyhvp.grad_and_laplacian(f, x, *args, backend=b),
+    "bilaplacian": lambda f, x, args, b: pyhvp.bilaplacian(f, x, *args, backend=b),
+    "directional_derivatives": lambda f, x, args, b: pyhvp.directional_derivatives(
+        f, x, x, *args, order=4, backend=b
+    ),
+    "differential_operator": lambda f, x, args, b: pyhvp.differential_operator(
+        f, x, {(0, 0, 0): 1.0}, *args, backend=b
+    ),
     "sub_hessian": lambda f, x, args, b: pyhvp.sub_hessian(
         lambda p: f(p, *args).sum(), x, INDEX, backend=b
     ),
