@@ -159,6 +159,36 @@ def test_a_compiled_kernel_slower_than_eager_is_declined_after_its_trial(
     assert runs == ["eager"] * 2 + first + rest
 
 
+@pytest.mark.parametrize("compiled_cost", [2.0, 0.5], ids=["slower: declined", "faster: kept"])
+def test_compile_true_is_never_slower_than_eager(monkeypatch, compile_cache, compiled_cost):
+    """Issue 25: compile=True compiles at the first call, then times its compiled and eager
+    calls alternately (each serving the call) and runs eagerly for good where inductor's kernel
+    is slower than eager ATen."""
+    now = [0.0]
+    monkeypatch.setattr(compile_policy, "clock", lambda: now[0])
+    runs = []
+
+    def fake_compile(kernel, f, static):
+        def run(x):
+            runs.append("compiled")
+            now[0] += compiled_cost
+            return x
+
+        return run
+
+    def eager_kernel(f, x):
+        runs.append("eager")
+        now[0] += 1.0
+        return x
+
+    monkeypatch.setattr(torch_backend, "_compile_bound", fake_compile)
+    backend = pyhvp.TorchBackend(compile=True)
+    for _ in range(30):
+        backend._run(eager_kernel, eager_kernel, scaled, (), (torch.zeros(1),))
+    settled = "eager" if compiled_cost > 1.0 else "compiled"
+    assert runs[-5:] == [settled] * 5
+
+
 def test_a_faster_kernel_whose_first_trial_calls_stall_is_kept(monkeypatch, compile_cache):
     """Two of the first three compiled calls stall (another process held the core): the trial
     goes on while the kernel looks slower, and keeps it once its median is faster."""

@@ -720,14 +720,19 @@ class TorchBackend:
         entry = _CACHE.entry(key)
         auto = self.compile == "auto"
         device = next(t.device for t in inputs if isinstance(t, torch.Tensor))
-        if auto and entry.compiled is not None and not entry.judged and not entry.on_trial():
+        if entry.compiled is not None and not entry.judged and not entry.on_trial():
             _CACHE.judge(entry)  # here, not after the last trial call: its backward has run
         waiting = auto and entry.compiled is None and not _CACHE.should_compile(entry)
         if not waiting and entry.compiled is None and compilable is not None:
             with quiet_tracing():
                 entry.failed = not compilable()
-        if entry.failed or (auto and entry.declined) or waiting:
-            if detour is None or not waiting:
+        # compile=True times eager calls during the trial too (alternately, each one serving
+        # the call): a compiled kernel slower than eager is declined, as under "auto"
+        eager_turn = not auto and entry.checked and entry.on_trial() and (
+            len(entry.eager.recent) < len(entry.compiled_runs.recent)
+        )
+        if entry.failed or entry.declined or waiting or eager_turn:
+            if detour is None or entry.failed or entry.declined:
                 return entry.eager.timed(lambda: eager(*inputs), device)
             # a training step: the kernel's backward counts too (on the CPU: CUDA's runs async)
             hooks = Hooks(spent=entry.eager.add_to_last if device.type == "cpu" else None,
@@ -779,7 +784,7 @@ class TorchBackend:
                         warnings.filterwarnings("ignore", category=FutureWarning, module="torch")
                         out = run((lambda s: later[0](s) if later else None) if cpu else None)
                     later.append(_CACHE.record_compile(entry, compile_policy.clock() - start))
-                elif auto and entry.on_trial():
+                elif entry.on_trial():
                     account = entry.compiled_runs
                     spent = account.add_to_last if device.type == "cpu" else None
                     out = account.timed(lambda: run(spent), device)
