@@ -194,6 +194,17 @@ def _jet_kernel(kernel: taylor.JetKernel, *inputs: torch.Tensor) -> object:
     return kernel(*inputs)
 
 
+def _finite_derivatives(out: object) -> bool:
+    """Whether a jet kernel's derivatives (its result but a collapsed kernel's value) are all
+    finite, by their sum: a reduction at memory speed (an elementwise test and ``all`` took as
+    long as a vector-valued diagonal's kernel), NaN where an entry is NaN or infinities of both
+    signs meet; a sum that overflows calls finite entries not finite (and the strong kernel
+    runs for nothing)."""
+    derivatives = out[1:] if isinstance(out, tuple) else (out,)
+    with torch.no_grad():
+        return bool(torch.isfinite(sum(t.sum() for t in derivatives)))
+
+
 def _compile_bound(
     kernel: Callable[..., object], f: Callable[..., object], static: tuple[Hashable, ...]
 ) -> Callable[..., object]:
@@ -575,16 +586,24 @@ class TorchBackend:
         collapsed: bool,
         second_only: bool = False,
     ) -> list[object]:
-        """The jet kernel's results per chunk of ``chunk_size`` directions, from one capture."""
+        """The jet kernel's results per chunk of ``chunk_size`` directions, from one capture: the
+        plain kernel's, or, where its derivatives are not all finite, the strong-zero kernel's
+        (:mod:`pyhvp.taylor.jets`: equal wherever the plain one is finite, and a non-finite
+        derivative stays in the entries it reaches)."""
         captured = self._capture(f, x, args)
         parts = []
         size = chunk_size or len(directions)
         # one chunk: directions themselves (a split costs a few microseconds a call)
         for part in (directions,) if size >= len(directions) else torch.split(directions, size):
-            with torch.inference_mode(False):
-                kernel = captured.kernel(collapsed, x, part, second_only)
             inputs = (x, part, *captured.constants)
-            parts.append(self._run(_jet_kernel, _jet_kernel, kernel, (), inputs, True))
+            out = None
+            for strong in (False, True):
+                with torch.inference_mode(False):
+                    kernel = captured.kernel(collapsed, x, part, second_only, strong)
+                out = self._run(_jet_kernel, _jet_kernel, kernel, (), inputs, True)
+                if _finite_derivatives(out):
+                    break
+            parts.append(out)
         return parts
 
     def _run(

@@ -9,6 +9,7 @@ forward-mode AD is left in it, only the ops the rules emitted.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 from collections.abc import Sequence
@@ -19,7 +20,7 @@ from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from pyhvp.taylor import rules  # noqa: F401 (registers the dedicated rules)
-from pyhvp.taylor.jets import Context, DiagonalCoefficient, Jet
+from pyhvp.taylor.jets import Context, DiagonalCoefficient, Jet, strong_zeros
 from pyhvp.taylor.registry import apply
 
 Tensor = torch.Tensor
@@ -112,13 +113,15 @@ def traceable(t: Tensor) -> Tensor:
 class JetKernel:
     """A flat aten graph ``(x, directions, *constants) -> coefficients``; callable."""
 
-    def __init__(self, graph: fx.GraphModule, collapsed: bool) -> None:
+    def __init__(self, graph: fx.GraphModule, collapsed: bool, strong: bool = False) -> None:
         self.graph = graph
         self.collapsed = collapsed
+        self.strong = strong
 
     @property
     def __name__(self) -> str:  # what compile warnings print
-        return "collapsed jet kernel" if self.collapsed else "second-directional jet kernel"
+        name = "collapsed jet kernel" if self.collapsed else "second-directional jet kernel"
+        return f"strong-zero {name}" if self.strong else name
 
     def __call__(self, *inputs: Tensor) -> object:
         return self.graph(*inputs)
@@ -132,6 +135,7 @@ def build_kernel(
     constants: Sequence[Tensor],
     event: tuple[int, ...] | None = None,
     second_only: bool = False,
+    strong: bool = False,
 ) -> JetKernel:
     """Trace :func:`run_jets` for this program and directions layout into a flat graph.
 
@@ -140,7 +144,8 @@ def build_kernel(
     ``second`` alone never computes the output's value nor its first-order coefficients (dead
     code: an MLP's last layer applied to K coefficients, say).
     ``event``: the directions are that event's basis (:func:`basis_event`; the kernel then holds
-    for those directions only).
+    for those directions only). ``strong``: the rules run under
+    :func:`~pyhvp.taylor.jets.strong_zeros` (what a call whose plain result is not finite runs).
     """
     ctx = Context(collapsed)
 
@@ -148,12 +153,12 @@ def build_kernel(
         value, first, second = run_jets(program, ctx, x, directions, constants, event)
         return (value, first, second) if collapsed and not second_only else second
 
-    with torch.no_grad():
+    with torch.no_grad(), strong_zeros() if strong else contextlib.nullcontext():
         graph = make_fx(jets)(*map(traceable, (x, directions, *constants)))
     _drop_identical_views(graph.graph)
     graph.graph.eliminate_dead_code()
     graph.recompile()
-    return JetKernel(graph, collapsed)
+    return JetKernel(graph, collapsed, strong)
 
 
 def _drop_identical_views(graph: fx.Graph) -> None:

@@ -153,15 +153,16 @@ class Program:
 
     def kernel(
         self, collapsed: bool, x: Tensor, directions: Tensor, constants: Sequence[Tensor],
-        second_only: bool = False,
+        second_only: bool = False, strong: bool = False,
     ) -> JetKernel:  # fmt: skip
         """The jet kernel for this mode, directions layout and outputs (traced on first use);
-        collapsed along the basis of x's event, one that keeps x's coefficient diagonal."""
+        collapsed along the basis of x's event, one that keeps x's coefficient diagonal;
+        ``strong``: with strong zeros (:func:`~pyhvp.taylor.jets.strong_zeros`)."""
         event = basis_event(x, directions) if collapsed else None
-        key = (collapsed, _meta(directions), event, second_only)
+        key = (collapsed, _meta(directions), event, second_only, strong)
         if key not in self.kernels:
             self.kernels[key] = build_kernel(self.graph, collapsed, x, directions, constants,
-                                             event, second_only)  # fmt: skip
+                                             event, second_only, strong)  # fmt: skip
         return self.kernels[key]
 
 
@@ -176,9 +177,10 @@ class Capture:
     constants: tuple[Tensor, ...]
 
     def kernel(
-        self, collapsed: bool, x: Tensor, directions: Tensor, second_only: bool = False
-    ) -> JetKernel:
-        return self.program.kernel(collapsed, x, directions, self.constants, second_only)
+        self, collapsed: bool, x: Tensor, directions: Tensor, second_only: bool = False,
+        strong: bool = False,
+    ) -> JetKernel:  # fmt: skip
+        return self.program.kernel(collapsed, x, directions, self.constants, second_only, strong)
 
 
 def capture(f: Callable[..., Tensor], x: Tensor, args: Sequence[object], guarded: bool = False

@@ -21,6 +21,7 @@ from pyhvp.taylor.jets import (
     multiplied,
     on_event,
     plus,
+    times,
     times_or_none,
     value_of,
 )
@@ -103,7 +104,9 @@ def _mul(ctx: Context, out: Tensor, a: Jet | Tensor | float, b: Jet | Tensor | f
         second = (
             None if jet.second is None else broadcast_times(lifted(jet.second, out.ndim), other)
         )
-        return Jet(out, FactoredCoefficient(c.factor * other, lifted(c.shared, out.ndim)), second)
+        return Jet(
+            out, FactoredCoefficient(times(c.factor, other), lifted(c.shared, out.ndim)), second
+        )
     return bilinear(ctx, out, a, b, broadcast_times)
 
 

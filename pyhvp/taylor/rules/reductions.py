@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -19,13 +19,16 @@ from pyhvp.taylor.jets import (
     broadcast_dims,
     broadcast_times,
     chain,
+    coefficient_of,
     diagonal_summed,
     expanded,
     lifted,
     linear,
     multiplied,
     plus,
+    strong,
     times_or_none,
+    value_of,
 )
 from pyhvp.taylor.registry import Rule, apply, rule
 
@@ -73,8 +76,8 @@ def _factored_sum(u: Jet, dims: list[int], keepdim: bool) -> Tensor | None:
     product, instead of forming the K-fold ``s * v_k``. None otherwise."""
     c = u.coefficient
     shape, nd = u.value.shape, u.value.ndim
-    if not isinstance(c, FactoredCoefficient) or not dims:
-        return None
+    if not isinstance(c, FactoredCoefficient) or not dims or strong():
+        return None  # under strong zeros: a matrix product would multiply zeros by the factor
     shared = lifted(c.shared, nd)
     rest = [d for d in range(nd) if d not in dims]
     if any(shared.shape[d + 1] != 1 for d in rest):
@@ -239,11 +242,44 @@ def _lse(
     return first, plus(own, spread)
 
 
+def _finite_below(out: Tensor) -> Tensor:
+    """A log-sum-exp's value with ``-inf`` (every term ``-inf``: a masked row) as 0: the weights
+    ``e^(u - out)`` are then 0 there, as their limit along the masked terms' zero coefficients,
+    not ``e^(-inf - -inf)`` (NaN, which a sum over the event spreads to every entry)."""
+    return torch.where(out == -math.inf, 0.0, out)
+
+
 @rule(aten.logsumexp.default)
 def _logsumexp(ctx: Context, out: Tensor, u: Jet, dim: Dims, keepdim: bool = False) -> Jet:
     dims = axes(dim, u.value.ndim)
-    p = torch.exp(u.value - _kept(out, u.value.shape, dims))
+    p = torch.exp(u.value - _kept(_finite_below(out), u.value.shape, dims))
     return Jet(out, *_lse(ctx, u, dims, keepdim, p))
+
+
+def _logaddexp(scale: float) -> Rule:
+    """``log(e^a + e^b)`` (``scale`` 1), or ``log2(2^a + 2^b)`` (``scale`` ln 2): a log-sum-exp
+    of two, with weights ``p = e^(scale (a - out))`` and ``q = e^(scale (b - out))``: first
+    ``p a' + q b'``, second ``p a'' + q b'' + scale p q (a' - b')^2``. The weights are 0 where an
+    argument is ``-inf`` (a masked entry), and where both are (:func:`_finite_below`)."""
+
+    def logaddexp_rule(ctx: Context, out: Tensor, a: Jet | Tensor, b: Jet | Tensor) -> Jet:
+        nd, shift = out.ndim, _finite_below(out)
+        p, q = (torch.exp(scale * (value_of(t) - shift)) for t in (a, b))
+        fa, fb = coefficient_of(a, nd, 1), coefficient_of(b, nd, 1)
+        sa, sb = coefficient_of(a, nd, 2), coefficient_of(b, nd, 2)
+        first = plus(None if fa is None else broadcast_times(fa, p),
+                     None if fb is None else broadcast_times(fb, q))  # fmt: skip
+        apart = cast(Tensor, plus(fa, times_or_none(fb, -1)))  # a or b is a jet: not None
+        second = plus(None if sa is None else broadcast_times(sa, p),
+                      None if sb is None else broadcast_times(sb, q),
+                      broadcast_times(ctx.square(apart), scale * p * q))  # fmt: skip
+        return Jet(out, cast(Tensor, first), second)
+
+    return logaddexp_rule
+
+
+rule(aten.logaddexp.default)(_logaddexp(1.0))
+rule(aten.logaddexp2.default)(_logaddexp(math.log(2)))
 
 
 def _log_softmax_coefficients(
