@@ -41,6 +41,10 @@ that has them):
   torch backend does): :func:`pyhvp.laplacian` then calls it instead, and nothing computes the
   first derivatives of the output that it would drop.
 
+Every derivative a primitive returns has the dtype of what it differentiates with respect to
+(``x``'s; a leaf's for ``grad_and_block_hvps``), whatever dtype ``f`` computes in, as autograd's
+gradients do; ``collapsed_jet``'s value has ``f``'s (docs/guide/contract.md).
+
 Backends are chosen by name (``backend="torch"``) or passed as a value
 (``backend=TorchBackend(compile=True)``), as in DifferentiationInterface.jl.
 """

@@ -88,19 +88,23 @@ def run_jets(
         for used in node.all_input_nodes:
             if last_use[used] == i:
                 del env[used]
-    return _output_coefficients(ctx, result, directions.shape[0])
+    return _output_coefficients(ctx, result, directions.shape[0], x.dtype)
 
 
-def _output_coefficients(ctx: Context, out: Jet | Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
+def _output_coefficients(ctx: Context, out: Jet | Tensor, k: int, dtype: torch.dtype
+                         ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """The output's value (in f's dtype) and its coefficients in ``dtype``, x's: a derivative
+    with respect to x has x's dtype, whatever dtype f computes in, as autograd's gradients do
+    (docs/guide/contract.md)."""
     if not isinstance(out, Jet):  # f does not depend on x: every derivative is zero
-        zeros = out.new_zeros((k, *out.shape))
+        zeros = out.new_zeros((k, *out.shape), dtype=dtype)
         return out, zeros, zeros[0] if ctx.collapsed else zeros
-    first = out.first.expand(k, *out.value.shape)
+    first = out.first.expand(k, *out.value.shape).to(dtype)
     lead = 1 if ctx.collapsed else k
     if out.second is None:
-        second = out.value.new_zeros((lead, *out.value.shape))
+        second = out.value.new_zeros((lead, *out.value.shape), dtype=dtype)
     else:
-        second = out.second.expand(lead, *out.value.shape)
+        second = out.second.expand(lead, *out.value.shape).to(dtype)
     return out.value, first, second[0] if ctx.collapsed else second
 
 
