@@ -181,6 +181,21 @@ def test_the_gradient_of_a_laplacian_matches_central_differences(make, device):
     torch.testing.assert_close(gradient, expected, rtol=1e-6, atol=1e-6)
 
 
+def test_the_gradient_of_a_diagonal_through_masked_powers_is_its_closed_form(device):
+    """x ** p for tensor exponents p = 0..3 and 0 ** |x|, at exact zeros of x: their rules mask
+    ``p x^(p-1)`` where p = 0 and ``0 ** x log 0`` where x >= 0 (autograd's pow_backward); the
+    masked branches' 0 * inf made the gradient of the diagonal NaN at every entry (issue 29)."""
+    x = torch.tensor(AT_ZERO, dtype=torch.float64, device=device, requires_grad=True)
+    powers = torch.arange(4, dtype=x.dtype, device=device)
+
+    def f(y):  # per entry: 1 + y + y^2 + y^3 + 0^|y| + 0^|y|, of second derivative 2 + 6 y
+        zero = torch.zeros((), dtype=y.dtype, device=y.device)
+        return (y[..., None] ** powers).sum((-2, -1)) + (0.0 ** y.abs() + zero ** y.abs()).sum(-1)
+
+    (gradient,) = torch.autograd.grad(pyhvp.hessian_diagonal(f, x).sum(), x)
+    torch.testing.assert_close(gradient, torch.full_like(x, 6.0))
+
+
 def test_cdist_laplacian_has_finite_equal_gradients_in_a_weight(device):
     """Issue 16 item 6: with y = x @ W, cdist(y, y) has zero distances on its diagonal; its
     Laplacian's gradient in W was all NaN (a where after a pow at 0)."""

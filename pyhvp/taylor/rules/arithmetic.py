@@ -170,18 +170,20 @@ def _tensor_power(ctx: Context, out: Tensor, base: Jet | Tensor, exponent: Jet |
     """``base ** exponent``, masked like autograd's ``pow_backward``: a constant exponent ``b``
     gives ``b u^(b-1)`` except 0 where ``b == 0`` and ``b (b-1) u^(b-2)`` except 0 where ``b`` is
     0 or 1 (``0 * inf`` at ``u = 0`` otherwise); a constant zero base has zero derivatives where
-    the exponent is >= 0."""
+    the exponent is >= 0. The masked powers and logarithms are taken of safe values (1, or
+    exponents 1 and 2), so that no ``0 * inf`` is left in the kernel's backward either."""
     if not isinstance(exponent, Jet):
         base = cast(Jet, base)  # one of base and exponent is a jet
         b, u = exponent, base.value
-        d1 = torch.where(b == 0, 0.0, b * u ** (b - 1))
-        d2 = torch.where((b == 0) | (b == 1), 0.0, b * (b - 1) * u ** (b - 2))
+        constant, linear, one = b == 0, (b == 0) | (b == 1), torch.ones_like(b)  # b's dtype
+        d1 = torch.where(constant, 0.0, b * u ** torch.where(constant, one, b - 1))
+        d2 = torch.where(linear, 0.0, b * (b - 1) * u ** torch.where(linear, 2 * one, b - 2))
         return chain(ctx, out, base, d1, d2)
     if not isinstance(base, Jet):  # exponent e: out log(base), out log(base)^2
-        log_base = torch.log(base)
         flat = (base == 0) & (exponent.value >= 0)
-        d1 = torch.where(flat, 0.0, out * log_base)
-        return chain(ctx, out, exponent, d1, torch.where(flat, 0.0, d1 * log_base))
+        log_base = torch.log(torch.where(flat, 1.0, base))  # 0 where flat
+        d1 = out * log_base
+        return chain(ctx, out, exponent, d1, d1 * log_base)
     log_base = apply(ctx, aten.log.default, base)  # base^e = exp(e log base)
     exponent_jet = apply(ctx, aten.mul.Tensor, exponent, log_base)
     return chain(ctx, out, exponent_jet, out, out)

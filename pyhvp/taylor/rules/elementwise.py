@@ -148,9 +148,9 @@ def _scalar_power(ctx: Context, out: Tensor, base: float, u: Jet) -> Jet:
         return chain(ctx, out, u, out * log_base, out * log_base**2)
     if base < 0:
         return chain(ctx, out, u, out * math.nan, out * math.nan)
-    flat = u.value >= 0
-    return chain(ctx, out, u, torch.where(flat, 0.0, out * -math.inf),
-                 torch.where(flat, 0.0, out * math.inf))  # fmt: skip
+    flat = u.value >= 0  # out is 0 there, and inf elsewhere: out log(0) = -inf, its square inf
+    infinite = out.new_full((), math.inf)  # not out * inf: 0 * inf, NaN in the kernel's backward
+    return chain(ctx, out, u, torch.where(flat, 0.0, -infinite), torch.where(flat, 0.0, infinite))
 
 
 @rule(aten.where.self)
