@@ -50,6 +50,7 @@ Compilation (``TorchBackend(compile=...)``; the rule itself is :mod:`.compile_po
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import types
@@ -196,13 +197,15 @@ def _jet_kernel(kernel: taylor.JetKernel, *inputs: torch.Tensor) -> object:
 
 def _finite_derivatives(out: object) -> bool:
     """Whether a jet kernel's derivatives (its result but a collapsed kernel's value) are all
-    finite, by their sum: a reduction at memory speed (an elementwise test and ``all`` took as
-    long as a vector-valued diagonal's kernel), NaN where an entry is NaN or infinities of both
-    signs meet; a sum that overflows calls finite entries not finite (and the strong kernel
-    runs for nothing)."""
+    finite, by their sums (at least float32's range): a reduction at memory speed (an
+    elementwise test and ``all`` took as long as a vector-valued diagonal's kernel), 8 us on a
+    small result; not finite where an entry is not. A sum that overflows calls finite entries
+    not finite, and the strong-zero kernel runs for nothing."""
     derivatives = out[1:] if isinstance(out, tuple) else (out,)
-    with torch.no_grad():
-        return bool(torch.isfinite(sum(t.sum() for t in derivatives)))
+    return all(
+        math.isfinite(t.detach().sum(dtype=torch.promote_types(t.dtype, torch.float32)).item())
+        for t in cast(tuple[torch.Tensor, ...], derivatives)
+    )
 
 
 def _compile_bound(
