@@ -147,7 +147,8 @@ def plate_step(report: Report, b: int = 4096) -> None:
     gradients = {}
     for name, fn in methods.items():
         fn()
-        gradients[name] = torch.cat([p.grad.reshape(-1) for p in net.parameters()])
+        gradients[name] = torch.cat([torch.zeros_like(p).reshape(-1) if p.grad is None
+                                     else p.grad.reshape(-1) for p in net.parameters()])  # fmt: skip
     for name, g in gradients.items():
         torch.testing.assert_close(g, gradients["nested autograd"], rtol=1e-3, atol=1e-3,
                                    msg=f"plate step: {name}'s gradients")  # fmt: skip

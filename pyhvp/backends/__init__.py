@@ -50,6 +50,10 @@ that has them):
   top order ``order``, summed over the directions, each weighted by ``weights`` (``(k_dirs,)``;
   None: all 1), shape ``out``. The three primitives above are its second-order cases.
 
+Every derivative a primitive returns has the dtype of what it differentiates with respect to
+(``x``'s; a leaf's for ``grad_and_block_hvps``), whatever dtype ``f`` computes in, as autograd's
+gradients do; ``collapsed_jet``'s value has ``f``'s (docs/guide/contract.md).
+
 Backends are chosen by name (``backend="torch"``) or passed as a value
 (``backend=TorchBackend(compile=True)``), as in DifferentiationInterface.jl.
 """

@@ -52,10 +52,11 @@ Compilation (``TorchBackend(compile=...)``; the rule itself is :mod:`.compile_po
 from __future__ import annotations
 
 import contextlib
+import math
 import types
 import warnings
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Literal, TypeVar, cast
 
@@ -213,6 +214,19 @@ def _split(
 def _jet_kernel(kernel: taylor.JetKernel, *inputs: torch.Tensor) -> object:
     """A flat jet kernel of :mod:`pyhvp.taylor`: plain aten ops, run eagerly or compiled."""
     return kernel(*inputs)
+
+
+def _finite_derivatives(out: object, mode: taylor.JetMode) -> bool:
+    """Whether a jet kernel's derivatives (its outputs of order 1 and up) are all finite, by
+    their sums (at least float32's range): a reduction at memory speed (an elementwise test and
+    ``all`` took as long as a vector-valued diagonal's kernel), 8 us on a small result; not
+    finite where an entry is not. A sum that overflows calls finite entries not finite, and the
+    strong-zero kernel runs for nothing."""
+    return all(
+        math.isfinite(t.detach().sum(dtype=torch.promote_types(t.dtype, torch.float32)).item())
+        for t, k in zip(cast(tuple[torch.Tensor, ...], out), mode.outputs, strict=True)
+        if k > 0
+    )
 
 
 def _compile_bound(
@@ -646,19 +660,28 @@ class TorchBackend:
         mode: taylor.JetMode,
     ) -> list[object]:
         """The jet kernel's results per chunk of directions (and their weights), from one
-        capture. Nested inside ``f`` of another Taylor-engine operator, ``f`` is recorded and the
-        kernels traced outside the outer record, and the kernels run in it (:meth:`_run`)."""
+        capture: the plain kernel's, or, where its derivatives are not all finite, the
+        strong-zero kernel's (:mod:`pyhvp.taylor.jets`: equal wherever the plain one is finite,
+        and a non-finite derivative stays in the entries it reaches). Nested inside ``f`` of
+        another Taylor-engine operator, ``f`` is recorded and the kernels traced outside the
+        outer record, and the strong-zero kernel runs in it (:meth:`_run`: its ops are the outer
+        ``f``'s, which a finiteness test would make depend on values)."""
         nested = taylor.recording()
         with taylor.outside_recording() if nested else contextlib.nullcontext():
             captured = self._capture(f, x, args, self.guards and not nested)
-            with torch.inference_mode(False):
-                kernels = [captured.kernel(mode, x, part, w)
-                           for part, w in zip(chunks, weights, strict=True)]  # fmt: skip
-        return [
-            self._run(_jet_kernel, _jet_kernel, kernel, (),
-                      (x, part, *([] if w is None else [w]), *captured.constants), True)
-            for kernel, part, w in zip(kernels, chunks, weights, strict=True)
-        ]  # fmt: skip
+        parts = []
+        for part, w in zip(chunks, weights, strict=True):
+            inputs = (x, part, *([] if w is None else [w]), *captured.constants)
+            out = None
+            for strong in (True,) if nested else (False, True):
+                outside = taylor.outside_recording() if nested else contextlib.nullcontext()
+                with outside, torch.inference_mode(False):
+                    kernel = captured.kernel(replace(mode, strong=strong), x, part, w)
+                out = self._run(_jet_kernel, _jet_kernel, kernel, (), inputs, True)
+                if strong or _finite_derivatives(out, mode):
+                    break
+            parts.append(out)
+        return parts
 
     def _run(
         self,
@@ -728,8 +751,11 @@ class TorchBackend:
                 entry.failed = not compilable()
         # compile=True times eager calls during the trial too (alternately, each one serving
         # the call): a compiled kernel slower than eager is declined, as under "auto"
-        eager_turn = not auto and entry.checked and entry.on_trial() and (
-            len(entry.eager.recent) < len(entry.compiled_runs.recent)
+        eager_turn = (
+            not auto
+            and entry.checked
+            and entry.on_trial()
+            and (len(entry.eager.recent) < len(entry.compiled_runs.recent))
         )
         if entry.failed or entry.declined or waiting or eager_turn:
             if detour is None or entry.failed or entry.declined:

@@ -32,6 +32,7 @@ from pyhvp.taylor.jets import (
     lifted,
     plus,
     rearrange,
+    strong,
     value_of,
 )
 
@@ -553,18 +554,20 @@ def _reverse_coefficients(ctx: Context, fn: Callable[..., tuple[Tensor, ...]],
     def flat_coefficients(c: Tensor, i: int) -> Tensor:
         return c.reshape(c.shape[0], sizes[i]).to(dtype)
 
+    moving, curving = _moving(firsts, seconds, sizes)
     first, second = [], []
     for o, value in enumerate(outputs):
         size = value.numel()
         f: Tensor | int = 0  # sums over firsts, which is not empty: tensors once summed
         s: Tensor | int = 0
         for i, t in enumerate(firsts):
-            j_oi = jacobian[o][i].reshape(size, sizes[i]).T
+            j_oi = _where_curved(jacobian[o][i].reshape(size, sizes[i]), moving[i]).T
             f = f + flat_coefficients(t, i) @ j_oi
             if seconds is not None:
                 s = s + flat_coefficients(seconds[i], i) @ j_oi
             for j, u in enumerate(firsts):
                 h = hessian[o][i][j].reshape(size, sizes[i], sizes[j])
+                h = _where_curved(_where_curved(h, curving[j]).mT, curving[i]).mT
                 # a variable the op is linear in contributes nothing, even where its first
                 # derivative is not finite (autograd's at a pole: NaN * 0 would be NaN)
                 left = _where_curved(flat_coefficients(t, i), h.ne(0).any(0).any(1))
@@ -620,8 +623,28 @@ def linear_rule(
     return rule
 
 
-def _where_curved(coefficients: Tensor, curved: Tensor) -> Tensor:
+def _where_curved(coefficients: Tensor, curved: Tensor | None) -> Tensor:
+    """``coefficients`` where ``curved`` (along the last dim), zero elsewhere; all where None."""
+    if curved is None:
+        return coefficients
     return torch.where(curved, coefficients, coefficients.new_zeros(()))
+
+
+def _moving(firsts: list[Tensor], seconds: list[Tensor] | None, sizes: list[int]
+            ) -> tuple[list[Tensor | None], list[Tensor | None]]:  # fmt: skip
+    """Under strong zeros (:func:`~pyhvp.taylor.jets.strong_zeros`), which elements of each
+    input (flattened) have a first- or second-order coefficient that is not zero in some
+    direction, and which a first-order one: the op's Jacobian and Hessian are dropped at the
+    others, where they may be infinite (``logcumsumexp`` at a masked ``-inf``) and meet only
+    zeros. Nones (nothing dropped) otherwise: exact per element, not per direction."""
+    if not strong():
+        return [None] * len(firsts), [None] * len(firsts)
+    curving = [t.reshape(t.shape[0], n).ne(0).any(0) for t, n in zip(firsts, sizes, strict=True)]
+    if seconds is None:
+        return list(curving), list(curving)
+    moving = [c | s.reshape(s.shape[0], n).ne(0).any(0)
+              for c, s, n in zip(curving, seconds, sizes, strict=True)]  # fmt: skip
+    return list(moving), list(curving)
 
 
 def _spans(sizes: list[int]) -> list[slice]:

@@ -22,13 +22,28 @@ summed over the directions, optionally with a weight per direction, leading axis
 bi-Laplacians, any linear differential operator by interpolation; the lower orders stay per
 direction). Rules are written once for both: they combine coefficients of two operands only
 through :meth:`Context.pair` (or :func:`leibniz`, :func:`chain`), which know the mode.
+
+**Strong zeros.** A coefficient times a factor (a derivative, a value) is :func:`times`. Where a
+derivative is not finite -- ``log`` or ``sqrt`` at 0, ``logaddexp`` at ``-inf``, a masked entry
+-- IEEE's ``0 * inf`` is NaN, and a sum over the event spreads it from the entries that never
+moved along a direction to every entry of the instance; autograd's reverse mode selects (``where``)
+where forward mode multiplies, and stays finite. Traced under :func:`strong_zeros`, :func:`times`
+gives zero wherever the coefficient is zero, whatever the factor, so a non-finite derivative
+reaches only the directions that pass through it. That costs a selection per product (3-14x a
+product, eagerly), so kernels are traced twice: plainly, and under :func:`strong_zeros`. The two
+differ only where a zero met a non-finite factor, where the plain kernel has NaN, and no
+coefficient op turns a NaN finite but a selection (the same in both): a plain result whose
+derivatives are all finite is the strong kernel's, and the backend runs the strong kernel only
+for a call whose plain result is not (:mod:`pyhvp.backends.torch`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, TypeAlias, cast, overload
 
@@ -101,8 +116,43 @@ def _is_one(t: Tensor | float) -> bool:
 
 
 def multiplied(a: Tensor | float, b: Tensor | float) -> Tensor | float:
-    """``a * b`` without multiplying by a constant 1."""
-    return b if _is_one(a) else a if _is_one(b) else a * b
+    """``a * b`` without multiplying by a constant 1; a tensor ``a`` is a coefficient's part
+    (:func:`times`)."""
+    if _is_one(a) or _is_one(b):
+        return b if _is_one(a) else a
+    return times(a, b) if isinstance(a, Tensor) else a * b
+
+
+_STRONG_ZEROS: ContextVar[bool] = ContextVar("strong_zeros", default=False)
+
+
+@contextlib.contextmanager
+def strong_zeros() -> Iterator[None]:
+    """Rules run in this block multiply coefficients with strong zeros (:func:`times`) and take
+    no path that hides a product in a matrix product (factored sums)."""
+    token = _STRONG_ZEROS.set(True)
+    try:
+        yield
+    finally:
+        _STRONG_ZEROS.reset(token)
+
+
+def strong() -> bool:
+    """Whether rules run under :func:`strong_zeros`."""
+    return _STRONG_ZEROS.get()
+
+
+def times(t: Tensor, c: Tensor | float) -> Tensor:
+    """``t * c`` for a coefficient (or its elementwise part) ``t`` and a factor ``c``; under
+    :func:`strong_zeros`, zero wherever ``t`` is zero, even where ``c`` is infinite or NaN --
+    and so is its gradient in ``c`` there (``c`` is selected before it is multiplied: no
+    ``0 * inf`` in the kernel's backward either)."""
+    if not strong() or (not isinstance(c, Tensor) and math.isfinite(c)):
+        return t * c
+    if not isinstance(c, Tensor):
+        c = torch.as_tensor(c, dtype=t.dtype, device=t.device)
+    zero = t == 0
+    return torch.where(zero, 0.0, t * torch.where(zero, 1.0, c))
 
 
 def on_event(event: Sequence[int], shape: Sequence[int]) -> bool:
@@ -308,7 +358,7 @@ def first_times(u: Jet, d: Tensor, ndim: int) -> Tensor | FactoredCoefficient | 
             return kept
         c = u.first
     if isinstance(c, FactoredCoefficient):
-        return FactoredCoefficient(c.factor * d, lifted(c.shared, ndim))
+        return FactoredCoefficient(times(c.factor, d), lifted(c.shared, ndim))
     t = lifted(c, ndim)
     shape = (1,) * (ndim - d.ndim) + tuple(d.shape)
     if any(t.shape[i + 1] == 1 and n > 1 for i, n in enumerate(shape)):
@@ -332,12 +382,12 @@ def first_squared(ctx: Context, u: Jet, ndim: int) -> Tensor:
 
 
 def broadcast_times(t: Tensor, c: Tensor | float) -> Tensor:
-    """``t * c`` for a coefficient ``t``, expanded to the broadcast shape first: eagerly, torch
+    """:func:`times` for a coefficient ``t``, expanded to the broadcast shape first: eagerly, torch
     picks a slow output layout when both operands broadcast along different dims (a
     (16, 1, 64) * (1024, 64) product took 1.37 ms, 0.07 ms once expanded)."""
     if isinstance(c, Tensor):
         t = t.expand(torch.broadcast_shapes(t.shape, c.shape))  # type: ignore[no-untyped-call]  # torch leaves it unannotated
-    return t * c
+    return times(t, c)
 
 
 def chain(ctx: Context, out: Tensor, u: Jet, *derivatives: Tensor | None) -> Jet:

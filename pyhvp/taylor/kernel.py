@@ -9,6 +9,7 @@ left in it, only the ops the rules emitted. :class:`JetMode` says what a kernel 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 from collections.abc import Sequence
@@ -20,7 +21,7 @@ from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from pyhvp.taylor import rules  # noqa: F401 (registers the dedicated rules)
-from pyhvp.taylor.jets import Context, DiagonalCoefficient, Jet
+from pyhvp.taylor.jets import Context, DiagonalCoefficient, Jet, strong_zeros
 from pyhvp.taylor.registry import apply
 
 Tensor = torch.Tensor
@@ -58,13 +59,16 @@ def _identity(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
 @dataclass(frozen=True)
 class JetMode:
     """What a jet kernel computes: coefficients up to ``order``; the top order summed over the
-    directions (``collapsed``), each weighted by a kernel input (``weighted``); and which orders
-    it returns (``outputs``; 0 is the value)."""
+    directions (``collapsed``), each weighted by a kernel input (``weighted``); which orders it
+    returns (``outputs``; 0 is the value); and whether its rules run under
+    :func:`~pyhvp.taylor.jets.strong_zeros` (``strong``: what a call whose plain result is not
+    finite runs)."""
 
     order: int = 2
     collapsed: bool = False
     outputs: tuple[int, ...] = (2,)
     weighted: bool = False
+    strong: bool = False
 
     def __post_init__(self) -> None:
         if self.order < 1 or any(not 0 <= k <= self.order for k in self.outputs):
@@ -77,7 +81,7 @@ class JetMode:
     @property
     def __name__(self) -> str:  # what compile warnings print
         kind = "collapsed" if self.collapsed else "per-direction"
-        return f"{kind} order-{self.order} jet kernel"
+        return f"{'strong-zero ' if self.strong else ''}{kind} order-{self.order} jet kernel"
 
 
 def run_jets(
@@ -117,17 +121,23 @@ def run_jets(
         for used in node.all_input_nodes:
             if last_use[used] == i:
                 del env[used]
-    return tuple(_output_coefficient(mode, result, k, directions.shape[0]) for k in mode.outputs)
+    return tuple(_output_coefficient(mode, result, k, directions.shape[0], x.dtype)
+                 for k in mode.outputs)  # fmt: skip
 
 
-def _output_coefficient(mode: JetMode, out: Jet | Tensor, k: int, count: int) -> Tensor:
-    """The order-``k`` output of ``out`` (a constant: zeros), expanded to its full shape."""
+def _output_coefficient(mode: JetMode, out: Jet | Tensor, k: int, count: int,
+                        dtype: torch.dtype) -> Tensor:  # fmt: skip
+    """The order-``k`` output of ``out`` (a constant: zeros), expanded to its full shape: order
+    0 is the value, in f's dtype; a coefficient is a derivative with respect to x and has x's
+    ``dtype``, whatever dtype f computes in, as autograd's gradients do
+    (docs/guide/contract.md)."""
     value = out.value if isinstance(out, Jet) else out
     if k == 0:
         return value
     lead = 1 if mode.collapses(k) else count
     c = out.dense(k) if isinstance(out, Jet) else None
-    full = value.new_zeros((lead, *value.shape)) if c is None else c.expand(lead, *value.shape)
+    full = (value.new_zeros((lead, *value.shape), dtype=dtype) if c is None
+            else c.expand(lead, *value.shape).to(dtype))  # fmt: skip
     return full[0] if mode.collapses(k) else full
 
 
@@ -172,7 +182,7 @@ def build_kernel(
         return run_jets(program, mode, x, directions, w, constants, event)
 
     inputs = (x, directions, *([] if weights is None else [weights]), *constants)
-    with torch.no_grad():
+    with torch.no_grad(), strong_zeros() if mode.strong else contextlib.nullcontext():
         graph = make_fx(jets)(*map(traceable, inputs))
     _drop_identical_views(graph.graph)
     graph.graph.eliminate_dead_code()

@@ -24,6 +24,7 @@ from pyhvp.taylor.jets import (
     multiplied,
     on_event,
     plus,
+    times,
     times_or_none,
     value_of,
 )
@@ -105,7 +106,7 @@ def _mul(ctx: Context, out: Tensor, a: Jet | Tensor | float, b: Jet | Tensor | f
     ):  # stays factored
         c = jet.coefficient
         higher = cast(tuple[Tensor | None, ...], jet.coefficients[1:])
-        return Jet(out, (FactoredCoefficient(c.factor * other, lifted(c.shared, out.ndim)),
+        return Jet(out, (FactoredCoefficient(times(c.factor, other), lifted(c.shared, out.ndim)),
                          *(None if t is None else broadcast_times(lifted(t, out.ndim), other)
                            for t in higher)))  # fmt: skip
     return bilinear(ctx, out, a, b, broadcast_times)
@@ -160,24 +161,27 @@ def _tensor_power(ctx: Context, out: Tensor, base: Jet | Tensor, exponent: Jet |
     """``base ** exponent``, masked like autograd's ``pow_backward``: a constant exponent ``b``
     gives ``(b)_j u^(b-j)`` (``(b)_j = b (b-1) ... (b-j+1)``), 0 where ``(b)_j`` is (``0 * inf``
     at ``u = 0`` otherwise); a constant zero base has zero derivatives where the exponent is
-    >= 0."""
+    >= 0. The masked powers and logarithms are taken of safe values (exponent j, or 1), so that
+    no ``0 * inf`` is left in the kernel's backward either."""
     if not isinstance(exponent, Jet):
         base = cast(Jet, base)  # one of base and exponent is a jet
         b, u = exponent, base.value
+        one = torch.ones_like(b)  # b's dtype
         derivatives = []
         falling, zero = b, b == 0
         for j in range(1, ctx.order + 1):
             if j > 1:
                 falling, zero = falling * (b - (j - 1)), zero | (b == j - 1)
-            derivatives.append(torch.where(zero, 0.0, falling * u ** (b - j)))
+            safe = torch.where(zero, one if j == 1 else j * one, b - j)
+            derivatives.append(torch.where(zero, 0.0, falling * u**safe))
         return chain(ctx, out, base, *derivatives)
     if not isinstance(base, Jet):  # exponent e: out log(base)^j
-        log_base = torch.log(base)
         flat = (base == 0) & (exponent.value >= 0)
+        log_base = torch.log(torch.where(flat, 1.0, base))  # 0 where flat
         derivatives, d = [], out
         for _ in range(ctx.order):
             d = d * log_base
-            derivatives.append(torch.where(flat, 0.0, d))
+            derivatives.append(d)
         return chain(ctx, out, exponent, *derivatives)
     log_base = apply(ctx, aten.log.default, base)  # base^e = exp(e log base)
     exponent_jet = apply(ctx, aten.mul.Tensor, exponent, log_base)

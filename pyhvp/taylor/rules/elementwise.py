@@ -366,8 +366,9 @@ def _scalar_power(ctx: Context, out: Tensor, base: float, u: Jet) -> Jet:
         return chain(ctx, out, u, *(out * log_base**j for j in range(1, ctx.order + 1)))
     if base < 0:
         return chain(ctx, out, u, *[out * math.nan] * ctx.order)
-    flat = u.value >= 0
-    return chain(ctx, out, u, *(torch.where(flat, 0.0, out * (-math.inf) ** j)
+    flat = u.value >= 0  # out is 0 there, and inf elsewhere: out log(0) = -inf, its square inf
+    infinite = out.new_full((), math.inf)  # not out * inf: 0 * inf, NaN in the kernel's backward
+    return chain(ctx, out, u, *(torch.where(flat, 0.0, -infinite if j % 2 else infinite)
                                 for j in range(1, ctx.order + 1)))  # fmt: skip
 
 

@@ -17,6 +17,7 @@ from pyhvp.taylor.jets import (
     leibniz,
     lifted,
     plus,
+    strong,
     times_or_none,
     value_of,
 )
@@ -60,8 +61,8 @@ def _factored_matmul(a: Jet | Tensor, b: Jet | Tensor) -> Tensor | None:
     jet, weight = (a, value_of(b)) if left else (b, value_of(a))
     jet = cast(Jet, jet)  # exactly one of a and b is a jet
     c = jet.coefficient
-    if not isinstance(c, FactoredCoefficient) or weight.ndim != 2:
-        return None
+    if not isinstance(c, FactoredCoefficient) or weight.ndim != 2 or strong():
+        return None  # under strong zeros: a matrix product would multiply zeros by the factor
     shape = jet.value.shape
     contracted = len(shape) - 1 if left else len(shape) - 2
     shared = lifted(c.shared, len(shape))

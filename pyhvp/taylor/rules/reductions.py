@@ -20,6 +20,7 @@ from pyhvp.taylor.jets import (
     broadcast_dims,
     broadcast_times,
     chain,
+    coefficient_of,
     coefficients_of,
     dense_coefficients,
     diagonal_summed,
@@ -28,7 +29,9 @@ from pyhvp.taylor.jets import (
     linear,
     multiplied,
     plus,
+    strong,
     times_or_none,
+    value_of,
 )
 from pyhvp.taylor.registry import Rule, apply, rule
 
@@ -76,8 +79,8 @@ def _factored_sum(u: Jet, dims: list[int], keepdim: bool) -> Tensor | None:
     product, instead of forming the K-fold ``s * v_k``. None otherwise."""
     c = u.coefficient
     shape, nd = u.value.shape, u.value.ndim
-    if not isinstance(c, FactoredCoefficient) or not dims:
-        return None
+    if not isinstance(c, FactoredCoefficient) or not dims or strong():
+        return None  # under strong zeros: a matrix product would multiply zeros by the factor
     shared = lifted(c.shared, nd)
     rest = [d for d in range(nd) if d not in dims]
     if any(shared.shape[d + 1] != 1 for d in rest):
@@ -290,11 +293,54 @@ def _times_difference(ctx: Context, p: Tensor, a: Tensor | None, b: Tensor | Non
     return broadcast_times(difference, p) if value else ctx.product(p, difference, order)
 
 
+def _finite_below(out: Tensor) -> Tensor:
+    """A log-sum-exp's value with ``-inf`` (every term ``-inf``: a masked row) as 0: the weights
+    ``e^(u - out)`` are then 0 there, as their limit along the masked terms' zero coefficients,
+    not ``e^(-inf - -inf)`` (NaN, which a sum over the event spreads to every entry)."""
+    return torch.where(out == -math.inf, 0.0, out)
+
+
 @rule(aten.logsumexp.default)
 def _logsumexp(ctx: Context, out: Tensor, u: Jet, dim: Dims, keepdim: bool = False) -> Jet:
     dims = axes(dim, u.value.ndim)
-    p = torch.exp(u.value - _kept(out, u.value.shape, dims))
+    p = torch.exp(u.value - _kept(_finite_below(out), u.value.shape, dims))
     return _lse(ctx, u, dims, keepdim, out, p)
+
+
+def _logaddexp(scale: float) -> Rule:
+    """``log(e^a + e^b)`` (``scale`` 1), or ``log2(2^a + 2^b)`` (``scale`` ln 2): a log-sum-exp
+    of two, with weights ``p = e^(scale (a - out))`` and ``q = e^(scale (b - out))``: first
+    ``p a' + q b'``, second ``p a'' + q b'' + scale p q (a' - b')^2``; any order as the
+    log-sum-exp of ``scale (a, b)`` stacked (:func:`_softmax_series`), over ``scale``. The
+    weights are 0 where an argument is ``-inf`` (a masked entry), and where both are
+    (:func:`_finite_below`)."""
+
+    def logaddexp_rule(ctx: Context, out: Tensor, a: Jet | Tensor, b: Jet | Tensor) -> Jet:
+        nd, shift = out.ndim, _finite_below(out)
+        p, q = (torch.exp(scale * (value_of(t) - shift)) for t in (a, b))
+        if ctx.order > 2:
+            scaled = [t if scale == 1 else apply(ctx, aten.mul.Tensor, t, scale) for t in (a, b)]
+            pair = apply(ctx, aten.stack.default, scaled, -1)
+            weights = torch.stack([p.expand(out.shape), q.expand(out.shape)], -1)
+            lse, _ = _softmax_series(ctx, pair, [nd], weights, probabilities=False)
+            return Jet(out, tuple(None if c is None else c.squeeze(-1) / scale for c in lse))
+        fa, fb = coefficient_of(a, nd, 1), coefficient_of(b, nd, 1)
+        first = cast(Tensor, plus(None if fa is None else broadcast_times(fa, p),
+                                  None if fb is None else broadcast_times(fb, q)))  # fmt: skip
+        if ctx.order == 1:
+            return Jet(out, (first,))
+        sa, sb = coefficient_of(a, nd, 2), coefficient_of(b, nd, 2)
+        apart = cast(Tensor, plus(fa, times_or_none(fb, -1)))  # a or b is a jet: not None
+        second = plus(None if sa is None else broadcast_times(sa, p),
+                      None if sb is None else broadcast_times(sb, q),
+                      broadcast_times(ctx.square(apart), scale * p * q))  # fmt: skip
+        return Jet(out, (first, second))
+
+    return logaddexp_rule
+
+
+rule(aten.logaddexp.default)(_logaddexp(1.0))
+rule(aten.logaddexp2.default)(_logaddexp(math.log(2)))
 
 
 @rule(aten._log_softmax.default)
