@@ -106,8 +106,18 @@ DENSE_FALLBACK = {"eigvalsh (general fallback)"}
 """Cases on the dense reverse-mode fallback, which carries orders up to 4."""
 
 
-@pytest.mark.parametrize("order", [3, 4, 6])
-@pytest.mark.parametrize("name", CASES)
+FAST = {"tanh MLP, vector output", "softmax, log_softmax, logsumexp", "det, inverse, solve, slogdet",
+        "two-input pointwise ops (fallback)", "views, indexing, where"}  # fmt: skip
+"""The families whose fourth order runs in the fast tier (``make test``); every family at
+orders 3, 4 and 6 runs in ``make test-all``."""
+
+
+def tiered(name, order):
+    fast = name in FAST and order == 4
+    return pytest.param(name, order, marks=() if fast else pytest.mark.slow, id=f"{name}-{order}")
+
+
+@pytest.mark.parametrize(("name", "order"), [tiered(n, k) for n in CASES for k in (3, 4, 6)])
 def test_directional_derivatives_match_nested_autograd(name, order, device):
     if name in DENSE_FALLBACK and order > 4:
         pytest.skip("the dense fallback carries orders up to 4 (refused above: a spec below)")
@@ -126,8 +136,10 @@ def test_a_shared_direction_is_each_instance_s_direction(device):
     torch.testing.assert_close(got.cpu(), expected, **tolerance(4))
 
 
-@pytest.mark.parametrize("name", ["polynomials and products", "tanh MLP, vector output",
-                                  "softmax, log_softmax, logsumexp", "conv1d"])  # fmt: skip
+@pytest.mark.parametrize("name", ["tanh MLP, vector output",
+                                  *(pytest.param(n, marks=pytest.mark.slow) for n in (
+                                      "polynomials and products", "softmax, log_softmax, logsumexp",
+                                      "conv1d"))])  # fmt: skip
 @pytest.mark.parametrize("chunk_size", [None, 7])
 def test_the_exact_bilaplacian_matches_nested_autograd(name, chunk_size, device):
     f, x = CASES[name], point(device)
@@ -146,8 +158,9 @@ TERMS = {
 
 
 @pytest.mark.parametrize("terms", TERMS.values(), ids=TERMS.keys())
-@pytest.mark.parametrize("name", ["polynomials and products", "tanh MLP, vector output",
-                                  "exp, sin, cos, tanh, sigmoid"])  # fmt: skip
+@pytest.mark.parametrize("name", ["tanh MLP, vector output",
+                                  *(pytest.param(n, marks=pytest.mark.slow) for n in (
+                                      "polynomials and products", "exp, sin, cos, tanh, sigmoid"))])  # fmt: skip
 def test_differential_operators_match_nested_autograd(name, terms, device):
     f, x = CASES[name], point(device)
     got = pyhvp.differential_operator(f, x, terms, backend=EAGER)
@@ -336,6 +349,7 @@ def test_bad_input_is_refused_with_its_name(case):
         call(point("cpu"))
 
 
+@pytest.mark.slow
 def test_the_sixth_derivative_of_a_network_along_an_axis():
     """Order 6 along e_0 of a tanh network: one jet of order six."""
     net = _plate()

@@ -132,9 +132,9 @@ def test_the_strong_zero_kernel_runs_only_for_results_that_are_not_finite(device
     x = torch.tensor(AT_ZERO, dtype=torch.float64, device=device)
     pyhvp.hessian_diagonal(f, x + 1)
     (recorded,) = program._PROGRAMS.values()
-    assert [kernel.strong for kernel in recorded.kernels.values()] == [False]
+    assert [kernel.mode.strong for kernel in recorded.kernels.values()] == [False]
     pyhvp.hessian_diagonal(f, x)
-    assert [kernel.strong for kernel in recorded.kernels.values()] == [False, True]
+    assert [kernel.mode.strong for kernel in recorded.kernels.values()] == [False, True]
 
 
 # --- third order: gradients of the Laplacian against central differences -----------------------
