@@ -196,11 +196,14 @@ def register_jet_rule(
     * ``rule(ctx, out, *args, **kwargs)``: ``out`` is the op's value, ``args`` / ``kwargs`` the
       op's arguments with a ``pyhvp.taylor.Jet`` wherever an input depends on ``x``; it
       returns the output's jet(s) (constants where an output does not depend on ``x``). A jet
-      holds ``value``, ``first`` (first-order coefficients ``(K, *S)``, ``S`` broadcasting to the
-      value's shape) and ``second`` (second-order ones, per direction or summed over them: combine
-      first-order coefficients only through ``ctx.product`` / ``ctx.pair``, which know the
-      mode; ``None`` is zero). ``pyhvp.taylor.chain`` writes an elementwise rule from its
-      first and second derivatives.
+      holds ``value`` and ``coefficients``, one per order up to ``ctx.order`` (``(K, *S)``,
+      ``S`` broadcasting to the value's shape; the top order summed over directions in collapsed
+      mode: combine coefficients of two operands only through ``ctx.pair`` / ``ctx.product``,
+      which know the mode; ``None`` is zero; ``jet.first`` and ``jet.second`` read the first
+      two). ``pyhvp.taylor.chain(ctx, out, u, g1, ..., gK)`` writes an elementwise rule from its
+      derivatives; a rule that carries a lower order than ``ctx.order`` raises
+      ``pyhvp.taylor.NotAtThisOrder`` (``chain`` does, given too few derivatives) and the op
+      takes its exact fallback.
 
     Without ``rule`` or a flag it returns a decorator. Registration replaces an earlier rule
     and clears nothing that was cached: register before the first call that uses ``op``.
