@@ -303,6 +303,15 @@ def _higher_order_fallback(ctx: Context, op: Callable[..., Any], args: tuple[Any
         )
     sizes_in = sum(value_of(leaves[i]).numel() for i in jets) // max(count, 1)
     sizes_out = sum(outputs[i].numel() for i in smooth) // max(count, 1)
+    if _packet_name(op) in MATRIX_OPS and sizes_in > LARGEST_MATRIX_ABOVE_SECOND_ORDER:
+        raise UnsupportedOpError(
+            f"pyhvp: {op} has no jet rule of order {ctx.order}, and the reverse-mode fallback "
+            f"carries matrix decompositions above second order for matrices of at most "
+            f"{LARGEST_MATRIX_ABOVE_SECOND_ORDER} entries (autograd's derivatives of theirs, "
+            f"nested {ctx.order} times, outgrow memory: a 3x3 svd over 3 GB); this one has "
+            f"{sizes_in}. Register a rule for it (pyhvp.register_jet_rule), or use an operator "
+            f"of second order (laplacian, hessian_diagonal), which has one"
+        )
     needed = (sizes_in + sizes_out) * sizes_in**ctx.order * max(count, 1)
     if needed > HIGHER_ORDER_FALLBACK_LIMIT:
         raise UnsupportedOpError(
@@ -440,6 +449,12 @@ DENSE_FALLBACK_ORDER = 4
 """The highest order the dense reverse-mode fallback carries: ``jacrev`` nested that many
 times over an op's autograd formulas (the graph grows about threefold with each nesting: a 2x2
 ``eigvalsh`` at order 6 took over 20 GB to trace)."""
+
+LARGEST_MATRIX_ABOVE_SECOND_ORDER = 4
+"""The most entries a matrix op (:data:`MATRIX_OPS`) may have per instance for the dense
+fallback above second order: 2x2 (eigvalsh, det, inverse of 2x2 blocks). Nested ``jacrev`` of
+the decompositions' backward formulas outgrows memory well before the work estimate below says
+so (a 3x3 ``svd``, ``lu_solve`` or ``solve_triangular`` at fourth order: over 3 GB)."""
 
 HIGHER_ORDER_FALLBACK_LIMIT = 2**18
 """Most numbers the dense fallback above second order may make, estimated as ``(inputs +
