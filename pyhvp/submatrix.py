@@ -1,36 +1,38 @@
 """Sub-Hessians: the Hessian of a scalar loss restricted to selected parameter components.
 
-Two routes, one picked per call (and per batch) by a cost model:
+Two routes, taken per selected tensor by a cost model:
 
 * **sparse** (:mod:`pyhvp.restricted`): the loss as a function of the k selected entries only,
-  whose one-hot directions enter each ``F.linear`` that consumes a selected weight as gathered
-  input columns; its ``(K, K)`` Hessian by ``jacrev(grad)`` over the K-vector. A direction costs
-  the network downstream of the first selected layer, never a dense gradient of the weight.
+  whose one-hot directions enter each op that consumes a selected tensor linearly -- ``F.linear``,
+  ``matmul``/``mm``/``bmm``/``@``, ``einsum``, convolutions and their transposes, embeddings, and
+  views of the tensor (``W.T``) -- as what they add to its output (a gathered input column, a
+  shifted slice, the tokens an embedding row reaches), never as dense tangents of the tensor; the
+  ``(K, K)`` Hessian of a group of tensors by ``jacrev(grad)`` over their K-vector. A direction
+  costs the network downstream of the op its entry enters, never that op's dense products.
 * **reverse**: the selected components become one-hot tangents of the backend's multi-leaf
-  primitive (``grad_and_block_hvps``): one forward and one first backward shared by every selected
-  tensor, then per tensor a batched second pass that differentiates towards that tensor only, of
-  whose columns ``H e_j`` only the selected rows are kept. Cost: one full Hessian-vector product
-  per selected component; ``joint=True`` pushes all selected tensors as one vector.
+  primitive (``grad_and_block_hvps``): one forward and one first backward shared by every tensor
+  of the route, then per tensor a batched second pass that differentiates towards that tensor
+  only, of whose columns ``H e_j`` only the selected rows are kept. Cost: one full Hessian-vector
+  product per selected component; ``joint=True`` pushes all selected tensors as one vector.
 
-Both routes' kernels compile under the torch backend's compile policy (the sparse one as one
-graph of the restricted loss's ``jacrev(grad)``). Cost model (``method="auto"``): sparse whenever
-it applies -- the torch backend, the selected tensors of one dtype and device, and, as the loss
-runs, every selected tensor of more than ``restricted.DENSE_LIMIT`` entries used only as the
-weight of ``F.linear`` and none written to -- because then each of its directions costs at most
-what a reverse HVP costs past the first layer, and avoids that layer's dense
-``O(batch * in * out)`` products; but for fewer than ``restricted.MIN_COMPONENTS`` (8) selected
-components in all only when the backend compiles from the first call (``compile=True``): eagerly
-the reverse route's few HVPs cost less than the sparse route's fixed setup, compiled the sparse
-kernel wins at every count. Otherwise reverse (the sparse route stops at the first use that does
-not qualify, before any Hessian work). The choice is logged on the ``pyhvp.sub_hessian`` logger
-at DEBUG level.
+Cost model (``method="auto"``, :mod:`pyhvp.restricted.routes`): one survey of the loss (cached
+per call signature) learns how each selected tensor enters each op, the work downstream of it
+and the products a dense direction of it pays; modelled times then split the tensors between
+sparse groups and the reverse route. Tensors the sparse route refuses (an op without a sparse
+rule on a tensor over ``restricted.DENSE_LIMIT`` entries, a write, an embedding's padding row)
+take the reverse route; below ``routes.MIN_COMPONENTS`` components in all, eagerly, every tensor
+does, without a survey. With ``joint=True`` the reverse route's rows fill the cross blocks of its
+tensors. The choice is logged on the ``pyhvp.sub_hessian`` logger at DEBUG level. Both routes'
+kernels compile under the torch backend's compile policy.
 
 With ``data``, the loss is summed over batches: one such pass per batch (and per chunk), the rows
-accumulated, so memory is bounded by one batch. With ``group``, each rank sums its own batches, and
-one ``all_reduce`` adds the ranks' sums and symmetrises after (:mod:`pyhvp.distributed`). Memory:
-``c * P`` for the tangents and columns of a reverse pass (P: entries of the selected tensors, c =
-``chunk_size``, default all k) plus that pass's intermediates; the sparse route holds c copies of
-the intermediates downstream of the first selected layer.
+accumulated, so memory is bounded by one batch; the routes chosen on the first batch hold until a
+batch uses a tensor differently, which is surveyed anew. With ``group``, each rank sums its own
+batches, and one ``all_reduce`` adds the ranks' sums and symmetrises after
+(:mod:`pyhvp.distributed`). Memory: ``c * P`` for the tangents and columns of a reverse pass (P:
+entries of the selected tensors, c = ``chunk_size``, default all k) plus that pass's
+intermediates; a sparse group holds c copies of the intermediates downstream of its first
+tensor, and per op it enters at most ``K * out`` for its directions' tangents.
 """
 
 from __future__ import annotations

@@ -273,7 +273,7 @@ def test_a_big_tensor_in_an_op_without_a_sparse_rule_takes_the_reverse_route(cap
     with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"):
         got = pyhvp.sub_hessian(big_cumsum, BIG, index)
     (message,) = [r.getMessage() for r in caplog.records if r.name == "pyhvp.sub_hessian"]
-    assert "reverse route for params (it enters torch.cumsum, which has no sparse rule" in message
+    assert "reverse route for params (enters torch.cumsum, which has no sparse rule" in message
     expected = pyhvp.sub_hessian(big_cumsum, BIG, index, method="reverse")
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
@@ -339,7 +339,7 @@ def test_forcing_the_sparse_route_where_it_does_not_apply_raises_the_reason():
 
 def test_a_write_to_a_selected_tensor_is_never_run_by_the_sparse_route(caplog):
     before = SMALL.clone()
-    with pytest.raises(ValueError, match=r"Tensor\.mul_ writes to it"):
+    with pytest.raises(ValueError, match=r"is written by Tensor\.mul_"):
         pyhvp.sub_hessian(writes_selected, SMALL, torch.tensor([0]), method="sparse")
     assert torch.equal(SMALL, before)  # the survey stopped before the write
     with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"), pytest.raises(RuntimeError):

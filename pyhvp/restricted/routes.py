@@ -174,7 +174,7 @@ class Survey(TorchFunctionMode):
         for value in pytree.tree_leaves(written):  # stop before the write: params stay as given
             source = self._source(value)
             if source is not None:
-                self._note(source, f"{describe(func)} (a write)", f"{describe(func)} writes to it")
+                self._note(source, f"{describe(func)} (a write)", f"is written by {describe(func)}")
                 raise NotSparse(f"{describe(func)} writes to a selected tensor")
         out = func(*args, **kwargs)
         leaves = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
@@ -258,8 +258,8 @@ class Survey(TorchFunctionMode):
                 self._note(
                     source,
                     f"{name} (refused)",
-                    f"it enters {name}, which has no sparse rule for it, and has "
-                    f"{value.numel()} entries (over restricted.DENSE_LIMIT, {DENSE_LIMIT})",
+                    f"enters {name}, which has no sparse rule for it, with {value.numel()} "
+                    f"entries (over restricted.DENSE_LIMIT, {DENSE_LIMIT})",
                 )
             else:
                 self._note(source, f"{name} (dense: {value.numel()} entries)")
@@ -279,7 +279,7 @@ def _sparse_operand(
     selected = [(t, source(t)) for t in operands if source(t) is not None]
     if op == "embedding" and selected:
         if bound.get("max_norm") is not None:
-            return None, "torch.nn.functional.embedding with max_norm writes to it"
+            return None, "enters torch.nn.functional.embedding with max_norm, which writes to it"
         if bound.get("scale_grad_by_freq") or bound.get("sparse"):
             return None, None
     if not selected:
@@ -389,7 +389,7 @@ def survey(
         except NotSparse:  # a write to a selected tensor: the survey stops before it
             for usage in mode.usage:
                 if usage.refusal is None:
-                    usage.refusal = "not surveyed: the loss writes to a selected tensor first"
+                    usage.refusal = "was not surveyed: the loss writes to a selected tensor first"
     return mode
 
 
