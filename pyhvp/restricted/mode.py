@@ -28,7 +28,19 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from pyhvp.restricted import contributions as rules
-from pyhvp.restricted.ops import _PARAMETERS, BIASES, CONTRACTED, bind, describe, kind
+from pyhvp.restricted.ops import (
+    _PARAMETERS,
+    BIASES,
+    CONTRACTED,
+    EINSUM_FAMILY,
+    autograd_convention,
+    bind,
+    contracted,
+    describe,
+    einsum_form,
+    kind,
+    writes_operand,
+)
 
 DENSE_LIMIT = 4096
 """Most entries a selected tensor may have and still enter an op without a sparse rule densely
@@ -210,32 +222,24 @@ class Injection(TorchFunctionMode):
         bound = bind(op, args, kwargs)
         if bound is None:
             return None
-        found: list[tuple[str | int, Selected | None]]
-        if op == "einsum":
-            operands: list[Any] = bound["operands"]
-            found = [(i, self._find(t)) for i, t in enumerate(operands)]
-        else:
-            found = [(name, self._find(bound.get(name))) for name in CONTRACTED[op]]
+        found = [(key, self._find(value)) for key, value in contracted(op, bound)]
         candidates = [(key, entry) for key, entry in found if entry is not None]
-        if op == "embedding":
-            if bound.get("max_norm") is not None and candidates:
-                raise NotSparse(
-                    "torch.nn.functional.embedding with max_norm writes to a selected tensor "
-                    "(it renormalises the rows it reads in place)"
-                )
-            if bound.get("scale_grad_by_freq") or bound.get("sparse"):
-                return None  # autograd's derivative there is not the embedding's own
+        if writes_operand(op, bound) and candidates:
+            raise NotSparse(
+                "torch.nn.functional.embedding with max_norm writes to a selected tensor"
+            )
+        if autograd_convention(op, bound):
+            return None
         chosen = None  # the largest (a loop: dynamo does not trace max with a key)
         for pair in candidates:
             if chosen is None or pair[1].tensor.numel() > chosen[1].tensor.numel():
                 chosen = pair
         # every other selected operand enters densely: a bias cheaply, a factor as a product
         if op == "einsum":
-            operands = [
+            bound["operands"] = [
                 t if chosen is not None and i == chosen[0] else self._dense(t, func, False)
-                for i, t in enumerate(operands)
+                for i, t in enumerate(bound["operands"])
             ]
-            bound["operands"] = operands
         else:
             for name in _PARAMETERS[op]:
                 if name in bound and (chosen is None or name != chosen[0]):
@@ -276,23 +280,9 @@ def _contribution(
     op: str, bound: dict[str, Any], chosen: str | int, coords: torch.Tensor
 ) -> rules.Contribution | str:
     """The chosen operand's entries' tangents of the op's output, or why there are none."""
-    if op == "einsum":
-        operands = bound["operands"]
-        inputs, output = rules.parse_einsum(bound["equation"], [t.ndim for t in operands])
-        assert isinstance(chosen, int)
-        return rules.einsum_contribution(inputs, output, operands, chosen, coords)
-    if op in ("linear", "matmul", "rmatmul", "addmm"):
-        first, second = {"linear": ("input", "weight"), "addmm": ("mat1", "mat2")}.get(
-            op, ("input", "other")
-        )
-        a, b = bound[first], bound[second]
-        if op == "linear":
-            inputs, output = rules.linear_subscripts(a.ndim, b.ndim)
-        else:
-            inputs, output = rules.matmul_subscripts(a.ndim, b.ndim)
-        return rules.einsum_contribution(
-            inputs, output, [a, b], 0 if chosen == first else 1, coords
-        )
+    if op in EINSUM_FAMILY:
+        inputs, output, operands, keys = einsum_form(op, bound)
+        return rules.einsum_contribution(inputs, output, operands, keys.index(chosen), coords)
     x, weight = bound["input"], bound["weight"]
     if op == "embedding":
         return rules.embedding_contribution(x, weight, coords)

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pyhvp.restricted import contributions as rules
+
 Tensor = torch.Tensor
 
 _EINSUM_FAMILY: dict[Callable[..., Any], str] = {
@@ -228,6 +230,45 @@ BIASES: dict[str, tuple[str, ...]] = {
     "conv_transpose": ("bias",),
 }
 """Arguments added to the output: a selected one enters densely at any size."""
+
+
+EINSUM_FAMILY = ("einsum", "linear", "matmul", "rmatmul", "addmm")
+
+
+def einsum_form(
+    op: str, bound: dict[str, Any]
+) -> tuple[list[str], str, list[Any], list[str | int]]:
+    """A call of the einsum family as einsum: the operands' and the output's subscripts, the
+    operands, and each one's key in ``bound`` (its name, or its position among einsum's)."""
+    if op == "einsum":
+        operands = list(bound["operands"])
+        inputs, output = rules.parse_einsum(bound["equation"], [t.ndim for t in operands])
+        return inputs, output, operands, list(range(len(operands)))
+    first, second = CONTRACTED[op]
+    a, b = bound[first], bound[second]
+    subscripts = rules.linear_subscripts if op == "linear" else rules.matmul_subscripts
+    inputs, output = subscripts(a.ndim, b.ndim)
+    return inputs, output, [a, b], [first, second]
+
+
+def contracted(op: str, bound: dict[str, Any]) -> list[tuple[str | int, Any]]:
+    """The operands a sparse rule of kind ``op`` may take, by key (name, or einsum position)."""
+    if op == "einsum":
+        return list(enumerate(bound["operands"]))
+    return [(name, bound.get(name)) for name in CONTRACTED[op]]
+
+
+def autograd_convention(op: str, bound: dict[str, Any]) -> bool:
+    """Whether autograd's derivative of this call is a convention rather than the op's own
+    (an embedding that scales gradients by frequency, or makes them sparse): then a selected
+    operand enters densely, as autograd differentiates it."""
+    return op == "embedding" and bool(bound.get("scale_grad_by_freq") or bound.get("sparse"))
+
+
+def writes_operand(op: str, bound: dict[str, Any]) -> bool:
+    """Whether this call writes to its contracted operand (an embedding's ``max_norm``
+    renormalises the rows it reads in place)."""
+    return op == "embedding" and bound.get("max_norm") is not None
 
 
 def bind(op: str, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any] | None:

@@ -54,7 +54,19 @@ from torch.utils import _pytree as pytree
 
 from pyhvp.restricted import contributions as rules
 from pyhvp.restricted.mode import DENSE_LIMIT, NotSparse, view_positions
-from pyhvp.restricted.ops import BIASES, CONTRACTED, PROPERTIES, bind, describe, kind
+from pyhvp.restricted.ops import (
+    BIASES,
+    CONTRACTED,
+    EINSUM_FAMILY,
+    PROPERTIES,
+    autograd_convention,
+    bind,
+    contracted,
+    describe,
+    einsum_form,
+    kind,
+    writes_operand,
+)
 
 MIN_COMPONENTS = 8
 """Fewest selected components for which ``method="auto"`` surveys the loss unless the backend
@@ -272,28 +284,23 @@ def _sparse_operand(
 ) -> tuple[int | None, str | None]:
     """Which selected tensor enters the contraction sparsely (the largest selected operand, as
     :class:`~pyhvp.restricted.mode.Injection` picks it), and a refusal of the call itself."""
-    if op == "einsum":
-        operands = list(bound["operands"])
-    else:
-        operands = [bound.get(name) for name in CONTRACTED[op]]
-    selected = [(t, source(t)) for t in operands if source(t) is not None]
-    if op == "embedding" and selected:
-        if bound.get("max_norm") is not None:
-            return None, "enters torch.nn.functional.embedding with max_norm, which writes to it"
-        if bound.get("scale_grad_by_freq") or bound.get("sparse"):
-            return None, None
+    selected = [(key, t, source(t)) for key, t in contracted(op, bound) if source(t) is not None]
     if not selected:
         return None, None
+    if writes_operand(op, bound):
+        return None, "enters torch.nn.functional.embedding with max_norm, which writes to it"
+    if autograd_convention(op, bound):
+        return None, None
     largest = selected[0]
-    for pair in selected[1:]:
-        if pair[0].numel() > largest[0].numel():
-            largest = pair
+    for triple in selected[1:]:
+        if triple[1].numel() > largest[1].numel():
+            largest = triple
     if op == "einsum":
-        inputs, _ = rules.parse_einsum(bound["equation"], [t.ndim for t in operands])
-        spec = inputs[next(i for i, t in enumerate(operands) if t is largest[0])]
-        if len(set(spec)) != len(spec):
+        inputs, _, _, keys = einsum_form(op, bound)
+        spec = inputs[keys.index(largest[0])]
+        if len(set(spec)) != len(spec):  # a diagonal: no sparse rule
             return None, None
-    return largest[1], None
+    return largest[2], None
 
 
 def _bits(mask: int) -> list[int]:
@@ -353,20 +360,9 @@ def _macs(
             q, k = leaves[0], leaves[1]
             return 2 * q.numel() * k.shape[-2]
         return 0
-    if op == "einsum":
-        operands = bound["operands"]
-        inputs, output = rules.parse_einsum(bound["equation"], [t.ndim for t in operands])
+    if op in EINSUM_FAMILY:
+        inputs, output, operands, _ = einsum_form(op, bound)
         return rules.einsum_flops(inputs, output, operands)
-    if op in ("linear", "matmul", "rmatmul", "addmm"):
-        names = {"linear": ("input", "weight"), "addmm": ("mat1", "mat2")}.get(
-            op, ("input", "other")
-        )
-        a, b = bound[names[0]], bound[names[1]]
-        if op == "linear":
-            inputs, output = rules.linear_subscripts(a.ndim, b.ndim)
-        else:
-            inputs, output = rules.matmul_subscripts(a.ndim, b.ndim)
-        return rules.einsum_flops(inputs, output, [a, b])
     weight = bound["weight"]
     if op == "conv" and outs:
         return int(outs[0].numel() * weight[0].numel())
