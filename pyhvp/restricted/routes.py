@@ -37,7 +37,8 @@ tensors: those the sparse route refuses take the reverse route; the others are s
 of consecutive tensors (in the order the loss first uses them) and the reverse route, by dynamic
 programming over that order. With ``joint=True`` the sparse tensors form one group (cross blocks
 need one pass) and the reverse route gives full rows for the others. A compiled backend
-(``compile=True``) pays :data:`COMPILED_SETUP` instead of either setup.
+(``compile=True``) pays :data:`COMPILED_SETUP` instead of either setup, but for a sparse group
+over a tensor viewed through a property (``W.T``), which runs eagerly.
 """
 
 from __future__ import annotations
@@ -425,7 +426,6 @@ def choose(
     eager_only = frozenset(i for i, u in enumerate(usage) if u.property_view is not None)
     masked_rows = tuple(frozenset(u.masked_rows) for u in usage)
     forward = FORWARD_AND_BACKWARD * _ns(found.forward)
-    sparse_fixed = forward + (COMPILED_SETUP if compiled else SPARSE_SETUP)
     reverse_fixed = forward + (COMPILED_SETUP if compiled else REVERSE_SETUP)
     refused = tuple(i for i, u in enumerate(usage) if u.refusal is not None)
     eligible = sorted(
@@ -448,7 +448,10 @@ def choose(
             return math.inf
         reach = max(_ns(usage[i].tail) for i in members)
         directions = sum(sizes[i] for i in members)
-        return sparse_fixed + directions * (SPARSE_DIRECTION + SPARSE_TAIL * reach)
+        # a group over a tensor viewed through a property runs eagerly even when compiling
+        traced = compiled and not eager_only.intersection(members)
+        setup = COMPILED_SETUP if traced else SPARSE_SETUP
+        return forward + setup + directions * (SPARSE_DIRECTION + SPARSE_TAIL * reach)
 
     def reverse_cost(members: Sequence[int]) -> float:
         return reverse_fixed + sum(per_reverse[i] for i in members) if members else 0.0
