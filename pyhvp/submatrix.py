@@ -640,7 +640,7 @@ def _sums(
                             coords,
                             batch_values,
                             spec,
-                            chunk_size,
+                            chunk_size or chosen.chunk,
                             backend,
                             chosen.eager_only,
                         ),
@@ -660,7 +660,7 @@ def _sums(
                             coords,
                             batch_values,
                             spec,
-                            chunk_size,
+                            chunk_size or chosen.chunk,
                             backend,
                             chosen.eager_only,
                         ),
@@ -680,12 +680,14 @@ def _sums(
                         total[offsets[i] : offsets[i + 1], offsets[j] : offsets[j + 1]] += block[
                             rows, columns
                         ]
-            reverse = chosen.reverse
+            reverse, inner = chosen.reverse, None if chunk_size else chosen.chunk
         else:
             _log.debug("sub_hessian: reverse route (%s)", refusal)
-            reverse = tuple(range(len(plan.tensors)))
+            reverse, inner = tuple(range(len(plan.tensors))), None
         if reverse:
-            _reverse_blocks(plan, reverse, batch_values, spec, chunk_size, backend, total, blocks)
+            _reverse_blocks(
+                plan, reverse, batch_values, spec, chunk_size, backend, total, blocks, inner
+            )
     if total is not None:
         return [total]
     return blocks
@@ -738,10 +740,12 @@ def _reverse_blocks(
     backend: Backend,
     total: torch.Tensor | None,
     blocks: list[torch.Tensor],
+    inner: int | None,
 ) -> None:
     """One batch by the reverse route for the selected tensors ``members``, added to ``blocks``
     (their diagonal blocks), or with ``total`` (one matrix) to its rows of those tensors' entries
-    and, mirrored, to the same columns of the other rows (the sparse route's)."""
+    and, mirrored, to the same columns of the other rows (the sparse route's); ``inner``: how many
+    tangents each batched second pass takes (None: all)."""
     if total is None:  # per tensor, the others held constant
         names = tuple(plan.sparse.selected[i] for i in members)
         by_name = _by_name(plan)
@@ -751,7 +755,9 @@ def _reverse_blocks(
         leaves = [plan.tensors[i] for i in members]
         others = [by_name[name] for name in plan.sparse.names if name not in names]
         flats = [plan.flats[i] for i in members]
-        rows = _reverse_rows(loss, leaves, flats, flats, others, batch_values, chunk_size, backend)
+        rows = _reverse_rows(
+            loss, leaves, flats, flats, others, batch_values, chunk_size, backend, inner
+        )
         for i, row in zip(members, rows, strict=True):
             blocks[i] += row
         return
@@ -770,6 +776,7 @@ def _reverse_blocks(
         batch_values,
         chunk_size,
         backend,
+        inner,
     )
     mine = mine.to(total.device)
     total[mine] += row_block
@@ -787,10 +794,12 @@ def _reverse_rows(
     batch_values: list[Any],
     chunk_size: int | None,
     backend: Backend,
+    inner: int | None = None,
 ) -> list[torch.Tensor]:
     """Per leaf, ``(len(row_flats[i]), len(column_flats[i]))``: the rows ``H e_j`` of the
     Hessian in that leaf for its entries ``row_flats[i]``, at its entries ``column_flats[i]``
-    (not yet symmetrised); every pass is one call of the multi-leaf primitive."""
+    (not yet symmetrised); every pass (``chunk_size`` tangents per leaf) is one call of the
+    multi-leaf primitive, whose batched second passes take ``inner`` tangents at a time."""
     primitive = require_primitive(backend, "grad_and_block_hvps", "sub_hessian")
     row_flats = [flat.to(t.device) for flat, t in zip(row_flats, leaves, strict=True)]
     column_flats = [flat.to(t.device) for flat, t in zip(column_flats, leaves, strict=True)]
@@ -805,7 +814,7 @@ def _reverse_rows(
         chunks = [flat[start : start + step] for flat in row_flats]
         tangents = [_one_hot(chunk, t) for chunk, t in zip(chunks, leaves, strict=True)]
         # a few tangents: one plain backward each (vmap's setup costs more than it batches)
-        one_by_one = 1 if max(len(chunk) for chunk in chunks) <= FEW_TANGENTS else None
+        one_by_one = 1 if max(len(chunk) for chunk in chunks) <= FEW_TANGENTS else inner
         _, products = primitive(loss, leaves, tangents, (*others, *batch_values), one_by_one)
         for block, chunk, columns, product in zip(
             blocks, chunks, column_flats, products, strict=True

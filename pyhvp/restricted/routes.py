@@ -106,6 +106,11 @@ SPARSE_DIRECTION = 50_000.0
 REVERSE_DIRECTION = 150_000.0
 """Nanoseconds per direction beyond its work (the batched ops' per-row overhead)."""
 
+BATCHED = 1 << 22
+"""Most elements one output of a batched pass may hold over its directions (16 MB in float32):
+past it a pass runs in chunks of directions, as wider batches spill the caches and run slower
+than one direction at a time (LeNet-5 at k = 128: 1.2-1.8x the seed's loop unchunked)."""
+
 SPARSE_TAIL = 5.4
 REVERSE_TAIL = 3.9
 """A direction's cost in units of its tail's modelled time (a forward tangent, the backward's
@@ -143,6 +148,9 @@ class Usage:
     property_view: str | None = None
     """A tensor property it is viewed through (``W.T``): dynamo traces those past the mode, so
     a kernel over it runs eagerly."""
+    widest: int = 0
+    """Most elements of one output downstream of it: what each direction batched in a pass
+    holds at once there."""
     masked_rows: set[int] = dataclasses.field(default_factory=set)
     """Rows whose derivative autograd masks (an embedding's ``padding_idx``): the sparse rule
     gives the true derivative there, the seed's loop and the reverse route zero."""
@@ -202,8 +210,10 @@ class Survey(TorchFunctionMode):
             found = self._taint.get(id(value))
             if found is not None and found[0] is value:
                 taint |= found[1]
+        widest = max((v.numel() for v in outs), default=0)
         for source in _bits(taint):
             self.usage[source].tail.add(cost)
+            self.usage[source].widest = max(self.usage[source].widest, widest)
         if direct:
             followed = self._classify(func, args, kwargs, direct, out, cost)
             if followed:
@@ -253,6 +263,7 @@ class Survey(TorchFunctionMode):
             biases = tuple(bound[b] for b in BIASES.get(op, ()) if b in bound) if bound else ()
         for source, value in direct.items():
             usage = self.usage[source]
+            usage.widest = max(usage.widest, _numel(out))
             if source == sparse:
                 self._note(source, f"{name} (sparse)")
                 padding = bound.get("padding_idx") if op == "embedding" and bound else None
@@ -407,6 +418,9 @@ class Routes:
     masked_rows: tuple[frozenset[int], ...] = ()
     """Per selected tensor, :attr:`Usage.masked_rows` (an equal call selecting entries there is
     surveyed again)."""
+    chunk: int | None = None
+    """Directions per batched pass, where all of them would hold more than :data:`BATCHED`
+    elements in one output (None: all at once)."""
 
 
 def choose(
@@ -423,6 +437,10 @@ def choose(
     those tensors may share one sparse kernel (one dtype and device)."""
     usage = found.usage
     refusals = tuple(u.refusal for u in usage)
+    widest = max((u.widest for u in usage), default=0)
+    chunk = max(1, BATCHED // widest) if widest else None
+    if chunk is not None and chunk >= (sum(sizes) if joint else max(sizes, default=0)):
+        chunk = None
     eager_only = frozenset(i for i, u in enumerate(usage) if u.property_view is not None)
     masked_rows = tuple(frozenset(u.masked_rows) for u in usage)
     forward = FORWARD_AND_BACKWARD * _ns(found.forward)
@@ -465,6 +483,7 @@ def choose(
             refusals,
             eager_only,
             masked_rows,
+            chunk,
         )
         for start in range(len(eligible) if reverse else 1):
             members, rest = tuple(eligible[start:]), (*refused, *eligible[:start])
@@ -478,6 +497,7 @@ def choose(
                     refusals,
                     eager_only,
                     masked_rows,
+                    chunk,
                 )
         return best
     # blocks: dynamic programming over the loss's order; state: has the reverse route a member
@@ -505,4 +525,5 @@ def choose(
         refusals,
         eager_only,
         masked_rows,
+        chunk,
     )
