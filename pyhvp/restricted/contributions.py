@@ -42,12 +42,17 @@ class Contribution(NamedTuple):
     values: torch.Tensor
 
 
+DENSE_PLACED = 16
+"""Most positions of a placed dim for which directions may enter as a dense ``(k, *out)``
+matrix: its products cost that many times the elements ``index_add`` moves."""
+
+
 def inject(out: torch.Tensor, part: torch.Tensor, c: Contribution, batch: int) -> torch.Tensor:
     """``out + sum_p part[p] * tangent_p``. ``batch``: how many directions the Hessian pass
-    pushes at once. Placed tangents enter by ``index_add`` when ``batch`` is at most the placed
-    dim's size (its batched backward holds ``batch * k`` tangents of ``values``' size: no more
-    than ``batch`` of ``out``'s), else as a dense ``(k, *out.shape)`` matrix contracted with
-    ``part`` (a matrix product in every pass, no ``batch * k`` intermediate)."""
+    pushes at once. Placed tangents enter by ``index_add`` (its batched backward holds ``batch *
+    k`` tangents of ``values``' size), unless ``batch`` exceeds the placed dim's size and that is
+    at most :data:`DENSE_PLACED` (a convolution's few channels): then as a dense ``(k,
+    *out.shape)`` matrix contracted with ``part``, a matrix product in every pass."""
     z = part.to(out.dtype)
     values = c.values.to(out.dtype)
     k = values.shape[0]
@@ -55,7 +60,7 @@ def inject(out: torch.Tensor, part: torch.Tensor, c: Contribution, batch: int) -
         return out + torch.tensordot(z, values, 1)  # type: ignore[no-any-return]
     assert c.positions is not None
     size = out.shape[c.dim]
-    if batch <= size:
+    if batch <= size or size > DENSE_PLACED:
         scaled = values * z.view(k, *[1] * (values.ndim - 1))
         return out.index_add(c.dim, c.positions, scaled.movedim(0, c.dim))
     shape = [k] + [1] * out.ndim
