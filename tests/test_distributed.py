@@ -33,6 +33,7 @@ from dense import dense_sub_hessian
 from test_sub_hessian_routes import F64 as ROUTE_TOLERANCE
 from test_sub_hessian_routes import ROUTES, batch_loss, summed_dense
 from test_sub_hessian_routes import data_set as routes_data_set
+from test_sub_hessian_sparse_ops import lenet as small_lenet
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -439,9 +440,9 @@ SCENARIOS = {
 }
 
 
-def grouped_and_alone(loss, params, index, batches, joint=False):
+def grouped_and_alone(loss, params, index, batches, joint=False, method="auto"):
     """``sub_hessian`` over ``batches`` in a world of one and without a group."""
-    kwargs = {"data": batches, "joint": joint, "backend": EAGER}
+    kwargs = {"data": batches, "joint": joint, "backend": EAGER, "method": method}
     grouped = pyhvp.sub_hessian(loss, params, index, group=dist.group.WORLD, **kwargs)
     return grouped, pyhvp.sub_hessian(loss, params, index, **kwargs)
 
@@ -457,6 +458,18 @@ def two_dtypes():
     return loss, params, index, [torch.rand(2, 3), torch.rand(2, 3)]
 
 
+def conv_net():
+    """test_sub_hessian_sparse_ops' small LeNet over two batches: convolutions, pooling and
+    linear layers, every tensor selected."""
+    torch.manual_seed(6)
+    loss, params = pyhvp.module_loss(small_lenet().double(), nn.CrossEntropyLoss(reduction="sum"))
+    batches = [
+        (torch.rand(n, 1, 12, 12, dtype=torch.float64), torch.randint(0, 3, (n,))) for n in (3, 2)
+    ]
+    index = {name: torch.randint(0, p.numel(), (4,)) for name, p in params.items()}
+    return loss, params, index, batches
+
+
 def by_route(method, group):
     """test_sub_hessian_routes' data set summed over ``group`` by one route of sub_hessian."""
     params, batches, index = routes_data_set()
@@ -468,6 +481,7 @@ PLAYS = {
     "world of one": {
         "data set": lambda r, w, g: grouped_and_alone(*data_set()[:4], joint=True),
         "two dtypes": lambda r, w, g: grouped_and_alone(*two_dtypes()),
+        "conv net, sparse": lambda r, w, g: grouped_and_alone(*conv_net(), method="sparse"),
         "its own error": lambda r, w, g: pyhvp.sub_hessian(
             lambda p: 1 / 0, torch.zeros(2), torch.tensor([0]), group=g
         ),
@@ -550,6 +564,12 @@ def value(outcome):
 def test_a_world_of_one_gives_the_single_process_result(alone):
     grouped, single = value(alone["data set"])
     assert torch.equal(grouped, single)
+
+
+@pytest.mark.slow
+def test_a_conv_net_by_the_sparse_route_sums_over_the_group(alone):
+    grouped, single = value(alone["conv net, sparse"])
+    torch.testing.assert_close(grouped, single, rtol=0, atol=0)
 
 
 def test_blocks_of_two_dtypes_travel_together_and_keep_their_dtypes(alone):
