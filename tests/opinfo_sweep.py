@@ -104,12 +104,6 @@ NO_THIRD_ORDER = Refusal(
     "(a third derivative) is not available",
 )
 
-BEYOND_DENSE_FALLBACK = Refusal(
-    "no fourth-order rule, and the dense reverse-mode fallback's work (autograd's fourth "
-    "derivatives in every input) is over its limit for this sample",
-    "over the limit of its work",
-)
-
 # Ops refused on purpose, by OpInfo name ("name" or "name.variant"), on each torch release the
 # sweep runs on: each release has its own op database. Everything else must be exact.
 REFUSED_ON_2_13: dict[str, Refusal] = {
@@ -129,8 +123,22 @@ REFUSED_ON_2_13: dict[str, Refusal] = {
     "nn.functional.embedding": WRITES_X,
     **dict.fromkeys(["ormqr", "linalg.householder_product"], NO_THIRD_ORDER),
 }  # fmt: skip
-REFUSED_AT_FOURTH_ORDER_ON_2_13: dict[str, Refusal] = {}
-"""Ops refused at the fourth order only (their values and third order are exact)."""
+MATRIX_ABOVE_SECOND_ORDER = Refusal(
+    "no fourth-order rule for a matrix decomposition, and nested reverse mode through its "
+    "backward formulas outgrows memory beyond 2x2 matrices (a 3x3 svd at fourth order: over 3 GB)",
+    "carries matrix decompositions above second order",
+)
+REFUSED_AT_FOURTH_ORDER_ON_2_13: dict[str, Refusal] = dict.fromkeys(
+    ["cholesky", "cholesky_inverse", "lu", "matrix_exp", "qr", "svd", "svd_lowrank",
+     "pca_lowrank", "pinverse", "norm.nuc", "linalg.cholesky", "linalg.cholesky_ex",
+     "linalg.cond", "linalg.eigh", "linalg.eigvalsh", "linalg.lstsq",
+     "linalg.lstsq.grad_oriented", "linalg.qr", "linalg.lu_factor", "linalg.lu_factor_ex",
+     "linalg.lu", "linalg.lu_solve", "linalg.solve_triangular", "linalg.pinv",
+     "linalg.pinv.singular", "linalg.pinv.hermitian", "linalg.svd", "linalg.svdvals"],
+    MATRIX_ABOVE_SECOND_ORDER,
+)  # fmt: skip
+"""Ops refused at the fourth order only (their values and third order are exact): the 5x5 (and
+3x3, 2x3) matrices of their samples, 2026-12-03."""
 REFUSALS = {"2.13": REFUSED_ON_2_13, "2.14": REFUSED_ON_2_13}
 FOURTH_ORDER_REFUSALS = {
     "2.13": REFUSED_AT_FOURTH_ORDER_ON_2_13,

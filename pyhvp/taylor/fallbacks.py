@@ -474,7 +474,8 @@ MATRIX_OPS = frozenset(
         "linalg_inv_ex", "linalg_matrix_exp", "linalg_solve_triangular", "triangular_solve",
         "cholesky_solve", "cholesky_inverse", "linalg_householder_product",
         "linalg_ldl_factor_ex", "linalg_ldl_solve", "_linalg_det", "_linalg_slogdet",
-        "_linalg_solve_ex", "linalg_matrix_power", "geqrf", "linalg_pinv",
+        "_linalg_solve_ex", "linalg_matrix_power", "geqrf", "linalg_pinv", "linalg_lstsq",
+        "cholesky",
     }
 )  # fmt: skip
 """Ops on ``(*, m, n)`` matrices whose leading dims ``*`` are batch dims: each matrix is
