@@ -78,8 +78,12 @@ test-torch-%: .venv-torch-%/.installed
 sweep: setup
 	$(PY) tests/opinfo_sweep.py
 
+# torch-jet (bench_torch_jet's comparison) declares Python >= 3.12: the workplace's
+# install-torch-jet installs it on 3.10/3.11 where that script exists; elsewhere its rows skip
+INSTALL_TORCH_JET ?= ../shared/tools/install-torch-jet
 $(VENV)/.bench-installed: $(VENV)/.installed
 	$(PY) -m pip install --quiet -e ".[test,julia,bench]"
+	if [ -x "$(INSTALL_TORCH_JET)" ]; then "$(INSTALL_TORCH_JET)" $(VENV); fi
 	touch $@
 
 # every benchmark; tables and plots land in benchmarks/results/

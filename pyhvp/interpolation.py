@@ -17,8 +17,14 @@ rational arithmetic (:class:`fractions.Fraction`) gives the weights; each direct
 its smallest integer multiple (``D^k_{g v} = g^k D^k_v``), and directions shared by several terms
 are pushed once. A pure term ``d^k f / dx_i^k`` needs only ``e_i``.
 
->>> terms_of_order({(0, 0, 1, 1): 1.0}, 2)[(1, 1)]   # d^4 / dx0^2 dx1^2: (e0 + e1) among others
-Fraction(5, 96)
+>>> weights = terms_of_order({(0, 0, 1, 1): 1.0}, 2)  # d^4 / dx0^2 dx1^2
+>>> sorted(weights)
+[(0, 1), (1, 0), (1, 1), (1, 3), (3, 1)]
+
+On ``f = x0^2 x1^2``, where ``D^4_v f = 24 v0^2 v1^2``, they give ``d^4 f / dx0^2 dx1^2 = 4``:
+
+>>> sum(w * 24 * v[0] ** 2 * v[1] ** 2 for v, w in weights.items())
+Fraction(4, 1)
 """
 
 from __future__ import annotations

@@ -751,42 +751,12 @@ def _sums(
             if chosen is None:
                 chosen = _choose_routes(plan, backend, batch_values, spec, method)
             try:
-                parts = [
-                    (
-                        group,
-                        _sparse_pass(
-                            plan,
-                            group,
-                            coords,
-                            batch_values,
-                            spec,
-                            chunk_size or chosen.chunk,
-                            backend,
-                            chosen.eager_only,
-                        ),
-                    )
-                    for group in chosen.groups
-                ]
+                parts = _sparse_parts(plan, chosen, coords, batch_values, spec, chunk_size, backend)
             except NotSparse as error:  # this batch uses a tensor differently
                 if method == "sparse":
                     raise ValueError(f"method='sparse' does not apply: {error}") from None
                 chosen = _choose_routes(plan, backend, batch_values, spec, method, fresh=True)
-                parts = [
-                    (
-                        group,
-                        _sparse_pass(
-                            plan,
-                            group,
-                            coords,
-                            batch_values,
-                            spec,
-                            chunk_size or chosen.chunk,
-                            backend,
-                            chosen.eager_only,
-                        ),
-                    )
-                    for group in chosen.groups
-                ]
+                parts = _sparse_parts(plan, chosen, coords, batch_values, spec, chunk_size, backend)
             _log_routes(plan, chosen)
             for group, block in parts:
                 starts = list(accumulate([0, *(sizes[i] for i in group)]))
@@ -811,6 +781,23 @@ def _sums(
     if total is not None:
         return [total]
     return blocks
+
+
+def _sparse_parts(
+    plan: _Plan,
+    chosen: routes.Routes,
+    coords: list[torch.Tensor | None],
+    batch_values: list[Any],
+    spec: Any,
+    chunk_size: int | None,
+    backend: TorchBackend,
+) -> list[tuple[Sequence[int], torch.Tensor]]:
+    """Each sparse group of ``chosen`` with its block from :func:`_sparse_pass`."""
+    return [
+        (group, _sparse_pass(plan, group, coords, batch_values, spec, chunk_size or chosen.chunk,
+                             backend, chosen.eager_only))
+        for group in chosen.groups
+    ]  # fmt: skip
 
 
 def _sparse_pass(

@@ -337,22 +337,11 @@ def _higher_order_fallback(ctx: Context, op: Callable[..., Any], args: tuple[Any
         flat.append(instances(expanded(lifted(c, jet.value.ndim), jet.value.shape), 1))
 
     def one(values: list[Tensor], flat: list[Tensor]) -> tuple[tuple[Tensor, ...], ...]:
-        fixed = [value_of(leaf) for leaf in leaves]
-        for i, v in zip(tensors, values, strict=True):
-            fixed[i] = v
-
-        def fn(*primals: Tensor) -> tuple[Tensor, ...]:
-            current = list(fixed)
-            for i, v in zip(jets, primals, strict=True):
-                current[i] = v
-            a, kw = pytree.tree_unflatten(current, spec)
-            results = pytree.tree_leaves(op(*a, **kw))
-            return tuple(results[i] for i in smooth)
-
+        fn, primals = _in_jets(op, leaves, spec, tensors, values, jets, smooth)
         coefficients: list[list[Tensor | None]] = [[None] * ctx.order for _ in jets]
         for (n, k), c in zip(present, flat, strict=True):
             coefficients[n][k] = c
-        return _dense_taylor(ctx, fn, tuple(fixed[i] for i in jets), coefficients)
+        return _dense_taylor(ctx, fn, primals, coefficients)
 
     try:
         if nb:
@@ -482,6 +471,27 @@ MATRIX_OPS = frozenset(
 computed alone (PyTorch's documented convention for torch.linalg)."""
 
 
+def _in_jets(op: Callable[..., Any], leaves: list[Any], spec: pytree.TreeSpec,
+             tensors: list[int], values: list[Tensor], jets: list[int], smooth: list[int],
+             ) -> tuple[Callable[..., tuple[Tensor, ...]], tuple[Tensor, ...]]:  # fmt: skip
+    """``op`` as a function of its jet arguments alone, its tensor arguments (``leaves[i]`` for
+    ``i`` in ``tensors``) set to ``values`` (one instance's), returning its ``smooth`` outputs;
+    and the jet arguments' values, where the reverse fallbacks differentiate it."""
+    fixed = [value_of(leaf) for leaf in leaves]
+    for i, v in zip(tensors, values, strict=True):
+        fixed[i] = v
+
+    def fn(*primals: Tensor) -> tuple[Tensor, ...]:
+        current = list(fixed)
+        for i, v in zip(jets, primals, strict=True):
+            current[i] = v
+        a, kw = pytree.tree_unflatten(current, spec)
+        results = pytree.tree_leaves(op(*a, **kw))
+        return tuple(results[i] for i in smooth)
+
+    return fn, tuple(fixed[i] for i in jets)
+
+
 def _matrix_batch(op: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                   outputs: list[Tensor]) -> tuple[int, ...]:  # fmt: skip
     """The batch dims over which the reverse-mode fallback may run one matrix at a time: the
@@ -516,19 +526,7 @@ def _reverse_per_instance(ctx: Context, op: Callable[..., Any], args: tuple[Any,
     def one(
         values: list[Tensor], t1: list[Tensor], t2: list[Tensor] | None
     ) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
-        fixed = [value_of(leaf) for leaf in leaves]
-        for i, v in zip(tensors, values, strict=True):
-            fixed[i] = v
-
-        def fn(*primals: Tensor) -> tuple[Tensor, ...]:
-            current = list(fixed)
-            for i, v in zip(jets, primals, strict=True):
-                current[i] = v
-            a, k = pytree.tree_unflatten(current, spec)
-            flat = pytree.tree_leaves(op(*a, **k))
-            return tuple(flat[i] for i in smooth)
-
-        primals = tuple(fixed[i] for i in jets)
+        fn, primals = _in_jets(op, leaves, spec, tensors, values, jets, smooth)
         first, second = _reverse_coefficients(ctx, fn, primals, t1, t2)
         return tuple(first), tuple(second)
 
