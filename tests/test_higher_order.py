@@ -128,6 +128,22 @@ def test_directional_derivatives_match_nested_autograd(name, order, device):
     torch.testing.assert_close(got.cpu(), expected, **tolerance(order))
 
 
+def test_eighth_order_coefficients_match_closed_forms(device):
+    """d^k/dt^k of exp(a.x) sin(b.x) along v, k = 0..8: Im((a.v + i b.v)^k e^{a.x + i b.x})."""
+    x = point(device)
+    a, b = (
+        torch.linspace(-1, 1, x.shape[-1], dtype=x.dtype, device=device) * s for s in (0.7, 1.3)
+    )
+    v = torch.randn(x.shape, generator=torch.Generator().manual_seed(5), dtype=x.dtype).to(device)
+    got = pyhvp.directional_derivatives(
+        lambda y: torch.exp(y @ a) * torch.sin(y @ b), x, v, order=8, backend=EAGER
+    )
+    rate = torch.complex(v @ a, v @ b)
+    expected = torch.stack([(rate**k * torch.exp(torch.complex(x @ a, x @ b))).imag
+                            for k in range(9)])  # fmt: skip
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+
+
 def test_a_shared_direction_is_each_instance_s_direction(device):
     x = point(device)
     v = torch.tensor([1.0, 0, 0, 0, 0, 0], dtype=x.dtype, device=device)  # u_xxxx
