@@ -292,6 +292,7 @@ def test_expected_compile_cost_is_the_median_of_measured_compiles():
     assert cache.expected_compile_seconds() == 3.0
 
 
+@pytest.mark.slow  # a spawned interpreter
 def test_a_short_script_under_auto_never_loads_the_compiler():
     """Ten quick calls stay eager and never import inductor's compiler (importing it alone takes
     seconds; some torch releases import the package torch._inductor itself with torch)."""

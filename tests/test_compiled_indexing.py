@@ -131,6 +131,7 @@ def test_the_pass_copies_only_destinations_that_overlap_themselves():
     assert (clones(overlapping), clones(dense)) == (before[0] + 1, before[1])
 
 
+@pytest.mark.slow  # a compiled kernel and its compiled backward
 def test_compiled_laplacian_gradients_in_captured_weights_equal_the_dense_ones(device):
     """A PINN-style step: the compiled kernel's backward (AOTAutograd) carries the same writes."""
     w = torch.randn(4, dtype=torch.float64, device=device, requires_grad=True)
