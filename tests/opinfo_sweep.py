@@ -104,6 +104,12 @@ NO_THIRD_ORDER = Refusal(
     "(a third derivative) is not available",
 )
 
+BEYOND_DENSE_FALLBACK = Refusal(
+    "no fourth-order rule, and the dense reverse-mode fallback's work (autograd's fourth "
+    "derivatives in all 25 inputs of a 5x5 matrix function) is over its limit",
+    "over the limit of its work",
+)
+
 # Ops refused on purpose, by OpInfo name ("name" or "name.variant"), on each torch release the
 # sweep runs on: each release has its own op database. Everything else must be exact.
 REFUSED_ON_2_13: dict[str, Refusal] = {
@@ -142,11 +148,13 @@ REFUSED_AT_FOURTH_ORDER_ON_2_13: dict[str, Refusal] = dict.fromkeys(
 REFUSALS = {"2.13": REFUSED_ON_2_13, "2.14": REFUSED_ON_2_13}
 FOURTH_ORDER_REFUSALS = {
     "2.13": REFUSED_AT_FOURTH_ORDER_ON_2_13,
-    "2.14": {op: r for op, r in REFUSED_AT_FOURTH_ORDER_ON_2_13.items()
-             if op not in ("cholesky", "qr")},
+    "2.14": {**{op: r for op, r in REFUSED_AT_FOURTH_ORDER_ON_2_13.items()
+                if op not in ("cholesky", "qr")},
+             **dict.fromkeys(["linalg.matrix_sqrth", "linalg.polar"], BEYOND_DENSE_FALLBACK)},
 }  # fmt: skip
 """2.14.1's database has four ops 2.13's lacks (cdist, pdist, linalg.matrix_sqrth, linalg.polar:
-all exact) and lacks two (cholesky, qr); the engine refuses the same ops on both (2026-12-03)."""
+all exact to third order; the two matrix functions refused at fourth order) and lacks two
+(cholesky, qr); the engine refuses the same ops on both otherwise (2026-12-03)."""
 RELEASE = ".".join(torch.__version__.split(".")[:2])
 REFUSED_OPS: dict[str, Refusal] | None = REFUSALS.get(RELEASE)
 REFUSED_AT_FOURTH_ORDER: dict[str, Refusal] | None = FOURTH_ORDER_REFUSALS.get(RELEASE)

@@ -144,6 +144,17 @@ def test_eighth_order_coefficients_match_closed_forms(device):
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
 
 
+def test_an_op_without_a_rule_and_with_an_empty_output_adds_nothing(device):
+    """``pdist`` of one row is empty: the fallback above second order has nothing to
+    differentiate (it refused before: autograd's nested derivatives cannot reshape 0 entries)."""
+    x = point(device)
+    v = torch.randn(x.shape, generator=torch.Generator().manual_seed(7), dtype=x.dtype).to(device)
+    got = pyhvp.directional_derivatives(
+        lambda y: (y**4).sum(-1) + torch.pdist(y[:1]).sum(), x, v, order=4, backend=EAGER
+    )
+    torch.testing.assert_close(got[4], 24 * (v**4).sum(-1))
+
+
 def test_a_shared_direction_is_each_instance_s_direction(device):
     x = point(device)
     v = torch.tensor([1.0, 0, 0, 0, 0, 0], dtype=x.dtype, device=device)  # u_xxxx

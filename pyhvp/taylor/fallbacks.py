@@ -301,6 +301,8 @@ def _higher_order_fallback(ctx: Context, op: Callable[..., Any], args: tuple[Any
             f"nested {ctx.order} times, grow beyond what a kernel can hold). Register a rule "
             f"for it (pyhvp.register_jet_rule), or write f without it"
         )
+    if all(outputs[i].numel() == 0 for i in smooth):  # no entries, no derivatives to take
+        return out
     sizes_in = sum(value_of(leaves[i]).numel() for i in jets) // max(count, 1)
     sizes_out = sum(outputs[i].numel() for i in smooth) // max(count, 1)
     if _packet_name(op) in MATRIX_OPS and sizes_in > LARGEST_MATRIX_ABOVE_SECOND_ORDER:
