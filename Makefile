@@ -7,10 +7,11 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
-# XDIST="-n 2 --dist loadgroup" runs pytest on 2 workers (pytest-xdist; the specs of one
-# xdist_group share a worker). Off by default: on a busy 2-core machine it was slower than one
-# process (the fast tier: 1,660 s against 1,130 s, 2026-12-03).
-XDIST ?=
+# pytest runs on 2 workers (pytest-xdist; the specs of one xdist_group share a worker): on a
+# quiet 2-core machine the fast tier took 414 s against 749 s in one process, from a fresh clone
+# (2026-12-03; on a machine busy with other jobs it was slower, 1,660 s against 1,130 s).
+# XDIST= runs one process.
+XDIST ?= -n 2 --dist loadgroup
 
 .PHONY: setup example test test-all lint test-torch-range typecheck docs bench sweep
 .PRECIOUS: .venv-torch-%/.installed

@@ -368,16 +368,9 @@ def _dense_taylor(ctx: Context, fn: Callable[..., tuple[Tensor, ...]],
     """Per order, per output of ``fn``: its Taylor coefficients from the dense derivative
     tensors of ``fn`` (inputs and outputs packed into one vector each) and the inputs'
     coefficients (full-shaped, ``(lead, *input)``)."""
-    outputs = fn(*primals)
-    sizes = [p.numel() for p in primals]
-    ins, outs = _spans(sizes), _spans([o.numel() for o in outputs])
-
-    def packed(flat: Tensor) -> Tensor:
-        values = (flat[i].reshape(p.shape).to(p.dtype) for i, p in zip(ins, primals, strict=True))
-        return torch.cat([o.reshape(-1) for o in fn(*values)])
-
-    flat = torch.cat([p.reshape(-1) for p in primals])
-    derivatives, derivative = [], cast(Callable[[Tensor], Tensor], packed)
+    outputs, sizes = fn(*primals), [p.numel() for p in primals]
+    packed, flat, _, outs = _packed(fn, primals, outputs)
+    derivatives, derivative = [], packed
     for _ in range(ctx.order):
         derivative = cast(Callable[[Tensor], Tensor], jacrev(derivative))
         derivatives.append(derivative(flat))  # (outputs, inputs, ..., inputs)
@@ -550,17 +543,8 @@ def _reverse_coefficients(ctx: Context, fn: Callable[..., tuple[Tensor, ...]],
                           seconds: list[Tensor] | None,
                           ) -> tuple[list[Tensor], list[Tensor]]:  # fmt: skip
     """From the op's dense Jacobian and Hessian (reverse over reverse), inputs flattened."""
-    outputs = fn(*primals)
-    sizes = [p.numel() for p in primals]
-    # inputs and outputs packed into one vector each: jacrev of several inputs or outputs builds
-    # its basis with tensor-valued offsets, which make_fx cannot trace before torch 2.6
-    ins, outs = _spans(sizes), _spans([o.numel() for o in outputs])
-
-    def packed(flat: Tensor) -> Tensor:
-        values = (flat[i].reshape(p.shape).to(p.dtype) for i, p in zip(ins, primals, strict=True))
-        return torch.cat([o.reshape(-1) for o in fn(*values)])
-
-    flat = torch.cat([p.reshape(-1) for p in primals])
+    outputs, sizes = fn(*primals), [p.numel() for p in primals]
+    packed, flat, ins, outs = _packed(fn, primals, outputs)
     whole_jacobian = jacrev(packed)(flat)  # (outputs, inputs)
     whole_hessian = jacrev(jacrev(packed))(flat)  # (outputs, inputs, inputs)
     jacobian = [[whole_jacobian[o, i] for i in ins] for o in outs]  # [output][input]
@@ -661,6 +645,22 @@ def _moving(firsts: list[Tensor], seconds: list[Tensor] | None, sizes: list[int]
     moving = [c | s.reshape(s.shape[0], n).ne(0).any(0)
               for c, s, n in zip(curving, seconds, sizes, strict=True)]  # fmt: skip
     return list(moving), list(curving)
+
+
+def _packed(fn: Callable[..., tuple[Tensor, ...]], primals: tuple[Tensor, ...],
+            outputs: tuple[Tensor, ...],
+            ) -> tuple[Callable[[Tensor], Tensor], Tensor, list[slice], list[slice]]:  # fmt: skip
+    """``fn`` (giving ``outputs`` at ``primals``) as a function of one vector of all its inputs
+    to one vector of all its outputs (jacrev of several inputs or outputs builds its basis with
+    tensor-valued offsets, which make_fx cannot trace before torch 2.6); the primals packed;
+    each input's and output's span in those vectors."""
+    ins, outs = _spans([p.numel() for p in primals]), _spans([o.numel() for o in outputs])
+
+    def packed(flat: Tensor) -> Tensor:
+        values = (flat[i].reshape(p.shape).to(p.dtype) for i, p in zip(ins, primals, strict=True))
+        return torch.cat([o.reshape(-1) for o in fn(*values)])
+
+    return packed, torch.cat([p.reshape(-1) for p in primals]), ins, outs
 
 
 def _spans(sizes: list[int]) -> list[slice]:
