@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -103,6 +104,25 @@ def interleaved_ms(
     finally:
         gc.unfreeze()
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def peak_bytes(fn: Callable[[], object], device: str) -> int:
+    """The most bytes held at once by tensors allocated while ``fn()`` runs."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    held = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        held += event.nbytes()
+        peak = max(peak, held)
+    return peak
 
 
 def format_table(title: str, rows: Sequence[tuple[str, float]], baseline: str) -> str:

@@ -12,13 +12,20 @@ Every figure comes from a fresh Python process with an EMPTY inductor cache (its
    always-compiled and always-eager for the plot of total time against calls (the ski-rental
    picture).
 
-Usage: python benchmarks/bench_compile_policy.py   (CPU; takes about 4 minutes)
+3. The stall, step by step: a PINN training loop (2-D Poisson residual, tanh MLP 2-64-64-1,
+   Adam) calling ``pyhvp.laplacian`` at B = 4096 under the default ``compile="auto"``, timed per
+   step until 30 steps after the compile: the first step (recording, tracing), the steps over
+   1 s (the compile) with what pyhvp logged before them, and the median step before and after.
+
+Usage: python benchmarks/bench_compile_policy.py [short] [long] [stall]   (CPU; all three, saved
+to results/, take about 7 minutes; named sections are printed only)
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -51,15 +58,55 @@ print(json.dumps({"stamps": stamps, "double_backward": sorted(reference)[3]}))
 """
 
 
+PINN_CHILD = r"""
+import json, logging, sys, time
+import torch, pyhvp
+torch.set_num_threads(1)
+seconds, B = float(sys.argv[1]), int(sys.argv[2])
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(2, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64),
+                          torch.nn.Tanh(), torch.nn.Linear(64, 1))
+optimizer = torch.optim.Adam(net.parameters(), lr=1e-3)
+x = torch.rand(B, 2)
+source = -2 * torch.pi**2 * torch.sin(torch.pi * x[:, 0]) * torch.sin(torch.pi * x[:, 1])
+logged, begin = [], time.perf_counter()
+class Noted(logging.Handler):  # what pyhvp logs, and when (it prints to stderr as well)
+    def emit(self, record):
+        logged.append((time.perf_counter() - begin, record.levelname, record.getMessage()))
+        print(record.getMessage(), file=sys.stderr)
+logging.getLogger("pyhvp").addHandler(Noted())
+stamps, after_stall = [], None
+while time.perf_counter() - begin < seconds and (after_stall is None or after_stall < 30):
+    t0 = time.perf_counter()
+    optimizer.zero_grad()
+    loss = ((pyhvp.laplacian(lambda y: net(y)[..., 0], x) - source) ** 2).mean()
+    loss.backward()
+    optimizer.step()
+    took = time.perf_counter() - t0
+    stamps.append((t0 - begin, took))
+    if len(stamps) > 1 and took > 1.0:
+        after_stall = 0
+    elif after_stall is not None:
+        after_stall += 1
+print(json.dumps({"stamps": stamps, "logged": logged}))
+"""
+
+
 def run_child(mode: str, n: float, calls: int, seconds: float) -> dict:
+    return run_fresh(CHILD, [mode, str(n), str(calls), str(seconds)], seconds + 300)
+
+
+def run_fresh(child: str, arguments: list[str], timeout: float) -> dict:
+    """``child``'s JSON (its last line of output), run in a fresh process with an empty
+    inductor cache and one thread."""
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "OMP_NUM_THREADS": "1"}
         done = subprocess.run(
-            [sys.executable, "-c", CHILD, mode, str(n), str(calls), str(seconds)],
+            [sys.executable, "-c", child, *arguments],
             capture_output=True,
             text=True,
             env=env,
-            timeout=seconds + 300,
+            timeout=timeout,
             check=True,
         )
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -105,14 +152,47 @@ def long_loop(report: Report) -> None:
         report.text(f"  {name}: {len(stamps)} calls, {total:.1f} s in all")
 
 
+def stall_timeline(report: Report) -> None:
+    announce(
+        "PINN loop, laplacian at B = 4096, compile='auto', fresh process: steps around the compile"
+    )
+    run = run_fresh(PINN_CHILD, ["600", "4096"], 900)
+    stamps = run["stamps"]
+    stalls = [(i, start, took) for i, (start, took) in enumerate(stamps) if i and took > 1.0]
+    report.text(
+        f"\nPINN loop (2-D Poisson, MLP 2-64-64-1, B = 4096), compile='auto', fresh process, "
+        f"empty inductor cache: {len(stamps)} steps; first step {stamps[0][1]:.2f} s (recording, "
+        f"tracing)"
+    )
+    for i, start, took in stalls:
+        said = [f"{t:.1f} s: {level} {message[:100]}..." for t, level, message in run["logged"]
+                if t <= start + 0.5]  # fmt: skip
+        report.text(
+            f"  step {i} at {start:.1f} s took {took:.1f} s; logged before it: "
+            + ("; ".join(said) if said else "nothing")
+        )
+    if stalls:
+        first = stalls[0][0]
+        before = statistics.median(took for _, took in stamps[1:first])
+        after = statistics.median(took for _, took in stamps[stalls[-1][0] + 1 :])
+        report.text(
+            f"  median step before the compile {before * 1e3:.1f} ms, after {after * 1e3:.1f} ms"
+        )
+
+
 def main() -> None:
     import torch
 
     torch.set_num_threads(1)  # as in the child processes, so the report's header says so
     report = Report("bench_compile_policy", "cpu")
-    short_script(report)
-    long_loop(report)
-    report.save()
+    chosen = sys.argv[1:] or list(SECTIONS)
+    for name in chosen:
+        SECTIONS[name](report)
+    if chosen == list(SECTIONS):  # results/ holds whole runs only
+        report.save()
+
+
+SECTIONS = {"short": short_script, "long": long_loop, "stall": stall_timeline}
 
 
 if __name__ == "__main__":

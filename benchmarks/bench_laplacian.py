@@ -351,7 +351,7 @@ def per_call(report):
     f = checked(problem.f, space.batch)
     directions = space.directions(space.basis())
     capture = taylor.capture(f, problem.x, ())
-    kernel = capture.kernel(True, problem.x, directions)
+    kernel = capture.kernel(taylor.JetMode(2, True, (0, 1, 2)), problem.x, directions)
     compiled_kernel = torch.compile(kernel, dynamic=False)
     inputs = (problem.x, directions, *capture.constants)
     exact = pyhvp.laplacian(problem.f, problem.x, backend=backends["eager"])

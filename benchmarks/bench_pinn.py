@@ -24,8 +24,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from _timing import Report, announce, interleaved_ms
-from torch.profiler import ProfilerActivity, profile
+from _timing import Report, announce, interleaved_ms, peak_bytes
 
 import pyhvp
 from pyhvp.backends import torch as torch_backend
@@ -104,25 +103,6 @@ def settle_auto(net: torch.nn.Module, x: torch.Tensor, source: torch.Tensor) -> 
         if entry.failed or entry.declined or (entry.compiled and not entry.on_trial()):
             break
     return time.perf_counter() - start
-
-
-def peak_bytes(fn: Callable[[], object], device: str) -> int:
-    """The most bytes held at once by tensors allocated while ``fn()`` runs."""
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        fn()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - before
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    held = peak = 0
-    for event in sorted(events, key=lambda e: e.start_ns()):
-        held += event.nbytes()
-        peak = max(peak, held)
-    return peak
 
 
 def timed(

@@ -16,6 +16,8 @@ pyhvp.check_instances(f, x, mu)                           # raises if instances 
 net = nn.Sequential(nn.Linear(3, 64), nn.Tanh(), nn.Linear(64, 2))
 d = pyhvp.hessian_diagonal(net, x)                        # (1000, 2, 3)
 lap = pyhvp.laplacian(net, x)                             # (1000, 2), differentiable in net
+bil = pyhvp.bilaplacian(net, x)                           # (1000, 2): fourth-order Taylor mode
+u_xxxx = pyhvp.directional_derivatives(net, x, torch.tensor([1.0, 0, 0]), order=4)[4]
 
 # a 3 x 3 block of a loss's Hessian over selected weights
 loss, params = pyhvp.module_loss(net, nn.MSELoss(), x, torch.zeros(1000, 2))
@@ -24,4 +26,4 @@ H = pyhvp.sub_hessian(loss, params, {"0.weight": torch.tensor([0, 5, 7])})["0.we
 # a Kronecker-factored curvature proxy from gradients alone
 kron = pyhvp.KroneckerHVP(beta=0.99)
 hv_proxy = kron(torch.randn(8, 4, 5), torch.randn(8, 4, 5))   # update(grad), then apply(v)
-print(g.shape, hv.shape, d.shape, lap.shape, H.shape, hv_proxy.shape)
+print(g.shape, hv.shape, d.shape, lap.shape, bil.shape, u_xxxx.shape, H.shape, hv_proxy.shape)

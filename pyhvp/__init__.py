@@ -6,7 +6,10 @@ Public names only; each operator lives in its own module.
 from pyhvp.backends import Backend, BackendUnavailableError, available_backends
 from pyhvp.backends.julia import JuliaBackendError, JuliaFunction, julia_function
 from pyhvp.backends.torch import TorchBackend
+from pyhvp.bilaplacian import bilaplacian
 from pyhvp.diagonal import hessian_diagonal
+from pyhvp.differential_operator import differential_operator
+from pyhvp.directional import directional_derivatives
 from pyhvp.hvp import grad_and_hvp, hvp
 from pyhvp.instances import InstanceCouplingError, PerInstance, check_instances, per_instance
 from pyhvp.kronecker import KroneckerHVP
@@ -26,7 +29,10 @@ __all__ = [
     "TorchBackend",
     "UnsupportedOpError",
     "available_backends",
+    "bilaplacian",
     "check_instances",
+    "differential_operator",
+    "directional_derivatives",
     "grad_and_hvp",
     "grad_and_laplacian",
     "hessian_diagonal",

@@ -92,16 +92,47 @@ def check_tangents(name: str, v: object, x: torch.Tensor) -> tuple[torch.Tensor,
     return tangents, single
 
 
+NOT_A_TENSOR_HINTS = {
+    "ndarray": "pyhvp differentiates f through torch operations: write it with torch functions "
+    "on x (torch.sin, not np.sin); NumPy cannot be differentiated",
+}
+"""What to do instead, by the type name of a function's output that is not a tensor."""
+
+
+def require_output_tensor(what: str, out: object) -> torch.Tensor:
+    """``out`` must be a real floating tensor; ``what`` names the function (``f``, ``loss``)."""
+    if not isinstance(out, torch.Tensor):
+        name = type(out).__name__
+        hint = NOT_A_TENSOR_HINTS.get(name)
+        raise TypeError(
+            f"{what} must return a torch.Tensor, got {name}" + (f": {hint}" if hint else "")
+        )
+    if not out.is_floating_point():
+        raise TypeError(f"{what} must return a real floating tensor, got {out.dtype}")
+    return out
+
+
+def trailing_one_hint(what: str, got: Sequence[int], expected: Sequence[int]) -> str:
+    """How to drop a trailing dim of size 1 (a network ending in ``Linear(..., 1)``) when
+    ``got`` is ``expected`` with one more such dim, else ``""``."""
+    if tuple(got) != (*expected, 1):
+        return ""
+    if what == "f":
+        return (
+            "; f keeps a trailing dim of size 1 (an nn.Module ending in Linear(..., 1)?): pass "
+            "lambda x: net(x)[..., 0] or lambda x: net(x).squeeze(-1)"
+        )
+    return f"; {what} keeps a trailing dim of size 1: return its [..., 0] or .squeeze(-1)"
+
+
 def check_output(what: str, out: object, expected: Sequence[int], hint: str) -> None:
     """``out`` must be a real floating tensor of shape ``expected``; ``hint`` says what the
     shape means."""
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"{what} must return a torch.Tensor, got {type(out).__name__}")
-    if not out.is_floating_point():
-        raise TypeError(f"{what} must return a real floating tensor, got {out.dtype}")
+    out = require_output_tensor(what, out)
     if tuple(out.shape) != tuple(expected):
         raise ValueError(
-            f"{what} must return shape {fmt_shape(expected)} ({hint}), got {fmt_shape(out.shape)}"
+            f"{what} must return shape {fmt_shape(expected)} ({hint}), got "
+            f"{fmt_shape(out.shape)}{trailing_one_hint(what, out.shape, expected)}"
         )
 
 
@@ -110,10 +141,7 @@ def check_batched_output(
 ) -> torch.Tensor:
     """``f``'s output: a real floating tensor of shape ``batch + out_shape``; with
     ``scalar_hint`` (why, and what to do instead), ``out_shape`` must be ``()``."""
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"f must return a torch.Tensor, got {type(out).__name__}")
-    if not out.is_floating_point():
-        raise TypeError(f"f must return a real floating tensor, got {out.dtype}")
+    out = require_output_tensor("f", out)
     batch = tuple(batch)
     if tuple(out.shape[: len(batch)]) != batch:
         raise ValueError(
@@ -124,6 +152,7 @@ def check_batched_output(
         raise ValueError(
             f"{scalar_hint}: f must return one scalar per instance (shape {fmt_shape(batch)}); "
             f"f returns out_shape {fmt_shape(out.shape[len(batch) :])} per instance"
+            + trailing_one_hint("f", out.shape, batch)
         )
     return out
 

@@ -20,12 +20,13 @@ EXACT = "exact"
 HUTCHINSON = "hutchinson"
 
 
-def check_method(method: object, samples: object, generator: object, sketched: str) -> int:
-    """``method`` is ``"exact"``, ``"hutchinson"`` or the operator's sketched estimator
-    (``"hutch++"``, ``"diag++"``); ``samples`` (Hessian-vector products or probes, >= 3 for the
-    sketch) and ``generator`` go with the estimators only. Returns ``samples`` (0 for
+def check_method(method: object, samples: object, generator: object,
+                 sketched: str | None = None) -> int:  # fmt: skip
+    """``method`` is ``"exact"``, ``"hutchinson"`` or the operator's sketched estimator, if it
+    has one (``"hutch++"``, ``"diag++"``); ``samples`` (Hessian-vector products or probes, >= 3
+    for the sketch) and ``generator`` go with the estimators only. Returns ``samples`` (0 for
     ``"exact"``, which takes none)."""
-    methods = (EXACT, HUTCHINSON, sketched)
+    methods = (EXACT, HUTCHINSON) if sketched is None else (EXACT, HUTCHINSON, sketched)
     if method not in methods:
         raise ValueError(f"method must be one of {list(methods)}, got {method!r}")
     if generator is not None and not isinstance(generator, torch.Generator):

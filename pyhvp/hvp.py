@@ -19,11 +19,13 @@ from pyhvp._checks import (
     check_tangents,
     require_floating,
 )
+from pyhvp._user_errors import user_errors
 from pyhvp.backends import Backend, resolve_backend
 
 BatchedFunction = Callable[..., torch.Tensor]
 
 
+@user_errors
 def grad_and_hvp(
     f: BatchedFunction,
     x: torch.Tensor,

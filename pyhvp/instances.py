@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TypeVar
 
 import torch
@@ -24,6 +25,7 @@ from pyhvp._checks import (
     per_arg_event_dims,
     require_floating,
 )
+from pyhvp._user_errors import user_errors
 
 Out = TypeVar("Out")
 """What a per-instance function returns (a tensor or a tuple of tensors); batched alike."""
@@ -131,6 +133,7 @@ class InstanceCouplingError(ValueError):
     """``f``'s value for one instance depends on another instance's variables."""
 
 
+@user_errors
 def check_instances(
     f: Callable[..., torch.Tensor],
     x: torch.Tensor,
@@ -143,13 +146,24 @@ def check_instances(
     Every per-instance operator of pyhvp assumes instance ``b`` of ``f`` reads only ``x[b]``;
     the shape check they make cannot see a violation (``x - x.mean(0)``, a batch norm in training
     mode, ``f(x).sum().expand(B)``), which gives silently wrong per-instance results. This check
-    is opt-in (call it once per function and layout) and exact up to rounding: one forward and
-    ``2 * ceil(log2 B)`` reverse passes. Pass ``p`` puts random positive cotangents on the
-    instances whose flat index has bit ``p`` equal to 0 (then 1); a non-zero gradient at an
-    instance outside that set means a receiver reads it, and any two instances differ in some
-    bit, so every dependence between two instances is seen. The message names one instance
-    that leaked into another, verified by one more reverse pass. ``f`` may return any
-    ``batch_shape + out_shape``; args are held constant; ``f`` is evaluated once.
+    is opt-in (call it once per function and layout), in two parts:
+
+    * **through derivatives**, exact up to rounding: one forward and ``2 * ceil(log2 B)`` reverse
+      passes. Pass ``p`` puts random positive cotangents on the instances whose flat index has
+      bit ``p`` equal to 0 (then 1); a non-zero gradient at an instance outside that set means a
+      receiver reads it, and any two instances differ in some bit, so every dependence between
+      two instances is seen;
+    * **through values that carry no derivative** (``x - x.mean(0).detach()``, a statistic taken
+      under ``torch.no_grad()`` or through ``.item()``), which no derivative shows: ``f`` is run
+      again, ``2 * ceil(log2 B) + 2`` forwards from the random state of the first, with the
+      instances of each such set moved, and an output outside the set that changes beyond
+      rounding is a coupling. pyhvp's operators treat such a value as a constant, as autograd
+      does, so their results are the derivatives of ``f`` with the value frozen at this batch.
+      Skipped when ``f`` is not deterministic (two runs from one random state differ: a
+      generator of its own); ``f``'s side effects (Python state it changes) happen once per run.
+
+    The message names one instance that leaked into another, verified by one more pass. ``f``
+    may return any ``batch_shape + out_shape``; args are held constant.
 
     >>> check_instances(lambda x: (x**2).sum(-1), torch.randn(5, 3))      # independent: passes
     >>> check_instances(lambda x: ((x - x.mean(0)) ** 2).sum(-1), torch.randn(5, 3))  # doctest: +ELLIPSIS
@@ -166,67 +180,157 @@ def check_instances(
             f"generator must be a torch.Generator or None, got {type(generator).__name__}"
         )
     batch_shape = x.shape[: x.ndim - event_dims]
-    n_instances = math.prod(batch_shape)
-    if n_instances < 2:
+    if math.prod(batch_shape) < 2:
         return
     with torch.inference_mode(False), torch.enable_grad():  # also inside inference mode
         y = x.clone() if x.is_inference() else x.detach()
-        y.requires_grad_()
-        out = check_batched_output(f(y, *args), batch_shape)
-        if not out.requires_grad:  # constant in x: nothing can leak
-            return
-        per_instance_out = out.reshape(n_instances, -1)
-        flat_index = torch.arange(n_instances, device=x.device)
+        run = _Runs(f, y, args, batch_shape, generator)
+        message = _leak_through_derivatives(run)
+        if message is not None:
+            raise InstanceCouplingError(
+                f"{message}. pyhvp's per-instance operators assume f(x)[b] depends only on x[b] "
+                f"(the last event_dims={event_dims} dims of x are one instance): mean-centring "
+                f"over the batch, batch norm in training mode or a sum over instances break that"
+            )
+        message = _leak_through_values(run)
+    if message is not None:
+        raise InstanceCouplingError(
+            f"{message}, through a value that carries no derivative (a detach, torch.no_grad() "
+            f"or .item() over the batch: x.mean(0).detach(), say). pyhvp's operators treat that "
+            f"value as a constant, as autograd does: their per-instance results are the "
+            f"derivatives of f with it frozen at this batch. Compute it from each instance alone, "
+            f"or pass it to f as an arg"
+        )
 
-        def leak_sizes(receivers: torch.Tensor) -> torch.Tensor:
-            """Per instance, the largest gradient of sum over receivers of w_b f_b (random w > 0:
-            no two receivers' dependences cancel)."""
-            weights = torch.rand(
-                per_instance_out.shape, generator=generator, dtype=x.dtype,
-                device=generator.device if generator is not None else x.device,
-            ).to(x.device) + 0.5  # fmt: skip
-            (gradient,) = torch.autograd.grad(
-                per_instance_out, y, weights * receivers[:, None], retain_graph=True,
-                allow_unused=True, materialize_grads=True,
-            )  # fmt: skip
-            return gradient.reshape(n_instances, -1).abs().amax(-1)
 
-        sides = [
-            ((flat_index >> bit) & 1) == side
-            for bit in range(max(1, (n_instances - 1).bit_length()))
+class _Runs:
+    """``f`` on ``y`` (with grad: its output for the derivatives pass) and on moved copies of
+    ``y``, the instances numbered by their flat index, the sets of each bit pass."""
+
+    def __init__(self, f: Callable[..., torch.Tensor], y: torch.Tensor, args: Sequence[object],
+                 batch_shape: torch.Size, generator: torch.Generator | None) -> None:  # fmt: skip
+        self.f, self.y, self.args, self.batch_shape = f, y, args, batch_shape
+        self.generator = generator
+        self.count = math.prod(batch_shape)
+        self.flat_index = torch.arange(self.count, device=y.device)
+        self.sides = [
+            ((self.flat_index >> bit) & 1) == side
+            for bit in range(max(1, (self.count - 1).bit_length()))
             for side in (0, 1)
         ]
-        sizes = [leak_sizes(receivers) for receivers in sides]
-        # rounding scale from the finite sizes; a non-finite size outside the receivers leaks
-        finite = [size[size.isfinite()] for size in sizes]
-        largest = max((float(size.max()) for size in finite if size.numel()), default=0.0)
-        threshold = 64 * torch.finfo(x.dtype).eps * largest
-        leakers = torch.zeros(n_instances, dtype=torch.bool, device=x.device)
-        for receivers, size in zip(sides, sizes, strict=True):
-            leakers |= ~(size <= threshold) & ~receivers
-        if not bool(leakers.any()):
-            return
-        source = int(torch.nonzero(leakers)[0])
-        candidates = torch.nonzero(flat_index != source).flatten()  # bisect for one receiver
-        while len(candidates) > 1:
-            first, second = candidates.tensor_split(2)
-            if not bool(leak_sizes(torch.isin(flat_index, first))[source] <= threshold):
-                candidates = first
-            else:
-                candidates = second
-        receiver = int(candidates[0])
-        message = (
-            f"f couples instances: its value for instance {_at(receiver, batch_shape)} depends "
-            f"on x at instance {_at(source, batch_shape)}"
-            if not bool(leak_sizes(flat_index == receiver)[source] <= threshold)
-            else f"f couples instances: x at instance {_at(source, batch_shape)} changes f's "
-            f"value for other instances"
+        self.random_state = torch.random.get_rng_state()
+        self.cuda_state = torch.cuda.get_rng_state(y.device) if y.device.type == "cuda" else None
+        self.y.requires_grad_()
+        self.out = check_batched_output(f(self.y, *args), batch_shape)
+
+    def random(self, shape: Sequence[int]) -> torch.Tensor:
+        """Uniform draws in [0.5, 1.5) from ``generator`` (on its device), on ``y``'s."""
+        device = self.generator.device if self.generator is not None else self.y.device
+        draws = torch.rand(tuple(shape), generator=self.generator, dtype=self.y.dtype,
+                           device=device)  # fmt: skip
+        return draws.to(self.y.device) + 0.5
+
+    def values(self, moved: torch.Tensor | None) -> torch.Tensor:
+        """``f``'s outputs per instance, ``(B, -1)``, with the instances in ``moved`` shifted
+        (None: none), from the random state ``f`` started from at its first run."""
+        x = self.y.detach()
+        if moved is not None:
+            shift = self.random(x.shape) * (1 + float(x.abs().amax())) / 4
+            x = x + shift * moved.reshape(
+                *self.batch_shape, *(1,) * (x.ndim - len(self.batch_shape))
+            )
+        with torch.random.fork_rng(devices=[x.device] if self.cuda_state is not None else []):
+            torch.random.set_rng_state(self.random_state)
+            if self.cuda_state is not None:
+                torch.cuda.set_rng_state(self.cuda_state, x.device)
+            out = self.f(x.requires_grad_(), *self.args)
+        return check_batched_output(out, self.batch_shape).detach().reshape(self.count, -1)
+
+
+def _leak_through_derivatives(run: _Runs) -> str | None:
+    """Which instance leaks into which through derivatives (see :func:`check_instances`)."""
+    if not run.out.requires_grad:  # constant in x: nothing leaks through derivatives
+        return None
+    per_instance_out = run.out.reshape(run.count, -1)
+
+    def leak_sizes(receivers: torch.Tensor) -> torch.Tensor:
+        """Per instance, the largest gradient of sum over receivers of w_b f_b (random w > 0:
+        no two receivers' dependences cancel)."""
+        weights = run.random(per_instance_out.shape)
+        (gradient,) = torch.autograd.grad(
+            per_instance_out, run.y, weights * receivers[:, None], retain_graph=True,
+            allow_unused=True, materialize_grads=True,
+        )  # fmt: skip
+        return gradient.reshape(run.count, -1).abs().amax(-1)
+
+    sizes = [leak_sizes(receivers) for receivers in run.sides]
+    # rounding scale from the finite sizes; a non-finite size outside the receivers leaks
+    finite = [size[size.isfinite()] for size in sizes]
+    largest = max((float(size.max()) for size in finite if size.numel()), default=0.0)
+    threshold = 64 * torch.finfo(run.y.dtype).eps * largest
+    leakers = torch.zeros(run.count, dtype=torch.bool, device=run.y.device)
+    for receivers, size in zip(run.sides, sizes, strict=True):
+        leakers |= ~(size <= threshold) & ~receivers
+    if not bool(leakers.any()):
+        return None
+    source = int(torch.nonzero(leakers)[0])
+    flat_index = run.flat_index
+    candidates = torch.nonzero(flat_index != source).flatten()  # bisect for one receiver
+    while len(candidates) > 1:
+        first, second = candidates.tensor_split(2)
+        if not bool(leak_sizes(torch.isin(flat_index, first))[source] <= threshold):
+            candidates = first
+        else:
+            candidates = second
+    receiver = int(candidates[0])
+    at = partial(_at, batch_shape=run.batch_shape)
+    message = (
+        f"f couples instances: its value for instance {at(receiver)} depends on x at instance "
+        f"{at(source)}"
+        if not bool(leak_sizes(flat_index == receiver)[source] <= threshold)
+        else f"f couples instances: x at instance {at(source)} changes f's value for other "
+        f"instances"
+    )
+    return f"{message} ({int(leakers.sum())} of {run.count} instances leak into others)"
+
+
+def _leak_through_values(run: _Runs) -> str | None:
+    """Which instance's value changes with another's x, beyond rounding, when no derivative
+    says so (see :func:`check_instances`); None also when ``f`` is not deterministic."""
+    base = run.values(None)
+    finite = base[base.isfinite()]
+    scale = 1.0 + (float(finite.abs().max()) if finite.numel() else 0.0)
+    threshold = 64 * torch.finfo(base.dtype).eps * scale
+
+    def changed(moved: torch.Tensor | None) -> torch.Tensor:
+        """Per instance, whether f's value changed with the instances in ``moved`` shifted."""
+        other = run.values(moved)
+        same = ((other - base).abs() <= threshold) | (other.isnan() & base.isnan())
+        return ~same.all(-1)
+
+    if bool(changed(None).any()):  # f draws from a generator of its own, say
+        return None
+    for moved in run.sides:
+        receivers = changed(moved) & ~moved
+        if bool(receivers.any()):
+            break
+    else:
+        return None
+    receiver = int(torch.nonzero(receivers)[0])
+    candidates = torch.nonzero(moved).flatten()  # bisect for one source
+    while len(candidates) > 1:
+        first, second = candidates.tensor_split(2)
+        candidates = first if bool(changed(torch.isin(run.flat_index, first))[receiver]) else second
+    source = int(candidates[0])
+    at = partial(_at, batch_shape=run.batch_shape)
+    if bool(changed(run.flat_index == source)[receiver]):
+        return (
+            f"f couples instances: its value for instance {at(receiver)} depends on x at "
+            f"instance {at(source)}"
         )
-    raise InstanceCouplingError(
-        f"{message} ({int(leakers.sum())} of {n_instances} instances leak into others). "
-        f"pyhvp's per-instance operators assume f(x)[b] depends only on x[b] (the last "
-        f"event_dims={event_dims} dims of x are one instance): mean-centring over the batch, "
-        f"batch norm in training mode or a sum over instances break that"
+    return (
+        f"f couples instances: its value for instance {at(receiver)} depends on x at other "
+        f"instances"
     )
 
 

@@ -21,6 +21,7 @@ import torch
 
 from pyhvp import _estimators as est
 from pyhvp._checks import check_args, check_chunk_size, check_event_dims, require_floating
+from pyhvp._user_errors import user_errors
 from pyhvp.backends import Backend, require_primitive, resolve_backend
 
 SKETCHED = "hutch++"
@@ -35,6 +36,7 @@ class GradAndLaplacian(NamedTuple):
     laplacian: torch.Tensor
 
 
+@user_errors
 def laplacian(
     f: Callable[..., torch.Tensor],
     x: torch.Tensor,
@@ -107,6 +109,7 @@ def laplacian(
     return second if count == 1 else second / count
 
 
+@user_errors
 def grad_and_laplacian(
     f: Callable[..., torch.Tensor],
     x: torch.Tensor,

@@ -1,36 +1,38 @@
 """Sub-Hessians: the Hessian of a scalar loss restricted to selected parameter components.
 
-Two routes, one picked per call (and per batch) by a cost model:
+Two routes, taken per selected tensor by a cost model:
 
 * **sparse** (:mod:`pyhvp.restricted`): the loss as a function of the k selected entries only,
-  whose one-hot directions enter each ``F.linear`` that consumes a selected weight as gathered
-  input columns; its ``(K, K)`` Hessian by ``jacrev(grad)`` over the K-vector. A direction costs
-  the network downstream of the first selected layer, never a dense gradient of the weight.
+  whose one-hot directions enter each op that consumes a selected tensor linearly -- ``F.linear``,
+  ``matmul``/``mm``/``bmm``/``@``, ``einsum``, convolutions and their transposes, embeddings, and
+  views of the tensor (``W.T``) -- as what they add to its output (a gathered input column, a
+  shifted slice, the tokens an embedding row reaches), never as dense tangents of the tensor; the
+  ``(K, K)`` Hessian of a group of tensors by ``jacrev(grad)`` over their K-vector. A direction
+  costs the network downstream of the op its entry enters, never that op's dense products.
 * **reverse**: the selected components become one-hot tangents of the backend's multi-leaf
-  primitive (``grad_and_block_hvps``): one forward and one first backward shared by every selected
-  tensor, then per tensor a batched second pass that differentiates towards that tensor only, of
-  whose columns ``H e_j`` only the selected rows are kept. Cost: one full Hessian-vector product
-  per selected component; ``joint=True`` pushes all selected tensors as one vector.
+  primitive (``grad_and_block_hvps``): one forward and one first backward shared by every tensor
+  of the route, then per tensor a batched second pass that differentiates towards that tensor
+  only, of whose columns ``H e_j`` only the selected rows are kept. Cost: one full Hessian-vector
+  product per selected component; ``joint=True`` pushes all selected tensors as one vector.
 
-Both routes' kernels compile under the torch backend's compile policy (the sparse one as one
-graph of the restricted loss's ``jacrev(grad)``). Cost model (``method="auto"``): sparse whenever
-it applies -- the torch backend, the selected tensors of one dtype and device, and, as the loss
-runs, every selected tensor of more than ``restricted.DENSE_LIMIT`` entries used only as the
-weight of ``F.linear`` and none written to -- because then each of its directions costs at most
-what a reverse HVP costs past the first layer, and avoids that layer's dense
-``O(batch * in * out)`` products; but for fewer than ``restricted.MIN_COMPONENTS`` (8) selected
-components in all only when the backend compiles from the first call (``compile=True``): eagerly
-the reverse route's few HVPs cost less than the sparse route's fixed setup, compiled the sparse
-kernel wins at every count. Otherwise reverse (the sparse route stops at the first use that does
-not qualify, before any Hessian work). The choice is logged on the ``pyhvp.sub_hessian`` logger
-at DEBUG level.
+Cost model (``method="auto"``, :mod:`pyhvp.restricted.routes`): one survey of the loss (cached
+per call signature) learns how each selected tensor enters each op, the work downstream of it
+and the products a dense direction of it pays; modelled times then split the tensors between
+sparse groups and the reverse route. Tensors the sparse route refuses (an op without a sparse
+rule on a tensor over ``restricted.DENSE_LIMIT`` entries, a write, an embedding's padding row)
+take the reverse route; below ``routes.MIN_COMPONENTS`` components in all, eagerly, every tensor
+does, without a survey. With ``joint=True`` the reverse route's rows fill the cross blocks of its
+tensors. The choice is logged on the ``pyhvp.sub_hessian`` logger at DEBUG level. Both routes'
+kernels compile under the torch backend's compile policy.
 
 With ``data``, the loss is summed over batches: one such pass per batch (and per chunk), the rows
-accumulated, so memory is bounded by one batch. With ``group``, each rank sums its own batches, and
-one ``all_reduce`` adds the ranks' sums and symmetrises after (:mod:`pyhvp.distributed`). Memory:
-``c * P`` for the tangents and columns of a reverse pass (P: entries of the selected tensors, c =
-``chunk_size``, default all k) plus that pass's intermediates; the sparse route holds c copies of
-the intermediates downstream of the first selected layer.
+accumulated, so memory is bounded by one batch; the routes chosen on the first batch hold until a
+batch uses a tensor differently, which is surveyed anew. With ``group``, each rank sums its own
+batches, and one ``all_reduce`` adds the ranks' sums and symmetrises after
+(:mod:`pyhvp.distributed`). Memory: ``c * P`` for the tangents and columns of a reverse pass (P:
+entries of the selected tensors, c = ``chunk_size``, default all k) plus that pass's
+intermediates; a sparse group holds c copies of the intermediates downstream of its first
+tensor, and per op it enters at most ``K * out`` for its directions' tangents.
 """
 
 from __future__ import annotations
@@ -39,7 +41,9 @@ import dataclasses
 import inspect
 import logging
 import types
-from collections.abc import Callable, Iterable, Mapping
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from functools import partial
 from itertools import accumulate
 from typing import TYPE_CHECKING, Any, Literal, overload
@@ -58,10 +62,11 @@ from pyhvp._checks import (
     require_tensor,
 )
 from pyhvp._progress import progress_bar
-from pyhvp.backends import Backend, require_primitive, resolve_backend
+from pyhvp._user_errors import stacklevel_outside_pyhvp, user_errors
+from pyhvp.backends import Backend, compile_policy, require_primitive, resolve_backend
 from pyhvp.backends.torch import TorchBackend
 from pyhvp.distributed import Fingerprint, check_group, sum_over_ranks
-from pyhvp.restricted import MIN_COMPONENTS, NotSparse
+from pyhvp.restricted import NotSparse, routes
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -120,6 +125,7 @@ def sub_hessian(
 ) -> torch.Tensor: ...
 
 
+@user_errors
 def sub_hessian(
     loss: Callable[..., torch.Tensor],
     params: torch.Tensor | Mapping[str, torch.Tensor],
@@ -198,9 +204,12 @@ def _local_sums(
     if progress and batches is not None:
         batches = progress_bar(batches, "sub_hessian", "batch", group)
     _check_loss(loss, batches is not None)
+    averaging = _averaging_criterion(loss)
+    if batches is not None and averaging is not None:
+        batches = _warn_on_uneven_batches(batches, averaging)
     if isinstance(params, torch.Tensor):
         tensor = require_floating("params", params).detach()
-        flat = _check_index("index", index, tensor.numel(), "params")
+        flat = _check_index("index", index, tensor.shape, "params")
         selection = _Selection(loss, (), ())
         fingerprint: Fingerprint = {
             "params' shape, dtype": (tuple(tensor.shape), str(tensor.dtype)),
@@ -278,14 +287,34 @@ def module_loss(
         )
     params = {name: p.detach() for name, p in module.named_parameters()}
     if not params:
-        raise ValueError(f"module must have parameters, got a {type(module).__name__} with none")
+        swapped = isinstance(module, torch.nn.modules.loss._Loss) or (
+            isinstance(criterion, torch.nn.Module) and any(criterion.parameters())
+        )
+        raise ValueError(
+            f"module must have parameters, got a {type(module).__name__} with none"
+            + (
+                f" (and a {type(criterion).__name__} as criterion): module_loss takes the model "
+                f"first and the criterion second, module_loss(model, criterion, inputs, targets)"
+                if swapped
+                else ""
+            )
+        )
     if inputs is None and targets is None:
         return _ModuleBatchLoss(module, criterion), params
+    return _ModuleLoss(module, criterion, inputs, targets), params
 
-    def loss(p: Params) -> torch.Tensor:
-        return criterion(functional_call(module, p, inputs), targets)
 
-    return loss, params
+@dataclasses.dataclass(frozen=True, eq=False)
+class _ModuleLoss:
+    """``loss(params)`` of a module on its inputs and targets: :func:`module_loss` with data."""
+
+    module: torch.nn.Module
+    criterion: Callable[[Any, Any], torch.Tensor]
+    inputs: Any
+    targets: Any
+
+    def __call__(self, params: Params) -> torch.Tensor:
+        return self.criterion(functional_call(self.module, params, self.inputs), self.targets)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,17 +335,22 @@ class _ModuleBatchLoss:
         return self.criterion(functional_call(self.module, params, inputs), targets)
 
 
-def _check_index(name: str, index: object, numel: int, of: str) -> torch.Tensor:
-    """A 1-D, non-empty integer tensor of flat indices in ``[0, numel)``, as int64."""
+def _check_index(name: str, index: object, shape: torch.Size, of: str) -> torch.Tensor:
+    """A 1-D integer tensor of flat indices into a tensor of ``shape``, as int64 (no entries:
+    a ``(0, 0)`` block, as no batches give zeros -- nothing selected is not an error)."""
     index = require_tensor(name, index)
     if index.is_floating_point() or index.is_complex() or index.dtype == torch.bool:
         raise TypeError(
             f"{name} must have an integer dtype (flat indices, e.g. torch.long), got {index.dtype}"
         )
-    if index.ndim != 1 or index.numel() == 0:
+    if index.ndim != 1:
         raise ValueError(
-            f"{name} must be a non-empty 1-D tensor of flat indices, got shape {fmt_shape(index.shape)}"
+            f"{name} must be a 1-D tensor of flat indices, got shape {fmt_shape(index.shape)}"
+            + _flat_index_hint(index, shape, of)
         )
+    numel = shape.numel()
+    if index.numel() == 0:
+        return index.long()
     low, high = map(int, torch.aminmax(index))
     if low < 0 or high >= numel:
         raise ValueError(
@@ -324,6 +358,23 @@ def _check_index(name: str, index: object, numel: int, of: str) -> torch.Tensor:
             f"indices are not accepted), got {low if low < 0 else high}"
         )
     return index.long()
+
+
+def _flat_index_hint(index: torch.Tensor, shape: torch.Size, of: str) -> str:
+    """How to flatten multi-indices (``(row, col)`` pairs) into the flat ones ``index`` takes."""
+    if index.ndim != 2 or len(shape) < 2:
+        return ""
+    if len(shape) == 2:
+        return (
+            f": to select (row, col) entries of {of} (shape {fmt_shape(shape)}), pass flat "
+            f"indices row * {shape[1]} + col, as np.ravel_multi_index((rows, cols), "
+            f"{tuple(shape)}) computes them"
+        )
+    return (
+        f": to select entries of {of} (shape {fmt_shape(shape)}) by their multi-indices, pass "
+        f"flat (row-major) indices, as np.ravel_multi_index(multi_indices, {tuple(shape)}) "
+        f"computes them"
+    )
 
 
 def _check_named(
@@ -339,7 +390,10 @@ def _check_named(
             f"index must be a dict[str, LongTensor] like params, got {type(index).__name__}"
         )
     if not index:
-        raise ValueError("index must name at least one tensor of params, got an empty dict")
+        raise ValueError(
+            "index must name at least one tensor of params, got an empty dict (a tensor may "
+            "have no selected entries: its block is then (0, 0))"
+        )
     fixed = {name: require_tensor(f"params[{name!r}]", p).detach() for name, p in params.items()}
     first = next(iter(index))
     flats = {}
@@ -352,7 +406,7 @@ def _check_named(
         if joint:  # one concatenated vector: one dtype, one device
             require_like(f"params[{name!r}]", tensor, f"params[{first!r}]", fixed[first])
         flats[name] = _check_index(
-            f"index[{name!r}]", index[name], tensor.numel(), f"params[{name!r}]"
+            f"index[{name!r}]", index[name], tensor.shape, f"params[{name!r}]"
         )
     return fixed, flats
 
@@ -369,12 +423,79 @@ def _check_data(data: object) -> Iterable[Any] | None:
 
 
 def _check_loss(loss: object, with_batch: bool) -> None:
-    """``loss`` is callable as ``loss(params)``, or ``loss(params, batch)`` with ``data``."""
+    """``loss`` is callable as ``loss(params)``, or ``loss(params, batch)`` with ``data``; each
+    refusal says how to build such a loss."""
     call = "loss(params, batch) (data is given)" if with_batch else "loss(params)"
+    if isinstance(loss, torch.nn.Module):
+        raise TypeError(
+            f"loss must be a function of the parameters, callable as {call}, got the module "
+            f"{type(loss).__name__} itself: build the loss and its params with "
+            + (
+                "loss, params = pyhvp.module_loss(model, criterion) (no inputs: each batch of "
+                "data is an (inputs, targets) pair)"
+                if with_batch
+                else "loss, params = pyhvp.module_loss(model, criterion, inputs, targets)"
+            )
+        )
+    if isinstance(loss, _ModuleLoss) and with_batch:
+        raise TypeError(
+            f"loss must be callable as {call}, got module_loss(model, criterion, inputs, "
+            f"targets), which holds its inputs already: with data=, call module_loss(model, "
+            f"criterion) without inputs and targets (each batch is an (inputs, targets) pair)"
+        )
+    if isinstance(loss, _ModuleBatchLoss) and not with_batch:
+        raise TypeError(
+            f"loss must be callable as {call}, got module_loss(model, criterion) without inputs, "
+            f"which takes (inputs, targets) batches: pass them as data=[(inputs, targets)] (or "
+            f"a DataLoader), or call module_loss(model, criterion, inputs, targets)"
+        )
+    if isinstance(loss, (_ModuleLoss, _ModuleBatchLoss)):
+        return
     if not callable(loss):
         raise TypeError(f"loss must be callable as {call}, got {type(loss).__name__}")
     if _accepts(loss, 2 if with_batch else 1) is False:
         raise TypeError(f"loss must be callable as {call}, got loss{inspect.signature(loss)}")
+
+
+AVERAGING = ("mean", "batchmean")
+"""Reductions of torch's loss modules that divide by the batch size."""
+
+
+def _averaging_criterion(loss: object) -> str | None:
+    """``"MSELoss(reduction='mean')"`` when ``loss`` is a ``module_loss`` whose criterion
+    averages over each batch, else None."""
+    if not isinstance(loss, _ModuleBatchLoss):
+        return None
+    reduction = getattr(loss.criterion, "reduction", None)
+    if reduction not in AVERAGING:
+        return None
+    return f"{type(loss.criterion).__name__}(reduction={reduction!r})"
+
+
+def _warn_on_uneven_batches(batches: Iterable[Any], criterion: str) -> Iterator[Any]:
+    """``batches``, with one warning when their sizes (the first dim of each batch's first
+    tensor) differ: a sum of per-batch means then weighs the samples of small batches more."""
+    first: int | None = None
+    warned = False
+    for batch in batches:
+        if not warned:
+            tensors = [t for t in pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
+            size = tensors[0].shape[0] if tensors and tensors[0].ndim else None
+            if first is None:
+                first = size
+            elif size is not None and size != first:
+                warned = True
+                warnings.warn(
+                    f"sub_hessian: the criterion {criterion} averages over each batch and data= "
+                    f"holds batches of different sizes ({first}, then {size}): the sum over "
+                    f"batches weighs the samples of smaller batches more, so it is neither the "
+                    f"data set's total nor its mean. Use reduction='sum' (and divide by the data "
+                    f"set's size for a mean), or batches of one size (DataLoader(..., "
+                    f"drop_last=True))",
+                    UserWarning,
+                    stacklevel=stacklevel_outside_pyhvp(),
+                )
+        yield batch
 
 
 _ACCEPTS: dict[tuple[object, ...], bool] = {}
@@ -473,20 +594,129 @@ class _Plan:
     one_block: bool
 
 
-def _sparse_refusal(plan: _Plan, backend: Backend, method: str) -> str | None:
-    """Why the sparse route cannot (or, under ``"auto"``, should not) run this call, or ``None``
-    (the cost model's static part; the rest -- how the loss uses the tensors -- is learnt while it
-    runs)."""
+def _static_refusal(plan: _Plan, backend: Backend, method: str) -> str | None:
+    """Why the sparse route cannot (or, under ``"auto"``, surely should not) run this call, or
+    ``None``; the cost model decides the rest."""
     if not isinstance(backend, TorchBackend):
         return f"backend {backend.name!r} is not the torch backend"
     total = sum(len(flat) for flat in plan.flats)
     compiled = backend.compile is True and restricted.compiles()
-    if method == "auto" and total < MIN_COMPONENTS and not compiled:
-        return f"{total} components, fewer than {MIN_COMPONENTS}: the reverse route costs less"
-    first = plan.tensors[0]
-    if any(t.dtype != first.dtype or t.device != first.device for t in plan.tensors):
-        return "the selected tensors differ in dtype or device"
+    if method == "auto" and total < routes.MIN_COMPONENTS and not compiled:
+        return (
+            f"{total} components, fewer than {routes.MIN_COMPONENTS}: the reverse route costs less"
+        )
     return None
+
+
+def _label(plan: _Plan, i: int) -> str:
+    """How the user names selected tensor ``i``."""
+    return f"params[{plan.sparse.selected[i]!r}]" if plan.sparse.names else "params"
+
+
+def _by_name(plan: _Plan) -> dict[str, torch.Tensor]:
+    """Every params tensor by name (selected and held constant)."""
+    unselected = [name for name in plan.sparse.names if name not in plan.sparse.selected]
+    return dict(zip(plan.sparse.selected, plan.tensors, strict=True)) | dict(
+        zip(unselected, plan.others, strict=True)
+    )
+
+
+FEW_TANGENTS = 4
+"""Most tangents per tensor that the reverse route pushes by one backward each rather than one
+batched backward (``is_grads_batched``), whose setup costs more at so few."""
+
+_ROUTES: OrderedDict[Hashable, routes.Routes] = OrderedDict()
+"""Routes chosen, by what the survey's result depends on (the loss's key, the tensors' and the
+batch's metadata, the selection's sizes, the options): a loss called again is not surveyed
+again. A stale entry costs speed only: a use the sparse kernel refuses raises, and the caller
+surveys anew."""
+
+
+def _choose_routes(
+    plan: _Plan,
+    backend: TorchBackend,
+    batch_values: list[Any],
+    spec: Any,
+    method: str,
+    fresh: bool = False,
+) -> routes.Routes:
+    """The cost model's split of the selected tensors between sparse groups and the reverse
+    route, from a survey of the loss on this batch (:mod:`pyhvp.restricted.routes`), or as
+    chosen before for an equal call (``fresh``: survey anew)."""
+    loss = dataclasses.replace(plan.sparse, batch_spec=spec)
+    compiled = backend.compile is True and restricted.compiles()
+    joint = plan.one_block and bool(plan.sparse.names)
+    sizes = tuple(len(flat) for flat in plan.flats)
+    inputs = (*plan.tensors, *plan.others, *batch_values)
+    try:
+        key: Hashable = compile_policy.signature(
+            "sub_hessian routes", loss, (sizes, joint, method, compiled), inputs
+        )
+        hash(key)
+    except TypeError:  # an unhashable loss: survey every call
+        key = None
+    if key is not None and not fresh and key in _ROUTES:
+        _ROUTES.move_to_end(key)
+        cached = _ROUTES[key]
+        if not any(_masked(plan, i, rows) for i, rows in enumerate(cached.masked_rows)):
+            return cached
+    found = routes.survey(loss, plan.tensors, inputs[len(plan.tensors) :])
+    for i, usage in enumerate(found.usage):
+        if usage.refusal is None and _masked(plan, i, usage.masked_rows):
+            usage.refusal = (
+                "has selected entries in a padding_idx row of torch.nn.functional.embedding, "
+                "where autograd's derivative (the seed's loop's) is zero, not the true one"
+            )
+    refusals = [
+        f"{_label(plan, i)} {usage.refusal}" for i, usage in enumerate(found.usage) if usage.refusal
+    ]
+    if method == "sparse" and refusals:
+        raise ValueError(
+            f"method='sparse' does not apply: {'; '.join(refusals)}; method='auto' takes the "
+            f"reverse route for {'it' if len(refusals) == 1 else 'them'}"
+        )
+
+    def together(members: Sequence[int]) -> bool:
+        first = plan.tensors[members[0]]
+        return all(
+            plan.tensors[i].dtype == first.dtype and plan.tensors[i].device == first.device
+            for i in members
+        )
+
+    chosen = routes.choose(found, sizes, joint, compiled, method != "sparse", together)
+    if key is not None:
+        _ROUTES[key] = chosen
+        if len(_ROUTES) > compile_policy.CACHE_SIZE:
+            _ROUTES.popitem(last=False)
+    return chosen
+
+
+def _masked(plan: _Plan, i: int, rows: Iterable[int]) -> bool:
+    """Whether selected tensor ``i`` has selected entries in the table rows ``rows``."""
+    rows = list(rows)
+    if not rows:
+        return False
+    selected = plan.flats[i] // plan.tensors[i].shape[-1]
+    return bool(torch.isin(selected, torch.tensor(rows, device=selected.device)).any())
+
+
+def _log_routes(plan: _Plan, chosen: routes.Routes) -> None:
+    """The routes of this batch, on the ``pyhvp.sub_hessian`` logger (DEBUG)."""
+    if not _log.isEnabledFor(logging.DEBUG):
+        return
+    groups = [[_label(plan, i) for i in group] for group in chosen.groups]
+    why = {
+        _label(plan, i): chosen.refusals[i] or "cheaper by the cost model" for i in chosen.reverse
+    }
+    _log.debug(
+        "sub_hessian: sparse route for %s; reverse route for %s (modelled %.3g ms, reverse "
+        "route alone %.3g ms)",
+        " and ".join(f"[{', '.join(g)}] (one pass)" for g in groups) or "none",
+        "; ".join(f"{name} ({reason})" for name, reason in why.items()) or "none",
+        chosen.cost / 1e6,
+        chosen.reverse_only_cost / 1e6,
+        extra={"sparse": groups, "reverse": list(why)},
+    )
 
 
 def _sums(
@@ -496,87 +726,208 @@ def _sums(
     backend: Backend,
     method: str,
 ) -> list[torch.Tensor]:
-    """The call's blocks (unsymmetrised), summed over the batches, each batch by the route the
-    cost model picks: sparse while it applies, reverse from the first batch it does not."""
-    refusal = "method='reverse'" if method == "reverse" else _sparse_refusal(plan, backend, method)
+    """The call's blocks (unsymmetrised), summed over the batches. The routes are chosen on the
+    first batch and kept while they apply: a batch the sparse route refuses (a loss that uses a
+    tensor differently there) is surveyed again, and the new routes kept from it on."""
+    refusal = "method='reverse'" if method == "reverse" else _static_refusal(plan, backend, method)
     if method == "sparse" and refusal is not None:
         raise ValueError(f"method='sparse' does not apply: {refusal}")
-    use_sparse = refusal is None
+    if not any(len(flat) for flat in plan.flats):  # nothing selected: (0, 0) blocks
+        batches = []
     flats = [flat.to(t.device) for flat, t in zip(plan.flats, plan.tensors, strict=True)]
     sizes = [len(flat) for flat in flats]
-    # the sparse kernel's view of the selection: the same for every batch
-    entries = list(map(restricted.selected_entries, plan.tensors, flats)) if use_sparse else []
-    sparse_sum: torch.Tensor | None = None
-    reverse_sums: list[torch.Tensor] | None = None
+    offsets = list(accumulate([0, *sizes]))
+    # the sparse kernel's view of the selection (the same for every batch), made when needed
+    coords: list[torch.Tensor | None] = [None] * len(plan.tensors)
+    total = plan.tensors[0].new_zeros(offsets[-1], offsets[-1]) if plan.one_block else None
+    blocks = [t.new_zeros(k, k) for t, k in zip(plan.tensors, sizes, strict=True)]
+    chosen: routes.Routes | None = None
     for batch in [None] if batches is None else batches:
         batch_values, spec = ([], None) if batches is None else pytree.tree_flatten(batch)
         # the result carries no graph: batch tensors are data, never differentiated through
         batch_values = [v.detach() if isinstance(v, torch.Tensor) else v for v in batch_values]
-        if use_sparse:
-            loss = dataclasses.replace(plan.sparse, batch_spec=spec)
+        if refusal is None:
+            assert isinstance(backend, TorchBackend)  # _static_refusal's condition
+            if chosen is None:
+                chosen = _choose_routes(plan, backend, batch_values, spec, method)
             try:
-                assert isinstance(backend, TorchBackend)  # _sparse_refusal's condition
-                block, sparse_uses = backend.restricted_hessian(
-                    loss, plan.tensors, entries, (*plan.others, *batch_values), chunk_size
-                )
-            except NotSparse as error:
+                parts = _sparse_parts(plan, chosen, coords, batch_values, spec, chunk_size, backend)
+            except NotSparse as error:  # this batch uses a tensor differently
                 if method == "sparse":
                     raise ValueError(f"method='sparse' does not apply: {error}") from None
-                use_sparse, refusal = False, str(error)
-            else:
-                _log.debug("sub_hessian: sparse route (%d F.linear call(s) sparse)", sparse_uses)
-                sparse_sum = block if sparse_sum is None else sparse_sum + block
-                continue
-        _log.debug("sub_hessian: reverse route (%s)", refusal)
-        loss = dataclasses.replace(plan.reverse, batch_spec=spec)
-        sums = _reverse_pass(loss, plan, batch_values, chunk_size, backend)
-        reverse_sums = (
-            sums
-            if reverse_sums is None
-            else [a + b for a, b in zip(reverse_sums, sums, strict=True)]
-        )
-    sparse_sums = None
-    if sparse_sum is not None:  # the joint (K, K), or its diagonal blocks (views, which the
-        offsets = accumulate([0, *sizes])  # caller's symmetrising copies)
-        sparse_sums = (
-            [sparse_sum]
-            if plan.one_block
-            else [sparse_sum[o : o + k, o : o + k] for o, k in zip(offsets, sizes, strict=False)]
-        )
-    if sparse_sums is not None and reverse_sums is not None:
-        return [a + b for a, b in zip(sparse_sums, reverse_sums, strict=True)]
-    one_route = sparse_sums or reverse_sums
-    if one_route is not None:
-        return one_route
-    if plan.one_block:  # no batches: zeros
-        return [plan.leaves[0].new_zeros(sum(sizes), sum(sizes))]
-    return [t.new_zeros(k, k) for t, k in zip(plan.tensors, sizes, strict=True)]
+                chosen = _choose_routes(plan, backend, batch_values, spec, method, fresh=True)
+                parts = _sparse_parts(plan, chosen, coords, batch_values, spec, chunk_size, backend)
+            _log_routes(plan, chosen)
+            for group, block in parts:
+                starts = list(accumulate([0, *(sizes[i] for i in group)]))
+                for a, i in enumerate(group):
+                    rows = slice(starts[a], starts[a + 1])
+                    if total is None:
+                        blocks[i] += block[rows, rows]
+                        continue
+                    for b, j in enumerate(group):
+                        columns = slice(starts[b], starts[b + 1])
+                        total[offsets[i] : offsets[i + 1], offsets[j] : offsets[j + 1]] += block[
+                            rows, columns
+                        ]
+            reverse, inner = chosen.reverse, None if chunk_size else chosen.chunk
+        else:
+            _log.debug("sub_hessian: reverse route (%s)", refusal)
+            reverse, inner = tuple(range(len(plan.tensors))), None
+        if reverse:
+            _reverse_blocks(
+                plan, reverse, batch_values, spec, chunk_size, backend, total, blocks, inner
+            )
+    if total is not None:
+        return [total]
+    return blocks
 
 
-def _reverse_pass(
-    loss: _Selection,
+def _sparse_parts(
     plan: _Plan,
+    chosen: routes.Routes,
+    coords: list[torch.Tensor | None],
+    batch_values: list[Any],
+    spec: Any,
+    chunk_size: int | None,
+    backend: TorchBackend,
+) -> list[tuple[Sequence[int], torch.Tensor]]:
+    """Each sparse group of ``chosen`` with its block from :func:`_sparse_pass`."""
+    return [
+        (group, _sparse_pass(plan, group, coords, batch_values, spec, chunk_size or chosen.chunk,
+                             backend, chosen.eager_only))
+        for group in chosen.groups
+    ]  # fmt: skip
+
+
+def _sparse_pass(
+    plan: _Plan,
+    group: Sequence[int],
+    coords: list[torch.Tensor | None],
+    batch_values: list[Any],
+    spec: Any,
+    chunk_size: int | None,
+    backend: TorchBackend,
+    eager_only: frozenset[int],
+) -> torch.Tensor:
+    """One batch's joint ``(K_g, K_g)`` over the selected entries of the tensors of ``group``,
+    by the sparse kernel (the other params held constant; eagerly for a group with a tensor in
+    ``eager_only``)."""
+    if eager_only & set(group) and backend.compile is not False:
+        backend = TorchBackend(compile=False, guards=backend.guards)
+    for i in group:
+        if coords[i] is None:
+            coords[i] = restricted.selected_entries(
+                plan.tensors[i], plan.flats[i].to(plan.tensors[i].device)
+            )
+    tensors = [plan.tensors[i] for i in group]
+    if plan.sparse.names:
+        names = tuple(plan.sparse.selected[i] for i in group)
+        loss = dataclasses.replace(plan.sparse, selected=names, batch_spec=spec)
+        by_name = _by_name(plan)
+        others = [by_name[name] for name in plan.sparse.names if name not in names]
+    else:
+        loss, others = dataclasses.replace(plan.sparse, batch_spec=spec), []
+    block, _ = backend.restricted_hessian(
+        loss,
+        tensors,
+        [c for i in group if (c := coords[i]) is not None],
+        (*others, *batch_values),
+        chunk_size,
+    )
+    return block
+
+
+def _reverse_blocks(
+    plan: _Plan,
+    members: Sequence[int],
+    batch_values: list[Any],
+    spec: Any,
+    chunk_size: int | None,
+    backend: Backend,
+    total: torch.Tensor | None,
+    blocks: list[torch.Tensor],
+    inner: int | None,
+) -> None:
+    """One batch by the reverse route for the selected tensors ``members``, added to ``blocks``
+    (their diagonal blocks), or with ``total`` (one matrix) to its rows of those tensors' entries
+    and, mirrored, to the same columns of the other rows (the sparse route's); ``inner``: how many
+    tangents each batched second pass takes (None: all)."""
+    if total is None:  # per tensor, the others held constant
+        names = tuple(plan.sparse.selected[i] for i in members)
+        by_name = _by_name(plan)
+        loss = dataclasses.replace(plan.sparse, selected=names, batch_spec=spec)
+        if not plan.sparse.names:
+            loss = dataclasses.replace(plan.sparse, batch_spec=spec)
+        leaves = [plan.tensors[i] for i in members]
+        others = [by_name[name] for name in plan.sparse.names if name not in names]
+        flats = [plan.flats[i] for i in members]
+        rows = _reverse_rows(
+            loss, leaves, flats, flats, others, batch_values, chunk_size, backend, inner
+        )
+        for i, row in zip(members, rows, strict=True):
+            blocks[i] += row
+        return
+    # one vector of every selected tensor (or params itself): rows of the members' entries
+    sizes = [len(flat) for flat in plan.flats]
+    offsets = list(accumulate([0, *sizes]))
+    mine = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in members])
+    index = plan.leaf_flats[0]
+    loss = dataclasses.replace(plan.reverse, batch_spec=spec)
+    (row_block,) = _reverse_rows(
+        loss,
+        plan.leaves,
+        [index[mine.to(index.device)]],
+        [index],
+        plan.others,
+        batch_values,
+        chunk_size,
+        backend,
+        inner,
+    )
+    mine = mine.to(total.device)
+    total[mine] += row_block
+    rest = torch.ones(offsets[-1], dtype=torch.bool, device=total.device)
+    rest[mine] = False
+    total[rest[:, None] & ~rest[None, :]] += row_block[:, rest].mT.reshape(-1)
+
+
+def _reverse_rows(
+    loss: _Selection,
+    leaves: list[torch.Tensor],
+    row_flats: list[torch.Tensor],
+    column_flats: list[torch.Tensor],
+    others: list[torch.Tensor],
     batch_values: list[Any],
     chunk_size: int | None,
     backend: Backend,
+    inner: int | None = None,
 ) -> list[torch.Tensor]:
-    """One batch by the reverse route: the ``(k_i, k_i)`` block of each leaf over its selected
-    entries (rows ``H e_j``, not yet symmetrised); every pass is one call of the multi-leaf
-    primitive."""
+    """Per leaf, ``(len(row_flats[i]), len(column_flats[i]))``: the rows ``H e_j`` of the
+    Hessian in that leaf for its entries ``row_flats[i]``, at its entries ``column_flats[i]``
+    (not yet symmetrised); every pass (``chunk_size`` tangents per leaf) is one call of the
+    multi-leaf primitive, whose batched second passes take ``inner`` tangents at a time."""
     primitive = require_primitive(backend, "grad_and_block_hvps", "sub_hessian")
-    tensors = plan.leaves
-    flats = [flat.to(t.device) for flat, t in zip(plan.leaf_flats, tensors, strict=True)]
-    blocks = [t.new_zeros(len(flat), len(flat)) for flat, t in zip(flats, tensors, strict=True)]
-    most = max(len(flat) for flat in flats)
+    row_flats = [flat.to(t.device) for flat, t in zip(row_flats, leaves, strict=True)]
+    column_flats = [flat.to(t.device) for flat, t in zip(column_flats, leaves, strict=True)]
+    blocks = [
+        t.new_zeros(len(rows), len(columns))
+        for rows, columns, t in zip(row_flats, column_flats, leaves, strict=True)
+    ]
+    most = max(len(flat) for flat in row_flats)
     step = chunk_size or most
     for start in range(0, most, step):
         # one chunk of one-hot tangents per leaf: memory O(chunk_size * P), not O(k * P)
-        chunks = [flat[start : start + step] for flat in flats]
-        tangents = [_one_hot(chunk, t) for chunk, t in zip(chunks, tensors, strict=True)]
-        _, columns = primitive(loss, tensors, tangents, (*plan.others, *batch_values), None)
-        for block, chunk, flat, column in zip(blocks, chunks, flats, columns, strict=True):
+        chunks = [flat[start : start + step] for flat in row_flats]
+        tangents = [_one_hot(chunk, t) for chunk, t in zip(chunks, leaves, strict=True)]
+        # a few tangents: one plain backward each (vmap's setup costs more than it batches)
+        one_by_one = 1 if max(len(chunk) for chunk in chunks) <= FEW_TANGENTS else inner
+        _, products = primitive(loss, leaves, tangents, (*others, *batch_values), one_by_one)
+        for block, chunk, columns, product in zip(
+            blocks, chunks, column_flats, products, strict=True
+        ):
             if len(chunk):  # a leaf with fewer components than this chunk's start has none
-                block[start : start + len(chunk)] += column.reshape(len(chunk), -1)[:, flat]
+                block[start : start + len(chunk)] += product.reshape(len(chunk), -1)[:, columns]
     return blocks
 
 

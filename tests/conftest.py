@@ -5,6 +5,7 @@ import itertools
 import pytest
 import torch
 
+from pyhvp import submatrix
 from pyhvp.backends import compile_policy
 from pyhvp.backends import torch as torch_backend
 from pyhvp.taylor import guards
@@ -59,6 +60,12 @@ def compiled(monkeypatch, compile_cache) -> list:
 
     monkeypatch.setattr(torch, "compile", recording_compile)
     return calls
+
+
+@pytest.fixture(autouse=True)
+def _sub_hessian_routes(monkeypatch):
+    """Every test surveys its sub-Hessian losses afresh: routes another test chose never serve."""
+    monkeypatch.setattr(submatrix, "_ROUTES", type(submatrix._ROUTES)())
 
 
 @pytest.fixture(autouse=True)

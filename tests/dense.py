@@ -140,6 +140,54 @@ def instance_jacobian(f, x, *args, event_dims=1):
 # diagonal specs): f, the point, and a mathematically equal f that torch.func differentiates ---
 
 
+def nested_mixed_partial(f, x, alpha, *args, event_dims=1, create_graph=False):
+    """``d^alpha f`` per instance and output by nested ``torch.autograd.grad`` (the PINN
+    libraries' idiom) in float64: ``alpha`` lists the flat event indices differentiated, with
+    repeats; ``batch + out``. Instances are independent, so each grad of a sum over instances
+    is every instance's own. ``x`` keeps its own dtype when it requires grad (then the result is
+    differentiable in ``x``, ``args`` and what ``f`` captures, with ``create_graph``)."""
+    y = x if x.requires_grad else x.detach().double().requires_grad_()
+    n_batch = x.ndim - event_dims
+    out = f(y, *(args if x.requires_grad else map(to64, args)))
+    flat_out = out.reshape(*out.shape[:n_batch], -1)
+    results = []
+    for k in range(flat_out.shape[-1]):
+        h = flat_out[..., k]
+        for i in alpha:
+            (g,) = torch.autograd.grad(h.sum(), y, create_graph=True, allow_unused=True,
+                                       materialize_grads=True)  # fmt: skip
+            h = g.reshape(*g.shape[:n_batch], -1)[..., i]
+        results.append(h if create_graph else h.detach())
+    return torch.stack(results, -1).reshape(out.shape)
+
+
+def nested_directional_derivatives(f, x, v, order, *args, event_dims=1):
+    """``d^k/dt^k f(x + t v)`` for ``k = 0..order`` per instance by nested ``torch.autograd.grad``
+    in a per-instance ``t`` (float64): ``(order + 1, *batch, *out)``. ``v``: x's shape or the
+    event's."""
+    n_batch = x.ndim - event_dims
+    t = torch.zeros(x.shape[:n_batch], dtype=torch.float64, requires_grad=True)
+    out = f(x.double() + t.reshape(*t.shape, *(1,) * event_dims) * v.double(), *map(to64, args))
+    flat_out = out.reshape(*out.shape[:n_batch], -1)
+    columns = []
+    for k in range(flat_out.shape[-1]):
+        h, orders = flat_out[..., k], [flat_out[..., k].detach()]
+        for _ in range(order):
+            (h,) = torch.autograd.grad(h.sum(), t, create_graph=True, allow_unused=True,
+                                       materialize_grads=True)  # fmt: skip
+            orders.append(h.detach())
+        columns.append(torch.stack(orders))
+    return torch.stack(columns, -1).reshape(order + 1, *out.shape)
+
+
+def nested_bilaplacian(f, x, *args, event_dims=1, create_graph=False):
+    """``sum_{i,j} d^4 f / dx_i^2 dx_j^2`` per instance and output by nested autograd."""
+    n = math.prod(x.shape[x.ndim - event_dims :])
+    return sum(nested_mixed_partial(f, x, (i, i, j, j), *args, event_dims=event_dims,
+                                    create_graph=create_graph)
+               for i in range(n) for j in range(n))  # fmt: skip
+
+
 def _at(device, values=None, shape=(4, 4), seed=3):
     """A float64 point: ``values``, or standard normals of ``shape``."""
     if values is not None:
@@ -373,6 +421,60 @@ def _eigenvalues(x):
                                                      device=x.device)).sum(-1)  # fmt: skip
 
 
+# masked entries enter as -inf (or 0) where derivatives are not finite: issue 29 --------------
+KEPT = [True, False, True, False]  # masks of an instance's 4 entries, both ways: every pairing
+OTHER_KEPT = [True, True, False, False]
+
+
+def _masked_logaddexp(x):
+    """``torch.masked.logaddexp`` of x and a function of x: masked entries enter as -inf, and
+    where both are masked the value is -inf (NaN partials, which spread to the whole instance)."""
+    kept, other_kept = (torch.tensor(m, device=x.device) for m in (KEPT, OTHER_KEPT))
+    weights = torch.arange(1.0, 5.0, dtype=x.dtype, device=x.device)
+    out = torch.masked.logaddexp(x, x.flip(-1) ** 2, input_mask=kept, other_mask=other_kept)
+    return (weights * out).sum(-1)
+
+
+def _masked_attention(x):
+    """Causal self-attention of 2 tokens (-inf above the diagonal, through softmax), and a
+    logsumexp over keys hiding every key of the first query (its row is all -inf)."""
+    q = x.reshape(*x.shape[:-1], 2, 2)
+    scores = q @ q.mT
+    causal = torch.ones(2, 2, dtype=torch.bool, device=x.device).tril()
+    attended = torch.softmax(scores.masked_fill(~causal, -torch.inf), -1) @ q
+    hidden = torch.tensor([[True, True], [False, True]], device=x.device)
+    pooled = torch.logsumexp(scores.masked_fill(hidden, -torch.inf), -1).exp()
+    return attended.pow(2).sum((-2, -1)) + pooled.sum(-1)
+
+
+def _where_infinite_branch(x):
+    """``torch.where`` whose unselected branch is infinite or NaN (log and 1/x at 0, log of a
+    negative number)."""
+    return (torch.where(x > 0, torch.log(x), x**3) + torch.where(x != 0, 1 / x, x)).sum(-1)
+
+
+def _where_infinite_branch_reference(x):  # the safe idiom: autograd's gradient is NaN at x = 0
+    positive, nonzero = torch.where(x > 0, x, 1.0), torch.where(x != 0, x, 1.0)
+    return (torch.where(x > 0, torch.log(positive), x**3)
+            + torch.where(x != 0, 1 / nonzero, x)).sum(-1)  # fmt: skip
+
+
+def _masked_zeros(x):
+    """Zeros of relu, masked_fill and clamp through derivatives infinite at 0: sqrt, x ** 1.5,
+    xlogy, entr, log1p of sqrt; then sums and a linear layer."""
+    r = torch.relu(x)
+    filled = x.masked_fill(x < 0.3, 0.0)
+    clamped = x.clamp(min=-0.2) + 0.2
+    weight = torch.arange(1.0, 13.0, dtype=x.dtype, device=x.device).reshape(4, 3)
+    return ((r.sqrt() + filled**1.5 + torch.xlogy(r, r) + torch.special.entr(clamped)).sum(-1)
+            + (torch.log1p(r.sqrt()) @ weight).sum(-1))  # fmt: skip
+
+
+def _masked_logcumsumexp(x):
+    """logcumsumexp (the reverse-mode fallback's) of -inf-masked entries."""
+    return torch.logcumsumexp(torch.where(x > 0, x, -torch.inf), -1).exp().sum(-1)
+
+
 @dataclass
 class TaylorCase:
     """``build(device) -> (f, reference)``: f and a mathematically equal f for torch.func (None:
@@ -420,6 +522,16 @@ TAYLOR_CASES = [
     TaylorCase("sort, topk, cumprod, prod with zeros", _same(_selections),
                lambda d: _at(d, ZEROS)),
     TaylorCase("eigvalsh", _same(_eigenvalues)),
+    TaylorCase("masked logaddexp: -inf where masked, both masked in places",
+               _same(_masked_logaddexp)),
+    TaylorCase("attention with -inf masks: softmax, logsumexp of a masked row",
+               _same(_masked_attention)),
+    TaylorCase("where with an infinite unselected branch",
+               _same(_where_infinite_branch, _where_infinite_branch_reference),
+               lambda d: _at(d, ZEROS)),
+    TaylorCase("masked zeros into sqrt, powers, xlogy, entr, a linear layer",
+               _same(_masked_zeros)),
+    TaylorCase("logcumsumexp of -inf-masked entries", _same(_masked_logcumsumexp)),
 ]  # fmt: skip
 """What :mod:`pyhvp.taylor` must differentiate as autograd does (dense references need at most
 the first 8 instances: instances are independent)."""

@@ -25,6 +25,18 @@ def one_pair(x):
     return (x**2).sum(-1) + leak
 
 
+def no_grad_max(x):
+    with torch.no_grad():
+        return x.abs().max()
+
+
+def item_pair(x):
+    """Only instance 5 reads another instance's variables (instance 1), through a Python float."""
+    shift = torch.zeros(x.shape[0], dtype=x.dtype)
+    shift[5] = x[1, 0].item()
+    return (x**2).sum(-1) + shift
+
+
 X = torch.randn(8, 3, dtype=torch.float64)
 MU = torch.randn(3, dtype=torch.float64)
 INDEPENDENT = {
@@ -35,6 +47,11 @@ INDEPENDENT = {
     "event_dims=2": (lambda x: (x @ x.mT).sum((-2, -1)), torch.randn(4, 2, 3), ()),
     "constant": (lambda x: torch.ones(x.shape[:-1]), X, ()),
     "one instance": (lambda x: x.sum(-1) * x.sum(), X[:1], ()),
+    "dropout in training mode (each run draws from one state)": (
+        lambda x: nn.functional.dropout(x, 0.5).sum(-1),
+        X,
+        (),
+    ),
 }
 COUPLED = {
     "mean-centring": (lambda x: ((x - x.mean(0)) ** 2).sum(-1), X, None),
@@ -46,6 +63,13 @@ COUPLED = {
         None,
     ),
     "one pair: 1 -> 5": (one_pair, X, ((5,), (1,))),
+    "mean-centring by a detached mean": (
+        lambda x: ((x - x.mean(0).detach()) ** 2).sum(-1),
+        X,
+        None,
+    ),
+    "scaled by a maximum taken under no_grad": (lambda x: x.sum(-1) / no_grad_max(x), X, None),
+    "one pair through .item(): 1 -> 5": (item_pair, X, ((5,), (1,))),
     "mean-centring, next to an infinite own gradient": (
         lambda x: torch.sqrt(x.abs()).sum(-1) + (x - x.mean(0)).sum(-1) ** 2,
         torch.cat([torch.zeros(1, 3, dtype=torch.float64), X[1:]]),
@@ -67,6 +91,22 @@ def test_coupled_instances_are_named(f, x, pair):
     if pair is not None:
         receiver, source = pair
         assert f"instance {receiver} depends on x at instance {source}" in str(info.value)
+
+
+def test_a_coupling_without_derivatives_is_named_as_such():
+    with pytest.raises(pyhvp.InstanceCouplingError, match="carries no derivative"):
+        pyhvp.check_instances(COUPLED["mean-centring by a detached mean"][0], X)
+
+
+def test_a_function_drawing_from_a_generator_of_its_own_is_judged_by_derivatives_alone():
+    """Two runs from one random state differ: values cannot tell a coupling from a new draw."""
+    own = torch.Generator().manual_seed(0)
+
+    def noisy_and_detached(x):
+        noise = torch.rand(x.shape, generator=own, dtype=x.dtype)
+        return (x + noise - x.mean(0).detach()).sum(-1)
+
+    assert pyhvp.check_instances(noisy_and_detached, X) is None
 
 
 @pytest.mark.parametrize("made_inside", [True, False], ids=["inference tensor", "normal tensor"])

@@ -24,7 +24,6 @@ from pyhvp.check_julia import (
 from pyhvp.hvp import grad_and_hvp
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(julia_available(), reason="Julia can start here: the check runs for real")
 def test_without_julia_the_check_says_why_and_exits_with_the_skip_code():
     done = subprocess.run(

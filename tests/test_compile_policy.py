@@ -2,6 +2,7 @@
 
 import functools
 import gc
+import logging
 import subprocess
 import sys
 import weakref
@@ -158,6 +159,36 @@ def test_a_compiled_kernel_slower_than_eager_is_declined_after_its_trial(
     assert runs == ["eager"] * 2 + first + rest
 
 
+@pytest.mark.parametrize("compiled_cost", [2.0, 0.5], ids=["slower: declined", "faster: kept"])
+def test_compile_true_is_never_slower_than_eager(monkeypatch, compile_cache, compiled_cost):
+    """Issue 25: compile=True compiles at the first call, then times its compiled and eager
+    calls alternately (each serving the call) and runs eagerly for good where inductor's kernel
+    is slower than eager ATen."""
+    now = [0.0]
+    monkeypatch.setattr(compile_policy, "clock", lambda: now[0])
+    runs = []
+
+    def fake_compile(kernel, f, static):
+        def run(x):
+            runs.append("compiled")
+            now[0] += compiled_cost
+            return x
+
+        return run
+
+    def eager_kernel(f, x):
+        runs.append("eager")
+        now[0] += 1.0
+        return x
+
+    monkeypatch.setattr(torch_backend, "_compile_bound", fake_compile)
+    backend = pyhvp.TorchBackend(compile=True)
+    for _ in range(30):
+        backend._run(eager_kernel, eager_kernel, scaled, (), (torch.zeros(1),))
+    settled = "eager" if compiled_cost > 1.0 else "compiled"
+    assert runs[-5:] == [settled] * 5
+
+
 def test_a_faster_kernel_whose_first_trial_calls_stall_is_kept(monkeypatch, compile_cache):
     """Two of the first three compiled calls stall (another process held the core): the trial
     goes on while the kernel looks slower, and keeps it once its median is faster."""
@@ -261,6 +292,7 @@ def test_expected_compile_cost_is_the_median_of_measured_compiles():
     assert cache.expected_compile_seconds() == 3.0
 
 
+@pytest.mark.slow  # a spawned interpreter
 def test_a_short_script_under_auto_never_loads_the_compiler():
     """Ten quick calls stay eager and never import inductor's compiler (importing it alone takes
     seconds; some torch releases import the package torch._inductor itself with torch)."""
@@ -469,3 +501,40 @@ def test_the_check_catches_inductors_overlap_bug_without_pyhvps_pass(monkeypatch
         _, hv = pyhvp.grad_and_hvp(f, x, v, backend=pyhvp.TorchBackend(compile=True))
     _, eager = pyhvp.grad_and_hvp(f, x, v, backend=pyhvp.TorchBackend(compile=False))
     torch.testing.assert_close(hv, eager)
+
+
+def exact_compiles(monkeypatch):
+    """Compiled kernels that run the traced kernel eagerly (no torch.compile: instant)."""
+    monkeypatch.setattr(
+        torch_backend,
+        "_compile_bound",
+        lambda kernel, f, static: functools.partial(kernel, f, *static),
+    )
+
+
+def test_the_first_compile_under_auto_is_announced_once_with_how_to_choose(
+    monkeypatch, compile_after_eager_calls, caplog
+):
+    """A compile mid-loop stalls for seconds: the first one says what compiles, for how long,
+    and how to choose instead (WARNING on the pyhvp logger); later ones say it at INFO."""
+    exact_compiles(monkeypatch)
+    compile_after_eager_calls(2)
+    caplog.set_level(logging.INFO, logger="pyhvp")
+    x = torch.randn(4, 3)
+    for f in (lambda x: (x**3).sum(-1), lambda x: (x**4).sum(-1)):
+        for _ in range(3):
+            pyhvp.hvp(f, x, x)
+    (first, second) = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert first[0] == "WARNING" and second[0] == "INFO"
+    for text in ("Hessian-vector products of <lambda>", "(4, 3) float32 input", "about 2 s",
+                 "TorchBackend(compile=False) never compiles",
+                 "TorchBackend(compile=True) compiles at the first call"):  # fmt: skip
+        assert text in first[1]
+
+
+def test_compile_true_compiles_without_an_announcement(monkeypatch, caplog):
+    exact_compiles(monkeypatch)
+    caplog.set_level(logging.INFO, logger="pyhvp")
+    x = torch.randn(4, 3)
+    pyhvp.hvp(lambda x: (x**3).sum(-1), x, x, backend=pyhvp.TorchBackend(compile=True))
+    assert caplog.records == []

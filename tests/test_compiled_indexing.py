@@ -54,6 +54,15 @@ def slice_assignment(x):
 FUNCTIONS = [index_select, index_add, index_copy, index_assignment, slice_assignment]
 
 
+def tiered(cases, fast):
+    """Each case as a pytest param, the one named ``fast`` in ``make test`` and the others marked
+    slow (compiling is this module's cost: 5-13 s a case; ``make test-all`` runs them all)."""
+    return [
+        pytest.param(case, id=name, marks=() if name == fast else pytest.mark.slow)
+        for name, case in cases.items()
+    ]
+
+
 # Miscompiles the pass does not prevent, which the first-call check of compiled kernels catches
 # (pyhvp.backends.compile_policy.disagreement): the call then returns the eager result.
 CAUGHT_BY_THE_CHECK = {("hvp", "index_assignment")} if torch.__version__ < "2.13" else set()
@@ -70,7 +79,7 @@ def compiled(operator, f, run):
     return out
 
 
-@pytest.mark.parametrize("f", FUNCTIONS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("f", tiered({f.__name__: f for f in FUNCTIONS}, fast="index_select"))
 def test_compiled_hvps_equal_the_dense_hessian_times_v(f, device):
     x = torch.randn(5, 6, dtype=torch.float64, device=device)
     v = torch.randn(3, 5, 6, dtype=torch.float64, device=device)
@@ -78,7 +87,7 @@ def test_compiled_hvps_equal_the_dense_hessian_times_v(f, device):
     torch.testing.assert_close(hv, instance_hvp(f, x, v))
 
 
-@pytest.mark.parametrize("f", FUNCTIONS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("f", tiered({f.__name__: f for f in FUNCTIONS}, fast="index_add"))
 def test_compiled_laplacians_equal_the_dense_trace(f, device):
     x = torch.randn(5, 6, dtype=torch.float64, device=device)
     lap = compiled("laplacian", f, lambda: pyhvp.laplacian(f, x, backend=COMPILED))
@@ -100,7 +109,7 @@ WRITES = {
 }
 
 
-@pytest.mark.parametrize("write", WRITES.values(), ids=WRITES.keys())
+@pytest.mark.parametrize("write", tiered(WRITES, fast="index_add"))
 def test_a_write_into_an_expanded_intermediate_compiles_to_eager_values(write, device):
     x = torch.randn(4, 6, device=device)
     i = PICK.to(device)
@@ -122,6 +131,7 @@ def test_the_pass_copies_only_destinations_that_overlap_themselves():
     assert (clones(overlapping), clones(dense)) == (before[0] + 1, before[1])
 
 
+@pytest.mark.slow  # a compiled kernel and its compiled backward
 def test_compiled_laplacian_gradients_in_captured_weights_equal_the_dense_ones(device):
     """A PINN-style step: the compiled kernel's backward (AOTAutograd) carries the same writes."""
     w = torch.randn(4, dtype=torch.float64, device=device, requires_grad=True)

@@ -1,10 +1,16 @@
 """Specification of degenerate and unusual inputs, the same on every operator and every path:
 constant functions, inference mode, outputs that are not real floating tensors, unused
-parameters, half precision."""
+parameters, half precision, functions that compute in another dtype than x's."""
 
 import pytest
 import torch
-from dense import dense_sub_hessian, instance_hessian_diagonal, instance_hvp
+from dense import (
+    dense_sub_hessian,
+    instance_hessian_diagonal,
+    instance_hvp,
+    instance_jacobian,
+    instance_laplacian,
+)
 from torch import nn
 
 import pyhvp
@@ -158,3 +164,81 @@ def test_a_scalar_diagonal_of_an_expanded_x_equals_the_contiguous_one(method, de
         torch.manual_seed(1)
         results.append(pyhvp.hessian_diagonal(f, layout, event_dims=2, method=method, **kwargs))
     torch.testing.assert_close(*results)
+
+
+# --- result dtypes: a derivative with respect to x has x's dtype (issue 29) ----------------------
+
+CASTS = {".float()": torch.float32, ".double()": torch.float64, ".half()": torch.float16,
+         ".bfloat16()": torch.bfloat16}  # fmt: skip
+PRECISION = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 1e-1}
+
+
+def cubes(y):
+    """A diagonal Hessian (6 y): every estimator is exact on it."""
+    return (y**3).sum(-1)
+
+
+# operator -> (the derivatives in x of a scalar-per-instance f, their dense references)
+DERIVATIVES = {
+    "hvp": (lambda f, x: (pyhvp.hvp(f, x, torch.ones_like(x)),),
+            lambda f, x: (instance_hvp(f, x, torch.ones_like(x)),)),
+    "grad_and_hvp": (lambda f, x: pyhvp.grad_and_hvp(f, x, torch.ones_like(x)),
+                     lambda f, x: (instance_jacobian(f, x), instance_hvp(f, x, torch.ones_like(x)))),
+    "hessian_diagonal exact": (lambda f, x: (pyhvp.hessian_diagonal(f, x),),
+                               lambda f, x: (instance_hessian_diagonal(f, x),)),
+    "hessian_diagonal hutchinson": (
+        lambda f, x: (pyhvp.hessian_diagonal(f, x, method="hutchinson", samples=2),),
+        lambda f, x: (instance_hessian_diagonal(f, x),)),
+    "hessian_diagonal diag++": (
+        lambda f, x: (pyhvp.hessian_diagonal(f, x, method="diag++", samples=9),),
+        lambda f, x: (instance_hessian_diagonal(f, x),)),
+    "hessian_diagonal of per_instance": (
+        lambda f, x: (pyhvp.hessian_diagonal(pyhvp.per_instance(f), x),),
+        lambda f, x: (instance_hessian_diagonal(f, x),)),
+    "laplacian exact": (lambda f, x: (pyhvp.laplacian(f, x),),
+                        lambda f, x: (instance_laplacian(f, x),)),
+    "laplacian hutchinson": (lambda f, x: (pyhvp.laplacian(f, x, method="hutchinson", samples=2),),
+                             lambda f, x: (instance_laplacian(f, x),)),
+    "laplacian hutch++": (lambda f, x: (pyhvp.laplacian(f, x, method="hutch++", samples=9),),
+                          lambda f, x: (instance_laplacian(f, x),)),
+    "grad_and_laplacian": (lambda f, x: pyhvp.grad_and_laplacian(f, x)[1:],
+                           lambda f, x: (instance_jacobian(f, x), instance_laplacian(f, x))),
+    "sub_hessian": (lambda f, x: (pyhvp.sub_hessian(lambda p: f(p).sum(), x, INDEX),),
+                    lambda f, x: (dense_sub_hessian(lambda p: f(p).sum(), x, INDEX),)),
+    "sub_hessian of dict params": (
+        lambda f, x: tuple(pyhvp.sub_hessian(lambda p: f(p["w"]).sum(), {"w": x},
+                                             {"w": INDEX}).values()),
+        lambda f, x: (dense_sub_hessian(lambda p: f(p).sum(), x, INDEX),)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("call", "reference"), DERIVATIVES.values(), ids=DERIVATIVES.keys())
+@pytest.mark.parametrize("cast", CASTS.values(), ids=CASTS.keys())
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64 x", "float32 x"])
+def test_a_derivative_in_x_has_x_s_dtype_whatever_f_computes_in(call, reference, cast, dtype,
+                                                                   device):  # fmt: skip
+    """As autograd's gradients do: f computing in float32, float16 or bfloat16 gives results to
+    that precision, in x's dtype (the Taylor engine returned f's dtype)."""
+    x = (torch.rand(4, 3, dtype=torch.float64, device=device) + 0.5).to(dtype)
+    results = call(lambda y: cubes(y.to(cast)), x)
+    expected = reference(cubes, x.double())
+    precision = max(PRECISION[cast], PRECISION[dtype])
+    assert [r.dtype for r in results] == [dtype] * len(expected)
+    for got, want in zip(results, expected, strict=True):
+        torch.testing.assert_close(got.double(), want, rtol=precision, atol=precision)
+
+
+@pytest.mark.parametrize("cast", CASTS.values(), ids=CASTS.keys())
+def test_grad_and_laplacian_s_value_has_f_s_dtype(cast, device):
+    """The value is f's, not a derivative: in the dtype f returns."""
+    x = torch.rand(4, 3, dtype=torch.float64, device=device) + 0.5
+    value, gradient, laplacian = pyhvp.grad_and_laplacian(lambda y: cubes(y.to(cast)), x)
+    assert (value.dtype, gradient.dtype, laplacian.dtype) == (cast, x.dtype, x.dtype)
+
+
+@pytest.mark.parametrize("dtype", CASTS.values(), ids=[str(d) for d in CASTS.values()])
+def test_kronecker_hvp_applies_in_v_s_dtype(dtype, device):
+    """No f to cast: apply's result has v's dtype, grad's (a v of another dtype is refused)."""
+    kron = pyhvp.KroneckerHVP()
+    kron.update(torch.randn(2, 3, 4, device=device).to(dtype))
+    assert kron.apply(torch.randn(2, 3, 4, device=device).to(dtype)).dtype == dtype

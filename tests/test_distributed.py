@@ -33,12 +33,17 @@ from dense import dense_sub_hessian
 from test_sub_hessian_routes import F64 as ROUTE_TOLERANCE
 from test_sub_hessian_routes import ROUTES, batch_loss, summed_dense
 from test_sub_hessian_routes import data_set as routes_data_set
+from test_sub_hessian_sparse_ops import lenet as small_lenet
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import pyhvp
 
-pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is unavailable")
+pytestmark = [
+    pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is unavailable"),
+    # one worker under pytest-xdist (--dist loadgroup): the module's ranks are spawned once
+    pytest.mark.xdist_group("distributed"),
+]
 
 F64 = {"rtol": 1e-10, "atol": 1e-12}  # float64 sums of a few terms in another order
 
@@ -435,9 +440,9 @@ SCENARIOS = {
 }
 
 
-def grouped_and_alone(loss, params, index, batches, joint=False):
+def grouped_and_alone(loss, params, index, batches, joint=False, method="auto"):
     """``sub_hessian`` over ``batches`` in a world of one and without a group."""
-    kwargs = {"data": batches, "joint": joint, "backend": EAGER}
+    kwargs = {"data": batches, "joint": joint, "backend": EAGER, "method": method}
     grouped = pyhvp.sub_hessian(loss, params, index, group=dist.group.WORLD, **kwargs)
     return grouped, pyhvp.sub_hessian(loss, params, index, **kwargs)
 
@@ -453,6 +458,18 @@ def two_dtypes():
     return loss, params, index, [torch.rand(2, 3), torch.rand(2, 3)]
 
 
+def conv_net():
+    """test_sub_hessian_sparse_ops' small LeNet over two batches: convolutions, pooling and
+    linear layers, every tensor selected."""
+    torch.manual_seed(6)
+    loss, params = pyhvp.module_loss(small_lenet().double(), nn.CrossEntropyLoss(reduction="sum"))
+    batches = [
+        (torch.rand(n, 1, 12, 12, dtype=torch.float64), torch.randint(0, 3, (n,))) for n in (3, 2)
+    ]
+    index = {name: torch.randint(0, p.numel(), (4,)) for name, p in params.items()}
+    return loss, params, index, batches
+
+
 def by_route(method, group):
     """test_sub_hessian_routes' data set summed over ``group`` by one route of sub_hessian."""
     params, batches, index = routes_data_set()
@@ -464,6 +481,7 @@ PLAYS = {
     "world of one": {
         "data set": lambda r, w, g: grouped_and_alone(*data_set()[:4], joint=True),
         "two dtypes": lambda r, w, g: grouped_and_alone(*two_dtypes()),
+        "conv net, sparse": lambda r, w, g: grouped_and_alone(*conv_net(), method="sparse"),
         "its own error": lambda r, w, g: pyhvp.sub_hessian(
             lambda p: 1 / 0, torch.zeros(2), torch.tensor([0]), group=g
         ),
@@ -543,25 +561,27 @@ def value(outcome):
     return outcome["value"]
 
 
-@pytest.mark.slow
 def test_a_world_of_one_gives_the_single_process_result(alone):
     grouped, single = value(alone["data set"])
     assert torch.equal(grouped, single)
 
 
 @pytest.mark.slow
+def test_a_conv_net_by_the_sparse_route_sums_over_the_group(alone):
+    grouped, single = value(alone["conv net, sparse"])
+    torch.testing.assert_close(grouped, single, rtol=0, atol=0)
+
+
 def test_blocks_of_two_dtypes_travel_together_and_keep_their_dtypes(alone):
     """One all_reduce carries every block (in the promoted dtype); each comes back in its own."""
     grouped, single = value(alone["two dtypes"])
     torch.testing.assert_close(grouped, single, rtol=0, atol=0)
 
 
-@pytest.mark.slow
 def test_a_world_of_one_reraises_its_own_error(alone):
     assert alone["its own error"].get("error") == "ZeroDivisionError", alone["its own error"]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("method", ROUTES)
 def test_a_world_of_one_gives_the_dense_sum_on_every_sub_hessian_route(alone, method):
     got = value(alone[f"route {method}"])
@@ -574,7 +594,6 @@ def test_a_world_of_one_gives_the_dense_sum_on_every_sub_hessian_route(alone, me
         start += len(flat)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("operator, function", CASES, ids=[f"{o.name}: {f.name}" for o, f in CASES])
 def test_two_ranks_gather_the_full_batch_result(ranks, operator, function):
     x, v, mu = particles()
@@ -601,7 +620,6 @@ SUMS = {  # scenario: joint
 }
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("scenario, joint", SUMS.items(), ids=SUMS.keys())
 def test_every_rank_returns_the_same_sum_over_all_batches(ranks, scenario, joint):
     results = [value(outcome[scenario]) for outcome in ranks]
@@ -613,7 +631,6 @@ def test_every_rank_returns_the_same_sum_over_all_batches(ranks, scenario, joint
         assert torch.equal(results[0], results[0].T)
 
 
-@pytest.mark.slow
 def test_the_group_stays_in_step_after_errors(ranks):
     first, again = (value(ranks[0][name]) for name in ("data set", "data set, after the errors"))
     assert torch.equal(first, again)
@@ -629,7 +646,6 @@ FAILURES = {  # scenario: (rank 0's error, its message must contain, rank 1's er
 }
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("scenario, expected", FAILURES.items(), ids=FAILURES.keys())
 def test_a_failure_on_one_rank_is_an_error_on_every_rank(ranks, scenario, expected):
     for outcome, (error, text) in zip(ranks, [expected[:2], expected[2:]], strict=True):
@@ -644,7 +660,6 @@ def test_a_failure_on_one_rank_is_an_error_on_every_rank(ranks, scenario, expect
         assert "rank 0:" in ranks[0][scenario]["message"]
 
 
-@pytest.mark.slow
 def test_a_rank_that_never_calls_is_bounded_by_the_group_timeout(ranks):
     waiting = ranks[0]["a rank never calls"]
     assert waiting.get("error") == "RuntimeError", waiting

@@ -13,7 +13,6 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 ARGS = {"particles_hvp.py": ["2e4"]}  # a small problem: the example's default is sized for a GPU
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("script", sorted(p.name for p in EXAMPLES.glob("*.py")))
 def test_example_runs_and_checks_itself(script):
     done = subprocess.run(
@@ -26,7 +25,6 @@ def test_example_runs_and_checks_itself(script):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
 
 
-@pytest.mark.slow
 def test_getting_started_tour_runs():
     tour = Path(__file__).resolve().parents[1] / "docs" / "tour.py"
     done = subprocess.run([sys.executable, str(tour)], capture_output=True, text=True, timeout=600)

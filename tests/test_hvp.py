@@ -115,7 +115,6 @@ def test_auto_compile_kicks_in_once_eager_time_reaches_the_compile_cost(
     assert len(compiled) == 1 and all(torch.allclose(r, results[0]) for r in results)
 
 
-@pytest.mark.slow
 def test_compile_failure_warns_and_runs_eagerly(monkeypatch):
     def broken_compile(fn, **kw):
         def run(*args):
@@ -178,7 +177,6 @@ def test_inference_tensors_are_accepted():
     torch.testing.assert_close(hv.double(), instance_hvp(gaussian, x, v, mu), **tolerance(x.dtype))
 
 
-@pytest.mark.slow
 def test_an_error_of_f_is_raised_as_is_not_reported_as_a_compile_failure():
     def total(x):  # the sum, not one value per instance
         return (x**3).sum()

@@ -1,6 +1,7 @@
 """Specification of sub_hessian's two routes (sparse injection and reverse HVPs) and of the cost
-model that picks one per call: both equal dense float64 references, and the choice is observable
-on the ``pyhvp.sub_hessian`` logger (never inferred from timing)."""
+model that splits the selected tensors between them: every split equals dense float64 references,
+and the choice is observable on the ``pyhvp.sub_hessian`` logger (never inferred from timing).
+The injections op by op are ``test_sub_hessian_sparse_ops``'s."""
 
 import logging
 import warnings
@@ -83,7 +84,19 @@ CASES = [
 
 
 def routes_taken(caplog):
-    return [r.getMessage().split()[1] for r in caplog.records if r.name == "pyhvp.sub_hessian"]
+    """Per logged batch: "sparse" (every tensor), "reverse" (every tensor) or "mixed"."""
+    taken = []
+    for record in caplog.records:
+        if record.name != "pyhvp.sub_hessian":
+            continue
+        sparse, reverse = getattr(record, "sparse", []), getattr(record, "reverse", ["all"])
+        taken.append("mixed" if sparse and reverse else "sparse" if sparse else "reverse")
+    return taken
+
+
+def reverse_tensors(caplog):
+    """Per logged batch, the tensors the reverse route took, as the log names them."""
+    return [set(record.reverse) for record in caplog.records if hasattr(record, "reverse")]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
@@ -102,9 +115,10 @@ def test_joint_and_blocks_equal_the_dense_sub_hessian(case, method, caplog):
         part = expected[start : start + len(flat), start : start + len(flat)]
         torch.testing.assert_close(blocks[name], part, **F64)
         start += len(flat)
-    few = sum(len(flat) for flat in index.values()) < pyhvp.restricted.MIN_COMPONENTS
-    route = "reverse" if method == "reverse" or (method == "auto" and few) else "sparse"
-    assert routes_taken(caplog) == [route] * 2
+    few = sum(len(flat) for flat in index.values()) < pyhvp.restricted.routes.MIN_COMPONENTS
+    if method != "auto" or few:  # else the cost model's choice
+        route = "reverse" if method == "reverse" or (method == "auto" and few) else "sparse"
+        assert routes_taken(caplog) == [route] * 2
 
 
 @pytest.mark.slow
@@ -145,10 +159,10 @@ def test_a_loss_the_sparse_route_refuses_takes_the_reverse_route_when_compiled(c
     backend = pyhvp.TorchBackend(compile=True)
     index = torch.tensor([0, 9, 63, 9, 1, 2, 3, 17])
     with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"):
-        calls = [pyhvp.sub_hessian(big_matmul, BIG, index, backend=backend) for _ in range(2)]
+        calls = [pyhvp.sub_hessian(big_cumsum, BIG, index, backend=backend) for _ in range(2)]
     assert routes_taken(caplog) == ["reverse"] * 2
     for got in calls:
-        torch.testing.assert_close(got, dense_sub_hessian(big_matmul, BIG, index), **F64)
+        torch.testing.assert_close(got, dense_sub_hessian(big_cumsum, BIG, index), **F64)
 
 
 def seed_model():
@@ -215,9 +229,12 @@ def test_data_batches_sum_on_every_route(method):
     torch.testing.assert_close(got, summed_dense(params, batches, index), **F64)
 
 
-BIG = torch.randn(80, 80, dtype=torch.float64)  # 6400 entries: over DENSE_LIMIT
+BIG = torch.randn(65, 64, dtype=torch.float64)  # 4160 entries: over DENSE_LIMIT
 SMALL = torch.randn(8, 8, dtype=torch.float64)
-X = torch.rand(5, 80, dtype=torch.float64)
+X = torch.rand(5, 64, dtype=torch.float64)
+WIDE = torch.rand(400, 60, dtype=torch.float64)
+MEDIUM = torch.randn(40, 60, dtype=torch.float64)
+MANY = torch.tensor([0, 9, 63, 9, 1, 2, 3, 17, *range(100, 2400, 100)])
 
 
 def weight_decay(p):
@@ -225,12 +242,15 @@ def weight_decay(p):
     return (torch.tanh(F.linear(X[:, :8], p)) ** 2).sum() + 0.1 * (p**4).sum()
 
 
-def big_matmul(p):
-    return torch.tanh(X @ p.t()).sum() ** 2
+def big_cumsum(p):
+    """A big tensor in an op without a sparse rule: refused there."""
+    return (torch.tanh(torch.cumsum(p, 0) @ X.T) ** 2).sum()
 
 
-def big_squared(p):
-    return torch.tanh(F.linear(X, p)).sum() + (p**3).sum()
+def seed_like(p):
+    """The seed's case: a linear weight whose product (400 x 60 x 40 per direction) dwarfs its
+    tail (400 x 40 logits)."""
+    return torch.logsumexp(WIDE @ p.T, -1).sum()
 
 
 def writes_selected(p):
@@ -248,53 +268,80 @@ class ChoiceCase:
     route: str
 
 
-CHOICES = [
-    ChoiceCase("linear weight and a small dense use", weight_decay, SMALL, "sparse"),
-    ChoiceCase("big tensor through x @ W.t()", big_matmul, BIG, "reverse"),
-    ChoiceCase("big tensor as a linear weight and cubed", big_squared, BIG, "reverse"),
-]
-
-
-@pytest.mark.parametrize("case", CHOICES, ids=lambda c: c.name)
-def test_cost_model_choice_is_logged_and_both_agree_with_dense(case, caplog):
-    index = torch.tensor([0, 9, 63, 9, 1, 2, 3, 17])
+def test_a_big_tensor_in_an_op_without_a_sparse_rule_takes_the_reverse_route(caplog):
+    index = torch.tensor([0, 9, 63, 9, 1, 2, 3, 17, 4159])
     with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"):
-        got = pyhvp.sub_hessian(case.loss, case.params, index)
-    assert routes_taken(caplog) == [case.route]
-    torch.testing.assert_close(got, dense_sub_hessian(case.loss, case.params, index), **F64)
+        got = pyhvp.sub_hessian(big_cumsum, BIG, index)
+    (message,) = [r.getMessage() for r in caplog.records if r.name == "pyhvp.sub_hessian"]
+    assert "reverse route for params (enters torch.cumsum, which has no sparse rule" in message
+    expected = pyhvp.sub_hessian(big_cumsum, BIG, index, method="reverse")
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_a_big_product_with_a_small_tail_takes_the_sparse_route(caplog):
+    with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"):
+        got = pyhvp.sub_hessian(seed_like, MEDIUM, MANY)
+    assert routes_taken(caplog) == ["sparse"]
+    torch.testing.assert_close(got, dense_sub_hessian(seed_like, MEDIUM, MANY), **F64)
+
+
+def mixed_loss(p):
+    """``w`` in an op without a sparse rule, ``v`` the sparse route's case."""
+    return big_cumsum(p["w"]) + seed_like(p["v"])
+
+
+@pytest.mark.parametrize("joint", [False, True])
+def test_a_mixed_model_splits_by_tensor(joint, caplog):
+    params = {"w": BIG, "v": MEDIUM}
+    index = {"w": torch.tensor([0, 9, 4159, 9]), "v": MANY}
+    with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"):
+        got = pyhvp.sub_hessian(mixed_loss, params, index, joint=joint)
+    assert reverse_tensors(caplog) == [{"params['w']"}]
+    expected = pyhvp.sub_hessian(mixed_loss, params, index, joint=joint, method="reverse")
+    torch.testing.assert_close(got, expected, **F64)
 
 
 def switching_loss(p, batch):
-    """Sparse for a batch whose flag is False; a dense use of the big weight where it is True."""
+    """``w`` the sparse route's case for a batch whose flag is False; in torch.cumsum (refused)
+    where it is True."""
     inputs, dense = batch
-    out = torch.tanh(F.linear(inputs, p["w"], p["b"])).sum() ** 2
-    return out + (p["w"] ** 3).sum() if dense else out
+    out = torch.logsumexp(F.linear(inputs, p["w"], p["b"]), -1).sum()
+    return out + (torch.cumsum(p["w"], 0) ** 2).sum() if dense else out
 
 
 def test_batches_after_one_the_sparse_route_refuses_take_the_reverse_route(caplog):
-    params = {"w": BIG, "b": torch.randn(80, dtype=torch.float64)}
-    index = {"w": torch.tensor([0, 9, 6399, 81, 9, 160]), "b": torch.tensor([3, 0])}
-    batches = [(X, False), (X[:3], True), (X[1:], False)]
+    params = {
+        "w": torch.randn(70, 60, dtype=torch.float64),
+        "b": torch.randn(70, dtype=torch.float64),
+    }
+    index = {"w": MANY, "b": torch.tensor([3, 0])}
+    batches = [(WIDE, False), (WIDE[:300], True), (WIDE[100:], False)]
     with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"):
         joint = pyhvp.sub_hessian(switching_loss, params, index, data=batches, joint=True)
         blocks = pyhvp.sub_hessian(switching_loss, params, index, data=batches)
-    assert routes_taken(caplog) == ["sparse", "reverse", "reverse"] * 2
-    expected = sum(
-        dense_sub_hessian(lambda p, b=b: switching_loss(p, b), params, index) for b in batches
+    taken = reverse_tensors(caplog)
+    # per call: the first batch's routes, then the second batch's, surveyed anew, for the rest
+    assert len(taken) == 6 and all("params['w']" in t for t in taken[1:3] + taken[4:6])
+    assert "params['w']" not in taken[0] | taken[3]
+    expected = pyhvp.sub_hessian(
+        switching_loss, params, index, data=batches, joint=True, method="reverse"
     )
     torch.testing.assert_close(joint, expected, **F64)
-    torch.testing.assert_close(blocks["w"], expected[:6, :6], **F64)
-    torch.testing.assert_close(blocks["b"], expected[6:, 6:], **F64)
+    k = len(MANY)
+    torch.testing.assert_close(blocks["w"], expected[:k, :k], **F64)
+    torch.testing.assert_close(blocks["b"], expected[k:, k:], **F64)
 
 
 def test_forcing_the_sparse_route_where_it_does_not_apply_raises_the_reason():
-    with pytest.raises(ValueError, match=r"method='sparse' does not apply.*not as the weight"):
-        pyhvp.sub_hessian(big_matmul, BIG, torch.tensor([0, 1]), method="sparse")
+    with pytest.raises(ValueError, match=r"method='sparse' does not apply.*torch\.cumsum"):
+        pyhvp.sub_hessian(big_cumsum, BIG, torch.tensor([0, 1]), method="sparse")
 
 
 def test_a_write_to_a_selected_tensor_is_never_run_by_the_sparse_route(caplog):
-    with pytest.raises(ValueError, match="writes to a selected tensor"):
+    before = SMALL.clone()
+    with pytest.raises(ValueError, match=r"is written by Tensor\.mul_"):
         pyhvp.sub_hessian(writes_selected, SMALL, torch.tensor([0]), method="sparse")
+    assert torch.equal(SMALL, before)  # the survey stopped before the write
     with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"), pytest.raises(RuntimeError):
         pyhvp.sub_hessian(writes_selected, SMALL, torch.tensor([0]))  # reverse: a leaf written
     assert routes_taken(caplog) == ["reverse"]
@@ -321,7 +368,7 @@ def test_fewer_than_min_components_take_the_sparse_route_when_compiled_from_the_
     torch.testing.assert_close(got, dense_sub_hessian(weight_decay, SMALL, index), **F64)
 
 
-def test_tensors_of_two_dtypes_take_the_reverse_route(caplog):
+def test_tensors_of_two_dtypes_never_share_a_sparse_pass(caplog):
     params = {"w": torch.randn(3, 4), "b": torch.randn(3, dtype=torch.float64)}
     index = {"w": torch.tensor([0, 5, 1, 2, 3, 4, 6]), "b": torch.tensor([1])}
 
@@ -329,13 +376,14 @@ def test_tensors_of_two_dtypes_take_the_reverse_route(caplog):
         return torch.tanh(F.linear(torch.ones(4), p["w"])).sum() + (p["b"] ** 3).sum()
 
     with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"):
-        blocks = pyhvp.sub_hessian(loss, params, index)
-    assert routes_taken(caplog) == ["reverse"]
+        blocks = pyhvp.sub_hessian(loss, params, index, method="sparse")
+    (record,) = [r for r in caplog.records if hasattr(r, "sparse")]
+    assert sorted(record.sparse) == [["params['b']"], ["params['w']"]]
     assert blocks["w"].dtype == torch.float32 and blocks["b"].dtype == torch.float64
-    with pytest.raises(ValueError, match="differ in dtype"):
-        pyhvp.sub_hessian(loss, params, index, method="sparse")
+    expected = pyhvp.sub_hessian(loss, params, index, method="reverse")
+    torch.testing.assert_close(blocks, expected)
 
 
 def test_method_must_be_a_route_name():
     with pytest.raises(ValueError, match="method must be one of"):
-        pyhvp.sub_hessian(big_matmul, BIG, torch.tensor([0]), method="forward")
+        pyhvp.sub_hessian(big_cumsum, BIG, torch.tensor([0]), method="forward")

@@ -278,11 +278,6 @@ ERRORS = {
         ValueError,
         "index",
     ),
-    "empty index": (
-        lambda: pyhvp.sub_hessian(square, W, torch.tensor([], dtype=torch.long)),
-        ValueError,
-        "index",
-    ),
     "dict index, tensor params": (
         lambda: pyhvp.sub_hessian(square, W, {"w": torch.tensor([0])}),
         TypeError,

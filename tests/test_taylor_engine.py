@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from dense import instance_hessian_diagonal, instance_laplacian, message_passing
 
 import pyhvp
+from pyhvp import taylor
 from pyhvp.taylor import chain, program
 
 aten = torch.ops.aten
@@ -75,7 +76,73 @@ def test_near_singular_inverse_and_slogdet_match_autograd_where_it_is_finite(dev
     torch.testing.assert_close(pyhvp.hessian_diagonal(f, x), expected, rtol=1e-5, atol=1e-6)
 
 
+# --- derivatives that are not finite stay at their entries (issue 29) ------------------------
+
+AT_ZERO = [[0.0, 1.0, 2.0, 0.5], [1.0, 0.5, 3.0, 0.0], [0.25, 1.5, 0.0, 2.0]]
+LAYER = torch.arange(1.0, 13.0, dtype=torch.float64).reshape(4, 3) / 10
+SINGULAR = {  # f, at exact zeros of x: one entry of each instance
+    "sqrt": lambda x: x.sqrt().sum(-1),
+    "log, through a linear layer": lambda x: (x.log() @ LAYER.to(x.device)).sum(-1),
+    "x ** 1.5, vector-valued": lambda x: torch.stack([(x**1.5).sum(-1), (x**0.5).sum(-1)], -1),
+    "x log x": lambda x: (x * x.log()).sum(-1),
+    "xlogy(x, x)": lambda x: torch.xlogy(x, x).sum(-1),
+}
+
+
+@pytest.mark.parametrize("f", SINGULAR.values(), ids=SINGULAR.keys())
+def test_a_derivative_that_is_not_finite_stays_at_its_entry(f, device):
+    """Where x has a zero, autograd's diagonal is -inf, inf or NaN at that entry and finite at
+    the others; pyhvp's too (the Taylor engine multiplied the infinite derivative by the zero
+    coefficients of the other directions: NaN everywhere). Not finite: -inf, inf or NaN, which
+    autograd gives in turn for the same derivative by different routes (stack, sum)."""
+    x = torch.tensor(AT_ZERO, dtype=torch.float64, device=device)
+    expected = instance_hessian_diagonal(f, x)
+    assert expected.isfinite().flatten(0, -2).sum(-1).tolist() == [3] * expected[..., 0].numel()
+    got = pyhvp.hessian_diagonal(f, x)
+    assert torch.equal(got.isfinite(), expected.isfinite())
+    torch.testing.assert_close(got[got.isfinite()], expected[expected.isfinite()])
+
+
+def test_entropy_of_a_masked_softmax_is_that_of_the_kept_entries(device):
+    """Autograd's diagonal is NaN at every kept entry (its softmax backward sums 0 * -inf over
+    the masked ones); pyhvp's is the derivative of the entropy over the kept entries alone (0 at
+    the masked ones), as the strong zeros of the masked entries' coefficients give it."""
+    kept = torch.tensor([True, False, True, True], device=device)
+
+    def entropy(x):
+        scores = x.masked_fill(~kept, -torch.inf)
+        return -(torch.softmax(scores, -1) * torch.log_softmax(scores, -1)).sum(-1)
+
+    def kept_only(y):
+        p = torch.softmax(y, -1)
+        return -(p * p.log()).sum(-1)
+
+    x = torch.randn(3, 4, dtype=torch.float64, device=device)
+    assert instance_hessian_diagonal(entropy, x)[:, kept].isnan().all()
+    expected = torch.zeros_like(x)
+    expected[:, kept] = instance_hessian_diagonal(kept_only, x[:, kept])
+    torch.testing.assert_close(pyhvp.hessian_diagonal(entropy, x), expected)
+
+
+def test_the_strong_zero_kernel_runs_only_for_results_that_are_not_finite(device):
+    """The plain kernel's finite results are the strong-zero kernel's (pyhvp.taylor.jets): a
+    call whose results are finite builds no strong-zero kernel, one whose are not builds it."""
+    f = SINGULAR["sqrt"]
+    program._PROGRAMS.clear()
+    x = torch.tensor(AT_ZERO, dtype=torch.float64, device=device)
+    pyhvp.hessian_diagonal(f, x + 1)
+    (recorded,) = program._PROGRAMS.values()
+    assert [kernel.mode.strong for kernel in recorded.kernels.values()] == [False]
+    pyhvp.hessian_diagonal(f, x)
+    assert [kernel.mode.strong for kernel in recorded.kernels.values()] == [False, True]
+
+
 # --- third order: gradients of the Laplacian against central differences -----------------------
+
+
+MASKS = (torch.tensor([True, False, True, False, True, True]),
+         torch.tensor([True, True, False, False, False, True]),
+         torch.tensor([[True, True, True], [False, True, False]]))  # fmt: skip
 
 
 def _weight(device):
@@ -91,6 +158,12 @@ THIRD_ORDER = {
         + torch.eye(2, dtype=x.dtype, device=x.device)).log().sum(-1),
     "LayerNorm (torch 2.14's triple backward is off by 50)": lambda w: lambda x: F.layer_norm(
         x @ w, (6,)).pow(3).sum(-1),
+    "masked logaddexp, both masked in places": lambda w: lambda x: torch.masked.logaddexp(
+        x @ w, x.sin(), input_mask=MASKS[0].to(x.device),
+        other_mask=MASKS[1].to(x.device)).mul(x.new_tensor(
+        [1.0, 2.0, 3.0, 4.0, 5.0, 6.0])).sum(-1),
+    "logsumexp with a row of -inf": lambda w: lambda x: torch.logsumexp(
+        (x @ w).reshape(*x.shape[:-1], 2, 3).masked_fill(MASKS[2].to(x.device), -torch.inf), -1).exp().sum(-1),
 }  # fmt: skip
 
 
@@ -107,6 +180,21 @@ def test_the_gradient_of_a_laplacian_matches_central_differences(make, device):
     (gradient,) = torch.autograd.grad(pyhvp.laplacian(f, x).sum(), x)
     expected = central_difference_gradient(lambda y: instance_laplacian(f, y), x.detach())
     torch.testing.assert_close(gradient, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_the_gradient_of_a_diagonal_through_masked_powers_is_its_closed_form(device):
+    """x ** p for tensor exponents p = 0..3 and 0 ** |x|, at exact zeros of x: their rules mask
+    ``p x^(p-1)`` where p = 0 and ``0 ** x log 0`` where x >= 0 (autograd's pow_backward); the
+    masked branches' 0 * inf made the gradient of the diagonal NaN at every entry (issue 29)."""
+    x = torch.tensor(AT_ZERO, dtype=torch.float64, device=device, requires_grad=True)
+    powers = torch.arange(4, dtype=x.dtype, device=device)
+
+    def f(y):  # per entry: 1 + y + y^2 + y^3 + 0^|y| + 0^|y|, of second derivative 2 + 6 y
+        zero = torch.zeros((), dtype=y.dtype, device=y.device)
+        return (y[..., None] ** powers).sum((-2, -1)) + (0.0 ** y.abs() + zero ** y.abs()).sum(-1)
+
+    (gradient,) = torch.autograd.grad(pyhvp.hessian_diagonal(f, x).sum(), x)
+    torch.testing.assert_close(gradient, torch.full_like(x, 6.0))
 
 
 def test_cdist_laplacian_has_finite_equal_gradients_in_a_weight(device):
@@ -218,7 +306,8 @@ def test_index_add_runs_as_one_batched_index_add_in_the_kernel():
     x = torch.randn(3, 4, dtype=torch.float64)
     captured = program.capture(message_passing, x, ())
     for collapsed in (True, False):
-        kernel = captured.kernel(collapsed, x, torch.eye(4, dtype=x.dtype)[:, None])
+        mode = taylor.JetMode(order=2, collapsed=collapsed, outputs=(2,))
+        kernel = captured.kernel(mode, x, torch.eye(4, dtype=x.dtype)[:, None])
         ops = {node.target for node in kernel.graph.graph.nodes}
         assert aten.index_add.default in ops and aten.index_put.default not in ops
 
@@ -269,9 +358,10 @@ def test_batch_norm_in_training_mode_matches_autograd_and_updates_its_statistics
 # --- mixed dtypes ---------------------------------------------------------------------------------
 
 
-def test_a_float32_x_promoted_by_a_float64_constant_has_float64_derivatives(device):
+def test_a_float32_x_promoted_by_a_float64_constant_has_x_s_dtype_derivatives(device):
     """A sum of a float64 factor times float32 directions (kept factored) multiplied float64 by
-    float32 matrices: 'expected m1 and m2 to have the same dtype'."""
+    float32 matrices: 'expected m1 and m2 to have the same dtype'. The Laplacian, computed in
+    float64, has x's dtype, as autograd's derivatives (issue 29)."""
     x = torch.randn(4, 3, device=device)
     c = torch.arange(1.0, 4.0, dtype=torch.float64, device=device)
 
@@ -279,8 +369,8 @@ def test_a_float32_x_promoted_by_a_float64_constant_has_float64_derivatives(devi
         return (c * y**2).sum(-1)
 
     lap = pyhvp.laplacian(f, x)
-    assert lap.dtype == f(x).dtype == torch.float64
-    torch.testing.assert_close(lap, instance_laplacian(f, x))
+    assert lap.dtype == x.dtype == torch.float32
+    torch.testing.assert_close(lap.double(), instance_laplacian(f, x), rtol=1e-6, atol=1e-6)
 
 
 # --- what the engine cannot carry is refused, naming the op ------------------------------------
@@ -378,9 +468,9 @@ def test_a_lifted_float_promotes_as_the_python_float_does(f, dtype, default, dev
         value, _, lap = pyhvp.grad_and_laplacian(lambda y: f(y, 0.7), x)
     finally:
         torch.set_default_dtype(previous)
-    assert value.dtype == lap.dtype == expected.dtype
+    assert (value.dtype, lap.dtype) == (expected.dtype, x.dtype)  # the Laplacian: x's (issue 29)
     torch.testing.assert_close(value, expected, rtol=0, atol=0)
-    exact = {"rtol": 1e-5, "atol": 1e-5} if expected.dtype == torch.float32 else {}
+    exact = {"rtol": 1e-5, "atol": 1e-5} if torch.float32 in (expected.dtype, lap.dtype) else {}
     torch.testing.assert_close(lap.double(), instance_laplacian(lambda y: f(y, 0.7), x), **exact)
 
 

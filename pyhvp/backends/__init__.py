@@ -41,6 +41,19 @@ that has them):
   torch backend does): :func:`pyhvp.laplacian` then calls it instead, and nothing computes the
   first derivatives of the output that it would drop.
 
+* ``taylor_coefficients(f, x, directions, args, chunk_size, *, order, outputs, collapsed=False,
+  weights=None)`` -- Taylor mode of any order, what the higher-order operators
+  (:func:`pyhvp.directional_derivatives`, :func:`pyhvp.bilaplacian`,
+  :func:`pyhvp.differential_operator`) run on. Same inputs as ``second_directional``; returns
+  one tensor per order in ``outputs``: order 0 is ``f(x, *args)`` (``out``), order ``k`` the
+  ``d^k/dt^k f(x + t u)`` per direction ``(k_dirs, *out)`` -- except, with ``collapsed``, the
+  top order ``order``, summed over the directions, each weighted by ``weights`` (``(k_dirs,)``;
+  None: all 1), shape ``out``. The three primitives above are its second-order cases.
+
+Every derivative a primitive returns has the dtype of what it differentiates with respect to
+(``x``'s; a leaf's for ``grad_and_block_hvps``), whatever dtype ``f`` computes in, as autograd's
+gradients do; ``collapsed_jet``'s value has ``f``'s (docs/guide/contract.md).
+
 Backends are chosen by name (``backend="torch"``) or passed as a value
 (``backend=TorchBackend(compile=True)``), as in DifferentiationInterface.jl.
 """
@@ -91,7 +104,11 @@ class Backend(Protocol):
 
 BACKEND_NAMES = ("torch", "julia")
 
-OPTIONAL_PRIMITIVES = {"collapsed_jet": "torch", "grad_and_block_hvps": "torch"}
+OPTIONAL_PRIMITIVES = {
+    "collapsed_jet": "torch",
+    "grad_and_block_hvps": "torch",
+    "taylor_coefficients": "torch",
+}
 """Optional primitive -> a backend that implements it."""
 
 
@@ -112,6 +129,24 @@ CollapsedJet = Callable[
 """The optional primitive ``collapsed_jet(f, x, directions, args, chunk_size)``: value, first, second."""
 
 
+class TaylorCoefficients(Protocol):
+    """The optional primitive ``taylor_coefficients`` (see the module docstring)."""
+
+    def __call__(
+        self,
+        f: Callable[..., torch.Tensor],
+        x: torch.Tensor,
+        directions: torch.Tensor,
+        args: Sequence[object],
+        chunk_size: int | None,
+        *,
+        order: int,
+        outputs: tuple[int, ...],
+        collapsed: bool = False,
+        weights: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, ...]: ...
+
+
 @overload
 def require_primitive(
     backend: Backend, primitive: Literal["grad_and_block_hvps"], operator: str
@@ -122,6 +157,12 @@ def require_primitive(
 def require_primitive(
     backend: Backend, primitive: Literal["collapsed_jet"], operator: str
 ) -> CollapsedJet: ...
+
+
+@overload
+def require_primitive(
+    backend: Backend, primitive: Literal["taylor_coefficients"], operator: str
+) -> TaylorCoefficients: ...
 
 
 def require_primitive(backend: Backend, primitive: str, operator: str) -> Callable[..., Any]:

@@ -23,6 +23,14 @@ script of ten calls never stalls on a compile and a loop of thousands still runs
   eagerly from then on, with a warning. This costs one eager call per compile. A kernel autograd
   differentiates (a training step) has a compiled backward too, compiled at its first backward:
   its first gradients are checked against the eager kernel's the same way.
+* A compile takes seconds (20 s in a fresh environment here), and under ``"auto"`` it comes in
+  the middle of a loop: the first one in a process is announced (:func:`announce`) on the
+  ``pyhvp.compile`` logger at WARNING, with what compiles, how long it is expected to take and
+  how to choose instead; later ones at INFO. It runs on the calling thread, not in the
+  background: ``torch.compile`` is not thread-safe (dynamo and inductor keep global state,
+  pytorch#118260, #136833, #168042), and the calling thread keeps using dynamo meanwhile (the
+  Taylor engine's guards); from torch 2.12 dynamo's config is per thread (pytorch#186537), so a
+  background compile would not even see the caller's settings.
 
 **Keys.** Functions are keyed by what they compute, not by object identity: a function rebuilt on
 every call from the same code over the same captured objects (a lambda in a training loop, a
@@ -42,6 +50,7 @@ since (a rebound ``nonlocal``) recompiles instead of running stale code.
 from __future__ import annotations
 
 import functools
+import logging
 import statistics
 import time
 import types
@@ -69,6 +78,10 @@ CACHE_SIZE = 64
 
 clock = time.perf_counter
 """The clock eager and compile times are read from (tests substitute a fake one)."""
+
+log = logging.getLogger("pyhvp.compile")
+"""Where compiles under ``"auto"`` are announced; silence it with
+``logging.getLogger("pyhvp").setLevel(logging.ERROR)``."""
 
 
 def function_key(f: object, _seen: frozenset[int] = frozenset()) -> Hashable:
@@ -242,6 +255,7 @@ class CompileCache:
         self.size = size
         self.entries: OrderedDict[Hashable, Entry] = OrderedDict()
         self.measured_compile_seconds: list[float] = []
+        self.announced = False
 
     def entry(self, key: Hashable) -> Entry:
         entry = self.entries.pop(key, None) or Entry()
@@ -276,6 +290,37 @@ class CompileCache:
                 self.measured_compile_seconds[index] += seconds
 
         return add
+
+    def announce(self, entry: Entry, what: str) -> None:
+        """Say that ``what`` compiles now under ``"auto"``, and what to expect: the first time
+        in this process on :data:`log` at WARNING (a loop that stalls for seconds with nothing
+        printed looks hung), with how to choose instead; later ones at INFO."""
+        first = not self.announced
+        self.announced = True
+        level = logging.WARNING if first else logging.INFO
+        if not log.isEnabledFor(level):
+            return
+        expected = self.expected_compile_seconds()
+        if self.measured_compile_seconds:
+            basis = "the median of this process's compiles"
+        else:
+            basis = "a first compile" + (
+                " with inductor's cache warm" if expected == WARM_COMPILE_SECONDS else " here"
+            )
+        message = (
+            f"pyhvp: compile='auto' compiles {what} now with torch.compile: its eager calls "
+            f"have taken {entry.eager.seconds:.1f} s, what compiling is expected to cost, so "
+            f"this call takes about {expected:.0f} s longer ({basis}); later calls run compiled "
+            f"if that is faster"
+        )
+        if first:
+            message += (
+                ". To choose: backend=pyhvp.TorchBackend(compile=False) never compiles, "
+                "TorchBackend(compile=True) compiles at the first call. Said once per process "
+                "(later compiles at INFO); silence it with "
+                "logging.getLogger('pyhvp').setLevel(logging.ERROR)"
+            )
+        log.log(level, message)
 
     @staticmethod
     def judge(entry: Entry) -> None:

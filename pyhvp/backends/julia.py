@@ -34,6 +34,7 @@ import torch
 
 from pyhvp._checks import pad_arg_to_batch, per_arg_event_dims
 from pyhvp.backends import BackendUnavailableError
+from pyhvp.taylor.recorder import recording
 
 MAX_TANGENTS_PER_CALL = 8
 """Tangents per Julia call: a compile-time width (Enzyme's ``BatchDuplicated`` on the CPU, the
@@ -237,7 +238,15 @@ def check_julia_tensor(name: str, tensor: torch.Tensor) -> None:
 
 
 def check_no_autograd(named: Sequence[tuple[str, object]]) -> None:
-    """Julia's results carry no autograd graph: refuse inputs that need one (grad mode on)."""
+    """Julia's results carry no autograd graph: refuse inputs that need one (grad mode on), and
+    calls nested in ``f`` of a Taylor-engine operator, which would read the result as a
+    constant (a silent zero derivative)."""
+    if recording():
+        raise ValueError(
+            "backend='julia' is called inside f of a Taylor-engine operator (pyhvp.laplacian, "
+            "hessian_diagonal, ...), which cannot differentiate Julia's result and would read "
+            "it as a constant: use backend='torch' for the nested call"
+        )
     for name, value in named:
         if torch.is_grad_enabled() and isinstance(value, torch.Tensor) and value.requires_grad:
             raise ValueError(

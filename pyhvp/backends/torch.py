@@ -23,7 +23,8 @@ Compilation (``TorchBackend(compile=...)``; the rule itself is :mod:`.compile_po
   eagerly until the eager time spent on it reaches the expected compile cost, then runs a
   ``torch.compile``-d kernel cached for it (ski rental: never much worse than the better of
   always-eager and always-compiled). A function rebuilt per call from the same code and captured
-  objects shares its signature.
+  objects shares its signature. The first compile in a process is announced on the
+  ``pyhvp.compile`` logger (WARNING), with its expected duration and how to choose instead.
 * ``True``: compile from the first call. ``False``: always eager.
 * Results are differentiable when an input requires grad with grad mode on, detached otherwise
   (no-grad calls run under ``no_grad``: a compiled kernel is then an inference graph). Under
@@ -50,21 +51,21 @@ Compilation (``TorchBackend(compile=...)``; the rule itself is :mod:`.compile_po
 
 from __future__ import annotations
 
-import os
-import sys
+import contextlib
+import math
 import types
 import warnings
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
-from pathlib import Path
 from typing import Any, Literal, TypeVar, cast
 
 import torch
 from torch.func import grad, vjp, vmap
 
 from pyhvp import restricted, taylor
-from pyhvp._checks import check_output
+from pyhvp._checks import check_output, fmt_shape
+from pyhvp._user_errors import quiet_tracing, stacklevel_outside_pyhvp
 from pyhvp.backends import Blocks, compile_policy, inductor
 from pyhvp.backends.compile_policy import CompileCache
 
@@ -92,9 +93,6 @@ class InstanceSum:
 
 
 Result = TypeVar("Result")
-
-Jet = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-"""A collapsed jet kernel's result: value, first-order coefficients, summed second-order ones."""
 
 
 def _grad_and_block_hvps_traced(
@@ -131,6 +129,30 @@ def _reverse_over_reverse(
     if len(tangents) <= 1:  # no vmap for one tangent (nor for none)
         return g, torch.stack([product(t)[0] for t in tangents]) if len(tangents) else tangents
     return g, vmap(lambda t: product(t)[0], chunk_size=chunk_size)(tangents)
+
+
+def _grad_and_block_hvps_functional(
+    f: Callable[..., torch.Tensor], n_leaves: int, chunk_size: int | None, *inputs: object
+) -> Blocks:
+    """Reverse-over-reverse inside ``torch.func.grad`` alone, ``H t = grad(<grad f, t>)``
+    vmapped over the tangents: what runs nested in ``f`` of a Taylor-engine operator, whose
+    recorder follows ``torch.func.grad`` but not ``vjp``'s pullback (autograd's backward pass
+    run outside any transform)."""
+    leaves, tangents, args = _split(n_leaves, inputs)
+    grads, products = [], []
+    for i, leaf_tangents in enumerate(tangents):
+
+        def of_leaf(y: torch.Tensor, i: int = i) -> torch.Tensor:
+            return f(*leaves[:i], y, *leaves[i + 1 :], *args)
+
+        def along(t: torch.Tensor, of_leaf: Callable[..., torch.Tensor] = of_leaf,
+                  i: int = i) -> torch.Tensor:  # fmt: skip
+            return cast(torch.Tensor, grad(lambda y: (grad(of_leaf)(y) * t).sum())(leaves[i]))
+
+        grads.append(cast(torch.Tensor, grad(of_leaf)(leaves[i])))
+        products.append(vmap(along, chunk_size=chunk_size)(leaf_tangents) if len(leaf_tangents)
+                        else leaf_tangents)  # fmt: skip
+    return tuple(grads), tuple(products)
 
 
 def _grad_and_block_hvps_eager(
@@ -192,6 +214,19 @@ def _split(
 def _jet_kernel(kernel: taylor.JetKernel, *inputs: torch.Tensor) -> object:
     """A flat jet kernel of :mod:`pyhvp.taylor`: plain aten ops, run eagerly or compiled."""
     return kernel(*inputs)
+
+
+def _finite_derivatives(out: object, mode: taylor.JetMode) -> bool:
+    """Whether a jet kernel's derivatives (its outputs of order 1 and up) are all finite, by
+    their sums (at least float32's range): a reduction at memory speed (an elementwise test and
+    ``all`` took as long as a vector-valued diagonal's kernel), 8 us on a small result; not
+    finite where an entry is not. A sum that overflows calls finite entries not finite, and the
+    strong-zero kernel runs for nothing."""
+    return all(
+        math.isfinite(t.detach().sum(dtype=torch.promote_types(t.dtype, torch.float32)).item())
+        for t, k in zip(cast(tuple[torch.Tensor, ...], out), mode.outputs, strict=True)
+        if k > 0
+    )
 
 
 def _compile_bound(
@@ -275,6 +310,7 @@ class _Detour(torch.autograd.Function):
         eager: Callable[..., object],
         kernel: Callable[..., object],
         hooks: Hooks,
+        kind: list[bool],
         *inputs: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
         ctx.eager, ctx.hooks = eager, hooks
@@ -284,6 +320,7 @@ class _Detour(torch.autograd.Function):
         with torch.enable_grad():
             out = kernel(*aliases)
         ctx.single = not isinstance(out, tuple)
+        kind.append(ctx.single)
         results = (cast(torch.Tensor, out),) if ctx.single else cast(tuple[torch.Tensor, ...], out)
         ctx.inner = (aliases, results)
         return tuple(r.detach() for r in results)
@@ -291,7 +328,7 @@ class _Detour(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         inputs, hooks = ctx.saved_tensors, ctx.hooks
-        wanted = [i for i, need in enumerate(ctx.needs_input_grad[3:]) if need]
+        wanted = [i for i, need in enumerate(ctx.needs_input_grad[4:]) if need]
         differentiable = torch.is_grad_enabled()  # create_graph=True
         keep = torch._C._autograd._get_current_graph_task_keep_graph()
         if not differentiable and ctx.inner is not None and (hooks.reusable or not keep):
@@ -312,15 +349,15 @@ class _Detour(torch.autograd.Function):
                 hooks.failed(error)
             else:
                 if hooks.checked is None or hooks.failed is None:
-                    return (None, None, None, *got)
+                    return (None, None, None, None, *got)
                 expected = _Detour._eager_grads(ctx, inputs, grads, wanted, differentiable)
                 difference = compile_policy.disagreement(got, expected)
                 if difference is None:
                     hooks.checked()
-                    return (None, None, None, *got)
+                    return (None, None, None, None, *got)
                 hooks.failed(CompiledKernelDisagrees(difference, "in its first compiled backward"))
-                return (None, None, None, *expected)
-        return (None, None, None, *_Detour._eager_grads(ctx, inputs, grads, wanted,
+                return (None, None, None, None, *expected)
+        return (None, None, None, None, *_Detour._eager_grads(ctx, inputs, grads, wanted,
                                                         differentiable))  # fmt: skip
 
     @staticmethod
@@ -375,10 +412,12 @@ class _Detour(torch.autograd.Function):
         kernel: Callable[..., object],
         hooks: Hooks,
     ) -> object:
-        """``kernel(*inputs)``'s results (a tensor or a tuple), differentiable in ``inputs``."""
+        """``kernel(*inputs)``'s results (a tensor or a tuple, as the kernel returns them),
+        differentiable in ``inputs``."""
+        kind: list[bool] = []  # the forward notes whether the kernel returned one tensor
         # Function.apply carries no annotations (torch 2.13)
-        out = _Detour.apply(eager, kernel, hooks, *inputs)  # type: ignore[no-untyped-call]
-        return out if len(out) > 1 else out[0]
+        out = _Detour.apply(eager, kernel, hooks, kind, *inputs)  # type: ignore[no-untyped-call]
+        return out[0] if kind[0] else out
 
 
 def _detached(out: object) -> object:
@@ -412,15 +451,22 @@ def _restore_random_state(
         torch.cuda.set_rng_state(state[1], device)
 
 
-def _stacklevel_outside_pyhvp() -> int:
-    """The ``warnings.warn`` stacklevel, for the caller of this function, that names the first
-    frame outside the pyhvp package: the user's call."""
-    package = str(Path(__file__).resolve().parents[1]) + os.sep
-    frame: types.FrameType | None = sys._getframe(1)
-    level = 1
-    while frame is not None and frame.f_code.co_filename.startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level
+KERNELS = {
+    "_jet_kernel": "a Taylor-mode kernel (hessian_diagonal, laplacian)",
+    "_grad_and_block_hvps_traced": "the Hessian-vector products of {f} (hvp, sub_hessian)",
+    "restricted_hessian": "the sparse sub-Hessian of {f}",
+}
+"""What each compiled kernel computes, for the compile announcement."""
+
+
+def _describe(kernel: Callable[..., object], f: object, inputs: Sequence[object]) -> str:
+    """What compiles: the kernel and its first tensor input, e.g. ``a Taylor-mode kernel
+    (hessian_diagonal, laplacian) on a (4096, 2) float32 input on cpu``."""
+    name = getattr(f, "__name__", type(f).__name__)
+    what = KERNELS.get(kernel.__name__, kernel.__name__).format(f=name)
+    x = next(t for t in inputs if isinstance(t, torch.Tensor))
+    dtype = str(x.dtype).removeprefix("torch.")
+    return f"{what} on a {fmt_shape(x.shape)} {dtype} input on {x.device}"
 
 
 def _require_torch_function(f: object) -> None:
@@ -485,7 +531,7 @@ class TorchBackend:
         _require_torch_function(f)
         return self._run(
             _grad_and_block_hvps_eager,
-            _grad_and_block_hvps_traced,
+            _grad_and_block_hvps_functional if taylor.recording() else _grad_and_block_hvps_traced,
             f,
             (len(leaves), chunk_size),
             (*leaves, *tangents, *args),
@@ -520,11 +566,9 @@ class TorchBackend:
     ) -> torch.Tensor:
         """``d^2/dt^2 f(x + t u)`` per direction ``(k, *out)``: see :mod:`pyhvp.backends`.
         Second-order Taylor mode; ``f`` is recorded once for all chunks of directions."""
-        # a jet kernel that is not collapsed returns one tensor: the second-order coefficients
-        parts = cast(
-            list[torch.Tensor], self._jets(f, x, directions, args, chunk_size, collapsed=False)
-        )
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        (second,) = self.taylor_coefficients(f, x, directions, args, chunk_size, order=2,
+                                             outputs=(2,))  # fmt: skip
+        return second
 
     def collapsed_jet(
         self,
@@ -535,11 +579,10 @@ class TorchBackend:
         chunk_size: int | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(f(x), first (k, *out), sum over directions of second)``: see :mod:`pyhvp.backends`."""
-        parts = cast(list[Jet], self._jets(f, x, directions, args, chunk_size, collapsed=True))
-        if len(parts) == 1:
-            return parts[0]
-        first = torch.cat([p[1] for p in parts])
-        return parts[0][0], first, sum(p[2] for p in parts[1:]) + parts[0][2]
+        value, first, second = self.taylor_coefficients(f, x, directions, args, chunk_size,
+                                                        order=2, outputs=(0, 1, 2),
+                                                        collapsed=True)  # fmt: skip
+        return value, first, second
 
     def collapsed_second(
         self,
@@ -551,40 +594,93 @@ class TorchBackend:
     ) -> torch.Tensor:
         """``collapsed_jet``'s third result alone (``out``): its kernels compute neither the
         value nor the first derivatives of f's output, which a Laplacian does not need."""
-        parts = cast(list[torch.Tensor], self._jets(f, x, directions, args, chunk_size,
-                                                    collapsed=True, second_only=True))  # fmt: skip
-        return parts[0] if len(parts) == 1 else sum(parts[1:], parts[0])
+        (second,) = self.taylor_coefficients(f, x, directions, args, chunk_size, order=2,
+                                             outputs=(2,), collapsed=True)  # fmt: skip
+        return second
 
-    def _capture(
-        self, f: Callable[..., torch.Tensor], x: torch.Tensor, args: Sequence[object]
-    ) -> taylor.Capture:
-        """``f``'s program (:func:`pyhvp.taylor.capture`: recorded, or found by dynamo's guards);
-        ``x`` enters as a fresh alias, so ``x`` in ``args`` or captured by ``f`` is a constant
-        there."""
-        _require_torch_function(f)
-        with torch.inference_mode(False):
-            return taylor.capture(f, x.clone() if x.is_inference() else x, args, self.guards)
-
-    def _jets(
+    def taylor_coefficients(
         self,
         f: Callable[..., torch.Tensor],
         x: torch.Tensor,
         directions: torch.Tensor,
         args: Sequence[object],
         chunk_size: int | None,
-        collapsed: bool,
-        second_only: bool = False,
-    ) -> list[object]:
-        """The jet kernel's results per chunk of ``chunk_size`` directions, from one capture."""
-        captured = self._capture(f, x, args)
-        parts = []
+        *,
+        order: int,
+        outputs: tuple[int, ...],
+        collapsed: bool = False,
+        weights: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, ...]:
+        """Taylor coefficients of ``f`` along ``directions``: see :mod:`pyhvp.backends`. Taylor
+        mode of ``order`` (:mod:`pyhvp.taylor`); ``f`` is recorded once for all chunks, the
+        per-direction outputs of the chunks concatenated, the collapsed one summed."""
+        mode = taylor.JetMode(order, collapsed, outputs, weights is not None)
         size = chunk_size or len(directions)
         # one chunk: directions themselves (a split costs a few microseconds a call)
-        for part in (directions,) if size >= len(directions) else torch.split(directions, size):
-            with torch.inference_mode(False):
-                kernel = captured.kernel(collapsed, x, part, second_only)
-            inputs = (x, part, *captured.constants)
-            parts.append(self._run(_jet_kernel, _jet_kernel, kernel, (), inputs, True))
+        chunks = (directions,) if size >= len(directions) else torch.split(directions, size)
+        parts_of_weights = (
+            [None] * len(chunks) if weights is None
+            else [weights] if len(chunks) == 1 else list(torch.split(weights, size))
+        )  # fmt: skip
+        parts = [
+            cast(tuple[torch.Tensor, ...], part)
+            for part in self._jets(f, x, chunks, parts_of_weights, args, mode)
+        ]
+        if len(parts) == 1:
+            return parts[0]
+        combined = []
+        for i, k in enumerate(outputs):
+            pieces = [p[i] for p in parts]
+            if k == 0:
+                combined.append(pieces[0])
+            elif mode.collapses(k):
+                combined.append(sum(pieces[1:], pieces[0]))
+            else:
+                combined.append(torch.cat(pieces))
+        return tuple(combined)
+
+    def _capture(
+        self, f: Callable[..., torch.Tensor], x: torch.Tensor, args: Sequence[object],
+        guarded: bool,
+    ) -> taylor.Capture:  # fmt: skip
+        """``f``'s program (:func:`pyhvp.taylor.capture`: recorded, or found by dynamo's guards);
+        ``x`` enters as a fresh alias, so ``x`` in ``args`` or captured by ``f`` is a constant
+        there."""
+        _require_torch_function(f)
+        with torch.inference_mode(False):
+            return taylor.capture(f, x.clone() if x.is_inference() else x, args, guarded)
+
+    def _jets(
+        self,
+        f: Callable[..., torch.Tensor],
+        x: torch.Tensor,
+        chunks: Sequence[torch.Tensor],
+        weights: Sequence[torch.Tensor | None],
+        args: Sequence[object],
+        mode: taylor.JetMode,
+    ) -> list[object]:
+        """The jet kernel's results per chunk of directions (and their weights), from one
+        capture: the plain kernel's, or, where its derivatives are not all finite, the
+        strong-zero kernel's (:mod:`pyhvp.taylor.jets`: equal wherever the plain one is finite,
+        and a non-finite derivative stays in the entries it reaches). Nested inside ``f`` of
+        another Taylor-engine operator, ``f`` is recorded and the kernels traced outside the
+        outer record, and the strong-zero kernel runs in it (:meth:`_run`: its ops are the outer
+        ``f``'s, which a finiteness test would make depend on values)."""
+        nested = taylor.recording()
+        with taylor.outside_recording() if nested else contextlib.nullcontext():
+            captured = self._capture(f, x, args, self.guards and not nested)
+        parts = []
+        for part, w in zip(chunks, weights, strict=True):
+            inputs = (x, part, *([] if w is None else [w]), *captured.constants)
+            out = None
+            for strong in (True,) if nested else (False, True):
+                outside = taylor.outside_recording() if nested else contextlib.nullcontext()
+                with outside, torch.inference_mode(False):
+                    kernel = captured.kernel(replace(mode, strong=strong), x, part, w)
+                out = self._run(_jet_kernel, _jet_kernel, kernel, (), inputs, True)
+                if strong or _finite_derivatives(out, mode):
+                    break
+            parts.append(out)
         return parts
 
     def _run(
@@ -606,6 +702,8 @@ class TorchBackend:
         into normal ones outside inference mode. ``compilable()``, asked once a signature would
         compile, says whether this torch compiles the kernel faithfully (if not, it runs eagerly
         for good, without a warning: a known limit, not a compiler failure)."""
+        if taylor.recording():  # nested in f of a Taylor-engine operator: its ops are f's
+            return traced_kernel(f, *static, *inputs)
         eager = partial(eager_kernel, f, *static)
         if _needs_autograd(inputs):
             tensors_only = all(isinstance(t, torch.Tensor) for t in inputs)
@@ -645,13 +743,22 @@ class TorchBackend:
         entry = _CACHE.entry(key)
         auto = self.compile == "auto"
         device = next(t.device for t in inputs if isinstance(t, torch.Tensor))
-        if auto and entry.compiled is not None and not entry.judged and not entry.on_trial():
+        if entry.compiled is not None and not entry.judged and not entry.on_trial():
             _CACHE.judge(entry)  # here, not after the last trial call: its backward has run
         waiting = auto and entry.compiled is None and not _CACHE.should_compile(entry)
-        if not waiting and entry.compiled is None and compilable is not None and not compilable():
-            entry.failed = True
-        if entry.failed or (auto and entry.declined) or waiting:
-            if detour is None or not waiting:
+        if not waiting and entry.compiled is None and compilable is not None:
+            with quiet_tracing():
+                entry.failed = not compilable()
+        # compile=True times eager calls during the trial too (alternately, each one serving
+        # the call): a compiled kernel slower than eager is declined, as under "auto"
+        eager_turn = (
+            not auto
+            and entry.checked
+            and entry.on_trial()
+            and (len(entry.eager.recent) < len(entry.compiled_runs.recent))
+        )
+        if entry.failed or entry.declined or waiting or eager_turn:
+            if detour is None or entry.failed or entry.declined:
                 return entry.eager.timed(lambda: eager(*inputs), device)
             # a training step: the kernel's backward counts too (on the CPU: CUDA's runs async)
             hooks = Hooks(spent=entry.eager.add_to_last if device.type == "cpu" else None,
@@ -664,6 +771,8 @@ class TorchBackend:
         )
         compiled = None if stale else entry.compiled
         if compiled is None:
+            if auto:
+                _CACHE.announce(entry, _describe(traced_kernel, f, inputs))
             compiled = _compile_bound(traced_kernel, f, static)
             entry.compiled, entry.compiled_for = compiled, f
             entry.checked = entry.backward_checked = False
@@ -677,7 +786,7 @@ class TorchBackend:
                 f"pyhvp: torch.compile failed for {getattr(f, '__name__', f)!s} "
                 f"({type(error).__name__}: {error}); running this signature eagerly",
                 RuntimeWarning,
-                stacklevel=_stacklevel_outside_pyhvp(),
+                stacklevel=stacklevel_outside_pyhvp(),
             )
 
         def backward_checked() -> None:
@@ -689,24 +798,30 @@ class TorchBackend:
             check = None if entry.backward_checked else backward_checked
             return detour(compiled, Hooks(failed, spent, checked=check))
 
+        error: Exception | None = None
         try:
-            if first_call:
-                later: list[Callable[[float], None]] = []  # the backward runs after the record
-                random_state = _random_state(device)
-                start = compile_policy.clock()
-                cpu = device.type == "cpu"
-                out = run((lambda seconds: later[0](seconds) if later else None) if cpu else None)
-                later.append(_CACHE.record_compile(entry, compile_policy.clock() - start))
-            elif auto and entry.on_trial():
-                account = entry.compiled_runs
-                spent = account.add_to_last if device.type == "cpu" else None
-                out = account.timed(lambda: run(spent), device)
-            else:
-                out = run()
+            with quiet_tracing():  # dynamo traces f: a bug of f's is reported by eager below
+                if first_call:
+                    later: list[Callable[[float], None]] = []  # the backward runs after this
+                    random_state = _random_state(device)
+                    start = compile_policy.clock()
+                    cpu = device.type == "cpu"
+                    with warnings.catch_warnings():  # torch's deprecations inside inductor
+                        warnings.filterwarnings("ignore", category=FutureWarning, module="torch")
+                        out = run((lambda s: later[0](s) if later else None) if cpu else None)
+                    later.append(_CACHE.record_compile(entry, compile_policy.clock() - start))
+                elif entry.on_trial():
+                    account = entry.compiled_runs
+                    spent = account.add_to_last if device.type == "cpu" else None
+                    out = account.timed(lambda: run(spent), device)
+                else:
+                    out = run()
         except torch.cuda.OutOfMemoryError:  # torch.OutOfMemoryError only exists from 2.5
             raise
-        except Exception as error:  # fall back
-            result = eager(*inputs)  # an error of f's own is raised here, as eagerly
+        except Exception as caught:  # fall back
+            error = caught
+        if error is not None:  # outside the handler: an error of f's own is raised as eagerly,
+            result = eager(*inputs)  # not chained to the compiler's
             failed(error)
             return result
         if first_call:  # a compiled kernel serves only once its first result is eager's

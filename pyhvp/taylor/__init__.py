@@ -1,12 +1,13 @@
-"""Second-order Taylor mode (jets) for PyTorch functions: forward Laplacians and second
-directional derivatives from one forward pass of value, first- and second-order coefficients.
+"""Taylor mode (jets) of any order for PyTorch functions: forward Laplacians, second
+directional derivatives, bi-Laplacians and directional derivatives of any order, from one
+forward pass of a value and its Taylor coefficients (:mod:`.jets`: one algebra for every order).
 
 The mechanism, and why:
 
 * **What runs.** ``f`` is recorded as a straight-line program of aten ops at every call
-  (:mod:`.program`); per-op rules (:mod:`.rules`) push a value, the first-order coefficients along
-  K directions and the second-order coefficient (per direction, or summed: collapsed Taylor mode)
-  through it; the rules are run once under ``make_fx`` into a flat graph of plain aten ops, the
+  (:mod:`.program`); per-op rules (:mod:`.rules`) push a value and its coefficients of orders
+  1..K along K directions (the top one per direction, or summed: collapsed Taylor mode) through
+  it; the rules are run once under ``make_fx`` into a flat graph of plain aten ops, the
   kernel (:mod:`.kernel`), which the torch backend runs eagerly or ``torch.compile``-s under its
   compile policy. One set of rules; the interpreter executes them exactly once per program and
   directions layout, as a tracer.
@@ -60,10 +61,10 @@ Where things are:
 """
 
 from pyhvp.taylor.fallbacks import UnsupportedOpError
-from pyhvp.taylor.jets import Context, Jet, chain
-from pyhvp.taylor.kernel import JetKernel
+from pyhvp.taylor.jets import Context, Jet, NotAtThisOrder, chain
+from pyhvp.taylor.kernel import JetKernel, JetMode
 from pyhvp.taylor.program import Capture, capture
-from pyhvp.taylor.recorder import InPlaceInputError
+from pyhvp.taylor.recorder import InPlaceInputError, outside_recording, recording
 from pyhvp.taylor.registry import register_jet_rule
 
 __all__ = [
@@ -72,8 +73,12 @@ __all__ = [
     "InPlaceInputError",
     "Jet",
     "JetKernel",
+    "JetMode",
+    "NotAtThisOrder",
     "UnsupportedOpError",
     "capture",
     "chain",
+    "outside_recording",
+    "recording",
     "register_jet_rule",
 ]

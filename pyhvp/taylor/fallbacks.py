@@ -9,8 +9,10 @@ forward on its elements only. Ops linear in their inputs go through the op itsel
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -23,11 +25,14 @@ from pyhvp.taylor.jets import (
     Context,
     Jet,
     broadcast_times,
+    chain,
     coefficient_of,
+    dense_coefficients,
     expanded,
     lifted,
     plus,
     rearrange,
+    strong,
     value_of,
 )
 
@@ -102,6 +107,17 @@ def pointwise_fallback(ctx: Context, op: Callable[..., Any], out: Tensor, args: 
     """An elementwise op of one or more jet inputs, by the chain rule with its elementwise
     gradient and Hessian (from ``torch.func`` on the op alone)."""
     fn, primals, jets = _substitute(op, args, kwargs)
+    if ctx.order > 2:
+        if len(jets) > 1:
+            try:
+                return pointwise_taylor(ctx, fn, primals, jets, out)
+            except Exception as error:  # autograd has no derivative of that order for it
+                raise _no_derivatives(op, error, ctx.order) from error
+        try:
+            derivatives = elementwise_derivatives(fn, primals[0].expand(out.shape), ctx.order)
+        except Exception as error:  # autograd has no derivative of that order for it
+            raise _no_derivatives(op, error) from error
+        return chain(ctx, out, jets[0], *derivatives)
     try:
         gradient, hessian = _elementwise_derivatives(fn, primals, out.shape)
     except Exception as error:  # autograd has no (double) derivative for it
@@ -116,10 +132,94 @@ def pointwise_fallback(ctx: Context, op: Callable[..., Any], out: Tensor, args: 
             if j.second is not None
         )
     )
+    if ctx.order == 1:
+        return Jet(out, (first,))
     for (i, j), h in hessian.items():
         term = broadcast_times(ctx.product(firsts[i], firsts[j]), h)
         second = plus(second, term if i == j else 2 * term)
-    return Jet(out, cast(Tensor, first), second)  # a sum over the jets: not None
+    return Jet(out, (first, second))  # a sum over the jets: the first is not None
+
+
+def elementwise_derivatives(fn: Callable[[Tensor], Tensor], u: Tensor,
+                            order: int) -> list[Tensor | None]:  # fmt: skip
+    """``fn^(1..order)(u)`` of an elementwise ``fn`` by nested ``torch.func.grad`` of its sum
+    (each element's derivative is its own: the sum's gradient)."""
+    derivative: Callable[[Tensor], Tensor] = fn
+    out: list[Tensor | None] = []
+    for _ in range(order):
+        derivative = _gradient_of(derivative)
+        out.append(derivative(u))
+    return out
+
+
+def _gradient_of(fn: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
+    def total(t: Tensor) -> Tensor:
+        return fn(t).sum()
+
+    return cast(Callable[[Tensor], Tensor], grad(total))
+
+
+def pointwise_taylor(ctx: Context, fn: Callable[..., Tensor], primals: tuple[Tensor, ...],
+                     jets: list[Jet], out: Tensor) -> Jet:  # fmt: skip
+    """An elementwise op of several jet inputs at any order: its elementwise mixed partials up
+    to the order (nested ``torch.func.grad`` of its sum, reverse mode) composed with the inputs'
+    Taylor coefficients (:func:`composed`)."""
+    nd, m = out.ndim, len(jets)
+    spread = tuple(p.expand(out.shape) for p in primals)
+    derivative: dict[tuple[int, ...], Callable[..., Tensor]] = {(): fn}
+    partials: dict[tuple[int, ...], Tensor] = {}
+    for p in range(1, ctx.order + 1):
+        for index in itertools.combinations_with_replacement(range(m), p):
+            lower = derivative[index[:-1]]
+            derivative[index] = cast(Callable[..., Tensor], grad(
+                lambda *v, lower=lower: lower(*v).sum(), argnums=index[-1]))  # fmt: skip
+            partials[index] = derivative[index](*spread)
+
+    def contract(vectors: list[list[Tensor | None]]) -> Tensor | None:
+        terms = []
+        for index in itertools.product(range(m), repeat=len(vectors)):
+            factors = [vectors[r][i] for r, i in enumerate(index)]
+            if any(f is None for f in factors):
+                continue
+            product = functools.reduce(operator.mul, cast(list[Tensor], factors))
+            terms.append(broadcast_times(product, partials[tuple(sorted(index))]))
+        return plus(*terms)
+
+    coefficients = [[coefficient_of(j, nd, k) for k in range(1, ctx.order + 1)] for j in jets]
+    return Jet(out, tuple(composed(ctx, contract, coefficients)))
+
+
+def composed(ctx: Context, contract: Callable[[list[list[Tensor | None]]], Tensor | None],
+             coefficients: list[list[Tensor | None]]) -> list[Tensor | None]:  # fmt: skip
+    """Coefficients 1..K of ``g(u_1, ..., u_m)`` from the inputs' (``coefficients[i][k - 1]``:
+    input ``i``'s order-``k`` one) and ``contract(vectors)``, which applies the ``p``-th
+    derivative of ``g`` to ``p`` vectors (``vectors[r][i]``: position ``r``'s coefficient of
+    input ``i``): the multivariate Faa di Bruno formula ``h_k = sum over compositions (j_1, ...,
+    j_p) of k of k! / (p! j_1! ... j_p!) D^p g [u_{j_1}, ..., u_{j_p}]``, each term of ``p >=
+    2`` factors summed over directions where its order is collapsed."""
+    out: list[Tensor | None] = []
+    for k in range(1, ctx.order + 1):
+        terms = []
+        for parts in _compositions(k):
+            vectors = [[c[j - 1] for c in coefficients] for j in parts]
+            term = contract(vectors)
+            if term is None:
+                continue
+            weight = math.factorial(k) / (math.factorial(len(parts))
+                                          * math.prod(math.factorial(j) for j in parts))  # fmt: skip
+            term = ctx.summed(term, k) if len(parts) > 1 else term
+            terms.append(term if weight == 1 else term * weight)
+        out.append(plus(*terms))
+    return out
+
+
+@functools.cache
+def _compositions(total: int) -> list[tuple[int, ...]]:
+    """The ordered tuples of positive integers summing to ``total`` (``2^(total - 1)``)."""
+    if total == 0:
+        return [()]
+    return [(first, *rest) for first in range(1, total + 1)
+            for rest in _compositions(total - first)]  # fmt: skip
 
 
 def general_fallback(ctx: Context, op: Callable[..., Any], out: Any, args: tuple[Any, ...],
@@ -148,6 +248,8 @@ def general_fallback(ctx: Context, op: Callable[..., Any], out: Any, args: tuple
     smooth_outputs = [outputs[i] for i in smooth]
     batch = _matrix_batch(op, args, kwargs, smooth_outputs)
     instances = math.prod(batch)
+    if ctx.order > 2:
+        return _higher_order_fallback(ctx, op, args, kwargs, out, smooth, batch)
     needed = (sum(o.numel() for o in smooth_outputs) * sum(p.numel() for p in primals) ** 2) // max(
         instances, 1
     ) ** 3
@@ -176,21 +278,144 @@ def general_fallback(ctx: Context, op: Callable[..., Any], out: Any, args: tuple
         second = [WITHOUT_THIRD_DERIVATIVES(c, str(op)) for c in second]
     result = list(outputs)
     for i, f1, f2 in zip(smooth, first, second, strict=True):
-        result[i] = Jet(outputs[i], f1, f2)
+        result[i] = Jet(outputs[i], (f1, f2)[: ctx.order])
     return pytree.tree_unflatten(result, spec)
 
 
-def _no_derivatives(op: object, error: Exception) -> UnsupportedOpError:
+def _higher_order_fallback(ctx: Context, op: Callable[..., Any], args: tuple[Any, ...],
+                           kwargs: dict[str, Any], out: Any, smooth: list[int],
+                           batch: tuple[int, ...]) -> Any:  # fmt: skip
+    """:func:`general_fallback` above second order: the op's dense derivative tensors up to the
+    order (``jacrev`` nested, reverse mode only; one matrix at a time for batched matrix ops)
+    composed with the inputs' Taylor coefficients (:func:`composed`); refused past
+    :data:`REVERSE_FALLBACK_LIMIT` numbers in the largest tensor."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    tensors = [i for i, leaf in enumerate(leaves) if isinstance(value_of(leaf), Tensor)]
+    jets = [i for i in tensors if isinstance(leaves[i], Jet)]
+    outputs = pytree.tree_leaves(out)
+    count, nb = math.prod(batch), len(batch)
+    if ctx.order > DENSE_FALLBACK_ORDER:
+        raise UnsupportedOpError(
+            f"pyhvp: {op} has no jet rule of order {ctx.order}, and its reverse-mode fallback "
+            f"goes to order {DENSE_FALLBACK_ORDER} only (autograd's derivatives of that op, "
+            f"nested {ctx.order} times, grow beyond what a kernel can hold). Register a rule "
+            f"for it (pyhvp.register_jet_rule), or write f without it"
+        )
+    if all(outputs[i].numel() == 0 for i in smooth):  # no entries, no derivatives to take
+        return out
+    sizes_in = sum(value_of(leaves[i]).numel() for i in jets) // max(count, 1)
+    sizes_out = sum(outputs[i].numel() for i in smooth) // max(count, 1)
+    if _packet_name(op) in MATRIX_OPS and sizes_in > LARGEST_MATRIX_ABOVE_SECOND_ORDER:
+        raise UnsupportedOpError(
+            f"pyhvp: {op} has no jet rule of order {ctx.order}, and the reverse-mode fallback "
+            f"carries matrix decompositions above second order for matrices of at most "
+            f"{LARGEST_MATRIX_ABOVE_SECOND_ORDER} entries (autograd's derivatives of theirs, "
+            f"nested {ctx.order} times, outgrow memory: a 3x3 svd over 3 GB); this one has "
+            f"{sizes_in}. Register a rule for it (pyhvp.register_jet_rule), or use an operator "
+            f"of second order (laplacian, hessian_diagonal), which has one"
+        )
+    needed = (sizes_in + sizes_out) * sizes_in**ctx.order * max(count, 1)
+    if needed > HIGHER_ORDER_FALLBACK_LIMIT:
+        raise UnsupportedOpError(
+            f"pyhvp: {op} has no jet rule of order {ctx.order}, and the reverse-mode fallback "
+            f"would go over the limit of its work: autograd's derivatives of order "
+            f"{ctx.order} in all {sizes_in} inputs of each of its {max(count, 1)} "
+            f"instance(s), about {needed} numbers, over {HIGHER_ORDER_FALLBACK_LIMIT}. "
+            f"Register a rule for it (pyhvp.register_jet_rule), or apply f to fewer elements "
+            f"at a time"
+        )
+    # each present coefficient, full-shaped, batch dims (of a matrix op) as one
+    present = [(n, k) for n, i in enumerate(jets)
+               for k, c in enumerate(dense_coefficients(leaves[i])) if c is not None]  # fmt: skip
+
+    def instances(t: Tensor, lead: int) -> Tensor:
+        return t.reshape(*t.shape[:lead], count, *t.shape[lead + nb :]) if nb else t
+
+    values = [instances(value_of(leaves[i]), 0) for i in tensors]
+    flat = []
+    for n, k in present:
+        jet = leaves[jets[n]]
+        c = cast(Tensor, dense_coefficients(jet)[k])
+        flat.append(instances(expanded(lifted(c, jet.value.ndim), jet.value.shape), 1))
+
+    def one(values: list[Tensor], flat: list[Tensor]) -> tuple[tuple[Tensor, ...], ...]:
+        fn, primals = _in_jets(op, leaves, spec, tensors, values, jets, smooth)
+        coefficients: list[list[Tensor | None]] = [[None] * ctx.order for _ in jets]
+        for (n, k), c in zip(present, flat, strict=True):
+            coefficients[n][k] = c
+        return _dense_taylor(ctx, fn, primals, coefficients)
+
+    try:
+        if nb:
+            per_order = vmap(one, in_dims=(0, 1), out_dims=1)(values, flat)
+            per_order = tuple(tuple(t.reshape(t.shape[0], *batch, *t.shape[2:]) for t in ts)
+                              for ts in per_order)  # fmt: skip
+        else:
+            per_order = one(values, flat)
+    except UnsupportedOpError:
+        raise
+    except Exception as error:  # autograd has no derivatives of that order for it
+        raise _no_derivatives(op, error, ctx.order) from error
+    result = list(outputs)
+    for n, i in enumerate(smooth):
+        result[i] = Jet(outputs[i], tuple(per_order[k][n] for k in range(ctx.order)))
+    return pytree.tree_unflatten(result, pytree.tree_structure(out))
+
+
+def _dense_taylor(ctx: Context, fn: Callable[..., tuple[Tensor, ...]],
+                  primals: tuple[Tensor, ...], coefficients: list[list[Tensor | None]]
+                  ) -> tuple[tuple[Tensor, ...], ...]:  # fmt: skip
+    """Per order, per output of ``fn``: its Taylor coefficients from the dense derivative
+    tensors of ``fn`` (inputs and outputs packed into one vector each) and the inputs'
+    coefficients (full-shaped, ``(lead, *input)``)."""
+    outputs, sizes = fn(*primals), [p.numel() for p in primals]
+    packed, flat, _, outs = _packed(fn, primals, outputs)
+    derivatives, derivative = [], packed
+    for _ in range(ctx.order):
+        derivative = cast(Callable[[Tensor], Tensor], jacrev(derivative))
+        derivatives.append(derivative(flat))  # (outputs, inputs, ..., inputs)
+    dtype = derivatives[0].dtype
+
+    def contract(vectors: list[list[Tensor | None]]) -> Tensor | None:
+        if any(all(c is None for c in v) for v in vectors):
+            return None
+        lead = max(c.shape[0] for v in vectors for c in v if c is not None)
+        t = derivatives[len(vectors) - 1]
+        for r, v in enumerate(reversed(vectors)):  # the last input axis with each vector
+            packed_v = torch.cat([
+                (p.new_zeros(()).expand(lead, n) if c is None else
+                 c.reshape(c.shape[0], n).to(dtype).expand(lead, n))
+                for c, p, n in zip(v, primals, sizes, strict=True)
+            ], -1)  # fmt: skip
+            t = torch.einsum("...a,ka->k..." if r == 0 else "k...a,ka->k...", t, packed_v)
+        return t  # (lead, outputs)
+
+    total = composed(ctx, contract, coefficients)
+    per_order = []
+    for t in total:
+        per_order.append(tuple(
+            (t[:, span] if t is not None else flat.new_zeros((1, o.numel()))).reshape(
+                -1, *o.shape).to(o.dtype)
+            for span, o in zip(outs, outputs, strict=True)
+        ))  # fmt: skip
+    return tuple(per_order)
+
+
+def _no_derivatives(op: object, error: Exception, order: int = 2) -> UnsupportedOpError:
     reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
     if isinstance(error, MemoryError) or "can't allocate memory" in reason:
         why = "its dense derivatives need more memory than there is"
     elif "tracing tensor" in reason or "data-dependent" in reason:
         why = "its derivatives branch on the values, which a kernel cannot trace"
+    elif order > 2:
+        why = f"autograd cannot give its derivatives of order {order} here"
     else:
         why = "autograd cannot give its second derivatives here"
     return UnsupportedOpError(
-        f"pyhvp: {op} has no jet rule, and {why} ({type(error).__name__}: {reason}). "
-        f"Register a rule for it (pyhvp.register_jet_rule), or write f without it"
+        f"pyhvp: {op} has no jet rule of this order, and {why} ({type(error).__name__}: "
+        f"{reason}). "
+        f"Register a rule for it (pyhvp.register_jet_rule; pyhvp.taylor.chain takes "
+        f"derivatives of every order), or write f without it"
     )
 
 
@@ -204,6 +429,24 @@ WITHOUT_THIRD_ORDER = frozenset({"ormqr", "linalg_householder_product"})
 their backward formulas write in place, or give wrong third derivatives once functionalized): the
 gradient of a result through them is refused."""
 
+DENSE_FALLBACK_ORDER = 4
+"""The highest order the dense reverse-mode fallback carries: ``jacrev`` nested that many
+times over an op's autograd formulas (the graph grows about threefold with each nesting: a 2x2
+``eigvalsh`` at order 6 took over 20 GB to trace)."""
+
+LARGEST_MATRIX_ABOVE_SECOND_ORDER = 4
+"""The most entries a matrix op (:data:`MATRIX_OPS`) may have per instance for the dense
+fallback above second order: 2x2 (eigvalsh, det, inverse of 2x2 blocks). Nested ``jacrev`` of
+the decompositions' backward formulas outgrows memory well before the work estimate below says
+so (a 3x3 ``svd``, ``lu_solve`` or ``solve_triangular`` at fourth order: over 3 GB)."""
+
+HIGHER_ORDER_FALLBACK_LIMIT = 2**18
+"""Most numbers the dense fallback above second order may make, estimated as ``(inputs +
+outputs) * inputs^order`` per instance: ``jacrev`` nested ``order`` times holds the op's
+intermediates once per basis tuple, and runs their backward as often (a 5x5 ``eigvalsh`` at
+order 4, 12 million by this count, took over 3 GB; a 5x5 ``svd`` over two minutes). A 3x3
+matrix op at fourth order is about 150 thousand."""
+
 REVERSE_FALLBACK_LIMIT = 2**26
 """Most numbers the reverse-mode fallback may hold in one op's dense Hessian (of one instance,
 for the batched matrix ops of :data:`MATRIX_OPS`)."""
@@ -215,11 +458,33 @@ MATRIX_OPS = frozenset(
         "linalg_inv_ex", "linalg_matrix_exp", "linalg_solve_triangular", "triangular_solve",
         "cholesky_solve", "cholesky_inverse", "linalg_householder_product",
         "linalg_ldl_factor_ex", "linalg_ldl_solve", "_linalg_det", "_linalg_slogdet",
-        "_linalg_solve_ex", "linalg_matrix_power", "geqrf", "linalg_pinv",
+        "_linalg_solve_ex", "linalg_matrix_power", "geqrf", "linalg_pinv", "linalg_lstsq",
+        "cholesky",
     }
 )  # fmt: skip
 """Ops on ``(*, m, n)`` matrices whose leading dims ``*`` are batch dims: each matrix is
 computed alone (PyTorch's documented convention for torch.linalg)."""
+
+
+def _in_jets(op: Callable[..., Any], leaves: list[Any], spec: pytree.TreeSpec,
+             tensors: list[int], values: list[Tensor], jets: list[int], smooth: list[int],
+             ) -> tuple[Callable[..., tuple[Tensor, ...]], tuple[Tensor, ...]]:  # fmt: skip
+    """``op`` as a function of its jet arguments alone, its tensor arguments (``leaves[i]`` for
+    ``i`` in ``tensors``) set to ``values`` (one instance's), returning its ``smooth`` outputs;
+    and the jet arguments' values, where the reverse fallbacks differentiate it."""
+    fixed = [value_of(leaf) for leaf in leaves]
+    for i, v in zip(tensors, values, strict=True):
+        fixed[i] = v
+
+    def fn(*primals: Tensor) -> tuple[Tensor, ...]:
+        current = list(fixed)
+        for i, v in zip(jets, primals, strict=True):
+            current[i] = v
+        a, kw = pytree.tree_unflatten(current, spec)
+        results = pytree.tree_leaves(op(*a, **kw))
+        return tuple(results[i] for i in smooth)
+
+    return fn, tuple(fixed[i] for i in jets)
 
 
 def _matrix_batch(op: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -256,19 +521,7 @@ def _reverse_per_instance(ctx: Context, op: Callable[..., Any], args: tuple[Any,
     def one(
         values: list[Tensor], t1: list[Tensor], t2: list[Tensor] | None
     ) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
-        fixed = [value_of(leaf) for leaf in leaves]
-        for i, v in zip(tensors, values, strict=True):
-            fixed[i] = v
-
-        def fn(*primals: Tensor) -> tuple[Tensor, ...]:
-            current = list(fixed)
-            for i, v in zip(jets, primals, strict=True):
-                current[i] = v
-            a, k = pytree.tree_unflatten(current, spec)
-            flat = pytree.tree_leaves(op(*a, **k))
-            return tuple(flat[i] for i in smooth)
-
-        primals = tuple(fixed[i] for i in jets)
+        fn, primals = _in_jets(op, leaves, spec, tensors, values, jets, smooth)
         first, second = _reverse_coefficients(ctx, fn, primals, t1, t2)
         return tuple(first), tuple(second)
 
@@ -290,17 +543,8 @@ def _reverse_coefficients(ctx: Context, fn: Callable[..., tuple[Tensor, ...]],
                           seconds: list[Tensor] | None,
                           ) -> tuple[list[Tensor], list[Tensor]]:  # fmt: skip
     """From the op's dense Jacobian and Hessian (reverse over reverse), inputs flattened."""
-    outputs = fn(*primals)
-    sizes = [p.numel() for p in primals]
-    # inputs and outputs packed into one vector each: jacrev of several inputs or outputs builds
-    # its basis with tensor-valued offsets, which make_fx cannot trace before torch 2.6
-    ins, outs = _spans(sizes), _spans([o.numel() for o in outputs])
-
-    def packed(flat: Tensor) -> Tensor:
-        values = (flat[i].reshape(p.shape).to(p.dtype) for i, p in zip(ins, primals, strict=True))
-        return torch.cat([o.reshape(-1) for o in fn(*values)])
-
-    flat = torch.cat([p.reshape(-1) for p in primals])
+    outputs, sizes = fn(*primals), [p.numel() for p in primals]
+    packed, flat, ins, outs = _packed(fn, primals, outputs)
     whole_jacobian = jacrev(packed)(flat)  # (outputs, inputs)
     whole_hessian = jacrev(jacrev(packed))(flat)  # (outputs, inputs, inputs)
     jacobian = [[whole_jacobian[o, i] for i in ins] for o in outs]  # [output][input]
@@ -310,18 +554,20 @@ def _reverse_coefficients(ctx: Context, fn: Callable[..., tuple[Tensor, ...]],
     def flat_coefficients(c: Tensor, i: int) -> Tensor:
         return c.reshape(c.shape[0], sizes[i]).to(dtype)
 
+    moving, curving = _moving(firsts, seconds, sizes)
     first, second = [], []
     for o, value in enumerate(outputs):
         size = value.numel()
         f: Tensor | int = 0  # sums over firsts, which is not empty: tensors once summed
         s: Tensor | int = 0
         for i, t in enumerate(firsts):
-            j_oi = jacobian[o][i].reshape(size, sizes[i]).T
+            j_oi = _where_curved(jacobian[o][i].reshape(size, sizes[i]), moving[i]).T
             f = f + flat_coefficients(t, i) @ j_oi
             if seconds is not None:
                 s = s + flat_coefficients(seconds[i], i) @ j_oi
             for j, u in enumerate(firsts):
                 h = hessian[o][i][j].reshape(size, sizes[i], sizes[j])
+                h = _where_curved(_where_curved(h, curving[j]).mT, curving[i]).mT
                 # a variable the op is linear in contributes nothing, even where its first
                 # derivative is not finite (autograd's at a pole: NaN * 0 would be NaN)
                 left = _where_curved(flat_coefficients(t, i), h.ne(0).any(0).any(1))
@@ -367,20 +613,54 @@ def linear_rule(
             ]
             return pytree.tree_leaves(vmap(on)(*full))
 
-        first, second = through(1), through(2)
+        per_order = [through(k) for k in range(1, ctx.order + 1)]
         result = [
-            Jet(o, cast(Tensor, f1), f2) if smooth else o  # a jet input: f1 is not None
-            for o, f1, f2, smooth in zip(
-                pytree.tree_leaves(out), first, second, floating, strict=True
-            )
+            Jet(o, tuple(c[n] for c in per_order)) if smooth else o  # a jet input: first given
+            for n, (o, smooth) in enumerate(zip(pytree.tree_leaves(out), floating, strict=True))
         ]
         return pytree.tree_unflatten(result, pytree.tree_structure(out))
 
     return rule
 
 
-def _where_curved(coefficients: Tensor, curved: Tensor) -> Tensor:
+def _where_curved(coefficients: Tensor, curved: Tensor | None) -> Tensor:
+    """``coefficients`` where ``curved`` (along the last dim), zero elsewhere; all where None."""
+    if curved is None:
+        return coefficients
     return torch.where(curved, coefficients, coefficients.new_zeros(()))
+
+
+def _moving(firsts: list[Tensor], seconds: list[Tensor] | None, sizes: list[int]
+            ) -> tuple[list[Tensor | None], list[Tensor | None]]:  # fmt: skip
+    """Under strong zeros (:func:`~pyhvp.taylor.jets.strong_zeros`), which elements of each
+    input (flattened) have a first- or second-order coefficient that is not zero in some
+    direction, and which a first-order one: the op's Jacobian and Hessian are dropped at the
+    others, where they may be infinite (``logcumsumexp`` at a masked ``-inf``) and meet only
+    zeros. Nones (nothing dropped) otherwise: exact per element, not per direction."""
+    if not strong():
+        return [None] * len(firsts), [None] * len(firsts)
+    curving = [t.reshape(t.shape[0], n).ne(0).any(0) for t, n in zip(firsts, sizes, strict=True)]
+    if seconds is None:
+        return list(curving), list(curving)
+    moving = [c | s.reshape(s.shape[0], n).ne(0).any(0)
+              for c, s, n in zip(curving, seconds, sizes, strict=True)]  # fmt: skip
+    return list(moving), list(curving)
+
+
+def _packed(fn: Callable[..., tuple[Tensor, ...]], primals: tuple[Tensor, ...],
+            outputs: tuple[Tensor, ...],
+            ) -> tuple[Callable[[Tensor], Tensor], Tensor, list[slice], list[slice]]:  # fmt: skip
+    """``fn`` (giving ``outputs`` at ``primals``) as a function of one vector of all its inputs
+    to one vector of all its outputs (jacrev of several inputs or outputs builds its basis with
+    tensor-valued offsets, which make_fx cannot trace before torch 2.6); the primals packed;
+    each input's and output's span in those vectors."""
+    ins, outs = _spans([p.numel() for p in primals]), _spans([o.numel() for o in outputs])
+
+    def packed(flat: Tensor) -> Tensor:
+        values = (flat[i].reshape(p.shape).to(p.dtype) for i, p in zip(ins, primals, strict=True))
+        return torch.cat([o.reshape(-1) for o in fn(*values)])
+
+    return packed, torch.cat([p.reshape(-1) for p in primals]), ins, outs
 
 
 def _spans(sizes: list[int]) -> list[slice]:

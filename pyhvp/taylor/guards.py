@@ -42,6 +42,7 @@ from typing import Any, cast
 import torch
 from torch import fx
 
+from pyhvp._user_errors import quiet_tracing
 from pyhvp.taylor.recorder import (
     DET,
     Recorder,
@@ -187,7 +188,9 @@ def capture(f: Callable[..., Tensor], variable: Tensor, args: Sequence[object], 
     """``f``'s program and constants for this call through dynamo's guards, or ``None``: the
     caller records ``f``. Dynamo runs none of ``f``'s tensor ops, only its Python side effects
     (appending to a list, counting calls), as it replays them; a call that records ``f`` (the
-    first of each graph) ends dynamo's before it replays any, so ``f`` runs once per call."""
+    first of each graph) ends dynamo's before it replays any, so ``f`` runs once per call.
+    Where dynamo raises, ``f`` is recorded here: an error of ``f``'s own is raised by the
+    record, as eager code raises it, and declines nothing; any other declines the route."""
     if not _plain_call():
         return None
     parts = _parts(f)
@@ -199,13 +202,14 @@ def capture(f: Callable[..., Tensor], variable: Tensor, args: Sequence[object], 
         return None
     _pending.value = None
     try:
-        with recording_state():
+        with recording_state(), quiet_tracing():  # an error of f's is reported by its record
             route.compiled(*parts, variable, *args)
     except _Unchecked:
         pass
-    except Exception as error:  # dynamo cannot take f whole; the record shows any error of f's
-        route.declined = f"dynamo: {type(error).__name__}: {error}"
-        return None
+    except Exception as error:  # dynamo cannot take f whole, or f raised
+        recorder, out = record(f, variable, args)  # raises f's own error as eager code would
+        route.declined = f"dynamo: {type(error).__name__}: {error}"  # f ran fine: not its error
+        return build(recorder, out, variable)
     pending, _pending.value = _pending.value, None
     if pending is None:  # dynamo ran f itself
         route.declined = route.declined or "dynamo ran f eagerly"

@@ -1,5 +1,5 @@
-"""Jets: a value with its first- and second-order Taylor coefficients, and the algebra of
-coefficients that every rule shares.
+"""Jets: a value with its Taylor coefficients of orders 1..K, and the algebra of coefficients
+that every rule shares.
 
 A tensor that depends on ``x`` is a :class:`Jet`; one that does not stays a plain tensor (a
 constant: no coefficients are stored or computed for it). Coefficients are *tangent-like*
@@ -9,19 +9,43 @@ dim may have size 1 while the value's is larger -- the coefficient is then the s
 so ``W e_i`` of a first linear layer is computed once, not once per instance; each rule keeps a
 size-1 dim where that is exact and expands it (a free view) where the op needs the full dim.
 
-Second order comes in two modes (:class:`Context`): *per direction* (``d^2/dt^2 f(x + t u_k)`` for
-every k, leading axis K: Hessian diagonals) and *collapsed* (the sum over k, leading axis 1:
-Laplacians and traces). Rules are written once for both: they combine first-order coefficients
-only through :meth:`Context.product` and :meth:`Context.pair`.
+The order-k coefficient of ``y`` along a direction ``u`` is ``d^k/dt^k y(x + t u)`` at ``t = 0``
+(derivatives, not Taylor coefficients divided by ``k!``). One algebra serves every order
+(:class:`Context`): Leibniz's rule for products (:func:`leibniz`), Faa di Bruno's formula for
+elementwise functions (:func:`chain`), linear ops coefficient by coefficient (:func:`linear`).
+Second order is its fast specialization: the same functions, with structured first-order
+coefficients (:class:`FactoredCoefficient`, :class:`DiagonalCoefficient`) kept through them.
+
+The top order comes in two modes: *per direction* (every coefficient has the K directions on its
+leading axis: Hessian diagonals, directional derivatives) and *collapsed* (the top coefficient is
+summed over the directions, optionally with a weight per direction, leading axis 1: Laplacians,
+bi-Laplacians, any linear differential operator by interpolation; the lower orders stay per
+direction). Rules are written once for both: they combine coefficients of two operands only
+through :meth:`Context.pair` (or :func:`leibniz`, :func:`chain`), which know the mode.
+
+**Strong zeros.** A coefficient times a factor (a derivative, a value) is :func:`times`. Where a
+derivative is not finite -- ``log`` or ``sqrt`` at 0, ``logaddexp`` at ``-inf``, a masked entry
+-- IEEE's ``0 * inf`` is NaN, and a sum over the event spreads it from the entries that never
+moved along a direction to every entry of the instance; autograd's reverse mode selects (``where``)
+where forward mode multiplies, and stays finite. Traced under :func:`strong_zeros`, :func:`times`
+gives zero wherever the coefficient is zero, whatever the factor, so a non-finite derivative
+reaches only the directions that pass through it. That costs a selection per product (3-14x a
+product, eagerly), so kernels are traced twice: plainly, and under :func:`strong_zeros`. The two
+differ only where a zero met a non-finite factor, where the plain kernel has NaN, and no
+coefficient op turns a NaN finite but a selection (the same in both): a plain result whose
+derivatives are all finite is the strong kernel's, and the backend runs the strong kernel only
+for a call whose plain result is not (:mod:`pyhvp.backends.torch`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TypeAlias, cast, overload
+from typing import Any, TypeAlias, cast, overload
 
 import torch
 
@@ -92,8 +116,43 @@ def _is_one(t: Tensor | float) -> bool:
 
 
 def multiplied(a: Tensor | float, b: Tensor | float) -> Tensor | float:
-    """``a * b`` without multiplying by a constant 1."""
-    return b if _is_one(a) else a if _is_one(b) else a * b
+    """``a * b`` without multiplying by a constant 1; a tensor ``a`` is a coefficient's part
+    (:func:`times`)."""
+    if _is_one(a) or _is_one(b):
+        return b if _is_one(a) else a
+    return times(a, b) if isinstance(a, Tensor) else a * b
+
+
+_STRONG_ZEROS: ContextVar[bool] = ContextVar("strong_zeros", default=False)
+
+
+@contextlib.contextmanager
+def strong_zeros() -> Iterator[None]:
+    """Rules run in this block multiply coefficients with strong zeros (:func:`times`) and take
+    no path that hides a product in a matrix product (factored sums)."""
+    token = _STRONG_ZEROS.set(True)
+    try:
+        yield
+    finally:
+        _STRONG_ZEROS.reset(token)
+
+
+def strong() -> bool:
+    """Whether rules run under :func:`strong_zeros`."""
+    return _STRONG_ZEROS.get()
+
+
+def times(t: Tensor, c: Tensor | float) -> Tensor:
+    """``t * c`` for a coefficient (or its elementwise part) ``t`` and a factor ``c``; under
+    :func:`strong_zeros`, zero wherever ``t`` is zero, even where ``c`` is infinite or NaN --
+    and so is its gradient in ``c`` there (``c`` is selected before it is multiplied: no
+    ``0 * inf`` in the kernel's backward either)."""
+    if not strong() or (not isinstance(c, Tensor) and math.isfinite(c)):
+        return t * c
+    if not isinstance(c, Tensor):
+        c = torch.as_tensor(c, dtype=t.dtype, device=t.device)
+    zero = t == 0
+    return torch.where(zero, 0.0, t * torch.where(zero, 1.0, c))
 
 
 def on_event(event: Sequence[int], shape: Sequence[int]) -> bool:
@@ -141,47 +200,89 @@ def diagonal_summed(
     return first.reshape(k, *lead, *(1,) * e)
 
 
+Coefficient: TypeAlias = "Tensor | FactoredCoefficient | DiagonalCoefficient"
+"""A first-order coefficient, dense or structured; higher orders are dense tensors."""
+
+
 @dataclass(frozen=True)
 class Jet:
-    """A value and its Taylor coefficients along K directions.
+    """A value and its Taylor coefficients of orders 1..K along K directions.
 
-    ``coefficient``: first order, ``(K, *S)`` with ``S`` broadcastable to ``value.shape`` (same
-    number of dims), or kept factored (:class:`FactoredCoefficient`) or diagonal
-    (:class:`DiagonalCoefficient`); :attr:`first` multiplies it out: a rule that does not know
-    the structure reads :attr:`first`.
-    ``second``: ``(K, *S)`` per direction or ``(1, *S)`` collapsed, ``None`` when it is zero.
+    ``coefficients[k - 1]`` is the order-k coefficient: ``(K, *S)`` per direction or ``(1, *S)``
+    collapsed (the top order only), ``S`` broadcastable to ``value.shape`` (same number of dims);
+    ``None`` where it is zero. The first order is never ``None``, and may be kept factored
+    (:class:`FactoredCoefficient`) or diagonal (:class:`DiagonalCoefficient`): :attr:`first`
+    multiplies it out, for a rule that does not know the structure.
     """
 
     value: Tensor
-    coefficient: Tensor | FactoredCoefficient | DiagonalCoefficient
-    second: Tensor | None
+    coefficients: tuple[Coefficient | None, ...]
+
+    @property
+    def coefficient(self) -> Coefficient:
+        """The first-order coefficient as it is kept (dense or structured)."""
+        return cast(Coefficient, self.coefficients[0])
 
     @functools.cached_property
     def first(self) -> Tensor:
         c = self.coefficient
         return c if isinstance(c, Tensor) else c.dense()
 
+    @property
+    def second(self) -> Tensor | None:
+        """The order-2 coefficient (``None``: zero, or a first-order jet)."""
+        return cast(Tensor | None, self.coefficients[1]) if len(self.coefficients) > 1 else None
+
+    def dense(self, order: int) -> Tensor | None:
+        """The order-``order`` coefficient multiplied out (``None``: zero)."""
+        return self.first if order == 1 else cast(Tensor | None, self.coefficients[order - 1])
+
+
+class NotAtThisOrder(Exception):
+    """A rule that carries jets up to a lower order than the kernel's: the engine takes the
+    exact fallback for the op instead (:func:`~pyhvp.taylor.fallbacks.taylor_fallback`)."""
+
 
 @dataclass(frozen=True)
 class Context:
-    """The second-order mode: per direction (``collapsed=False``) or summed over directions."""
+    """The jets' order and mode: per direction (``collapsed=False``), or the top order summed
+    over directions, each weighted by ``weights`` (``(K,)``; ``None``: all 1)."""
 
     collapsed: bool
+    order: int = 2
+    weights: Tensor | None = None
 
-    def product(self, a: Tensor, b: Tensor) -> Tensor:
-        """The second-order term ``a_k * b_k`` of two first-order coefficients (summed over k
-        when collapsed)."""
-        out = a * b
-        return out.sum(0, keepdim=True) if self.collapsed else out
+    def collapses(self, order: int | None = None) -> bool:
+        """Whether coefficients of ``order`` (default: the top) are summed over directions."""
+        return self.collapsed and (order is None or order == self.order)
 
-    def square(self, a: Tensor) -> Tensor:
-        return self.product(a, a)
+    def summed(self, t: Tensor, order: int | None = None) -> Tensor:
+        """A per-direction term of an ``order`` coefficient, summed over directions (weighted)
+        where that order is collapsed."""
+        if not self.collapses(order):
+            return t
+        if self.weights is not None:
+            t = t * self.weights.reshape(-1, *(1,) * (t.ndim - 1))
+        return t.sum(0, keepdim=True)
 
-    def pair(self, op: Callable[[Tensor, Tensor], Tensor], a: Tensor, b: Tensor) -> Tensor:
+    def product(self, a: Tensor, b: Tensor, order: int | None = None) -> Tensor:
+        """The term ``a_k * b_k`` of an ``order`` coefficient (default: the top) from two lower
+        coefficients, summed over k where that order is collapsed."""
+        return self.summed(a * b, order)
+
+    def square(self, a: Tensor, order: int | None = None) -> Tensor:
+        return self.product(a, a, order)
+
+    def pair(self, op: Callable[[Tensor, Tensor], Tensor], a: Tensor, b: Tensor,
+             order: int | None = None) -> Tensor:  # fmt: skip
         """``op(a_k, b_k)`` for a bilinear ``op`` that broadcasts the leading axis (summed over
-        k when collapsed)."""
-        out = op(a, b)
-        return out.sum(0, keepdim=True) if self.collapsed else out
+        k where ``order``, default the top, is collapsed)."""
+        return self.summed(op(a, b), order)
+
+    def require(self, order: int, what: object) -> None:
+        """Refuse (:class:`NotAtThisOrder`) when the jets' order exceeds what a rule carries."""
+        if self.order > order:
+            raise NotAtThisOrder(f"{what} carries jets up to order {order}, not {self.order}")
 
 
 @overload
@@ -225,7 +326,12 @@ def times_or_none(t: Tensor | None, c: Tensor | float) -> Tensor | None:
 
 def linear(out: Tensor, u: Jet, fn: Callable[[Tensor], Tensor]) -> Jet:
     """An op linear in its jet input: ``fn`` maps coefficients (leading axis kept)."""
-    return Jet(out, fn(u.first), None if u.second is None else fn(u.second))
+    return Jet(out, tuple(None if c is None else fn(c) for c in dense_coefficients(u)))
+
+
+def dense_coefficients(u: Jet) -> tuple[Tensor | None, ...]:
+    """``u``'s coefficients of orders 1..K, the first multiplied out."""
+    return (u.first, *cast(tuple[Tensor | None, ...], u.coefficients[1:]))
 
 
 def rearrange(out: Tensor, u: Jet, fn: Callable[[Tensor], Tensor]) -> Jet:
@@ -234,12 +340,11 @@ def rearrange(out: Tensor, u: Jet, fn: Callable[[Tensor], Tensor]) -> Jet:
     c = u.first if isinstance(u.coefficient, DiagonalCoefficient) else u.coefficient
     if isinstance(c, FactoredCoefficient):
         full = c.factor.expand(u.value.shape)[None]  # the leading axis fn expects
-        first: Tensor | FactoredCoefficient = FactoredCoefficient(
-            fn(full)[0], fn(lifted(c.shared, u.value.ndim))
-        )
+        first: Coefficient = FactoredCoefficient(fn(full)[0], fn(lifted(c.shared, u.value.ndim)))
     else:
         first = fn(c)
-    return Jet(out, first, None if u.second is None else fn(u.second))
+    higher = cast(tuple[Tensor | None, ...], u.coefficients[1:])
+    return Jet(out, (first, *(None if t is None else fn(t) for t in higher)))
 
 
 def first_times(u: Jet, d: Tensor, ndim: int) -> Tensor | FactoredCoefficient | DiagonalCoefficient:
@@ -253,7 +358,7 @@ def first_times(u: Jet, d: Tensor, ndim: int) -> Tensor | FactoredCoefficient | 
             return kept
         c = u.first
     if isinstance(c, FactoredCoefficient):
-        return FactoredCoefficient(c.factor * d, lifted(c.shared, ndim))
+        return FactoredCoefficient(times(c.factor, d), lifted(c.shared, ndim))
     t = lifted(c, ndim)
     shape = (1,) * (ndim - d.ndim) + tuple(d.shape)
     if any(t.shape[i + 1] == 1 and n > 1 for i, n in enumerate(shape)):
@@ -277,21 +382,99 @@ def first_squared(ctx: Context, u: Jet, ndim: int) -> Tensor:
 
 
 def broadcast_times(t: Tensor, c: Tensor | float) -> Tensor:
-    """``t * c`` for a coefficient ``t``, expanded to the broadcast shape first: eagerly, torch
+    """:func:`times` for a coefficient ``t``, expanded to the broadcast shape first: eagerly, torch
     picks a slow output layout when both operands broadcast along different dims (a
     (16, 1, 64) * (1024, 64) product took 1.37 ms, 0.07 ms once expanded)."""
     if isinstance(c, Tensor):
         t = t.expand(torch.broadcast_shapes(t.shape, c.shape))  # type: ignore[no-untyped-call]  # torch leaves it unannotated
-    return t * c
+    return times(t, c)
 
 
-def chain(ctx: Context, out: Tensor, u: Jet, d1: Tensor, d2: Tensor | None) -> Jet:
-    """An elementwise ``y = g(u)`` with ``d1 = g'(u)``, ``d2 = g''(u)`` (None: zero)."""
-    second = plus(
-        None if u.second is None else broadcast_times(lifted(u.second, d1.ndim), d1),
-        None if d2 is None else _times_first_squared(ctx, u, d2),
-    )
-    return Jet(out, first_times(u, d1, d1.ndim), second)
+def chain(ctx: Context, out: Tensor, u: Jet, *derivatives: Tensor | None) -> Jet:
+    """An elementwise ``y = g(u)`` from ``g``'s derivatives at ``u.value``: ``derivatives[j - 1]
+    = g^(j)(u)`` (``None``: zero; the first is a tensor), at least ``ctx.order`` of them (fewer:
+    :class:`NotAtThisOrder`; more are not used). Faa di Bruno's formula, ``y_k = sum_j g^(j)
+    B_{k,j}(u_1, ..., u_{k-j+1})`` with the partial Bell polynomials ``B``; at second order
+    ``y_2 = g' u_2 + g'' u_1^2`` on structured first-order coefficients."""
+    if len(derivatives) < ctx.order:
+        raise NotAtThisOrder(f"it gives {len(derivatives)} derivatives, order {ctx.order} "
+                             f"needs {ctx.order}")  # fmt: skip
+    d1 = cast(Tensor, derivatives[0])
+    nd = d1.ndim
+    first = first_times(u, d1, nd)
+    if ctx.order == 1:
+        return Jet(out, (first,))
+    if ctx.order == 2:
+        d2 = derivatives[1]
+        second = plus(
+            None if u.second is None else broadcast_times(lifted(u.second, nd), d1),
+            None if d2 is None else _times_first_squared(ctx, u, d2),
+        )
+        return Jet(out, (first, second))
+    terms = faa_di_bruno(ctx, [None if t is None else lifted(t, nd) for t in dense_coefficients(u)],
+                         derivatives[: ctx.order])  # fmt: skip
+    return Jet(out, (first, *terms[1:]))
+
+
+def faa_di_bruno(ctx: Context, inner: Sequence[Tensor | None],
+                 derivatives: Sequence[Tensor | None]) -> list[Tensor | None]:  # fmt: skip
+    """Coefficients 1..K of ``g(u)`` from ``u``'s (``inner``, lifted to the value's dims) and
+    ``g^(1..K)(u)``: the partial Bell polynomials by their recurrence ``B_{k,j} = sum_i
+    C(k-1, i-1) u_i B_{k-i,j-1}``, per direction (they only hold orders below the top), each
+    summed over directions before it meets ``g^(j)`` where its order is collapsed."""
+    order = len(derivatives)
+    bell: dict[tuple[int, int], Tensor | None] = {(k, 1): inner[k - 1] for k in range(1, order)}
+    for k in range(2, order + 1):
+        for j in range(2, k + 1):
+            bell[k, j] = plus(*(
+                times_or_none(_times(inner[i - 1], bell[k - i, j - 1]), math.comb(k - 1, i - 1))
+                for i in range(1, k - j + 2)
+            ))  # fmt: skip
+    out: list[Tensor | None] = []
+    for k in range(1, order + 1):
+        d1 = derivatives[0]
+        top = inner[k - 1]
+        terms = [None if top is None or d1 is None else broadcast_times(top, d1)]
+        for j in range(2, k + 1):
+            b, d = bell[k, j], derivatives[j - 1]
+            if b is not None and d is not None:
+                terms.append(broadcast_times(ctx.summed(b, k), d))
+        out.append(plus(*terms))
+    return out
+
+
+def _times(a: Tensor | None, b: Tensor | None) -> Tensor | None:
+    return None if a is None or b is None else a * b
+
+
+def leibniz(ctx: Context, op: Callable[[Any, Any], Tensor], va: object, vb: object,
+            ca: Sequence[Tensor | None], cb: Sequence[Tensor | None],
+            right: Callable[[Any, Any], Tensor] | None = None,
+            both: Callable[[Any, Any], Tensor] | None = None) -> list[Tensor | None]:  # fmt: skip
+    """Coefficients 1..K of ``op(a, b)`` for an ``op`` bilinear in ``(a, b)`` that broadcasts a
+    leading axis, from the values ``va``, ``vb`` and coefficients ``ca``, ``cb`` (orders 1..K,
+    ``None``: zero): ``sum_j C(k, j) op(a_j, b_{k-j})``, the cross terms through
+    :meth:`Context.pair`. Coefficients come first in each product with a value (see
+    :func:`broadcast_times`). An ``op`` that takes the leading axis only where it is told (a
+    convolution under ``vmap``) gives its forms with a value on the left (``right(va, b_k)``)
+    and between two coefficients (``both``)."""
+    right = right or swap(op)
+    both = both or op
+    out: list[Tensor | None] = []
+    for k in range(1, ctx.order + 1):
+        a, b = ca[k - 1], cb[k - 1]
+        terms = [None if a is None else op(a, vb), None if b is None else right(b, va)]
+        for j in range(1, k):
+            aj, bj = ca[j - 1], cb[k - j - 1]
+            if aj is not None and bj is not None:
+                terms.append(times_or_none(ctx.pair(both, aj, bj, k), math.comb(k, j)))
+        out.append(plus(*terms))
+    return out
+
+
+def swap(op: Callable[[Any, Any], Tensor]) -> Callable[[Any, Any], Tensor]:
+    """``op`` with its arguments given the other way round (``broadcast_times`` commutes)."""
+    return op if op is broadcast_times else lambda b, a: op(a, b)
 
 
 def _times_first_squared(ctx: Context, u: Jet, d: Tensor) -> Tensor:
@@ -326,9 +509,14 @@ def broadcast_dims(t: Tensor, shape: Sequence[int]) -> list[int]:
 
 
 def coefficient_of(arg: object, ndim: int, order: int) -> Tensor | None:
-    """``arg``'s first- (``order`` 1) or second-order coefficient lifted to ``ndim`` value dims;
-    None for a constant or a zero coefficient."""
+    """``arg``'s order-``order`` coefficient lifted to ``ndim`` value dims; None for a constant
+    or a zero coefficient."""
     if not isinstance(arg, Jet):
         return None
-    t = arg.first if order == 1 else arg.second
+    t = arg.dense(order)
     return None if t is None else lifted(t, ndim)
+
+
+def coefficients_of(arg: object, ndim: int, order: int) -> list[Tensor | None]:
+    """:func:`coefficient_of` for orders 1..``order``."""
+    return [coefficient_of(arg, ndim, k) for k in range(1, order + 1)]

@@ -1,17 +1,19 @@
 """Jet kernels: the rules run over a program, traced once into a flat graph of plain aten ops.
 
 :func:`run_jets` interprets a :class:`~pyhvp.taylor.program.Program` node by node with
-:func:`~pyhvp.taylor.rules.apply`; :func:`build_kernel` runs it once under ``make_fx`` and keeps
-the resulting graph (dead code removed: per-direction kernels keep only what the second-order
-output needs). That graph is the kernel, eager or ``torch.compile``-d: no rule logic, vmap or
-forward-mode AD is left in it, only the ops the rules emitted.
+:func:`~pyhvp.taylor.registry.apply`; :func:`build_kernel` runs it once under ``make_fx`` and
+keeps the resulting graph (dead code removed: a kernel keeps only what its outputs need). That
+graph is the kernel, eager or ``torch.compile``-d: no rule logic, vmap or forward-mode AD is
+left in it, only the ops the rules emitted. :class:`JetMode` says what a kernel computes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,7 +21,7 @@ from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from pyhvp.taylor import rules  # noqa: F401 (registers the dedicated rules)
-from pyhvp.taylor.jets import Context, DiagonalCoefficient, Jet
+from pyhvp.taylor.jets import Context, DiagonalCoefficient, Jet, strong_zeros
 from pyhvp.taylor.registry import apply
 
 Tensor = torch.Tensor
@@ -54,17 +56,49 @@ def _identity(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     return torch.eye(n, dtype=dtype, device=device)
 
 
+@dataclass(frozen=True)
+class JetMode:
+    """What a jet kernel computes: coefficients up to ``order``; the top order summed over the
+    directions (``collapsed``), each weighted by a kernel input (``weighted``); which orders it
+    returns (``outputs``; 0 is the value); and whether its rules run under
+    :func:`~pyhvp.taylor.jets.strong_zeros` (``strong``: what a call whose plain result is not
+    finite runs)."""
+
+    order: int = 2
+    collapsed: bool = False
+    outputs: tuple[int, ...] = (2,)
+    weighted: bool = False
+    strong: bool = False
+
+    def __post_init__(self) -> None:
+        if self.order < 1 or any(not 0 <= k <= self.order for k in self.outputs):
+            raise ValueError(f"a jet kernel of order {self.order} cannot return {self.outputs}")
+
+    def collapses(self, k: int) -> bool:
+        """Whether the order-``k`` output is summed over directions (no leading axis)."""
+        return self.collapsed and k == self.order
+
+    @property
+    def __name__(self) -> str:  # what compile warnings print
+        kind = "collapsed" if self.collapsed else "per-direction"
+        return f"{'strong-zero ' if self.strong else ''}{kind} order-{self.order} jet kernel"
+
+
 def run_jets(
-    graph: fx.GraphModule, ctx: Context, x: Tensor, directions: Tensor, constants: Sequence[Tensor],
-    event: tuple[int, ...] | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """``(value, first, second)`` of the program's output: ``value`` its value, ``first`` the
-    first-order coefficients ``(K, *out)`` along ``directions``, ``second`` the second-order ones
-    ``(K, *out)`` per direction or ``out`` summed (collapsed). ``event``: the directions are that
-    event's basis (:func:`basis_event`), and x's coefficient is kept diagonal."""
-    coefficient = directions if event is None else DiagonalCoefficient(1.0, directions, event,
-                                                                       x.ndim)  # fmt: skip
-    inputs = iter([Jet(x, coefficient, None), *constants])
+    graph: fx.GraphModule, mode: JetMode, x: Tensor, directions: Tensor,
+    weights: Tensor | None, constants: Sequence[Tensor], event: tuple[int, ...] | None = None,
+) -> tuple[Tensor, ...]:  # fmt: skip
+    """The program's output's coefficients of the orders ``mode.outputs``: order 0 its value,
+    order k ``(K, *out)`` along ``directions``, or ``out`` for a collapsed top order (summed over
+    the directions, times ``weights`` when given). ``event``: the directions are that event's
+    basis (:func:`basis_event`), and x's first-order coefficient is kept diagonal."""
+    ctx = Context(mode.collapsed, mode.order, weights)
+    coefficient: Tensor | DiagonalCoefficient = directions
+    if event is not None:
+        coefficient = DiagonalCoefficient(1.0, directions, event, x.ndim)
+    elif ctx.collapses(1):  # first order is the top: the (weighted) sum of the directions
+        coefficient = ctx.summed(directions)
+    inputs = iter([Jet(x, (coefficient, *(None,) * (mode.order - 1))), *constants])
     last_use = {}
     for i, node in enumerate(graph.graph.nodes):
         for used in node.all_input_nodes:
@@ -87,20 +121,24 @@ def run_jets(
         for used in node.all_input_nodes:
             if last_use[used] == i:
                 del env[used]
-    return _output_coefficients(ctx, result, directions.shape[0])
+    return tuple(_output_coefficient(mode, result, k, directions.shape[0], x.dtype)
+                 for k in mode.outputs)  # fmt: skip
 
 
-def _output_coefficients(ctx: Context, out: Jet | Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
-    if not isinstance(out, Jet):  # f does not depend on x: every derivative is zero
-        zeros = out.new_zeros((k, *out.shape))
-        return out, zeros, zeros[0] if ctx.collapsed else zeros
-    first = out.first.expand(k, *out.value.shape)
-    lead = 1 if ctx.collapsed else k
-    if out.second is None:
-        second = out.value.new_zeros((lead, *out.value.shape))
-    else:
-        second = out.second.expand(lead, *out.value.shape)
-    return out.value, first, second[0] if ctx.collapsed else second
+def _output_coefficient(mode: JetMode, out: Jet | Tensor, k: int, count: int,
+                        dtype: torch.dtype) -> Tensor:  # fmt: skip
+    """The order-``k`` output of ``out`` (a constant: zeros), expanded to its full shape: order
+    0 is the value, in f's dtype; a coefficient is a derivative with respect to x and has x's
+    ``dtype``, whatever dtype f computes in, as autograd's gradients do
+    (docs/guide/contract.md)."""
+    value = out.value if isinstance(out, Jet) else out
+    if k == 0:
+        return value
+    lead = 1 if mode.collapses(k) else count
+    c = out.dense(k) if isinstance(out, Jet) else None
+    full = (value.new_zeros((lead, *value.shape), dtype=dtype) if c is None
+            else c.expand(lead, *value.shape).to(dtype))  # fmt: skip
+    return full[0] if mode.collapses(k) else full
 
 
 def traceable(t: Tensor) -> Tensor:
@@ -110,15 +148,15 @@ def traceable(t: Tensor) -> Tensor:
 
 
 class JetKernel:
-    """A flat aten graph ``(x, directions, *constants) -> coefficients``; callable."""
+    """A flat aten graph ``(x, directions, [weights,] *constants) -> coefficients``; callable."""
 
-    def __init__(self, graph: fx.GraphModule, collapsed: bool) -> None:
+    def __init__(self, graph: fx.GraphModule, mode: JetMode) -> None:
         self.graph = graph
-        self.collapsed = collapsed
+        self.mode = mode
 
     @property
     def __name__(self) -> str:  # what compile warnings print
-        return "collapsed jet kernel" if self.collapsed else "second-directional jet kernel"
+        return self.mode.__name__
 
     def __call__(self, *inputs: Tensor) -> object:
         return self.graph(*inputs)
@@ -126,34 +164,30 @@ class JetKernel:
 
 def build_kernel(
     program: fx.GraphModule,
-    collapsed: bool,
+    mode: JetMode,
     x: Tensor,
     directions: Tensor,
+    weights: Tensor | None,
     constants: Sequence[Tensor],
     event: tuple[int, ...] | None = None,
-    second_only: bool = False,
 ) -> JetKernel:
-    """Trace :func:`run_jets` for this program and directions layout into a flat graph.
+    """Trace :func:`run_jets` for this program, mode and directions layout into a flat graph,
+    which returns the tuple of ``mode.outputs`` (nothing else is computed: an output's value or
+    lower coefficients that are not returned are dead code, an MLP's last layer applied to K
+    coefficients, say). ``event``: the directions are that event's basis (:func:`basis_event`;
+    the kernel then holds for those directions only)."""
 
-    Collapsed kernels return ``(value, first, second)``, or ``second`` alone with
-    ``second_only``; per-direction kernels return ``second`` alone. A kernel that returns
-    ``second`` alone never computes the output's value nor its first-order coefficients (dead
-    code: an MLP's last layer applied to K coefficients, say).
-    ``event``: the directions are that event's basis (:func:`basis_event`; the kernel then holds
-    for those directions only).
-    """
-    ctx = Context(collapsed)
+    def jets(x: Tensor, directions: Tensor, *rest: Tensor) -> tuple[Tensor, ...]:
+        w, constants = (rest[0], rest[1:]) if mode.weighted else (None, rest)
+        return run_jets(program, mode, x, directions, w, constants, event)
 
-    def jets(x: Tensor, directions: Tensor, *constants: Tensor) -> object:
-        value, first, second = run_jets(program, ctx, x, directions, constants, event)
-        return (value, first, second) if collapsed and not second_only else second
-
-    with torch.no_grad():
-        graph = make_fx(jets)(*map(traceable, (x, directions, *constants)))
+    inputs = (x, directions, *([] if weights is None else [weights]), *constants)
+    with torch.no_grad(), strong_zeros() if mode.strong else contextlib.nullcontext():
+        graph = make_fx(jets)(*map(traceable, inputs))
     _drop_identical_views(graph.graph)
     graph.graph.eliminate_dead_code()
     graph.recompile()
-    return JetKernel(graph, collapsed)
+    return JetKernel(graph, mode)
 
 
 def _drop_identical_views(graph: fx.Graph) -> None:

@@ -44,10 +44,12 @@ from torch import fx
 from torch._decomp import core_aten_decompositions, get_decompositions
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from pyhvp._checks import require_output_tensor
 from pyhvp._keys import Value
+from pyhvp._user_errors import quiet_tracing
 from pyhvp.taylor import guards
 from pyhvp.taylor.custom_ops import STOP_GRADIENT, WITH_DERIVATIVES_OF
-from pyhvp.taylor.kernel import JetKernel, basis_event, build_kernel, traceable
+from pyhvp.taylor.kernel import JetKernel, JetMode, basis_event, build_kernel, traceable
 from pyhvp.taylor.recorder import (
     BY_CONDITIONING,
     KEEP,
@@ -151,18 +153,23 @@ class Program:
     graph: fx.GraphModule
     kernels: dict[Hashable, JetKernel] = field(default_factory=dict)
 
-    def kernel(
-        self, collapsed: bool, x: Tensor, directions: Tensor, constants: Sequence[Tensor],
-        second_only: bool = False,
-    ) -> JetKernel:  # fmt: skip
-        """The jet kernel for this mode, directions layout and outputs (traced on first use);
-        collapsed along the basis of x's event, one that keeps x's coefficient diagonal."""
-        event = basis_event(x, directions) if collapsed else None
-        key = (collapsed, _meta(directions), event, second_only)
+    def kernel(self, mode: JetMode, x: Tensor, directions: Tensor, weights: Tensor | None,
+               constants: Sequence[Tensor]) -> JetKernel:  # fmt: skip
+        """The jet kernel for this mode and directions layout (traced on first use); a
+        collapsed second-order one along the basis of x's event keeps x's coefficient
+        diagonal."""
+        event = basis_event(x, directions) if _keeps_diagonal(mode) else None
+        key = (mode, _meta(directions), event, None if weights is None else _meta(weights))
         if key not in self.kernels:
-            self.kernels[key] = build_kernel(self.graph, collapsed, x, directions, constants,
-                                             event, second_only)  # fmt: skip
+            self.kernels[key] = build_kernel(self.graph, mode, x, directions, weights, constants,
+                                             event)  # fmt: skip
         return self.kernels[key]
+
+
+def _keeps_diagonal(mode: JetMode) -> bool:
+    """Diagonal first-order coefficients are kept by collapsed, unweighted second-order
+    kernels (their collapsed square is the diagonal's square)."""
+    return mode.collapsed and mode.order == 2 and not mode.weighted
 
 
 _PROGRAMS: OrderedDict[Hashable, Program] = OrderedDict()
@@ -175,10 +182,9 @@ class Capture:
     program: Program
     constants: tuple[Tensor, ...]
 
-    def kernel(
-        self, collapsed: bool, x: Tensor, directions: Tensor, second_only: bool = False
-    ) -> JetKernel:
-        return self.program.kernel(collapsed, x, directions, self.constants, second_only)
+    def kernel(self, mode: JetMode, x: Tensor, directions: Tensor,
+               weights: Tensor | None = None) -> JetKernel:  # fmt: skip
+        return self.program.kernel(mode, x, directions, weights, self.constants)
 
 
 def capture(f: Callable[..., Tensor], x: Tensor, args: Sequence[object], guarded: bool = False
@@ -201,10 +207,7 @@ def capture(f: Callable[..., Tensor], x: Tensor, args: Sequence[object], guarded
 
 def _program(recorder: Recorder, out: object, x: Tensor) -> tuple[Program, tuple[Tensor, ...]]:
     """The (cached or new) program of a record, and the constants to pass it."""
-    if not isinstance(out, Tensor):
-        raise TypeError(f"f must return a torch.Tensor, got {type(out).__name__}")
-    if not out.is_floating_point():  # integers do not vary smoothly; complex is not supported
-        raise TypeError(f"f must return a real floating tensor, got {out.dtype}")
+    out = require_output_tensor("f", out)  # integers do not vary smoothly; no complex
     output = recorder._describe(out, ("read", False))  # a view made without grad: constant
     key = (
         _meta(x),
@@ -247,10 +250,11 @@ def _functional_graph(recorder: Recorder, output: Hashable, x: Tensor) -> fx.Gra
             return make_fx(functional, decomposition_table=decompositions(),
                            tracing_mode=tracing_mode)(*inputs)  # fmt: skip
 
-    try:  # on fake tensors: shapes are all it needs, and f's intermediates are not held again
-        functional = replay("fake")
-    except Exception:  # data-dependent shapes (masks, nonzero): on real values
-        functional = replay("real")
+    with quiet_tracing():  # a fake replay that fails logs the failure: an expected one
+        try:  # on fake tensors: shapes are all it needs, and f's intermediates are not held
+            functional = replay("fake")
+        except Exception:  # data-dependent shapes (masks, nonzero): on real values
+            functional = replay("real")
     _drop_input_writes(functional.graph)
     functional.graph.eliminate_dead_code()
     functional.recompile()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import weakref
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, cast
@@ -27,7 +28,7 @@ from typing import Any, cast
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from pyhvp._keys import Identity, value_key
 from pyhvp.taylor.custom_ops import DET_BY_SVD, det_needs_svd
@@ -491,8 +492,38 @@ def _record(f: Callable[..., Tensor], variable: Tensor, args: Sequence[object],
             tell_backward_apart: bool) -> tuple[Recorder, object]:  # fmt: skip
     recorder = Recorder(variable, watch_backward=not tell_backward_apart)
     guard = _NoAutogradInside() if tell_backward_apart else contextlib.nullcontext()
-    with recording_state(), guard, recorder:
-        out = f(variable, *args)
+    _RECORDING.depth = recording_depth() + 1
+    try:
+        with recording_state(), guard, recorder:
+            out = f(variable, *args)
+    finally:
+        _RECORDING.depth -= 1
     if recorder.saw_backward:
         raise BackwardInside
     return recorder, out
+
+
+_RECORDING = threading.local()
+"""How many records of ``f`` are in progress on this thread (an operator called inside ``f``
+of another is nested in it)."""
+
+
+def recording_depth() -> int:
+    return getattr(_RECORDING, "depth", 0)
+
+
+def recording() -> bool:
+    """Whether this thread is recording ``f`` for a Taylor-engine operator: a pyhvp operator
+    called now is nested inside that ``f``, and must compute its result with ops the recorder
+    sees and differentiates (its kernel, run eagerly on ``f``'s own tensors), never behind
+    ``no_grad``, a ``detach`` or a compiled graph -- the outer operator would read a constant."""
+    return recording_depth() > 0
+
+
+@contextlib.contextmanager
+def outside_recording() -> Iterator[None]:
+    """The recorders (and any other dispatch modes) in progress suspended: what a nested
+    operator runs to record its own ``f`` and trace its kernel, which are not part of the outer
+    program (only the kernel's run is). The depth is kept: the nested record counts it."""
+    with _disable_current_modes():
+        yield

@@ -11,8 +11,13 @@ import torch
 from torch.utils import _pytree as pytree
 
 from pyhvp.taylor.custom_ops import DET_BY_SVD, STOP_GRADIENT, WITH_DERIVATIVES_OF
-from pyhvp.taylor.fallbacks import general_fallback, linear_rule, pointwise_fallback
-from pyhvp.taylor.jets import ENGINE, Context, Jet, dense_only, value_of
+from pyhvp.taylor.fallbacks import (
+    UnsupportedOpError,
+    general_fallback,
+    linear_rule,
+    pointwise_fallback,
+)
+from pyhvp.taylor.jets import ENGINE, Context, Jet, NotAtThisOrder, dense_only, value_of
 
 aten = torch.ops.aten
 Tensor = torch.Tensor
@@ -63,10 +68,37 @@ def apply(ctx: Context, op: Callable[..., Any], *args: Any, **kwargs: Any) -> An
         return out
     pointwise = torch.Tag.pointwise in getattr(op, "tags", ()) and isinstance(out, Tensor)
     if op in RULES and (pointwise or op in SCALAR_SAFE or not _on_scalars(args, kwargs, results)):
-        return RULES[op](ctx, out, *args, **kwargs)
+        try:
+            return _checked_order(ctx, op, RULES[op](ctx, out, *args, **kwargs))
+        except NotAtThisOrder as lower:  # a rule of a lower order: the op's exact fallback
+            try:
+                return _fallback(ctx, op, out, args, kwargs, pointwise)
+            except UnsupportedOpError as error:
+                raise UnsupportedOpError(f"{error} (its jet rule: {lower})") from error
+    return _fallback(ctx, op, out, args, kwargs, pointwise)
+
+
+def _fallback(ctx: Context, op: Callable[..., Any], out: Any, args: tuple[Any, ...],
+              kwargs: dict[str, Any], pointwise: bool) -> Any:  # fmt: skip
     if pointwise:
         return pointwise_fallback(ctx, op, out, args, kwargs)
     return general_fallback(ctx, op, out, args, kwargs)
+
+
+def _checked_order(ctx: Context, op: object, out: Any) -> Any:
+    """A rule's result, each jet of which must carry the kernel's order: a user's rule written
+    for second order that returns two coefficients at fourth would leave the others missing
+    (silently zero), so it is refused, naming the op."""
+    for jet in pytree.tree_leaves(out):
+        if isinstance(jet, Jet) and len(jet.coefficients) != ctx.order:
+            raise UnsupportedOpError(
+                f"pyhvp: the jet rule of {op} returned {len(jet.coefficients)} Taylor "
+                f"coefficients where the kernel carries {ctx.order}: a rule must return one "
+                f"per order up to ctx.order (pyhvp.taylor.chain takes the derivatives of "
+                f"every order), or raise pyhvp.taylor.NotAtThisOrder for orders it does not "
+                f"carry, and the engine falls back"
+            )
+    return out
 
 
 SCALAR_SAFE = {
@@ -164,11 +196,14 @@ def register_jet_rule(
     * ``rule(ctx, out, *args, **kwargs)``: ``out`` is the op's value, ``args`` / ``kwargs`` the
       op's arguments with a ``pyhvp.taylor.Jet`` wherever an input depends on ``x``; it
       returns the output's jet(s) (constants where an output does not depend on ``x``). A jet
-      holds ``value``, ``first`` (first-order coefficients ``(K, *S)``, ``S`` broadcasting to the
-      value's shape) and ``second`` (second-order ones, per direction or summed over them: combine
-      first-order coefficients only through ``ctx.product`` / ``ctx.pair``, which know the
-      mode; ``None`` is zero). ``pyhvp.taylor.chain`` writes an elementwise rule from its
-      first and second derivatives.
+      holds ``value`` and ``coefficients``, one per order up to ``ctx.order`` (``(K, *S)``,
+      ``S`` broadcasting to the value's shape; the top order summed over directions in collapsed
+      mode: combine coefficients of two operands only through ``ctx.pair`` / ``ctx.product``,
+      which know the mode; ``None`` is zero; ``jet.first`` and ``jet.second`` read the first
+      two). ``pyhvp.taylor.chain(ctx, out, u, g1, ..., gK)`` writes an elementwise rule from its
+      derivatives; a rule that carries a lower order than ``ctx.order`` raises
+      ``pyhvp.taylor.NotAtThisOrder`` (``chain`` does, given too few derivatives) and the op
+      takes its exact fallback.
 
     Without ``rule`` or a flag it returns a decorator. Registration replaces an earlier rule
     and clears nothing that was cached: register before the first call that uses ``op``.

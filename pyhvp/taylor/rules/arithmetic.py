@@ -9,6 +9,7 @@ from typing import Any, cast
 import torch
 
 from pyhvp.taylor.jets import (
+    Coefficient,
     Context,
     DiagonalCoefficient,
     FactoredCoefficient,
@@ -16,11 +17,14 @@ from pyhvp.taylor.jets import (
     broadcast_times,
     chain,
     coefficient_of,
+    coefficients_of,
     diagonal_of,
+    leibniz,
     lifted,
     multiplied,
     on_event,
     plus,
+    times,
     times_or_none,
     value_of,
 )
@@ -30,7 +34,7 @@ aten = torch.ops.aten
 Tensor = torch.Tensor
 
 
-def _signed_sum(out: Tensor, a: object, b: object, ca: float, cb: float) -> Jet:
+def _signed_sum(ctx: Context, out: Tensor, a: object, b: object, ca: float, cb: float) -> Jet:
     """``ca * a + cb * b``."""
     nd = out.ndim
 
@@ -42,7 +46,7 @@ def _signed_sum(out: Tensor, a: object, b: object, ca: float, cb: float) -> Jet:
 
     diagonal = _diagonal_first(out, a, b, ca, cb)
     first = combined(1) if diagonal is None else diagonal
-    return Jet(out, cast(Tensor | DiagonalCoefficient, first), combined(2))  # a or b: a jet
+    return Jet(out, (first, *(combined(k) for k in range(2, ctx.order + 1))))
 
 
 def _diagonal_first(out: Tensor, a: object, b: object, wa: Tensor | float, wb: Tensor | float,
@@ -64,30 +68,31 @@ def _diagonal_first(out: Tensor, a: object, b: object, wa: Tensor | float, wb: T
 
 @rule(aten.sub.Tensor, aten.sub.Scalar)
 def _sub(ctx: Context, out: Tensor, a: object, b: object, alpha: float = 1) -> Jet:
-    return _signed_sum(out, a, b, 1, -alpha)
+    return _signed_sum(ctx, out, a, b, 1, -alpha)
 
 
 @rule(aten.rsub.Tensor, aten.rsub.Scalar)
 def _rsub(ctx: Context, out: Tensor, a: object, b: object, alpha: float = 1) -> Jet:
-    return _signed_sum(out, a, b, -alpha, 1)
+    return _signed_sum(ctx, out, a, b, -alpha, 1)
 
 
 @rule(aten.add.Tensor, aten.add.Scalar)
 def _add(ctx: Context, out: Tensor, a: object, b: object, alpha: float = 1) -> Jet:
-    return _signed_sum(out, a, b, 1, alpha)
+    return _signed_sum(ctx, out, a, b, 1, alpha)
 
 
 @rule(aten.neg.default)
 def _neg(ctx: Context, out: Tensor, u: Jet) -> Jet:
     c = u.coefficient
-    first: Tensor | FactoredCoefficient | DiagonalCoefficient
+    first: Coefficient
     if isinstance(c, DiagonalCoefficient):
         first = DiagonalCoefficient(-c.diagonal, c.basis, c.event, c.ndim)
     elif isinstance(c, FactoredCoefficient):
         first = FactoredCoefficient(-c.factor, c.shared)
     else:
         first = -c
-    return Jet(out, first, None if u.second is None else -u.second)
+    higher = cast(tuple[Tensor | None, ...], u.coefficients[1:])
+    return Jet(out, (first, *(None if t is None else -t for t in higher)))
 
 
 @rule(aten.mul.Tensor, aten.mul.Scalar)
@@ -100,17 +105,18 @@ def _mul(ctx: Context, out: Tensor, a: Jet | Tensor | float, b: Jet | Tensor | f
         jet.coefficient, FactoredCoefficient
     ):  # stays factored
         c = jet.coefficient
-        second = (
-            None if jet.second is None else broadcast_times(lifted(jet.second, out.ndim), other)
-        )
-        return Jet(out, FactoredCoefficient(c.factor * other, lifted(c.shared, out.ndim)), second)
+        higher = cast(tuple[Tensor | None, ...], jet.coefficients[1:])
+        return Jet(out, (FactoredCoefficient(times(c.factor, other), lifted(c.shared, out.ndim)),
+                         *(None if t is None else broadcast_times(lifted(t, out.ndim), other)
+                           for t in higher)))  # fmt: skip
     return bilinear(ctx, out, a, b, broadcast_times)
 
 
 def _diagonal_product(ctx: Context, out: Tensor, a: object, b: object) -> Jet | None:
-    """``a * b`` with the first-order coefficient kept diagonal: a diagonal jet times a constant,
-    or two diagonal jets (on the same basis), collapsed: Leibniz with the cross term
-    ``2 sum_k a_k b_k = 2 diag(a) diag(b)``. None otherwise."""
+    """``a * b`` with the first-order coefficient kept diagonal (second order: diagonal
+    coefficients are kept by second-order kernels only): a diagonal jet times a constant, or two
+    diagonal jets (on the same basis), collapsed: Leibniz with the cross term ``2 sum_k a_k b_k
+    = 2 diag(a) diag(b)``. None otherwise."""
     nd = out.ndim
     va, vb = cast(Tensor | float, value_of(a)), cast(Tensor | float, value_of(b))
     first = _diagonal_first(out, a, b, vb, va, both=ctx.collapsed)
@@ -124,30 +130,18 @@ def _diagonal_product(ctx: Context, out: Tensor, a: object, b: object) -> Jet | 
         cross = 2 * multiplied(da.diagonal, db.diagonal)
         square = cross[None] if isinstance(cross, Tensor) else out.new_full((1,) * (nd + 1), cross)
         second = plus(second, lifted(square, nd))
-    return Jet(out, first, second)
-
-
-def swap(op: Callable[[Any, Any], Tensor]) -> Callable[[Any, Any], Tensor]:
-    """``op`` with its arguments given the other way round (``broadcast_times`` commutes)."""
-    return op if op is broadcast_times else lambda b, a: op(a, b)
+    return Jet(out, (first, second))
 
 
 def bilinear(
     ctx: Context, out: Tensor, a: object, b: object, op: Callable[[Any, Any], Tensor]
 ) -> Jet:
     """Leibniz for an op bilinear in (a, b) that broadcasts a leading axis:
-    ``(ab)' = a'b + ab'``, ``(ab)'' = a''b + 2 a'b' + ab''``."""
+    ``(ab)' = a'b + ab'``, ``(ab)'' = a''b + 2 a'b' + ab''``, ... (:func:`leibniz`)."""
     nd = out.ndim
-    va, vb = value_of(a), value_of(b)
-    fa, fb = coefficient_of(a, nd, 1), coefficient_of(b, nd, 1)
-    sa, sb = coefficient_of(a, nd, 2), coefficient_of(b, nd, 2)
-    # coefficients first (see broadcast_times): a' b and b' a, then a'' b and b'' a
-    first = plus(None if fa is None else op(fa, vb), None if fb is None else swap(op)(fb, va))
-    cross = None if fa is None or fb is None else 2 * ctx.pair(op, fa, fb)
-    second = plus(
-        None if sa is None else op(sa, vb), None if sb is None else swap(op)(sb, va), cross
-    )
-    return Jet(out, cast(Tensor, first), second)  # a or b is a jet: not None
+    coefficients = leibniz(ctx, op, value_of(a), value_of(b), coefficients_of(a, nd, ctx.order),
+                           coefficients_of(b, nd, ctx.order))  # fmt: skip
+    return Jet(out, tuple(coefficients))  # a or b is a jet: the first is not None
 
 
 @rule(aten.div.Tensor, aten.div.Scalar)
@@ -157,7 +151,7 @@ def _div(ctx: Context, out: Tensor, a: object, b: object) -> Jet:
         if c is not None and on_event(c.event, out.shape):  # stays diagonal
             second = cast(Jet, a).second
             first = DiagonalCoefficient(c.diagonal / divisor, c.basis, c.event, out.ndim)
-            return Jet(out, first, None if second is None else lifted(second, out.ndim) / divisor)
+            return Jet(out, (first, None if second is None else lifted(second, out.ndim) / divisor))
         return bilinear(ctx, out, a, b, operator.truediv)
     return bilinear(ctx, out, a, apply(ctx, aten.reciprocal.default, b), broadcast_times)
 
@@ -165,20 +159,30 @@ def _div(ctx: Context, out: Tensor, a: object, b: object) -> Jet:
 @rule(aten.pow.Tensor_Tensor)
 def _tensor_power(ctx: Context, out: Tensor, base: Jet | Tensor, exponent: Jet | Tensor) -> Jet:
     """``base ** exponent``, masked like autograd's ``pow_backward``: a constant exponent ``b``
-    gives ``b u^(b-1)`` except 0 where ``b == 0`` and ``b (b-1) u^(b-2)`` except 0 where ``b`` is
-    0 or 1 (``0 * inf`` at ``u = 0`` otherwise); a constant zero base has zero derivatives where
-    the exponent is >= 0."""
+    gives ``(b)_j u^(b-j)`` (``(b)_j = b (b-1) ... (b-j+1)``), 0 where ``(b)_j`` is (``0 * inf``
+    at ``u = 0`` otherwise); a constant zero base has zero derivatives where the exponent is
+    >= 0. The masked powers and logarithms are taken of safe values (exponent j, or 1), so that
+    no ``0 * inf`` is left in the kernel's backward either."""
     if not isinstance(exponent, Jet):
         base = cast(Jet, base)  # one of base and exponent is a jet
         b, u = exponent, base.value
-        d1 = torch.where(b == 0, 0.0, b * u ** (b - 1))
-        d2 = torch.where((b == 0) | (b == 1), 0.0, b * (b - 1) * u ** (b - 2))
-        return chain(ctx, out, base, d1, d2)
-    if not isinstance(base, Jet):  # exponent e: out log(base), out log(base)^2
-        log_base = torch.log(base)
+        one = torch.ones_like(b)  # b's dtype
+        derivatives = []
+        falling, zero = b, b == 0
+        for j in range(1, ctx.order + 1):
+            if j > 1:
+                falling, zero = falling * (b - (j - 1)), zero | (b == j - 1)
+            safe = torch.where(zero, one if j == 1 else j * one, b - j)
+            derivatives.append(torch.where(zero, 0.0, falling * u**safe))
+        return chain(ctx, out, base, *derivatives)
+    if not isinstance(base, Jet):  # exponent e: out log(base)^j
         flat = (base == 0) & (exponent.value >= 0)
-        d1 = torch.where(flat, 0.0, out * log_base)
-        return chain(ctx, out, exponent, d1, torch.where(flat, 0.0, d1 * log_base))
+        log_base = torch.log(torch.where(flat, 1.0, base))  # 0 where flat
+        derivatives, d = [], out
+        for _ in range(ctx.order):
+            d = d * log_base
+            derivatives.append(d)
+        return chain(ctx, out, exponent, *derivatives)
     log_base = apply(ctx, aten.log.default, base)  # base^e = exp(e log base)
     exponent_jet = apply(ctx, aten.mul.Tensor, exponent, log_base)
-    return chain(ctx, out, exponent_jet, out, out)
+    return chain(ctx, out, exponent_jet, *[out] * ctx.order)

@@ -1,6 +1,6 @@
-"""Convolutions: bilinear in input and weight, plus the bias -- each product batched over
-directions with ``vmap`` (which folds them into the convolution's batch), so a convolution
-costs K convolutions, not a dense Jacobian."""
+"""Convolutions: bilinear in input and weight (Leibniz), plus the bias -- each product batched
+over directions with ``vmap`` (which folds them into the convolution's batch), so a convolution
+costs K convolutions per order, not a dense Jacobian."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import cast
 import torch
 from torch.func import vmap
 
-from pyhvp.taylor.jets import Context, Jet, coefficient_of, expanded, plus, value_of
+from pyhvp.taylor.jets import Context, Jet, coefficient_of, expanded, leibniz, plus, value_of
 from pyhvp.taylor.registry import rule
 
 aten = torch.ops.aten
@@ -36,23 +36,20 @@ def _convolution(
         return None if c is None else expanded(c, value.shape, [d for d in range(value.ndim)
                                                                 if d not in keep])  # fmt: skip
 
-    x, w = value_of(input), value_of(weight)
+    def paired(a: Tensor, b: Tensor) -> Tensor:  # two coefficients: one lead for both
+        lead = max(a.shape[0], b.shape[0])
+        return vmap(conv)(a.expand(lead, *a.shape[1:]), b.expand(lead, *b.shape[1:]))
 
-    def through(order: int) -> Tensor | None:
-        cx, cw = coefficient(input, order), coefficient(weight, order)
-        terms = [
-            None if cx is None else vmap(conv, in_dims=(0, None))(cx, w),
-            None if cw is None else vmap(conv, in_dims=(None, 0))(x, cw),
-        ]
-        cb = coefficient_of(bias, 1, order) if isinstance(bias, Jet) else None
-        if cb is not None:  # (L, C_out) -> (L, 1, C_out, 1, ...)
-            terms.append(cb.reshape(cb.shape[0], 1, -1, *(1,) * (out.ndim - 2)))
-        return plus(*terms)
-
-    first, second = through(1), through(2)
-    fx, fw = coefficient(input, 1), coefficient(weight, 1)
-    if fx is not None and fw is not None:
-        lead = max(fx.shape[0], fw.shape[0])
-        fx, fw = fx.expand(lead, *fx.shape[1:]), fw.expand(lead, *fw.shape[1:])
-        second = plus(second, 2 * ctx.pair(vmap(conv), fx, fw))
-    return Jet(out, cast(Tensor, first), second)  # an input is a jet: not None
+    orders = range(1, ctx.order + 1)
+    coefficients = leibniz(
+        ctx, vmap(conv, in_dims=(0, None)), value_of(input), value_of(weight),
+        [coefficient(input, k) for k in orders], [coefficient(weight, k) for k in orders],
+        right=lambda cw, x: vmap(conv, in_dims=(None, 0))(x, cw), both=paired,
+    )  # fmt: skip
+    if isinstance(bias, Jet):  # (L, C_out) -> (L, 1, C_out, 1, ...)
+        for k in orders:
+            cb = coefficient_of(bias, 1, k)
+            if cb is not None:
+                column = cb.reshape(cb.shape[0], 1, -1, *(1,) * (out.ndim - 2))
+                coefficients[k - 1] = plus(coefficients[k - 1], column)
+    return Jet(out, tuple(coefficients))  # an input is a jet: the first is not None

@@ -1,14 +1,16 @@
-"""Elementwise functions ``y = g(u)`` by ``g'`` and ``g''``, and elementwise selection
-(``where``, ``masked_fill``, dropout)."""
+"""Elementwise functions ``y = g(u)`` by their derivatives of any order, and elementwise
+selection (``where``, ``masked_fill``, dropout)."""
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import torch
 
+from pyhvp.taylor.fallbacks import elementwise_derivatives
 from pyhvp.taylor.jets import (
     Context,
     Jet,
@@ -22,57 +24,112 @@ aten = torch.ops.aten
 Tensor = torch.Tensor
 
 
-def _unary(derivatives: Callable[..., tuple[Tensor, Tensor | None]]) -> Rule:
+Derivatives = Callable[..., Sequence[Tensor | None]]
+"""``(u, y, *op_args, order=K) -> [g'(u), ..., g^(K)(u)]`` of an elementwise ``y = g(u)`` (more
+than K are allowed; ``None``: zero)."""
+
+
+def _unary(derivatives: Derivatives) -> Rule:
     """The rule of an elementwise op whose only tensor input is the first."""
 
     def unary_rule(ctx: Context, out: Tensor, u: Jet, *args: object, **kwargs: object) -> Jet:
-        d1, d2 = derivatives(u.value, out, *args, **kwargs)
-        return chain(ctx, out, u, d1, d2)
+        return chain(ctx, out, u, *derivatives(u.value, out, *args, order=ctx.order, **kwargs))
 
     return unary_rule
 
 
-SQRT_2PI = math.sqrt(2 * math.pi)
-UNARY: dict[torch._ops.OpOverload, Callable[..., tuple[Tensor, Tensor | None]]] = {
-    aten.exp.default: lambda u, y: (y, y),
-    aten.exp2.default: lambda u, y: (y * math.log(2), y * math.log(2) ** 2),
-    aten.expm1.default: lambda u, y: (y + 1, y + 1),
-    aten.log.default: lambda u, y: (1 / u, -1 / (u * u)),
-    aten.log2.default: lambda u, y: (1 / (u * math.log(2)), -1 / (u * u * math.log(2))),
-    aten.log10.default: lambda u, y: (1 / (u * math.log(10)), -1 / (u * u * math.log(10))),
-    aten.log1p.default: lambda u, y: (1 / (1 + u), -1 / ((1 + u) * (1 + u))),
-    aten.sqrt.default: lambda u, y: (0.5 / y, -0.25 / (y * y * y)),
-    aten.rsqrt.default: lambda u, y: (-0.5 * y**3, 0.75 * y**5),
-    aten.reciprocal.default: lambda u, y: (-y * y, 2 * y * y * y),
-    aten.sin.default: lambda u, y: (torch.cos(u), -y),
-    aten.cos.default: lambda u, y: (-torch.sin(u), -y),
-    aten.tan.default: lambda u, y: _and_next(1 + y * y, 2 * y),
-    aten.tanh.default: lambda u, y: _and_next(1 - y * y, -2 * y),
-    aten.sigmoid.default: lambda u, y: _and_next(y * (1 - y), 1 - 2 * y),
-    aten.sinh.default: lambda u, y: (torch.cosh(u), y),
-    aten.cosh.default: lambda u, y: (torch.sinh(u), y),
-    aten.atan.default: lambda u, y: (1 / (1 + u * u), -2 * u / (1 + u * u) ** 2),
-    aten.asinh.default: lambda u, y: ((1 + u * u).rsqrt(), -u * (1 + u * u).rsqrt() ** 3),
-    aten.atanh.default: lambda u, y: (1 / (1 - u * u), 2 * u / (1 - u * u) ** 2),
-    aten.erf.default: lambda u, y: (
-        2 / math.sqrt(math.pi) * torch.exp(-u * u),
-        -4 / math.sqrt(math.pi) * u * torch.exp(-u * u),
-    ),
-    aten.abs.default: lambda u, y: (torch.sign(u), None),
-    aten.relu.default: lambda u, y: ((u > 0).to(u.dtype), None),
-    aten.silu.default: lambda u, y: _silu(u),
-    aten.gelu.default: lambda u, y, approximate="none": _gelu(u, approximate),
-    aten.softplus.default: lambda u, y, beta=1, threshold=20: _softplus(u, beta, threshold),
-    aten.leaky_relu.default: lambda u, y, slope=0.01: (torch.where(u > 0, 1.0, slope).to(u), None),
-    aten.elu.default: lambda u, y, alpha=1, scale=1, input_scale=1: _elu(
-        u, alpha, scale, input_scale
-    ),
-    aten.hardtanh.default: lambda u, y, lo=-1, hi=1: (((u > lo) & (u < hi)).to(u.dtype), None),
-    aten.clamp.default: lambda u, y, lo=None, hi=None: (_inside(u, lo, hi), None),
-    aten.clamp_min.default: lambda u, y, lo: (_inside(u, lo, None), None),
-    aten.clamp_max.default: lambda u, y, hi: (_inside(u, None, hi), None),
-    aten.pow.Tensor_Scalar: lambda u, y, p: _power(u, p),
-}
+def _periodic(*cycle: Callable[[Tensor, Tensor], Tensor]) -> Derivatives:
+    """Derivatives that repeat with the cycle's period (``sin``: cos, -sin, -cos, sin)."""
+
+    def derivatives(u: Tensor, y: Tensor, *, order: int) -> Sequence[Tensor | None]:
+        made = [f(u, y) for f in cycle[: min(order, len(cycle))]]
+        return [made[j % len(cycle)] for j in range(order)]
+
+    return derivatives
+
+
+def _scaled(base: Derivatives, factor: Callable[[int], float]) -> Derivatives:
+    """``base``'s j-th derivative times ``factor(j)``."""
+
+    def derivatives(u: Tensor, y: Tensor, *args: object, order: int) -> Sequence[Tensor | None]:
+        return [None if d is None else d * factor(j + 1)
+                for j, d in enumerate(base(u, y, *args, order=order))]  # fmt: skip
+
+    return derivatives
+
+
+def _exp(u: Tensor, y: Tensor, *, order: int) -> Sequence[Tensor | None]:
+    return [y] * order
+
+
+def _expm1(u: Tensor, y: Tensor, *, order: int) -> Sequence[Tensor | None]:
+    return [y + 1] * order
+
+
+def _log(u: Tensor, y: Tensor, *, order: int) -> Sequence[Tensor | None]:
+    """``(-1)^(j-1) (j-1)! / u^j``."""
+    if order <= 2:  # (the second-order kernel's own forms)
+        return [1 / u, -1 / (u * u)][:order]
+    inverse = 1 / u
+    return [(-1) ** (j - 1) * math.factorial(j - 1) * inverse**j for j in range(1, order + 1)]
+
+
+def _log1p(u: Tensor, y: Tensor, *, order: int) -> Sequence[Tensor | None]:
+    return _log(1 + u, y, order=order)
+
+
+def _falling(p: float, j: int) -> float:
+    """``p (p - 1) ... (p - j + 1)``."""
+    return math.prod(p - i for i in range(j))
+
+
+def _power_of_root(root: Tensor, exponent: float, order: int) -> Sequence[Tensor | None]:
+    """Derivatives of ``u^p = root^(2p)`` for ``root = sqrt(u)`` (sqrt, rsqrt): ``(p)_j
+    root^(2 (p - j))``, in powers of ``root``, finite where ``u`` is."""
+    return [_falling(exponent, j) * root ** (2 * (exponent - j)) for j in range(1, order + 1)]
+
+
+def _polynomial(derivative: Sequence[float],
+                fast: Callable[[Tensor], tuple[Tensor, Tensor]]) -> Derivatives:  # fmt: skip
+    """Derivatives of a ``y`` whose derivative is a polynomial ``P`` in ``y`` (coefficients from
+    the constant up): ``g^(j+1) = P_j'(y) P(y)``, each a polynomial in ``y`` made once per order
+    and evaluated by Horner's rule (tanh: ``1 - y^2``, sigmoid: ``y - y^2``, tan: ``1 + y^2``).
+    ``fast(y)``: ``g'`` and ``g''`` in the fewest ops, for the second-order kernels."""
+
+    def derivatives(u: Tensor, y: Tensor, *, order: int) -> Sequence[Tensor | None]:
+        if order <= 2:
+            return list(fast(y))[:order]
+        return [_horner(p, y) for p in _derivative_polynomials(tuple(derivative), order)]
+
+    return derivatives
+
+
+@functools.cache
+def _derivative_polynomials(derivative: tuple[float, ...], order: int) -> list[list[float]]:
+    polynomials = [list(derivative)]
+    for _ in range(order - 1):
+        slope = [i * c for i, c in enumerate(polynomials[-1])][1:]
+        product = [0.0] * max(len(slope) + len(derivative) - 1, 1)
+        for i, a in enumerate(slope):
+            for j, b in enumerate(derivative):
+                product[i + j] += a * b
+        polynomials.append(product)
+    return polynomials
+
+
+def _horner(coefficients: Sequence[float], y: Tensor) -> Tensor:
+    """``sum_i c_i y^i`` by Horner's rule."""
+    c = list(coefficients)
+    while c and c[-1] == 0:
+        c.pop()
+    if not c:
+        return torch.zeros_like(y)
+    result: Tensor | float = c[-1]
+    for a in reversed(c[:-1]):
+        result = y if isinstance(result, float) and result == 1 else result * y
+        if a != 0:
+            result = result + a
+    return result if isinstance(result, Tensor) else torch.full_like(y, result)
 
 
 def _and_next(d1: Tensor, factor: Tensor) -> tuple[Tensor, Tensor]:
@@ -81,40 +138,143 @@ def _and_next(d1: Tensor, factor: Tensor) -> tuple[Tensor, Tensor]:
     return d1, d1 * factor
 
 
-def _silu(u: Tensor) -> tuple[Tensor, Tensor]:
-    s = torch.sigmoid(u)
-    return s * (1 + u * (1 - s)), s * (1 - s) * (2 + u * (1 - 2 * s))
+def _by_autograd(op: torch._ops.OpOverload, first: Derivatives) -> Derivatives:
+    """Closed forms up to second order (``first``), higher orders by autograd's own derivatives
+    of the op (``grad`` of ``grad``, elementwise: the op maps each element alone)."""
+
+    def derivatives(u: Tensor, y: Tensor, *args: object, order: int,
+                    **kwargs: object) -> Sequence[Tensor | None]:  # fmt: skip
+        low = list(first(u, y, *args, order=min(order, 2), **kwargs))
+        if order <= 2:
+            return low
+        higher = elementwise_derivatives(lambda t: cast(Tensor, op(t, *args, **kwargs)), u, order)
+        return low + list(higher[2:])
+
+    return derivatives
 
 
-def _gelu(u: Tensor, approximate: str) -> tuple[Tensor, Tensor]:
-    if approximate == "tanh":  # 0.5 u (1 + tanh(c (u + 0.044715 u^3)))
-        c = math.sqrt(2 / math.pi)
-        z = c * (u + 0.044715 * u**3)
-        dz, ddz = c * (1 + 3 * 0.044715 * u * u), c * 6 * 0.044715 * u
-        t = torch.tanh(z)
-        dt = 1 - t * t
-        d1 = 0.5 * (1 + t) + 0.5 * u * dt * dz
-        d2 = dt * dz + 0.5 * u * (-2 * t * dt * dz * dz + dt * ddz)
-        return d1, d2
+def _hermite(u: Tensor, order: int) -> list[Tensor]:
+    """Probabilists' Hermite polynomials ``He_0..He_order`` at ``u``: ``phi^(m) = (-1)^m He_m
+    phi`` for the standard normal density ``phi``."""
+    polynomials = [torch.ones_like(u), u]
+    for m in range(1, order):
+        polynomials.append(u * polynomials[m] - m * polynomials[m - 1])
+    return polynomials[: order + 1]
+
+
+def _erf(u: Tensor, y: Tensor, *, order: int) -> Sequence[Tensor | None]:
+    """``erf' = 2/sqrt(pi) exp(-u^2)``; ``erf^(j) = 2/sqrt(pi) (-1)^(j-1) H_{j-1}(u)
+    exp(-u^2)`` with the physicists' ``H_m(u) = 2^(m/2) He_m(sqrt(2) u)``."""
+    gauss = 2 / math.sqrt(math.pi) * torch.exp(-u * u)
+    if order <= 2:
+        return [gauss, -2 * u * gauss][:order]
+    he = _hermite(math.sqrt(2) * u, order - 1)
+    return [(-1) ** m * 2 ** (m / 2) * he[m] * gauss for m in range(order)]
+
+
+def _gelu(
+    u: Tensor, y: Tensor, approximate: str = "none", *, order: int
+) -> Sequence[Tensor | None]:
+    """``u Phi(u)``: ``Phi' = phi`` and ``gelu^(j) = u phi^(j-1) + j phi^(j-2)`` with
+    ``phi^(m) = (-1)^m He_m phi``; the tanh approximation by its second-order closed form, higher
+    orders by autograd."""
+    if approximate == "tanh":
+        return _by_autograd(aten.gelu.default, _gelu_tanh)(
+            u, y, approximate=approximate, order=order
+        )
     phi = torch.exp(-0.5 * u * u) / SQRT_2PI
-    return 0.5 * (1 + torch.erf(u / math.sqrt(2))) + u * phi, phi * (2 - u * u)
+    if order <= 2:
+        return [0.5 * (1 + torch.erf(u / math.sqrt(2))) + u * phi, phi * (2 - u * u)][:order]
+    he = _hermite(u, order)
+    density = [(-1) ** m * he[m] * phi for m in range(order)]  # phi^(m)
+    first = 0.5 * (1 + torch.erf(u / math.sqrt(2))) + u * phi
+    return [first] + [u * density[j - 1] + j * density[j - 2] for j in range(2, order + 1)]
 
 
-def _softplus(u: Tensor, beta: float, threshold: float) -> tuple[Tensor, Tensor]:
+def _gelu_tanh(u: Tensor, y: Tensor, approximate: str, *, order: int) -> Sequence[Tensor | None]:
+    """0.5 u (1 + tanh(c (u + 0.044715 u^3)))."""
+    c = math.sqrt(2 / math.pi)
+    z = c * (u + 0.044715 * u**3)
+    dz, ddz = c * (1 + 3 * 0.044715 * u * u), c * 6 * 0.044715 * u
+    t = torch.tanh(z)
+    dt = 1 - t * t
+    d1 = 0.5 * (1 + t) + 0.5 * u * dt * dz
+    d2 = dt * dz + 0.5 * u * (-2 * t * dt * dz * dz + dt * ddz)
+    return [d1, d2][:order]
+
+
+_SIGMOID = _polynomial((0.0, 1.0, -1.0), lambda y: _and_next(y * (1 - y), 1 - 2 * y))
+"""sigmoid' = y - y^2."""
+
+
+def _silu(u: Tensor, y: Tensor, *, order: int) -> Sequence[Tensor | None]:
+    """``u s(u)``: ``silu^(j) = u s^(j) + j s^(j-1)`` with the sigmoid's ``s``."""
+    s = torch.sigmoid(u)
+    if order <= 2:
+        return [s * (1 + u * (1 - s)), s * (1 - s) * (2 + u * (1 - s * 2))][:order]
+    ds = [s, *cast(Sequence[Tensor], _SIGMOID(u, s, order=order))]
+    return [u * ds[j] + j * ds[j - 1] for j in range(1, order + 1)]
+
+
+def _softplus(u: Tensor, y: Tensor, beta: float = 1, threshold: float = 20, *,
+              order: int) -> Sequence[Tensor | None]:  # fmt: skip
+    """``log(1 + exp(beta u)) / beta``: ``softplus^(j) = beta^(j-1) s^(j-1)(beta u)``, and
+    ``u`` itself where ``beta u > threshold`` (as torch computes it)."""
     s = torch.sigmoid(beta * u)
-    linear_part = beta * u > threshold  # torch returns u there
-    return torch.where(linear_part, 1.0, s), torch.where(linear_part, 0.0, beta * s * (1 - s))
+    linear_part = beta * u > threshold
+    ds = [s, *cast(Sequence[Tensor], _SIGMOID(u, s, order=order - 1))] if order > 1 else [s]
+    out: list[Tensor | None] = [torch.where(linear_part, 1.0, s)]
+    out += [torch.where(linear_part, 0.0, beta ** (j - 1) * ds[j - 1]) for j in range(2, order + 1)]
+    return out
 
 
-def _elu(u: Tensor, alpha: float, scale: float, input_scale: float) -> tuple[Tensor, Tensor]:
+def _elu(u: Tensor, y: Tensor, alpha: float = 1, scale: float = 1, input_scale: float = 1, *,
+         order: int) -> Sequence[Tensor | None]:  # fmt: skip
     negative = scale * alpha * input_scale * torch.exp(input_scale * u)
-    return (
-        torch.where(u > 0, scale, negative),
-        torch.where(u > 0, 0.0, negative * input_scale),
-    )
+    return [torch.where(u > 0, scale, negative)] + [
+        torch.where(u > 0, 0.0, negative * input_scale ** (j - 1)) for j in range(2, order + 1)
+    ]
 
 
-def _inside(u: Tensor, lo: Tensor | float | None, hi: Tensor | float | None) -> Tensor:
+def _piecewise_linear(slope: Callable[..., Tensor]) -> Derivatives:
+    """An op linear between kinks: its slope, then zeros (autograd's convention at the kinks)."""
+
+    def derivatives(u: Tensor, y: Tensor, *args: object, order: int) -> Sequence[Tensor | None]:
+        return [slope(u, *args)] + [None] * (order - 1)
+
+    return derivatives
+
+
+def _power(u: Tensor, y: Tensor, p: float, *, order: int) -> Sequence[Tensor | None]:
+    """``(p)_j u^(p - j)``, zero beyond a non-negative integer ``p``."""
+    if p == 0:
+        return [torch.zeros_like(u)] + [None] * (order - 1)
+    if p == 1:
+        return [torch.ones_like(u)] + [None] * (order - 1)
+    if p == 2:
+        return [2 * u, torch.full_like(u, 2)] + [None] * (order - 2)
+    out: list[Tensor | None] = []
+    for j in range(1, order + 1):
+        c = _falling(p, j)
+        out.append(None if c == 0 else (torch.full_like(u, c) if p == j else c * u ** (p - j)))
+    return out
+
+
+def _atan(u: Tensor, y: Tensor, *, order: int) -> Sequence[Tensor | None]:
+    return [1 / (1 + u * u), -2 * u / (1 + u * u) ** 2][:order]
+
+
+def _asinh(u: Tensor, y: Tensor, *, order: int) -> Sequence[Tensor | None]:
+    return [(1 + u * u).rsqrt(), -u * (1 + u * u).rsqrt() ** 3][:order]
+
+
+def _atanh(u: Tensor, y: Tensor, *, order: int) -> Sequence[Tensor | None]:
+    return [1 / (1 - u * u), 2 * u / (1 - u * u) ** 2][:order]
+
+
+def _inside(
+    u: Tensor, lo: Tensor | float | None = None, hi: Tensor | float | None = None
+) -> Tensor:
     """clamp's derivative: 1 where min <= u <= max (autograd's convention at the bounds)."""
     mask = torch.ones_like(u, dtype=torch.bool)
     if lo is not None:
@@ -124,14 +284,72 @@ def _inside(u: Tensor, lo: Tensor | float | None, hi: Tensor | float | None) -> 
     return mask.to(u.dtype)
 
 
-def _power(u: Tensor, p: float) -> tuple[Tensor, Tensor | None]:
-    if p == 0:
-        return torch.zeros_like(u), None
-    if p == 1:
-        return torch.ones_like(u), None
-    if p == 2:
-        return 2 * u, torch.full_like(u, 2)
-    return p * u ** (p - 1), p * (p - 1) * u ** (p - 2)
+def _sqrt(u: Tensor, y: Tensor, *, order: int) -> Sequence[Tensor | None]:
+    if order <= 2:
+        return [0.5 / y, -0.25 / (y * y * y)][:order]
+    return _power_of_root(y, 0.5, order)
+
+
+def _rsqrt(u: Tensor, y: Tensor, *, order: int) -> Sequence[Tensor | None]:
+    if order <= 2:
+        return [-0.5 * y**3, 0.75 * y**5][:order]
+    return [_falling(-0.5, j) * y ** (2 * j + 1) for j in range(1, order + 1)]
+
+
+def _reciprocal(u: Tensor, y: Tensor, *, order: int) -> Sequence[Tensor | None]:
+    """``(-1)^j j! y^(j+1)``."""
+    if order <= 2:
+        return [-y * y, 2 * y * y * y][:order]
+    return [(-1) ** j * math.factorial(j) * y ** (j + 1) for j in range(1, order + 1)]
+
+
+SQRT_2PI = math.sqrt(2 * math.pi)
+LN2, LN10 = math.log(2), math.log(10)
+UNARY: dict[torch._ops.OpOverload, Derivatives] = {
+    aten.exp.default: _exp,
+    aten.exp2.default: _scaled(_exp, lambda j: LN2**j),
+    aten.expm1.default: _expm1,
+    aten.log.default: _log,
+    aten.log2.default: _scaled(_log, lambda j: 1 / LN2),
+    aten.log10.default: _scaled(_log, lambda j: 1 / LN10),
+    aten.log1p.default: _log1p,
+    aten.sqrt.default: _sqrt,
+    aten.rsqrt.default: _rsqrt,
+    aten.reciprocal.default: _reciprocal,
+    aten.sin.default: _periodic(
+        lambda u, y: torch.cos(u), lambda u, y: -y, lambda u, y: -torch.cos(u), lambda u, y: y
+    ),
+    aten.cos.default: _periodic(
+        lambda u, y: -torch.sin(u), lambda u, y: -y, lambda u, y: torch.sin(u), lambda u, y: y
+    ),
+    aten.tan.default: _polynomial((1.0, 0.0, 1.0), lambda y: _and_next(1 + y * y, 2 * y)),
+    aten.tanh.default: _polynomial((1.0, 0.0, -1.0), lambda y: _and_next(1 - y * y, -2 * y)),
+    aten.sigmoid.default: _SIGMOID,
+    aten.sinh.default: _periodic(lambda u, y: torch.cosh(u), lambda u, y: y),
+    aten.cosh.default: _periodic(lambda u, y: torch.sinh(u), lambda u, y: y),
+    aten.atan.default: _by_autograd(aten.atan.default, _atan),
+    aten.asinh.default: _by_autograd(aten.asinh.default, _asinh),
+    aten.atanh.default: _by_autograd(aten.atanh.default, _atanh),
+    aten.erf.default: _erf,
+    aten.abs.default: _piecewise_linear(lambda u: torch.sign(u)),
+    aten.relu.default: _piecewise_linear(lambda u: (u > 0).to(u.dtype)),
+    aten.silu.default: _silu,
+    aten.gelu.default: _gelu,
+    aten.softplus.default: _softplus,
+    aten.leaky_relu.default: _piecewise_linear(
+        lambda u, slope=0.01: torch.where(u > 0, 1.0, slope).to(u)
+    ),
+    aten.elu.default: _elu,
+    aten.hardtanh.default: _piecewise_linear(
+        lambda u, lo=-1, hi=1: ((u > lo) & (u < hi)).to(u.dtype)
+    ),
+    aten.clamp.default: _piecewise_linear(_inside),
+    aten.clamp_min.default: _piecewise_linear(lambda u, lo: _inside(u, lo, None)),
+    aten.clamp_max.default: _piecewise_linear(lambda u, hi: _inside(u, None, hi)),
+    aten.pow.Tensor_Scalar: _power,
+}
+"""Each elementwise op's derivatives of any order (closed forms; autograd's own for the orders
+above 2 of atan, asinh, atanh and the tanh-approximated gelu)."""
 
 
 for _op, _derivatives in UNARY.items():
@@ -140,31 +358,39 @@ for _op, _derivatives in UNARY.items():
 
 @rule(aten.pow.Scalar)
 def _scalar_power(ctx: Context, out: Tensor, base: float, u: Jet) -> Jet:
-    """``base ** u``: ``out log(base)`` and ``out log(base)^2``. Autograd's conventions where
-    the logarithm is not finite: a zero base has zero derivatives where ``u >= 0`` (infinite
-    ones where ``u < 0``), a negative base NaN ones (``log`` of a negative number)."""
+    """``base ** u``: ``out log(base)^j``. Autograd's conventions where the logarithm is not
+    finite: a zero base has zero derivatives where ``u >= 0`` (infinite ones, of alternating
+    sign, where ``u < 0``), a negative base NaN ones (``log`` of a negative number)."""
     if base > 0:
         log_base = math.log(base)
-        return chain(ctx, out, u, out * log_base, out * log_base**2)
+        return chain(ctx, out, u, *(out * log_base**j for j in range(1, ctx.order + 1)))
     if base < 0:
-        return chain(ctx, out, u, out * math.nan, out * math.nan)
-    flat = u.value >= 0
-    return chain(ctx, out, u, torch.where(flat, 0.0, out * -math.inf),
-                 torch.where(flat, 0.0, out * math.inf))  # fmt: skip
+        return chain(ctx, out, u, *[out * math.nan] * ctx.order)
+    flat = u.value >= 0  # out is 0 there, and inf elsewhere: out log(0) = -inf, its square inf
+    infinite = out.new_full((), math.inf)  # not out * inf: 0 * inf, NaN in the kernel's backward
+    return chain(ctx, out, u, *(torch.where(flat, 0.0, -infinite if j % 2 else infinite)
+                                for j in range(1, ctx.order + 1)))  # fmt: skip
 
 
-@rule(aten.where.self)
-def _where(ctx: Context, out: Tensor, condition: Tensor, a: object, b: object) -> Jet:
+def selected(out: Tensor, condition: Tensor, a: object, b: object, order: int) -> Jet:
+    """``where(condition, a, b)``'s jet: each coefficient selected as the value is (a constant
+    branch has zero coefficients; what the other branch's coefficients hold where it is not
+    selected never reaches the result)."""
     nd = out.ndim
 
-    def select(order: int) -> Tensor | None:
-        ta, tb = coefficient_of(a, nd, order), coefficient_of(b, nd, order)
+    def select(k: int) -> Tensor | None:
+        ta, tb = coefficient_of(a, nd, k), coefficient_of(b, nd, k)
         if ta is None and tb is None:
             return None
         zero = cast(Tensor, ta if ta is not None else tb).new_zeros(())  # one is not None
         return torch.where(condition, zero if ta is None else ta, zero if tb is None else tb)
 
-    return Jet(out, cast(Tensor, select(1)), select(2))  # a or b is a jet: not None
+    return Jet(out, tuple(select(k) for k in range(1, order + 1)))  # a or b is a jet
+
+
+@rule(aten.where.self)
+def _where(ctx: Context, out: Tensor, condition: Tensor, a: object, b: object) -> Jet:
+    return selected(out, condition, a, b, ctx.order)
 
 
 @rule(aten.masked_fill.Scalar)
@@ -178,6 +404,6 @@ def _dropout(
 ) -> tuple[Jet, Tensor]:
     value, mask = out
     if not train:
-        return Jet(value, u.first, u.second), mask
+        return Jet(value, u.coefficients), mask
     scale = mask.to(value.dtype) / (1 - p)
     return linear(value, u, lambda t: t * scale), mask

@@ -3,6 +3,7 @@ solve."""
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any, cast
 
@@ -13,7 +14,11 @@ from pyhvp.taylor.fallbacks import general_fallback
 from pyhvp.taylor.jets import (
     Context,
     Jet,
+    chain,
+    dense_coefficients,
     expanded,
+    plus,
+    times_or_none,
     value_of,
 )
 from pyhvp.taylor.registry import apply, rule
@@ -24,12 +29,17 @@ aten = torch.ops.aten
 Tensor = torch.Tensor
 
 
-def _matrix_coefficients(u: Jet) -> tuple[Tensor, Tensor | None]:
-    """First- and second-order coefficients of a matrix jet with full matrix dims."""
+def _matrix_coefficients(u: Jet, order: int) -> list[Tensor | None]:
+    """Coefficients of orders 1..``order`` of a matrix jet, with full matrix dims."""
     shape, nd = u.value.shape, u.value.ndim
     dims = [nd - 2, nd - 1]
-    second = None if u.second is None else expanded(u.second, shape, dims)
-    return expanded(u.first, shape, dims), second
+    return [None if c is None else expanded(c, shape, dims) for c in dense_coefficients(u)[:order]]
+
+
+def _first_two(a: Jet) -> tuple[Tensor, Tensor | None]:
+    """A matrix jet's first and second coefficients (the second None at first order)."""
+    ts = _matrix_coefficients(a, 2)
+    return cast(Tensor, ts[0]), ts[1] if len(ts) > 1 else None
 
 
 def _trace(m: Tensor) -> Tensor:
@@ -41,25 +51,59 @@ def _solved(a: Tensor, b: Tensor) -> Tensor:
     return cast(Tensor, torch.linalg.solve_ex(a, b)[0])  # torch.linalg's results are untyped
 
 
-def _log_det_coefficients(ctx: Context, a: Jet) -> tuple[Tensor, Tensor]:
-    """log|det A|: first ``tr(A^-1 T)``, second ``tr(A^-1 S) - tr(A^-1 T A^-1 T)`` (non-finite
-    for a singular A, where log|det| is -inf, as autograd's)."""
-    t, s = _matrix_coefficients(a)
+def _inverse_series(ctx: Context, b: Tensor, ts: list[Tensor | None], order: int
+                    ) -> list[Tensor | None]:  # fmt: skip
+    """Coefficients 1..``order`` of ``B = A^-1`` (``b`` its value) from ``A``'s (``ts``), by
+    Leibniz on ``A B = I``: ``B_k = -B sum_{j=1..k} C(k, j) A_j B_{k-j}``."""
+    bs: list[Tensor | None] = [b]
+    for k in range(1, order + 1):
+        terms = [None if ts[k - 1] is None else cast(Tensor, ts[k - 1]) @ b]
+        for j in range(1, k):
+            aj, bj = ts[j - 1], bs[k - j]
+            if aj is not None and bj is not None:
+                terms.append(times_or_none(ctx.pair(operator.matmul, aj, bj, k), math.comb(k, j)))
+        total = plus(*terms)
+        bs.append(None if total is None else -(b @ total))
+    return bs[1:]
+
+
+def _log_det_coefficients(ctx: Context, a: Jet) -> list[Tensor | None]:
+    """log|det A| (non-finite for a singular A, where log|det| is -inf, as autograd's): second
+    order in closed form, first ``tr(A^-1 T)``, second ``tr(A^-1 S) - tr(A^-1 T A^-1 T)``; any
+    order by Leibniz on ``L' = tr(A^-1 A')``: ``L_k = sum_j C(k-1, j) tr(B_j A_{k-j})``."""
+    ts = _matrix_coefficients(a, ctx.order)
+    if ctx.order > 2:
+        inverse = cast(Tensor, torch.linalg.inv_ex(a.value)[0])
+        bs = [inverse, *_inverse_series(ctx, inverse, ts, ctx.order - 1)]
+        out: list[Tensor | None] = []
+        for k in range(1, ctx.order + 1):
+            terms = [
+                times_or_none(_trace(bj @ cast(Tensor, ts[k - j - 1])) if j == 0 else
+                              ctx.pair(lambda x, y: _trace(x @ y), bj, cast(Tensor, ts[k - j - 1]), k),
+                              math.comb(k - 1, j))
+                for j, bj in enumerate(bs[:k]) if bj is not None and ts[k - j - 1] is not None
+            ]  # fmt: skip
+            out.append(plus(*terms))
+        return out
+    t = cast(Tensor, ts[0])
     m = _solved(a.value, t)  # A^-1 T, one per direction
+    if ctx.order == 1:
+        return [_trace(m)]
     second = -ctx.pair(operator.mul, m, m.mT).sum((-2, -1))
+    s = ts[1]
     if s is not None:
         second = second + _trace(_solved(a.value, s))
-    return _trace(m), second
+    return [_trace(m), second]
 
 
 @rule(aten._linalg_det.default)
 def _det(ctx: Context, out: tuple[Tensor, Tensor, Tensor], a: Jet) -> tuple[Jet, Tensor, Tensor]:
-    """det' = det tr(A^-1 T); det'' = det (log det'' + log det'^2). Only for
+    """det = sign exp(log|det|): Faa di Bruno of exp on the log-determinant's jet. Only for
     well-conditioned instances: a record with a (nearly) singular one runs
     :func:`~pyhvp.taylor.custom_ops.det_by_svd` instead."""
     det = out[0]
-    first, second = _log_det_coefficients(ctx, a)
-    return (Jet(det, det * first, det * (second + ctx.square(first))), *out[1:])
+    log_det = Jet(det, tuple(_log_det_coefficients(ctx, a)))
+    return (chain(ctx, det, log_det, *[det] * ctx.order), *out[1:])
 
 
 @rule(DET_BY_SVD)
@@ -71,7 +115,8 @@ def _det_by_svd(
     j-th), ``det(A + tT) = det(U) det(V) det(diag(s) + tP)`` has first derivative
     ``sum_i P_ii c_i`` and second ``sum_{i != j} (P_ii P_jj - P_ij P_ji) c_ij`` (times
     ``det(U) det(V)``)."""
-    t, s = _matrix_coefficients(a)
+    ctx.require(2, "det of a (nearly) singular matrix")
+    t, s = _first_two(a)
     u, sigma, vh = torch.linalg.svd(a.value)
     sign = torch.linalg.det(u) * torch.linalg.det(vh)
     c1, c2 = products_but(sigma)
@@ -87,10 +132,12 @@ def _det_by_svd(
 
     p = rotated(t)
     first = sign * (diagonal(p) * c1).sum(-1)
+    if ctx.order == 1:
+        return (Jet(out[0], (first,)), *out[1:])
     second = sign * (ctx.pair(minors, p, p) * c2).sum((-2, -1))
     if s is not None:
         second = second + sign * (diagonal(rotated(s)) * c1).sum(-1)
-    return (Jet(out[0], first, second), *out[1:])
+    return (Jet(out[0], (first, second)), *out[1:])
 
 
 @rule(aten._linalg_slogdet.default)
@@ -98,21 +145,25 @@ def _slogdet(
     ctx: Context, out: tuple[Tensor, Tensor, Tensor, Tensor], a: Jet
 ) -> tuple[Tensor, Jet, Tensor, Tensor]:
     sign, logabsdet = out[0], out[1]
-    return (sign, Jet(logabsdet, *_log_det_coefficients(ctx, a)), *out[2:])
+    return (sign, Jet(logabsdet, tuple(_log_det_coefficients(ctx, a))), *out[2:])
 
 
 @rule(aten.linalg_inv_ex.default)
 def _inverse(
     ctx: Context, out: tuple[Tensor, Tensor], a: Jet, check_errors: bool = False
 ) -> tuple[Jet, Tensor]:
-    """B = A^-1: B' = -B T B; B'' = 2 B T B T B - B S B."""
+    """B = A^-1: B' = -B T B; B'' = 2 B T B T B - B S B; any order by
+    :func:`_inverse_series`."""
     b = out[0]
-    t, s = _matrix_coefficients(a)
+    ts = _matrix_coefficients(a, ctx.order)
+    if ctx.order != 2:
+        return Jet(b, tuple(_inverse_series(ctx, b, ts, ctx.order))), out[1]
+    t, s = cast(Tensor, ts[0]), ts[1]
     bt = b @ t
     second = 2 * ctx.pair(operator.matmul, bt, bt) @ b
     if s is not None:
         second = second - b @ s @ b
-    return Jet(b, -bt @ b, second), out[1]
+    return Jet(b, (-bt @ b, second)), out[1]
 
 
 @rule(aten._linalg_solve_ex.default)
@@ -130,7 +181,7 @@ def _solve(ctx: Context, out: tuple[Tensor, Tensor, Tensor, Tensor], a: Jet | Te
     value = out[0].unsqueeze(dim) if vector else out[0]
     x = matmul_jet(ctx, value, *((inverse, rhs) if left else (rhs, inverse)))
     if vector:
-        x = Jet(out[0], x.first.squeeze(dim), None if x.second is None else x.second.squeeze(dim))
+        x = Jet(out[0], tuple(None if c is None else c.squeeze(dim) for c in dense_coefficients(x)))
     return (x, *out[1:])
 
 
@@ -142,9 +193,9 @@ def _eigenvalues(
     theory in autograd's convention (the whole coefficient ``T`` perturbs ``A``): with
     ``M = V^T T V``, ``l_i' = M_ii`` and ``l_i'' = (V^T S V)_ii + sum_{j != i} M_ji (M_ij + M_ji) /
     (l_i - l_j)``. Eigenvectors, when computed, go to the fallback."""
-    if compute_v:
+    if compute_v or ctx.order > 2:
         return general_fallback(ctx, aten._linalg_eigh.default, out, (a, uplo, compute_v), {})
-    t, s = _matrix_coefficients(a)
+    t, s = _first_two(a)
     eigenvalues, vectors = torch.linalg.eigh(a.value, UPLO=uplo)
     n = eigenvalues.shape[-1]
     off = ~torch.eye(n, dtype=torch.bool, device=eigenvalues.device)
@@ -159,7 +210,9 @@ def _eigenvalues(
 
     m = rotated(t)
     first = m.diagonal(dim1=-2, dim2=-1)
+    if ctx.order == 1:
+        return Jet(out[0], (first,)), out[1]
     second = ctx.pair(curvature, m, m)
     if s is not None:
         second = second + rotated(s).diagonal(dim1=-2, dim2=-1)
-    return Jet(out[0], first, second), out[1]
+    return Jet(out[0], (first, second)), out[1]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -14,18 +14,24 @@ from pyhvp.taylor.jets import (
     Dims,
     FactoredCoefficient,
     Jet,
+    NotAtThisOrder,
     axes,
     axis,
     broadcast_dims,
     broadcast_times,
     chain,
+    coefficient_of,
+    coefficients_of,
+    dense_coefficients,
     diagonal_summed,
     expanded,
     lifted,
     linear,
     multiplied,
     plus,
+    strong,
     times_or_none,
+    value_of,
 )
 from pyhvp.taylor.registry import Rule, apply, rule
 
@@ -60,11 +66,11 @@ def _structured_sum(u: Jet, dims: list[int], keepdim: bool
 def _reduced(out: Tensor, u: Jet, fn: Callable[[Tensor], Tensor],
              first: Tensor | DiagonalCoefficient | None, dtype: torch.dtype | None) -> Jet:  # fmt: skip
     """A reduction's jet: ``first`` when a factored coefficient gave it, else ``fn`` of it."""
-    jet = Jet(out, fn(u.first) if first is None else first,
-              None if u.second is None else fn(u.second))  # fmt: skip
+    higher = [None if t is None else fn(t) for t in dense_coefficients(u)[1:]]
+    jet = Jet(out, (fn(u.first) if first is None else first, *higher))
     if dtype is None:
         return jet
-    return Jet(out, jet.first.to(dtype), None if jet.second is None else jet.second.to(dtype))
+    return linear(out, jet, lambda t: t.to(dtype))
 
 
 def _factored_sum(u: Jet, dims: list[int], keepdim: bool) -> Tensor | None:
@@ -73,8 +79,8 @@ def _factored_sum(u: Jet, dims: list[int], keepdim: bool) -> Tensor | None:
     product, instead of forming the K-fold ``s * v_k``. None otherwise."""
     c = u.coefficient
     shape, nd = u.value.shape, u.value.ndim
-    if not isinstance(c, FactoredCoefficient) or not dims:
-        return None
+    if not isinstance(c, FactoredCoefficient) or not dims or strong():
+        return None  # under strong zeros: a matrix product would multiply zeros by the factor
     shared = lifted(c.shared, nd)
     rest = [d for d in range(nd) if d not in dims]
     if any(shared.shape[d + 1] != 1 for d in rest):
@@ -147,7 +153,7 @@ def _picked(ctx: Context, out: tuple[Tensor, ...], u: Jet, dim: int) -> tuple[An
     picked = apply(ctx, aten.gather.default, u, d, indices.unsqueeze(d) if reduced else indices)
     if reduced:
         picked = apply(ctx, aten.squeeze.dim, picked, d)
-    return (Jet(values, picked.first, picked.second), indices, *out[2:])
+    return (Jet(values, picked.coefficients), indices, *out[2:])
 
 
 @rule(aten.max.dim, aten.min.dim, aten.median.dim, aten.nanmedian.dim)
@@ -197,10 +203,10 @@ def _variance(root: bool) -> Rule:
         if root:
             spread = apply(ctx, aten.sqrt.default, spread)
         if not isinstance(out, tuple):
-            return Jet(out, spread.first, spread.second)
+            return Jet(out, spread.coefficients)
         if not keepdim:
             mean = apply(ctx, aten.squeeze.dims, mean, dims)
-        return Jet(out[0], spread.first, spread.second), Jet(out[1], mean.first, mean.second)
+        return Jet(out[0], spread.coefficients), Jet(out[1], mean.coefficients)
 
     return variance_rule
 
@@ -225,44 +231,134 @@ for _ops, _root in (
     rule(*_ops)(_variance(_root))
 
 
-def _lse(
-    ctx: Context, u: Jet, dims: list[int], keepdim: bool, p: Tensor
-) -> tuple[Tensor, Tensor | None]:
-    """Coefficients of log sum exp over ``dims``, ``p = softmax(u)``: first ``sum p t``, second
-    ``sum p s + sum p t^2 - (sum p t)^2``."""
+def _lse(ctx: Context, u: Jet, dims: list[int], keepdim: bool, value: Tensor,
+         p: Tensor) -> Jet:  # fmt: skip
+    """log sum exp over ``dims`` of ``u`` (value ``value``), with ``p = softmax(u)`` over them.
+    Second order in closed form: first ``sum p t``, second ``sum p s + sum p t^2 - (sum p
+    t)^2``; any order by :func:`_softmax_series`."""
+    if ctx.order > 2:
+        lse, _ = _softmax_series(ctx, u, dims, p, probabilities=False)
+        reduced = [d + 1 for d in dims]
+        return Jet(value, tuple(c if c is None or keepdim else c.squeeze(reduced) for c in lse))
     shifted = [d + 1 for d in dims]
     first = broadcast_times(u.first, p).sum(shifted, keepdim=keepdim)
-    spread = broadcast_times(ctx.square(u.first), p).sum(shifted, keepdim=keepdim) - ctx.square(
-        first
-    )
+    if ctx.order == 1:
+        return Jet(value, (first,))
+    spread = broadcast_times(ctx.square(u.first), p).sum(shifted, keepdim=keepdim)
+    spread = spread - ctx.square(first)
     own = None if u.second is None else broadcast_times(u.second, p).sum(shifted, keepdim=keepdim)
-    return first, plus(own, spread)
+    return Jet(value, (first, plus(own, spread)))
+
+
+def _softmax_series(ctx: Context, u: Jet, dims: list[int], p: Tensor, probabilities: bool
+                    ) -> tuple[list[Tensor | None], list[Tensor | None]]:  # fmt: skip
+    """Coefficients of every order of ``L = logsumexp(u)`` (reduced dims kept) and, with
+    ``probabilities``, of ``p = softmax(u)``, by the recursion of ``L' = sum p u'`` and ``p' =
+    p (u' - L')`` (Leibniz on each product): ``L_k = sum_j C(k-1, j) sum p_j u_{k-j}`` and
+    ``p_k = sum_j C(k-1, j) p_j (u_{k-j} - L_{k-j})``. Only ``p`` enters, never a logarithm or a
+    quotient: entries masked by ``-inf`` (``p = 0``) have zero coefficients, and rows masked
+    whole give zeros, not NaN."""
+    nd, shifted = u.value.ndim, [d + 1 for d in dims]
+    us = coefficients_of(u, nd, ctx.order)
+    ps: list[Tensor | None] = [p]
+    lse: list[Tensor | None] = []
+    for k in range(1, ctx.order + 1):
+        terms = [
+            times_or_none(broadcast_times(cast(Tensor, us[k - j - 1]), pj)
+                          if j == 0 else ctx.product(pj, cast(Tensor, us[k - j - 1]), k),
+                          math.comb(k - 1, j))
+            for j, pj in enumerate(ps[:k]) if pj is not None and us[k - j - 1] is not None
+        ]  # fmt: skip
+        total = plus(*terms)
+        lse.append(None if total is None else total.sum(shifted, keepdim=True))
+        if k == ctx.order and not probabilities:
+            break
+        spread = [
+            None if pj is None else times_or_none(_times_difference(ctx, pj, us[k - j - 1],
+                                                                    lse[k - j - 1], k, j == 0),
+                                                  math.comb(k - 1, j))
+            for j, pj in enumerate(ps[:k])
+        ]  # fmt: skip
+        ps.append(plus(*spread))
+    return lse, ps[1:]
+
+
+def _times_difference(ctx: Context, p: Tensor, a: Tensor | None, b: Tensor | None, order: int,
+                      value: bool) -> Tensor | None:  # fmt: skip
+    """``p (a - b)`` for coefficients ``a``, ``b`` (None: zero) and ``p`` a value (``value``)
+    or a coefficient (then a term of an ``order`` coefficient, summed where it is collapsed)."""
+    difference = plus(a, times_or_none(b, -1))
+    if difference is None:
+        return None
+    return broadcast_times(difference, p) if value else ctx.product(p, difference, order)
+
+
+def _finite_below(out: Tensor) -> Tensor:
+    """A log-sum-exp's value with ``-inf`` (every term ``-inf``: a masked row) as 0: the weights
+    ``e^(u - out)`` are then 0 there, as their limit along the masked terms' zero coefficients,
+    not ``e^(-inf - -inf)`` (NaN, which a sum over the event spreads to every entry)."""
+    return torch.where(out == -math.inf, 0.0, out)
 
 
 @rule(aten.logsumexp.default)
 def _logsumexp(ctx: Context, out: Tensor, u: Jet, dim: Dims, keepdim: bool = False) -> Jet:
     dims = axes(dim, u.value.ndim)
-    p = torch.exp(u.value - _kept(out, u.value.shape, dims))
-    return Jet(out, *_lse(ctx, u, dims, keepdim, p))
+    p = torch.exp(u.value - _kept(_finite_below(out), u.value.shape, dims))
+    return _lse(ctx, u, dims, keepdim, out, p)
 
 
-def _log_softmax_coefficients(
-    ctx: Context, u: Jet, d: int, p: Tensor
-) -> tuple[Tensor, Tensor | None]:
-    """``log softmax(u) = u - logsumexp(u)`` along ``d``."""
-    first, second = _lse(ctx, u, [d], True, p)
-    return lifted(u.first, p.ndim) - first, plus(u.second, times_or_none(second, -1))
+def _logaddexp(scale: float) -> Rule:
+    """``log(e^a + e^b)`` (``scale`` 1), or ``log2(2^a + 2^b)`` (``scale`` ln 2): a log-sum-exp
+    of two, with weights ``p = e^(scale (a - out))`` and ``q = e^(scale (b - out))``: first
+    ``p a' + q b'``, second ``p a'' + q b'' + scale p q (a' - b')^2``; any order as the
+    log-sum-exp of ``scale (a, b)`` stacked (:func:`_softmax_series`), over ``scale``. The
+    weights are 0 where an argument is ``-inf`` (a masked entry), and where both are
+    (:func:`_finite_below`)."""
+
+    def logaddexp_rule(ctx: Context, out: Tensor, a: Jet | Tensor, b: Jet | Tensor) -> Jet:
+        nd, shift = out.ndim, _finite_below(out)
+        p, q = (torch.exp(scale * (value_of(t) - shift)) for t in (a, b))
+        if ctx.order > 2:
+            scaled = [t if scale == 1 else apply(ctx, aten.mul.Tensor, t, scale) for t in (a, b)]
+            pair = apply(ctx, aten.stack.default, scaled, -1)
+            weights = torch.stack([p.expand(out.shape), q.expand(out.shape)], -1)
+            lse, _ = _softmax_series(ctx, pair, [nd], weights, probabilities=False)
+            return Jet(out, tuple(None if c is None else c.squeeze(-1) / scale for c in lse))
+        fa, fb = coefficient_of(a, nd, 1), coefficient_of(b, nd, 1)
+        first = cast(Tensor, plus(None if fa is None else broadcast_times(fa, p),
+                                  None if fb is None else broadcast_times(fb, q)))  # fmt: skip
+        if ctx.order == 1:
+            return Jet(out, (first,))
+        sa, sb = coefficient_of(a, nd, 2), coefficient_of(b, nd, 2)
+        apart = cast(Tensor, plus(fa, times_or_none(fb, -1)))  # a or b is a jet: not None
+        second = plus(None if sa is None else broadcast_times(sa, p),
+                      None if sb is None else broadcast_times(sb, q),
+                      broadcast_times(ctx.square(apart), scale * p * q))  # fmt: skip
+        return Jet(out, (first, second))
+
+    return logaddexp_rule
+
+
+rule(aten.logaddexp.default)(_logaddexp(1.0))
+rule(aten.logaddexp2.default)(_logaddexp(math.log(2)))
 
 
 @rule(aten._log_softmax.default)
 def _log_softmax(ctx: Context, out: Tensor, u: Jet, dim: int, half_to_float: bool = False) -> Jet:
-    return Jet(out, *_log_softmax_coefficients(ctx, u, axis(dim, out.ndim), torch.exp(out)))
+    """``log softmax(u) = u - logsumexp(u)`` along ``dim``."""
+    lse = _lse(ctx, u, [axis(dim, out.ndim)], True, u.value - out, torch.exp(out))
+    return Jet(out, apply(ctx, aten.sub.Tensor, u, lse).coefficients)
 
 
 @rule(aten._softmax.default)
 def _softmax(ctx: Context, out: Tensor, u: Jet, dim: int, half_to_float: bool = False) -> Jet:
-    log_p = Jet(out, *_log_softmax_coefficients(ctx, u, axis(dim, out.ndim), out))
-    return chain(ctx, out, log_p, out, out)  # softmax = exp(log softmax)
+    """softmax = exp(log softmax) at second order; any order by :func:`_softmax_series`."""
+    d = axis(dim, out.ndim)
+    if ctx.order > 2:
+        return Jet(out, tuple(_softmax_series(ctx, u, [d], out, probabilities=True)[1]))
+    lse = _lse(ctx, u, [d], True, out, out)  # (its value is not read)
+    log_p = apply(ctx, aten.sub.Tensor, u, lse)
+    return chain(ctx, out, log_p, *[out] * ctx.order)
 
 
 @rule(aten._safe_softmax.default)
@@ -298,17 +394,12 @@ def _vector_norm(
     # root is taken of a total that is 1 there, so that no inf * 0 reaches the kernel's own
     # derivatives (gradients through the Laplacian) through the unselected branch of a where
     zero = out == 0
-    safe = Jet(
-        torch.where(zero, 1.0, total.value),
-        torch.where(zero, 0.0, total.first),
-        None if total.second is None else torch.where(zero, 0.0, total.second),
-    )
+    safe = Jet(torch.where(zero, 1.0, total.value),
+               tuple(None if c is None else torch.where(zero, 0.0, c)
+                     for c in dense_coefficients(total)))  # fmt: skip
     norm = apply(ctx, aten.pow.Tensor_Scalar, safe, 1 / ord)
-    return Jet(
-        out,
-        torch.where(zero, 0.0, norm.first),
-        None if norm.second is None else torch.where(zero, 0.0, norm.second),
-    )
+    return Jet(out, tuple(None if c is None else torch.where(zero, 0.0, c)
+                          for c in dense_coefficients(norm)))  # fmt: skip
 
 
 @rule(aten._cdist_forward.default, aten._euclidean_dist.default)
@@ -319,7 +410,7 @@ def _cdist(
     columns = apply(ctx, aten.unsqueeze.default, b, -3)  # (..., 1, R, M)
     difference = apply(ctx, aten.sub.Tensor, rows, columns)
     distance = apply(ctx, aten.linalg_vector_norm.default, difference, p, [-1])
-    return Jet(out, distance.first, distance.second) if isinstance(distance, Jet) else out
+    return Jet(out, distance.coefficients) if isinstance(distance, Jet) else out
 
 
 def products_but(values: Tensor) -> tuple[Tensor, Tensor]:
@@ -354,9 +445,15 @@ def _prod(
         d = axis(dim, u.value.ndim)
     order = [*(k for k in range(u.value.ndim) if k != d), d]
     u = apply(ctx, aten.permute.default, u, order)  # the reduced dim last
+    if ctx.order > 2:
+        product = _product_tree(ctx, u)
+        return Jet(out, product.coefficients if keepdim and dim is not None else
+                   apply(ctx, aten.squeeze.dim, product, -1).coefficients)  # fmt: skip
     c1, c2 = products_but(u.value)
     t = expanded(lifted(u.first, u.value.ndim), u.value.shape, [u.value.ndim - 1])
     first = (t * c1).sum(-1)
+    if ctx.order == 1:
+        return Jet(out, (first.unsqueeze(d + 1) if keepdim and dim is not None else first,))
 
     def quadratic(a: Tensor, b: Tensor) -> Tensor:  # sum_ij a_i c_ij b_j
         return (a.unsqueeze(-2) @ (c2 @ b.unsqueeze(-1)))[..., 0, 0]
@@ -366,4 +463,20 @@ def _prod(
         second = second + (lifted(u.second, u.value.ndim) * c1).sum(-1)
     if keepdim and dim is not None:
         first, second = first.unsqueeze(d + 1), second.unsqueeze(d + 1)
-    return Jet(out, first, second)
+    return Jet(out, (first, second))
+
+
+def _product_tree(ctx: Context, u: Jet) -> Jet:
+    """The product over ``u``'s last dim, kept as size 1, by pairwise products (Leibniz at each
+    level; exact where factors are zero): ``log2(n)`` levels of one product each."""
+    while u.value.shape[-1] > 1:
+        n = u.value.shape[-1]
+        pairs = apply(ctx, aten.mul.Tensor, apply(ctx, aten.slice.Tensor, u, -1, 0, n - n % 2, 2),
+                      apply(ctx, aten.slice.Tensor, u, -1, 1, n, 2))  # fmt: skip
+        if n % 2:
+            pairs = apply(ctx, aten.cat.default, [pairs, apply(ctx, aten.slice.Tensor, u, -1,
+                                                               n - 1, n)], -1)  # fmt: skip
+        u = pairs
+    if u.value.shape[-1] == 0:  # the empty product: 1, a constant
+        raise NotAtThisOrder("the product of no elements")
+    return u

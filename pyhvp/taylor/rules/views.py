@@ -139,12 +139,12 @@ def _slice(
 def _with_derivatives_of(ctx: Context, out: Tensor, value: object, source: object) -> Any:
     if not isinstance(source, Jet):
         return out
-    return Jet(out, source.coefficient, source.second)
+    return Jet(out, source.coefficients)
 
 
 @rule(aten.clone.default, aten.alias.default, aten.detach.default)  # detach: an alias here
 def _identity(ctx: Context, out: Tensor, u: Jet, *args: object, **kwargs: object) -> Jet:
-    return Jet(out, u.coefficient, u.second)
+    return Jet(out, u.coefficients)
 
 
 @rule(aten._to_copy.default)
@@ -185,7 +185,7 @@ def _pad(ctx: Context, out: Tensor, u: Jet, pad: Sequence[int], value: float = 0
     return linear(out, u, fn)
 
 
-def _scattered(out: Tensor, base: Jet | Tensor, src: Jet | Tensor,
+def _scattered(ctx: Context, out: Tensor, base: Jet | Tensor, src: Jet | Tensor,
                write: Callable[[Tensor, Tensor], Tensor]) -> Jet:  # fmt: skip
     """A write of ``src`` into a view of ``base`` (functionalized): linear in ``(base, src)``, so
     each coefficient is the same write, one dim further right (``write`` shifts its dims)."""
@@ -201,14 +201,14 @@ def _scattered(out: Tensor, base: Jet | Tensor, src: Jet | Tensor,
         cs = (zero if cs is None else cs).expand(lead, *written.shape)
         return write(cb, cs)
 
-    return Jet(out, cast(Tensor, through(1)), through(2))  # base or src is a jet: not None
+    return Jet(out, tuple(through(k) for k in range(1, ctx.order + 1)))  # base or src: a jet
 
 
 @rule(aten.slice_scatter.default)
 def _slice_scatter(ctx: Context, out: Tensor, base: Jet | Tensor, src: Jet | Tensor, dim: int = 0,
                    start: int | None = None, end: int | None = None, step: int = 1) -> Jet:  # fmt: skip
     d = axis(dim, out.ndim)
-    return _scattered(out, base, src, lambda b, s: aten.slice_scatter.default(b, s, d + 1, start,
+    return _scattered(ctx, out, base, src, lambda b, s: aten.slice_scatter.default(b, s, d + 1, start,
                                                                               end, step))  # fmt: skip
 
 
@@ -216,14 +216,16 @@ def _slice_scatter(ctx: Context, out: Tensor, base: Jet | Tensor, src: Jet | Ten
 def _select_scatter(ctx: Context, out: Tensor, base: Jet | Tensor, src: Jet | Tensor, dim: int,
                     index: int) -> Jet:  # fmt: skip
     d = axis(dim, out.ndim)
-    return _scattered(out, base, src, lambda b, s: aten.select_scatter.default(b, s, d + 1, index))
+    return _scattered(
+        ctx, out, base, src, lambda b, s: aten.select_scatter.default(b, s, d + 1, index)
+    )
 
 
 @rule(aten.diagonal_scatter.default)
 def _diagonal_scatter(ctx: Context, out: Tensor, base: Jet | Tensor, src: Jet | Tensor, offset: int = 0,
                       dim1: int = 0, dim2: int = 1) -> Jet:  # fmt: skip
     d1, d2 = axis(dim1, out.ndim) + 1, axis(dim2, out.ndim) + 1
-    return _scattered(out, base, src,
+    return _scattered(ctx, out, base, src,
                       lambda b, s: aten.diagonal_scatter.default(b, s, offset, d1, d2))  # fmt: skip
 
 
@@ -257,7 +259,7 @@ def _as_strided_scatter(
         return cast(Tensor, aten.as_strided_scatter.default(  # aten ops are untyped
             cb, cs, (lead, *size), (value.numel(), *stride), storage_offset))  # fmt: skip
 
-    return Jet(out, cast(Tensor, scattered(1)), scattered(2))  # base or src is a jet: not None
+    return Jet(out, tuple(scattered(k) for k in range(1, ctx.order + 1)))  # base or src: a jet
 
 
 @rule(aten.cat.default)
@@ -284,7 +286,7 @@ def _cat(ctx: Context, out: Tensor, tensors: Sequence[Jet | Tensor], dim: int = 
             pieces.append(present[0].new_zeros(()).expand(shape) if c is None else c.expand(shape))
         return torch.cat(pieces, d + 1)
 
-    return Jet(out, cast(Tensor, join(1)), join(2))  # a part is a jet: not None
+    return Jet(out, tuple(join(k) for k in range(1, ctx.order + 1)))  # a part is a jet
 
 
 @rule(aten.stack.default)

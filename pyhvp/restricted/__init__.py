@@ -1,0 +1,115 @@
+"""Sub-Hessians by sparse injection: the loss restricted to the k selected entries, whose one-hot
+directions enter each op that consumes a selected tensor linearly as what they add to its output
+-- a gathered input column, a shifted slice of a convolution's input, the tokens an embedding row
+reaches -- instead of dense tangents of the tensor's shape.
+
+The restricted function is ``g(z) = loss(params with entry s_p of its tensor shifted by z_p)`` at
+``z = 0``, so ``hessian(g)(0) = E_S^T H E_S`` exactly (repeated entries included). It is evaluated
+under :class:`~pyhvp.restricted.mode.Injection`, a ``TorchFunctionMode`` that sees every use of a
+selected tensor and of its views (``W.T``, ``W.view``, ``W[2:]``): ``F.linear``, ``matmul`` /
+``mm`` / ``bmm`` / ``@``, ``einsum``, ``conv{1,2,3}d`` and their transposes and ``embedding``
+take it sparsely (:mod:`pyhvp.restricted.contributions`); biases, elementwise ops and
+normalisations densely (``W + scatter(z)``, as cheap there as the op itself); other ops densely
+up to :data:`DENSE_LIMIT` entries, and refuse a larger tensor (:class:`NotSparse`), as they refuse
+a write to one.
+
+``hessian(g)`` is ``jacrev(grad(g))`` over the K-vector ``z``: one forward, one backward, then K
+reverse passes of the backward batched by ``vmap``. A direction costs the network downstream of
+the op its entry enters (every later op, with a dense tangent), never that op's dense product
+with a one-hot tensor of the weight's shape nor its dense weight gradient: on the seed's
+``Linear(784, 10)`` ``O(batch * classes)`` instead of ``O(batch * 784 * 10)``. Which tensors take
+this route, and grouped how, is :mod:`pyhvp.restricted.routes`' cost model.
+
+:func:`restricted_hessian` is a kernel of the torch backend (``TorchBackend.restricted_hessian``),
+run eagerly or compiled under its compile policy. Dynamo traces it whole -- the mode, ``jacrev``
+and ``vmap`` -- into one graph that inductor fuses, guarded as every compiled kernel is (the
+loss's code and captured state, every tensor's metadata). A loss it refuses raises
+:class:`NotSparse` compiled as eagerly. Where dynamo drops a mode entered inside the traced
+function (torch 2.5: a zero Hessian; 2.6 fails inside it), :func:`compiles` says so before the
+first compile, and the kernel runs eagerly.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from pyhvp.restricted.mode import DENSE_LIMIT, Injection, NotSparse
+
+__all__ = [
+    "DENSE_LIMIT",
+    "NotSparse",
+    "compiles",
+    "restricted_hessian",
+    "selected_entries",
+]
+
+
+def selected_entries(tensor: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """``(tensor.ndim, k)``: the index in ``tensor`` of each of its flat entries ``flat``.
+    Computed once per call, outside the kernel: inside, a compiler recomputes such an integer
+    division in every loop that reads it."""
+    if tensor.ndim == 0:
+        return flat.new_zeros(0, flat.shape[0])
+    return torch.stack(torch.unravel_index(flat, tensor.shape))
+
+
+def restricted_hessian(
+    loss: Callable[..., torch.Tensor], n_tensors: int, chunk_size: int | None, *inputs: Any
+) -> tuple[torch.Tensor, int]:
+    """``(K, K)`` Hessian of ``loss(*tensors, *args)`` over the selected entries of ``tensors``
+    (joint, ``K`` entries in all, not symmetrised), and how many uses took a sparse rule;
+    ``inputs`` are ``(*tensors, *coords, *args)``: ``n_tensors`` tensors, then each one's
+    :func:`selected_entries`, flat as a compiled kernel takes them. Raises :class:`NotSparse`
+    (before any Hessian work) where it does not apply.
+
+    The tensors must share one dtype and device (checked by the caller).
+    """
+    tensors, coords = inputs[:n_tensors], inputs[n_tensors : 2 * n_tensors]
+    args = inputs[2 * n_tensors :]
+    size = sum(c.shape[1] for c in coords)
+    z0 = tensors[0].new_zeros(size)
+    uses = []
+
+    def restricted(z: torch.Tensor) -> torch.Tensor:
+        mode = Injection(tensors, coords, z, min(chunk_size or size, size))
+        with mode:
+            out = loss(*tensors, *args)
+        uses.append(mode.sparse_uses)
+        return out
+
+    hessian = torch.func.jacrev(torch.func.grad(restricted), chunk_size=chunk_size)(z0)
+    return hessian.detach(), uses[0]
+
+
+@functools.cache
+def compiles() -> bool:
+    """Whether dynamo traces :func:`restricted_hessian` as it runs eagerly on this torch: asked
+    once per process, before its first compile, on ``sum(F.linear(x, W, b) ** 3)`` with ``W`` and
+    ``b`` selected (both injection paths), traced by dynamo alone (no inductor; 0.7 s here, 2.6 s
+    as a process's first dynamo trace). Torch 2.5 traces the loss without the mode it enters (a
+    zero Hessian), 2.6 fails on ``F.linear`` inside it; 2.13 and 2.14 trace it."""
+    inputs = torch.tensor([[1.0, 2.0]], dtype=torch.float64)
+
+    def cubed(weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return (F.linear(inputs, weight, bias) ** 3).sum()
+
+    tensors = (torch.tensor([[1.0, -1.0], [0.5, 2.0]], dtype=torch.float64), inputs[0])
+    coords = [selected_entries(t, torch.arange(t.numel())) for t in tensors]
+    expected, _ = restricted_hessian(cubed, 2, None, *tensors, *coords)
+    probe = types.FunctionType(
+        restricted_hessian.__code__.replace(), restricted_hessian.__globals__
+    )
+    try:
+        with torch.no_grad():
+            got, _ = torch.compile(probe, backend="eager", dynamic=False)(
+                cubed, 2, None, *tensors, *coords
+            )
+    except Exception:  # any failure to trace means: do not compile
+        return False
+    return bool(expected.abs().sum() > 0) and torch.allclose(got, expected, rtol=1e-12, atol=0.0)

@@ -1,0 +1,292 @@
+"""The injection: a ``TorchFunctionMode`` that shifts the selected entries of the selected tensors
+by ``z`` wherever the loss uses them, sparsely where the op has a rule.
+
+Per use of a selected tensor (or of a view of one, followed as a selected tensor of its own):
+
+* a contraction with a sparse rule (:mod:`pyhvp.restricted.ops`): the op runs on the tensor
+  itself and each entry's tangent (:mod:`pyhvp.restricted.contributions`) is added, times its
+  ``z``; when several operands of one contraction are selected, the largest enters so and the
+  others densely first, so their cross terms are exact;
+* a view (``W.T``, ``W.view``, ``W[2:]``, ``W.chunk``): applied to the tensor, and the entries'
+  positions in the result found by applying it to their flat indices;
+* a bias of a contraction, or an elementwise, reduction or normalisation op: ``W + scatter(z)``;
+* a write to a selected tensor: :class:`NotSparse`;
+* anything else: ``W + scatter(z)`` for a tensor of at most :data:`DENSE_LIMIT` entries, else
+  :class:`NotSparse` (a dense product per direction is what the reverse route costs).
+
+Dynamo traces the mode (the compiled kernel): selected tensors are found by ``is`` in a list (no
+guard on object ids) and an op's kind is read through ``torch.compiler.assume_constant_result``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+from pyhvp.restricted import contributions as rules
+from pyhvp.restricted.ops import (
+    _PARAMETERS,
+    BIASES,
+    CONTRACTED,
+    EINSUM_FAMILY,
+    autograd_convention,
+    bind,
+    contracted,
+    describe,
+    einsum_form,
+    kind,
+    writes_operand,
+)
+
+DENSE_LIMIT = 4096
+"""Most entries a selected tensor may have and still enter an op without a sparse rule densely
+(``W + scatter(z)``): a bias, a small table; larger ones are refused there."""
+
+
+class NotSparse(BaseException):
+    """The sparse route does not apply to this use of a selected tensor; the caller takes the
+    reverse route for it. A ``BaseException``, so an ``except Exception`` inside the user's loss
+    cannot swallow it."""
+
+
+class Selected(NamedTuple):
+    """A selected tensor, or a view of one, with its selected entries."""
+
+    tensor: torch.Tensor
+    coords: torch.Tensor
+    """``(tensor.ndim, k)``: each entry's index in ``tensor``."""
+    part: torch.Tensor
+    """``(k,)``: the entries' shifts, a slice of ``z``."""
+    mask: torch.Tensor | None
+    """``(k,)``, 1 for the entries this view holds, 0 for the others (a slice); None: all."""
+
+
+def ravel(coords: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """Flat row-major positions of ``coords`` (``(len(shape), k)``)."""
+    flat = torch.zeros_like(coords[0]) if len(shape) else coords.new_zeros(coords.shape[1])
+    for i, n in enumerate(shape):
+        flat = flat * n + coords[i]
+    return flat
+
+
+_CASTS = ("to", "float", "double", "half", "bfloat16", "type")
+
+
+def _basic_index(index: object) -> bool:
+    """Whether ``W[index]`` is basic indexing (ints, slices, None, ...): a view, no repeats."""
+    items = index if isinstance(index, tuple) else (index,)
+    return all(item is None or item is Ellipsis or isinstance(item, (int, slice)) for item in items)
+
+
+def view_positions(
+    func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], out: object
+) -> list[torch.Tensor | None] | None:
+    """Per output of the view ``out = func(tensor, *args[1:], **kwargs)``, the flat position in
+    ``tensor`` of each of its entries (the view applied to ``arange(numel)``), or None for an
+    output that is not a tensor; None for a call that is not such a view (advanced indexing,
+    which may repeat entries, or a dtype view that reinterprets them)."""
+    tensor = args[0]
+    name = getattr(func, "__name__", "")
+    if name == "__getitem__" and not _basic_index(args[1]):
+        return None
+    index = torch.arange(tensor.numel(), device=tensor.device).view(tensor.shape)
+    if name in _CASTS:
+        same = isinstance(out, torch.Tensor) and out.shape == tensor.shape
+        return [index] if same else None
+    mapped = func(index, *args[1:], **kwargs)
+    outs = out if isinstance(out, (tuple, list)) else [out]
+    results = mapped if isinstance(mapped, (tuple, list)) else [mapped]
+    if len(outs) != len(results):
+        return None
+    positions: list[torch.Tensor | None] = []
+    for result, given in zip(results, outs, strict=True):
+        if not isinstance(given, torch.Tensor):
+            positions.append(None)
+        elif not isinstance(result, torch.Tensor) or result.shape != given.shape:
+            return None
+        else:
+            positions.append(result)
+    return positions
+
+
+class Injection(TorchFunctionMode):
+    """Shifts the selected entries of ``tensors`` by ``z`` wherever the loss uses them;
+    ``batch``: how many directions a Hessian pass pushes at once (chooses how tangents enter)."""
+
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor],
+        coords: Sequence[torch.Tensor],
+        z: torch.Tensor,
+        batch: int,
+    ) -> None:
+        super().__init__()
+        parts = torch.split(z, [c.shape[1] for c in coords])
+        # found by ``is`` in a short list, not by ``id()``: dynamo traces ``is`` between tensors
+        # without guarding on object ids, which change with every call's tensors
+        self.selected = [
+            Selected(t, c, p, None) for t, c, p in zip(tensors, coords, parts, strict=True)
+        ]
+        self.batch = batch
+        self.sparse_uses = 0
+
+    def _find(self, value: object) -> Selected | None:
+        if isinstance(value, torch.Tensor):
+            for entry in self.selected:
+                if entry.tensor is value:
+                    return entry
+        return None
+
+    def _dense(self, value: object, func: Callable[..., Any], cheap: bool) -> object:
+        """``value``, shifted densely by its entries' ``z`` where it is selected."""
+        entry = self._find(value)
+        if entry is None:
+            return value
+        tensor = entry.tensor
+        if not cheap and tensor.numel() > DENSE_LIMIT:
+            raise NotSparse(
+                f"a selected tensor of {tensor.numel()} entries (over {DENSE_LIMIT}) enters "
+                f"{describe(func)}, which has no sparse rule"
+            )
+        part = entry.part if entry.mask is None else entry.part * entry.mask
+        flat = ravel(entry.coords, tensor.shape)
+        return tensor.reshape(-1).index_add(0, flat, part.to(tensor.dtype)).view_as(tensor)
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        values = pytree.tree_leaves((args, kwargs))
+        if not any(self._find(v) is not None for v in values):
+            return func(*args, **kwargs)
+        op = kind(func)
+        written = args[0] if op == "write" and args else kwargs.get("out")
+        if any(self._find(v) is not None for v in pytree.tree_leaves(written)):
+            raise NotSparse(f"{describe(func)} writes to a selected tensor")
+        if op == "view":
+            out = self._view(func, args, kwargs)
+            if out is not None:
+                return out
+        elif op == "constant":
+            return func(*args, **kwargs)
+        elif op in CONTRACTED or op == "einsum":
+            out = self._contract(op, func, args, kwargs)
+            if out is not None:
+                return out
+        cheap = op == "cheap"
+        args, kwargs = pytree.tree_map(lambda v: self._dense(v, func, cheap), (tuple(args), kwargs))
+        return func(*args, **kwargs)
+
+    def _view(
+        self, func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
+    ) -> object | None:
+        """The view of a selected tensor, its outputs followed as selected tensors; None where it
+        is not a view of ``args[0]`` (then the caller enters it densely)."""
+        entry = self._find(args[0]) if args else None
+        if entry is None:
+            return None
+        out: object = func(*args, **kwargs)
+        positions = view_positions(func, args, kwargs, out)
+        if positions is None:
+            return None
+        outs = out if isinstance(out, (tuple, list)) else [out]
+        flat = ravel(entry.coords, entry.tensor.shape)
+        for result, where in zip(outs, positions, strict=True):
+            if where is None:
+                continue
+            inverse = flat.new_full((entry.tensor.numel(),), -1)
+            inverse[where.reshape(-1)] = torch.arange(where.numel(), device=where.device)
+            position = inverse[flat]
+            held = (position >= 0).to(entry.part.dtype)
+            mask = held if entry.mask is None else entry.mask * held
+            if result.ndim == 0:
+                coords = flat.new_zeros(0, flat.shape[0])
+            else:
+                coords = torch.stack(torch.unravel_index(position.clamp(min=0), result.shape))
+            self.selected.append(Selected(result, coords, entry.part, mask))
+        return out
+
+    def _contract(
+        self, op: str, func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
+    ) -> object | None:
+        """The contraction with one selected operand entering sparsely; None where no rule
+        applies (the caller then enters every selected operand densely)."""
+        bound = bind(op, args, kwargs)
+        if bound is None:
+            return None
+        found = [(key, self._find(value)) for key, value in contracted(op, bound)]
+        candidates = [(key, entry) for key, entry in found if entry is not None]
+        if writes_operand(op, bound) and candidates:
+            raise NotSparse(
+                "torch.nn.functional.embedding with max_norm writes to a selected tensor"
+            )
+        if autograd_convention(op, bound):
+            return None
+        chosen = None  # the largest (a loop: dynamo does not trace max with a key)
+        for pair in candidates:
+            if chosen is None or pair[1].tensor.numel() > chosen[1].tensor.numel():
+                chosen = pair
+        # every other selected operand enters densely: a bias cheaply, a factor as a product
+        if op == "einsum":
+            bound["operands"] = [
+                t if chosen is not None and i == chosen[0] else self._dense(t, func, False)
+                for i, t in enumerate(bound["operands"])
+            ]
+        else:
+            for name in _PARAMETERS[op]:
+                if name in bound and (chosen is None or name != chosen[0]):
+                    bound[name] = self._dense(bound[name], func, name in BIASES.get(op, ()))
+        if chosen is None:
+            result: object = _call(op, func, bound)
+            return result
+        contribution = _contribution(op, bound, chosen[0], chosen[1].coords)
+        if isinstance(contribution, str):
+            return None
+        out = _call(op, func, bound)
+        entry = chosen[1]
+        values = contribution.values
+        if entry.mask is not None:
+            values = values * entry.mask.view(-1, *[1] * (values.ndim - 1))
+        if op == "addmm" and bound.get("alpha", 1) != 1:
+            values = values * bound["alpha"]
+        contribution = contribution._replace(values=values)
+        self.sparse_uses += 1
+        return rules.inject(out, entry.part, contribution, self.batch)
+
+
+def _call(op: str, func: Callable[..., Any], bound: dict[str, Any]) -> Any:
+    """``func`` called with ``bound`` (as :func:`bind` read it)."""
+    if op == "einsum":
+        return func(bound["equation"], *bound["operands"])
+    names = _PARAMETERS[op]
+    args = []
+    for name in names:
+        if name not in bound:
+            break
+        args.append(bound[name])
+    rest = {name: value for name, value in bound.items() if name not in names[: len(args)]}
+    return func(*args, **rest)
+
+
+def _contribution(
+    op: str, bound: dict[str, Any], chosen: str | int, coords: torch.Tensor
+) -> rules.Contribution | str:
+    """The chosen operand's entries' tangents of the op's output, or why there are none."""
+    if op in EINSUM_FAMILY:
+        inputs, output, operands, keys = einsum_form(op, bound)
+        return rules.einsum_contribution(inputs, output, operands, keys.index(chosen), coords)
+    x, weight = bound["input"], bound["weight"]
+    if op == "embedding":
+        return rules.embedding_contribution(x, weight, coords)
+    options = {name: bound[name] for name in _PARAMETERS[op][3:] if name in bound}
+    if op == "conv":
+        return rules.conv_contribution(x, weight, coords, **options)
+    return rules.conv_transpose_contribution(x, weight, coords, **options)

@@ -1,0 +1,353 @@
+"""How the sparse route treats each torch function a selected tensor enters: the op tables, the
+argument binding of the ops it injects into, and the names refusals print.
+
+Kinds (:func:`kind`):
+
+* ``"einsum"``, ``"conv"``, ``"conv_transpose"``, ``"embedding"``: contractions with a sparse rule
+  (:mod:`pyhvp.restricted.contributions`) for the operands listed in :data:`CONTRACTED`;
+* ``"view"``: a rearrangement or slice of a selected tensor (``W.T``, ``W.view(...)``, ``W[2:]``,
+  ``W.chunk(3)``): its result is followed as a selected tensor of its own;
+* ``"constant"``: ``detach``: the result has no derivative, as in autograd;
+* ``"cheap"``: elementwise arithmetic, reductions and normalisations, whose derivative in an
+  operand costs no more than the op's own size: a selected operand enters densely
+  (``W + scatter(z)``) at any size;
+* anything else: densely for a tensor of at most ``DENSE_LIMIT`` entries, else refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from pyhvp.restricted import contributions as rules
+
+Tensor = torch.Tensor
+
+_EINSUM_FAMILY: dict[Callable[..., Any], str] = {
+    F.linear: "linear",
+    torch.matmul: "matmul",
+    Tensor.matmul: "matmul",
+    Tensor.__matmul__: "matmul",
+    Tensor.__rmatmul__: "rmatmul",
+    torch.mm: "matmul",
+    Tensor.mm: "matmul",
+    torch.bmm: "matmul",
+    Tensor.bmm: "matmul",
+    torch.einsum: "einsum",
+    torch.addmm: "addmm",
+    Tensor.addmm: "addmm",
+}
+
+_CONVS: dict[Callable[..., Any], str] = {
+    F.conv1d: "conv",
+    F.conv2d: "conv",
+    F.conv3d: "conv",
+    F.conv_transpose1d: "conv_transpose",
+    F.conv_transpose2d: "conv_transpose",
+    F.conv_transpose3d: "conv_transpose",
+    F.embedding: "embedding",
+}
+
+_VIEW_NAMES = [
+    "T",
+    "mT",
+    "H",
+    "mH",
+    "t",
+    "transpose",
+    "swapaxes",
+    "swapdims",
+    "permute",
+    "movedim",
+    "moveaxis",
+    "view",
+    "view_as",
+    "reshape",
+    "reshape_as",
+    "flatten",
+    "unflatten",
+    "squeeze",
+    "unsqueeze",
+    "ravel",
+    "contiguous",
+    "clone",
+    "narrow",
+    "select",
+    "__getitem__",
+    "split",
+    "chunk",
+    "unbind",
+    "to",
+    "float",
+    "double",
+    "half",
+    "bfloat16",
+]
+
+_CHEAP_NAMES = [
+    "add",
+    "sub",
+    "subtract",
+    "mul",
+    "multiply",
+    "div",
+    "divide",
+    "true_divide",
+    "neg",
+    "negative",
+    "pow",
+    "square",
+    "sqrt",
+    "rsqrt",
+    "exp",
+    "log",
+    "log1p",
+    "tanh",
+    "sigmoid",
+    "sin",
+    "cos",
+    "abs",
+    "relu",
+    "sum",
+    "mean",
+    "__add__",
+    "__radd__",
+    "__sub__",
+    "__rsub__",
+    "__mul__",
+    "__rmul__",
+    "__truediv__",
+    "__rtruediv__",
+    "__neg__",
+    "__pow__",
+    "__rpow__",
+]
+
+_NORMS = ("layer_norm", "group_norm", "batch_norm", "instance_norm", "rms_norm")
+
+PROPERTIES = ("T", "mT", "H", "mH")
+
+
+def _table() -> dict[Callable[..., Any], str]:
+    kinds: dict[Callable[..., Any], str] = {}
+    for name in _VIEW_NAMES:
+        for owner in (Tensor, torch):
+            value = getattr(owner, name, None)
+            if name in PROPERTIES:
+                kinds[getattr(Tensor, name).__get__] = "view"
+            elif callable(value) and not isinstance(value, torch.dtype):
+                kinds[value] = "view"
+    for name in _CHEAP_NAMES:
+        for owner in (Tensor, torch):
+            if callable(getattr(owner, name, None)):
+                kinds[getattr(owner, name)] = "cheap"
+    for name in _NORMS:
+        if getattr(F, name, None) is not None:
+            kinds[getattr(F, name)] = "cheap"
+    for owner in (Tensor, torch):
+        kinds[owner.detach] = "constant"
+    kinds.update(_EINSUM_FAMILY)
+    kinds.update(_CONVS)
+    return kinds
+
+
+_KINDS = _table()
+
+
+def _kind(func: Callable[..., Any]) -> str:
+    """``func``'s kind (see the module docstring), ``"write"`` for one that writes to its first
+    argument, or ``"other"``."""
+    found = _KINDS.get(func)
+    if found is not None:
+        return found
+    return "write" if named_in_place(func) else "other"
+
+
+def named_in_place(func: Callable[..., Any]) -> bool:
+    """Whether ``func``'s name says it writes to its first argument (``add_``, ``__iadd__``,
+    ``__setitem__``, ``copy_``); a write into ``out=`` is the other kind a caller checks."""
+    name = getattr(func, "__name__", "")
+    dunder = name.startswith("__") and name.endswith("__")
+    in_place = (name.endswith("_") and not dunder) or name == "__setitem__"
+    return in_place or (dunder and name.startswith("__i") and name != "__index__")
+
+
+# torch.compiler.assume_constant_result carries no annotations (torch 2.13)
+kind: Callable[[Callable[..., Any]], str] = torch.compiler.assume_constant_result(_kind)  # type: ignore[no-untyped-call]
+""":func:`_kind`, which dynamo calls at trace time (a constant of ``func``) instead of tracing
+its table lookups and string tests."""
+
+
+# --- arguments of the ops with a sparse rule -----------------------------------------------
+
+_PARAMETERS: dict[str, tuple[str, ...]] = {
+    "linear": ("input", "weight", "bias"),
+    "matmul": ("input", "other"),
+    "rmatmul": ("other", "input"),  # x.__rmatmul__(y) is y @ x
+    "addmm": ("input", "mat1", "mat2"),
+    "conv": ("input", "weight", "bias", "stride", "padding", "dilation", "groups"),
+    "conv_transpose": (
+        "input",
+        "weight",
+        "bias",
+        "stride",
+        "padding",
+        "output_padding",
+        "groups",
+        "dilation",
+    ),
+    "embedding": (
+        "input",
+        "weight",
+        "padding_idx",
+        "max_norm",
+        "norm_type",
+        "scale_grad_by_freq",
+        "sparse",
+    ),
+}
+
+CONTRACTED: dict[str, tuple[str, ...]] = {
+    "linear": ("input", "weight"),
+    "matmul": ("input", "other"),
+    "rmatmul": ("input", "other"),
+    "addmm": ("mat1", "mat2"),
+    "conv": ("weight",),
+    "conv_transpose": ("weight",),
+    "embedding": ("weight",),
+}
+"""The arguments of each kind that a sparse rule takes as the selected operand (einsum: all)."""
+
+BIASES: dict[str, tuple[str, ...]] = {
+    "linear": ("bias",),
+    "addmm": ("input",),
+    "conv": ("bias",),
+    "conv_transpose": ("bias",),
+}
+"""Arguments added to the output: a selected one enters densely at any size."""
+
+
+EINSUM_FAMILY = ("einsum", "linear", "matmul", "rmatmul", "addmm")
+
+
+def einsum_form(
+    op: str, bound: dict[str, Any]
+) -> tuple[list[str], str, list[Any], list[str | int]]:
+    """A call of the einsum family as einsum: the operands' and the output's subscripts, the
+    operands, and each one's key in ``bound`` (its name, or its position among einsum's)."""
+    if op == "einsum":
+        operands = list(bound["operands"])
+        inputs, output = rules.parse_einsum(bound["equation"], [t.ndim for t in operands])
+        return inputs, output, operands, list(range(len(operands)))
+    first, second = CONTRACTED[op]
+    a, b = bound[first], bound[second]
+    subscripts = rules.linear_subscripts if op == "linear" else rules.matmul_subscripts
+    inputs, output = subscripts(a.ndim, b.ndim)
+    return inputs, output, [a, b], [first, second]
+
+
+def contracted(op: str, bound: dict[str, Any]) -> list[tuple[str | int, Any]]:
+    """The operands a sparse rule of kind ``op`` may take, by key (name, or einsum position)."""
+    if op == "einsum":
+        return list(enumerate(bound["operands"]))
+    return [(name, bound.get(name)) for name in CONTRACTED[op]]
+
+
+def autograd_convention(op: str, bound: dict[str, Any]) -> bool:
+    """Whether autograd's derivative of this call is a convention rather than the op's own
+    (an embedding that scales gradients by frequency, or makes them sparse): then a selected
+    operand enters densely, as autograd differentiates it."""
+    return op == "embedding" and bool(bound.get("scale_grad_by_freq") or bound.get("sparse"))
+
+
+def writes_operand(op: str, bound: dict[str, Any]) -> bool:
+    """Whether this call writes to its contracted operand (an embedding's ``max_norm``
+    renormalises the rows it reads in place)."""
+    return op == "embedding" and bound.get("max_norm") is not None
+
+
+def bind(op: str, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """The arguments of a call of kind ``op`` by name (einsum: ``equation`` and ``operands``), or
+    None for a call this binder does not read (unknown keywords)."""
+    if op == "einsum":
+        if kwargs or not args or not isinstance(args[0], str):
+            return None  # the sublist form, or keywords
+        operands = args[1:]
+        if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+            operands = operands[0]
+        return {"equation": args[0], "operands": list(operands)}
+    names = _PARAMETERS[op]
+    if len(args) > len(names) or not set(kwargs) <= set(names) | {"beta", "alpha"}:
+        return None
+    bound = dict(zip(names, args, strict=False))
+    if set(bound) & set(kwargs):
+        return None
+    return bound | kwargs
+
+
+# --- names as the user wrote them ----------------------------------------------------------
+
+_OPERATORS = {
+    "__matmul__": "@",
+    "__rmatmul__": "@",
+    "__add__": "+",
+    "__radd__": "+",
+    "__sub__": "-",
+    "__rsub__": "-",
+    "__mul__": "*",
+    "__rmul__": "*",
+    "__truediv__": "/",
+    "__rtruediv__": "/",
+    "__pow__": "**",
+    "__rpow__": "**",
+    "__getitem__": "indexing W[...]",
+    "__setitem__": "an assignment W[...] = ...",
+}
+
+
+@functools.cache
+def _names() -> dict[Callable[..., Any], str]:
+    names: dict[Callable[..., Any], str] = {}
+    namespaces = (
+        (torch.nn.functional, "torch.nn.functional."),
+        (torch.linalg, "torch.linalg."),
+        (torch.special, "torch.special."),
+        (torch.fft, "torch.fft."),
+        (torch, "torch."),
+    )
+    for namespace, prefix in namespaces:
+        for name in dir(namespace):
+            value = getattr(namespace, name, None)
+            if callable(value) and not isinstance(value, type) and not name.startswith("_"):
+                with contextlib.suppress(TypeError):  # unhashable
+                    names.setdefault(value, prefix + name)
+    for name in dir(Tensor):
+        value = getattr(Tensor, name, None)
+        if value is not None and type(value).__name__ == "getset_descriptor":
+            names[value.__get__] = f"W.{name}"
+        elif callable(value):
+            label = f"{_OPERATORS[name]} ({name})" if name in _OPERATORS else f"Tensor.{name}"
+            with contextlib.suppress(TypeError):
+                names.setdefault(value, label)
+    return names
+
+
+def describe(func: Callable[..., Any]) -> str:
+    """``func`` as the user wrote it: ``torch.einsum``, ``torch.nn.functional.conv2d``,
+    ``Tensor.mm``, ``W.T``, ``@ (__matmul__)`` -- never ``getset_descriptor.__get__``."""
+    found: str | None = None
+    with contextlib.suppress(TypeError):  # an unhashable callable
+        found = _names().get(func)
+    if found is not None:
+        return found
+    owner = getattr(func, "__self__", None)
+    if type(owner).__name__ == "getset_descriptor":  # a property's getter
+        return f"W.{getattr(owner, '__name__', '?')}"
+    module = getattr(func, "__module__", None) or ""
+    name = str(getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func)))
+    return f"{module}.{name}" if module and not module.startswith("torch._C") else name

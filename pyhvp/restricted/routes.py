@@ -1,0 +1,529 @@
+"""Which selected tensors take the sparse route, in which groups, and which the reverse route:
+the sub-Hessian's cost model, from one survey of the loss.
+
+**The survey** (:func:`survey`) runs the loss once under :class:`Survey`, a ``TorchFunctionMode``
+that sees every op. Per selected tensor it learns how each use enters (sparsely, densely, or
+refused, by the rules of :mod:`pyhvp.restricted.mode`) and, following which activations depend
+on which selected tensor, two amounts of :class:`Work` (multiply-adds of contractions, elements
+of the other ops):
+
+* ``tail``: every op downstream of the tensor -- what a direction of it costs past the op it
+  enters, where its tangent is dense: the rest of the layer, every later layer, convolutions and
+  attention's products at their own size;
+* ``product``: what a *dense* one-hot direction pays in the ops it enters and the sparse rule does
+  not -- the op's product with it and the weight gradient (twice the contraction), or for an
+  embedding a gradient the size of the whole table.
+
+**The model** (:func:`choose`), in nanoseconds of one CPU core, measured on LeNet-5, a
+transformer block, an embedding classifier and the seed's model (``benchmarks/
+bench_sub_hessian.py``): work costs :data:`MAC_NS` per multiply-add and :data:`ELEMENT_NS` per
+element (a normalisation's or softmax's elements :data:`NORMALISATION` times over: their second
+derivatives take many passes). Then
+
+* a sparse *group* (one ``jacrev(grad)`` kernel, joint over its tensors) costs a forward and
+  backward of the loss (:data:`FORWARD_AND_BACKWARD` forwards), :data:`SPARSE_SETUP`, and per
+  direction :data:`SPARSE_DIRECTION` plus :data:`SPARSE_TAIL` times the largest tail in the
+  group: every direction of a group runs down to its earliest tensor;
+* the reverse route costs one forward and backward shared by all its tensors,
+  :data:`REVERSE_SETUP`, per tensor :data:`REVERSE_PASS`, and per direction
+  :data:`REVERSE_DIRECTION` plus :data:`REVERSE_TAIL` times the tensor's tail plus its product.
+
+``jacrev``'s batched passes cost more per unit of tail than autograd's (``SPARSE_TAIL >
+REVERSE_TAIL``), so a tensor goes sparse where its product outweighs that: the seed's
+``Linear(784, 10)`` (a product of 784 * 10 per sample against a tail of 10), embeddings, a
+convolution whose output is smaller than its product; not a transformer's projections, whose
+tails (attention, LayerNorm, GELU) dwarf their products. The choice minimises the sum over the
+tensors: those the sparse route refuses take the reverse route; the others are split into groups
+of consecutive tensors (in the order the loss first uses them) and the reverse route, by dynamic
+programming over that order. With ``joint=True`` the sparse tensors form one group (cross blocks
+need one pass) and the reverse route gives full rows for the others. A compiled backend
+(``compile=True``) pays :data:`COMPILED_SETUP` instead of either setup, but for a sparse group
+over a tensor viewed through a property (``W.T``), which runs eagerly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+from pyhvp.restricted import contributions as rules
+from pyhvp.restricted.mode import DENSE_LIMIT, NotSparse, view_positions
+from pyhvp.restricted.ops import (
+    BIASES,
+    CONTRACTED,
+    EINSUM_FAMILY,
+    PROPERTIES,
+    autograd_convention,
+    bind,
+    contracted,
+    describe,
+    einsum_form,
+    kind,
+    writes_operand,
+)
+
+MIN_COMPONENTS = 8
+"""Fewest selected components for which ``method="auto"`` surveys the loss unless the backend
+compiles from the first call: below it the reverse route's few Hessian-vector products cost less
+than the sparse route's fixed setup (and the survey) on every model measured."""
+
+MAC_NS = 0.05
+"""Nanoseconds per multiply-add of a contraction (a GEMM or a convolution)."""
+
+ELEMENT_NS = 0.5
+"""Nanoseconds per element an elementwise op reads or writes, batched (memory-bound)."""
+
+NORMALISATION = 4.0
+"""How many times a normalisation's or softmax's elements count."""
+
+TABLE_NS = 10.0
+"""Nanoseconds per entry of an embedding table whose dense gradient a reverse direction writes
+(vmap's batched embedding backward)."""
+
+FORWARD_AND_BACKWARD = 3.0
+"""A pass's forward and first backward, in forwards of the loss."""
+
+SPARSE_SETUP = 2_000_000.0
+"""Fixed nanoseconds of an eager sparse kernel (``jacrev``/``vmap`` setup)."""
+
+REVERSE_SETUP = 500_000.0
+"""Fixed nanoseconds of the reverse route (autograd's setup)."""
+
+COMPILED_SETUP = 200_000.0
+"""Fixed nanoseconds of a compiled kernel (dynamo's guards, the call)."""
+
+REVERSE_PASS = 300_000.0
+"""Fixed nanoseconds of each tensor's batched second pass on the reverse route."""
+
+SPARSE_DIRECTION = 50_000.0
+REVERSE_DIRECTION = 150_000.0
+"""Nanoseconds per direction beyond its work (the batched ops' per-row overhead)."""
+
+BATCHED = 1 << 22
+"""Most elements one output of a batched pass may hold over its directions (16 MB in float32):
+past it a pass runs in chunks of directions, as wider batches spill the caches and run slower
+than one direction at a time (LeNet-5 at k = 128: 1.2-1.8x the seed's loop unchunked)."""
+
+SPARSE_TAIL = 5.4
+REVERSE_TAIL = 3.9
+"""A direction's cost in units of its tail's modelled time (a forward tangent, the backward's
+tangent and their reverse), on each route."""
+
+
+@dataclasses.dataclass
+class Work:
+    """Work of some ops: multiply-adds of contractions, elements the others read and write."""
+
+    macs: float = 0.0
+    elements: float = 0.0
+    table: float = 0.0
+    """Entries of embedding tables written densely."""
+
+    def add(self, other: Work) -> None:
+        self.macs += other.macs
+        self.elements += other.elements
+        self.table += other.table
+
+
+@dataclasses.dataclass
+class Usage:
+    """What the survey learnt of one selected tensor."""
+
+    order: float = math.inf
+    """Rank of its first use among the selected tensors' (inf: never used)."""
+    uses: list[str] = dataclasses.field(default_factory=list)
+    refusal: str | None = None
+    """Why the sparse route cannot take it (None: it can)."""
+    product: Work = dataclasses.field(default_factory=lambda: Work())
+    """What a dense direction of it pays in the ops it enters (see the module docstring)."""
+    tail: Work = dataclasses.field(default_factory=lambda: Work())
+    """The work downstream of it, per direction."""
+    property_view: str | None = None
+    """A tensor property it is viewed through (``W.T``): dynamo traces those past the mode, so
+    a kernel over it runs eagerly."""
+    widest: int = 0
+    """Most elements of one output downstream of it: what each direction batched in a pass
+    holds at once there."""
+    masked_rows: set[int] = dataclasses.field(default_factory=set)
+    """Rows whose derivative autograd masks (an embedding's ``padding_idx``): the sparse rule
+    gives the true derivative there, the seed's loop and the reverse route zero."""
+
+
+class Survey(TorchFunctionMode):
+    """Runs the loss once, recording every selected tensor's :class:`Usage` and the forward's
+    cost (see the module docstring)."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        super().__init__()
+        self.usage = [Usage() for _ in tensors]
+        self.forward = Work()
+        # id -> (tensor, which selected tensor): the selected tensors and the views of them
+        self._sources = {id(t): (t, i) for i, t in enumerate(tensors)}
+        # id -> (tensor, bit mask of the selected tensors it depends on): the activations
+        self._taint: dict[int, tuple[torch.Tensor, int]] = {}
+        self._first = 0
+
+    def _source(self, value: object) -> int | None:
+        found = self._sources.get(id(value))
+        return found[1] if found is not None and found[0] is value else None
+
+    def _note(self, source: int, use: str, refusal: str | None = None) -> None:
+        usage = self.usage[source]
+        if usage.order == math.inf:
+            usage.order, self._first = self._first, self._first + 1
+        usage.uses.append(use)
+        if refusal is not None and usage.refusal is None:
+            usage.refusal = refusal
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        op = kind(func)
+        written = args[0] if op == "write" and args else kwargs.get("out")
+        for value in pytree.tree_leaves(written):  # stop before the write: params stay as given
+            source = self._source(value)
+            if source is not None:
+                self._note(source, f"{describe(func)} (a write)", f"is written by {describe(func)}")
+                raise NotSparse(f"{describe(func)} writes to a selected tensor")
+        out = func(*args, **kwargs)
+        leaves = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
+        outs = [v for v in pytree.tree_leaves(out) if isinstance(v, torch.Tensor)]
+        cost = _cost(func, args, kwargs, leaves, outs)
+        self.forward.add(cost)
+        taint, direct = 0, dict[int, torch.Tensor]()
+        for value in leaves:
+            source = self._source(value)
+            if source is not None:
+                direct.setdefault(source, value)
+            found = self._taint.get(id(value))
+            if found is not None and found[0] is value:
+                taint |= found[1]
+        widest = max((v.numel() for v in outs), default=0)
+        for source in _bits(taint):
+            self.usage[source].tail.add(cost)
+            self.usage[source].widest = max(self.usage[source].widest, widest)
+        if direct:
+            followed = self._classify(func, args, kwargs, direct, out, cost)
+            if followed:
+                return out  # views of a selected tensor: selected tensors themselves
+            taint |= sum(1 << source for source in direct)
+        if taint:
+            for value in outs:
+                self._taint[id(value)] = (value, taint)
+        return out
+
+    def _classify(
+        self,
+        func: Callable[..., Any],
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        direct: dict[int, torch.Tensor],
+        out: Any,
+        cost: Work,
+    ) -> bool:
+        """Note how each selected tensor in ``direct`` enters ``func``; True for a view that
+        follows one (its outputs are then selected tensors, not activations)."""
+        op, name = kind(func), describe(func)
+        if op == "view" and args and self._source(args[0]) is not None:
+            source = self._source(args[0])
+            assert source is not None
+            if view_positions(func, args, kwargs, out) is not None:
+                self._note(source, f"{name} (a view, followed)")
+                if any(name == f"W.{p}" for p in PROPERTIES):
+                    self.usage[source].property_view = name
+                for value in pytree.tree_leaves(out):
+                    if isinstance(value, torch.Tensor):
+                        self._sources[id(value)] = (value, source)
+                return True
+        if op == "constant":
+            for source in direct:
+                self._note(source, f"{name} (no derivative)")
+            return True
+        sparse = None
+        biases: tuple[Any, ...] = ()
+        if op in CONTRACTED or op == "einsum":
+            bound = bind(op, args, kwargs)
+            sparse, refusal = _sparse_operand(op, bound, self._source) if bound else (None, None)
+            if refusal is not None:
+                for source in direct:
+                    self._note(source, f"{name} (refused)", refusal)
+                return False
+            biases = tuple(bound[b] for b in BIASES.get(op, ()) if b in bound) if bound else ()
+        for source, value in direct.items():
+            usage = self.usage[source]
+            usage.widest = max(usage.widest, _numel(out))
+            if source == sparse:
+                self._note(source, f"{name} (sparse)")
+                padding = bound.get("padding_idx") if op == "embedding" and bound else None
+                if padding is not None:
+                    usage.masked_rows.add(padding % value.shape[0])
+                table = value.numel() if kind(func) == "embedding" else 0
+                usage.product.add(Work(2 * cost.macs, 0.0, table))
+                usage.tail.add(Work(0.0, _numel(out)))
+            elif any(value is b for b in biases):  # its tangent: a broadcast, no product
+                self._note(source, f"{name} (dense: an added bias)")
+                usage.tail.add(Work(0.0, _numel(out)))
+            elif op == "cheap":
+                self._note(source, f"{name} (dense, as cheap as the op)")
+                usage.tail.add(cost)
+            elif value.numel() > DENSE_LIMIT:
+                self._note(
+                    source,
+                    f"{name} (refused)",
+                    f"enters {name}, which has no sparse rule for it, with {value.numel()} "
+                    f"entries (over restricted.DENSE_LIMIT, {DENSE_LIMIT})",
+                )
+            else:
+                self._note(source, f"{name} (dense: {value.numel()} entries)")
+                usage.tail.add(cost)
+        return False
+
+
+def _sparse_operand(
+    op: str, bound: dict[str, Any], source: Callable[[object], int | None]
+) -> tuple[int | None, str | None]:
+    """Which selected tensor enters the contraction sparsely (the largest selected operand, as
+    :class:`~pyhvp.restricted.mode.Injection` picks it), and a refusal of the call itself."""
+    selected = [(key, t, source(t)) for key, t in contracted(op, bound) if source(t) is not None]
+    if not selected:
+        return None, None
+    if writes_operand(op, bound):
+        return None, "enters torch.nn.functional.embedding with max_norm, which writes to it"
+    if autograd_convention(op, bound):
+        return None, None
+    largest = selected[0]
+    for triple in selected[1:]:
+        if triple[1].numel() > largest[1].numel():
+            largest = triple
+    if op == "einsum":
+        inputs, _, _, keys = einsum_form(op, bound)
+        spec = inputs[keys.index(largest[0])]
+        if len(set(spec)) != len(spec):  # a diagonal: no sparse rule
+            return None, None
+    return largest[2], None
+
+
+def _bits(mask: int) -> list[int]:
+    return [i for i in range(mask.bit_length()) if mask >> i & 1]
+
+
+def _ns(work: Work) -> float:
+    """Modelled nanoseconds of ``work`` (one direction's)."""
+    return work.macs * MAC_NS + work.elements * ELEMENT_NS + work.table * TABLE_NS
+
+
+def _numel(out: Any) -> int:
+    return sum(v.numel() for v in pytree.tree_leaves(out) if isinstance(v, torch.Tensor))
+
+
+_NORMALISATIONS = {
+    getattr(F, name)
+    for name in (
+        "layer_norm",
+        "group_norm",
+        "batch_norm",
+        "instance_norm",
+        "rms_norm",
+        "softmax",
+        "log_softmax",
+    )
+    if hasattr(F, name)
+} | {torch.softmax, torch.log_softmax, torch.Tensor.softmax, torch.Tensor.log_softmax}
+
+
+def _cost(
+    func: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    leaves: list[torch.Tensor],
+    outs: list[torch.Tensor],
+) -> Work:
+    """One op's work: a contraction's multiply-adds (the product of its index sizes; attention's
+    two products) and the elements it reads and writes."""
+    elements = float(sum(t.numel() for t in [*leaves, *outs]))
+    if func in _NORMALISATIONS:
+        elements *= NORMALISATION
+    return Work(float(_macs(func, args, kwargs, leaves, outs)), elements)
+
+
+def _macs(
+    func: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    leaves: list[torch.Tensor],
+    outs: list[torch.Tensor],
+) -> int:
+    op = kind(func)
+    bound = bind(op, args, kwargs) if op in CONTRACTED or op == "einsum" else None
+    if bound is None:
+        if func is torch.nn.functional.scaled_dot_product_attention and len(leaves) >= 3:
+            q, k = leaves[0], leaves[1]
+            return 2 * q.numel() * k.shape[-2]
+        return 0
+    if op in EINSUM_FAMILY:
+        inputs, output, operands, _ = einsum_form(op, bound)
+        return rules.einsum_flops(inputs, output, operands)
+    weight = bound["weight"]
+    if op == "conv" and outs:
+        return int(outs[0].numel() * weight[0].numel())
+    if op == "conv_transpose":
+        return int(bound["input"].numel() * weight[0].numel())
+    return 0
+
+
+def survey(
+    loss: Callable[..., torch.Tensor], tensors: Sequence[torch.Tensor], args: Sequence[Any]
+) -> Survey:
+    """``loss(*tensors, *args)`` run once under :class:`Survey`."""
+    mode = Survey(tensors)
+    devices = sorted({t.device for t in tensors if t.device.type == "cuda"}, key=str)
+    # the loss's random draws, if any, are the kernels' to make: the survey leaves the state as is
+    with torch.random.fork_rng(devices=devices):
+        try:
+            with mode:
+                loss(*tensors, *args)
+        except NotSparse:  # a write to a selected tensor: the survey stops before it
+            for usage in mode.usage:
+                if usage.refusal is None:
+                    usage.refusal = "was not surveyed: the loss writes to a selected tensor first"
+    return mode
+
+
+@dataclasses.dataclass(frozen=True)
+class Routes:
+    """Sparse groups (indices into the selected tensors; each group one kernel) and the tensors
+    of the reverse route, with the modelled costs."""
+
+    groups: tuple[tuple[int, ...], ...]
+    reverse: tuple[int, ...]
+    cost: float
+    reverse_only_cost: float
+    refusals: tuple[str | None, ...] = ()
+    """Per selected tensor, why the sparse route refuses it (None: it does not)."""
+    eager_only: frozenset[int] = frozenset()
+    """Selected tensors viewed through a tensor property (``W.T``), which dynamo traces past the
+    mode: a sparse kernel over one runs eagerly."""
+    masked_rows: tuple[frozenset[int], ...] = ()
+    """Per selected tensor, :attr:`Usage.masked_rows` (an equal call selecting entries there is
+    surveyed again)."""
+    chunk: int | None = None
+    """Directions per batched pass, where all of them would hold more than :data:`BATCHED`
+    elements in one output (None: all at once)."""
+
+
+def choose(
+    found: Survey,
+    sizes: Sequence[int],
+    joint: bool,
+    compiled: bool,
+    reverse: bool = True,
+    together: Callable[[Sequence[int]], bool] = lambda members: True,
+) -> Routes:
+    """The cheapest split of the selected tensors (``sizes``: selected components of each)
+    between sparse groups and the reverse route (see the module docstring). ``reverse=False``:
+    the sparse route for every tensor (none may be refused); ``together(members)``: whether
+    those tensors may share one sparse kernel (one dtype and device)."""
+    usage = found.usage
+    refusals = tuple(u.refusal for u in usage)
+    widest = max((u.widest for u in usage), default=0)
+    chunk = max(1, BATCHED // widest) if widest else None
+    if chunk is not None and chunk >= (sum(sizes) if joint else max(sizes, default=0)):
+        chunk = None
+    eager_only = frozenset(i for i, u in enumerate(usage) if u.property_view is not None)
+    masked_rows = tuple(frozenset(u.masked_rows) for u in usage)
+    forward = FORWARD_AND_BACKWARD * _ns(found.forward)
+    reverse_fixed = forward + (COMPILED_SETUP if compiled else REVERSE_SETUP)
+    refused = tuple(i for i, u in enumerate(usage) if u.refusal is not None)
+    eligible = sorted(
+        (i for i, u in enumerate(usage) if u.refusal is None), key=lambda i: (usage[i].order, i)
+    )
+    # a reverse direction's gradient is dense in its tensor; joint, in every selected tensor
+    every = Work()
+    for u in usage:
+        every.add(u.product)
+    per_reverse = [
+        REVERSE_PASS
+        + sizes[i]
+        * (REVERSE_DIRECTION + REVERSE_TAIL * _ns(u.tail) + _ns(every if joint else u.product))
+        for i, u in enumerate(usage)
+    ]
+    reverse_only = reverse_fixed + sum(per_reverse)
+
+    def group(members: Sequence[int]) -> float:
+        if not together(members):
+            return math.inf
+        reach = max(_ns(usage[i].tail) for i in members)
+        directions = sum(sizes[i] for i in members)
+        # a group over a tensor viewed through a property runs eagerly even when compiling
+        traced = compiled and not eager_only.intersection(members)
+        setup = COMPILED_SETUP if traced else SPARSE_SETUP
+        return forward + setup + directions * (SPARSE_DIRECTION + SPARSE_TAIL * reach)
+
+    def reverse_cost(members: Sequence[int]) -> float:
+        return reverse_fixed + sum(per_reverse[i] for i in members) if members else 0.0
+
+    if joint:  # the sparse tensors: one group, the last ones in the loss's order
+        best = Routes(
+            (),
+            tuple(range(len(usage))),
+            reverse_only,
+            reverse_only,
+            refusals,
+            eager_only,
+            masked_rows,
+            chunk,
+        )
+        for start in range(len(eligible) if reverse else 1):
+            members, rest = tuple(eligible[start:]), (*refused, *eligible[:start])
+            cost = group(members) + reverse_cost(rest)
+            if cost < best.cost or not reverse:
+                best = Routes(
+                    (members,),
+                    tuple(sorted(rest)),
+                    cost,
+                    reverse_only,
+                    refusals,
+                    eager_only,
+                    masked_rows,
+                    chunk,
+                )
+        return best
+    # blocks: dynamic programming over the loss's order; state: has the reverse route a member
+    Option = tuple[float, tuple[tuple[int, ...], ...], tuple[int, ...]]
+    n = len(eligible)
+    table: dict[tuple[int, bool], Option] = {(n, True): (0.0, (), ()), (n, False): (0.0, (), ())}
+    for start in range(n - 1, -1, -1):
+        for has_reverse in (True, False):
+            options: list[Option] = []
+            if reverse:
+                cost, groups, rest = table[start + 1, True]
+                extra = per_reverse[eligible[start]] + (0.0 if has_reverse else reverse_fixed)
+                options.append((cost + extra, groups, (eligible[start], *rest)))
+            for end in range(start + 1, n + 1):
+                cost, groups, rest = table[end, has_reverse]
+                members = tuple(eligible[start:end])
+                options.append((cost + group(members), (members, *groups), rest))
+            table[start, has_reverse] = min(options, key=lambda option: option[0])
+    cost, groups, rest = table[0, bool(refused)]
+    return Routes(
+        groups,
+        tuple(sorted((*refused, *rest))),
+        cost + reverse_cost(refused),
+        reverse_only,
+        refusals,
+        eager_only,
+        masked_rows,
+        chunk,
+    )

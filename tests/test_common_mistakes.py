@@ -1,0 +1,105 @@
+"""Specification of the messages a first day meets: each common mistake is refused (or warned
+about) with the fix in the message, as docs/guide/contract.md ("Common mistakes") lists them."""
+
+import re
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import pyhvp
+
+
+def full_message(error: BaseException) -> str:
+    """The message and its notes (a hint on an error of the user's own is added as a note)."""
+    return "\n".join([str(error), *getattr(error, "__notes__", ())])
+
+
+def net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+
+
+X, Y = torch.randn(8, 3), torch.randn(8, 1)
+INDEX = {"0.weight": torch.tensor([0, 1])}
+
+
+def params(model):
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def test_a_network_ending_in_one_output_gets_the_lambda_that_drops_it():
+    with pytest.raises(ValueError, match=re.escape("lambda x: net(x)[..., 0]")):
+        pyhvp.hvp(net(), X, torch.ones_like(X))
+
+
+def test_a_module_passed_as_the_loss_of_sub_hessian_is_pointed_to_module_loss():
+    model = net()
+    with pytest.raises(TypeError, match=re.escape("pyhvp.module_loss(model, criterion, inputs")):
+        pyhvp.sub_hessian(model, params(model), INDEX)
+
+
+def test_a_module_loss_with_inputs_used_with_data_says_to_drop_the_inputs():
+    loss, p = pyhvp.module_loss(net(), nn.MSELoss(), X, Y)
+    with pytest.raises(TypeError, match=re.escape("call module_loss(model, criterion) without")):
+        pyhvp.sub_hessian(loss, p, INDEX, data=[(X, Y)])
+
+
+def test_a_module_loss_without_inputs_used_without_data_says_to_pass_data():
+    loss, p = pyhvp.module_loss(net(), nn.MSELoss())
+    with pytest.raises(TypeError, match=re.escape("pass them as data=[(inputs, targets)]")):
+        pyhvp.sub_hessian(loss, p, INDEX)
+
+
+def test_module_loss_with_model_and_criterion_swapped_says_the_order():
+    with pytest.raises(ValueError, match=re.escape("takes the model first and the criterion")):
+        pyhvp.module_loss(nn.MSELoss(), net(), X, Y)
+
+
+def test_an_index_of_row_col_pairs_is_told_how_to_flatten_them():
+    with pytest.raises(ValueError, match=re.escape("row * 4 + col, as np.ravel_multi_index")):
+        pyhvp.sub_hessian(lambda p: (p**4).sum(), torch.randn(3, 4), torch.tensor([[0, 1], [2, 3]]))
+
+
+def test_nothing_selected_gives_an_empty_block_as_no_batches_give_zeros():
+    """One rule for both: an empty selection or an empty data set is not an error."""
+    loss = lambda p, batch: (p**4).sum() * batch  # noqa: E731
+    w = torch.randn(3, 4)
+    empty = pyhvp.sub_hessian(loss, w, torch.tensor([], dtype=torch.long), data=[1.0])
+    no_batches = pyhvp.sub_hessian(loss, w, torch.tensor([0, 5]), data=[])
+    assert empty.shape == (0, 0) and torch.equal(no_batches, torch.zeros(2, 2))
+
+
+def test_numpy_inside_f_is_told_to_use_torch_functions():
+    with pytest.raises(RuntimeError, match="Can't call numpy") as info:
+        pyhvp.hvp(lambda x: torch.as_tensor(np.sin(x.numpy())).sum(-1), X, X)
+    assert "write f with torch functions on x (torch.sin, not np.sin)" in full_message(info.value)
+
+
+def test_f_returning_a_numpy_array_is_told_to_use_torch_functions():
+    with pytest.raises(TypeError, match=re.escape("got ndarray: pyhvp differentiates f")):
+        pyhvp.laplacian(lambda x: np.sin(x.numpy()).sum(-1), X)
+
+
+def uneven(reduction):
+    loss, p = pyhvp.module_loss(net(), nn.MSELoss(reduction=reduction))
+    return loss, p, [(X[:5], Y[:5]), (X[5:], Y[5:])]
+
+
+def test_a_mean_loss_over_batches_of_different_sizes_is_warned_once():
+    loss, p, data = uneven("mean")
+    with pytest.warns(UserWarning, match=re.escape("Use reduction='sum'")) as record:
+        pyhvp.sub_hessian(loss, p, INDEX, data=data + data)
+    assert len(record) == 1
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"], ids=["sum, uneven", "mean, even"])
+def test_a_sum_loss_or_batches_of_one_size_are_not_warned(reduction):
+    loss, p, data = uneven(reduction)
+    if reduction == "mean":
+        data = [data[0], data[0]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pyhvp.sub_hessian(loss, p, INDEX, data=data)

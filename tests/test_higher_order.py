@@ -1,0 +1,389 @@
+"""Specification of the higher-order operators (directional_derivatives, bilaplacian,
+differential_operator) and of operators nested in one another, against nested
+``torch.autograd.grad`` in float64 (tests/dense.py)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dense import (
+    nested_bilaplacian,
+    nested_directional_derivatives,
+    nested_mixed_partial,
+)
+from torch import nn
+
+import pyhvp
+from pyhvp import TorchBackend
+
+EAGER = TorchBackend(compile=False)
+
+
+def _weights(*shape, seed):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _mlp(x):
+    w1, w2 = _weights(6, 8, seed=1).to(x), _weights(8, 2, seed=2).to(x)
+    return torch.sin(torch.tanh(x @ w1) @ w2)
+
+
+def _linalg(x):
+    a = x.reshape(*x.shape[:-1], 2, 2)[..., :2, :2] if x.shape[-1] == 4 else None
+    a = x[..., :4].reshape(*x.shape[:-1], 2, 2) + 3 * torch.eye(2, dtype=x.dtype)
+    b = x[..., 4:6]
+    return torch.stack(
+        [
+            torch.linalg.det(a),
+            torch.linalg.inv(a).sum((-2, -1)),
+            torch.linalg.solve(a, b).sum(-1),
+            torch.linalg.slogdet(a)[1],
+        ],
+        -1,
+    )
+
+
+def _views(x):
+    m = x.reshape(*x.shape[:-1], 2, 3).permute(*range(x.ndim - 1), -1, -2)  # (.., 3, 2)
+    picked = torch.index_select(m, -2, torch.tensor([2, 0])).flip(-1)
+    gathered = torch.gather(x, -1, torch.tensor([[5, 1, 1]]).expand(*x.shape[:-1], 3))
+    joined = torch.cat([picked.reshape(*x.shape[:-1], 4), gathered, x[..., 1:3] ** 2], -1)
+    return torch.where(joined > 0, joined**3, torch.sin(joined)).sum(-1)
+
+
+def _conv(x):
+    kernel = _weights(2, 1, 3, seed=5).to(x)
+    return torch.tanh(F.conv1d(x[..., None, :], kernel, padding=1)).pow(2).sum((-2, -1))
+
+
+CASES = {
+    "polynomials and products": lambda x: (x**4).sum(-1) + x.prod(-1) + x[..., 0] * x[..., 1] ** 3,
+    "exp, sin, cos, tanh, sigmoid": lambda x: (torch.exp(0.3 * x) * torch.sin(x)
+                                               + torch.cos(x) * torch.tanh(x)
+                                               + torch.sigmoid(2 * x)).sum(-1),
+    "log, sqrt, rsqrt, reciprocal, pow": lambda x: (torch.log(2 + x) + torch.sqrt(2 + x)
+                                                    + torch.rsqrt(3 + x) + 1 / (2 + x)
+                                                    + (2 + x) ** 2.5).sum(-1),
+    "erf, softplus, gelu, silu, elu, atan, asinh, atanh": lambda x: (
+        torch.erf(x) + F.softplus(2 * x) + F.gelu(x) + F.gelu(x, approximate="tanh")
+        + F.silu(x) + F.elu(x + 3) + torch.atan(x) + torch.asinh(x) + torch.atanh(x / 3)
+    ).sum(-1),
+    "quotients and tensor powers": lambda x: x[..., 0] * x[..., 1] / (1 + x[..., 2] ** 2)
+                                             + (2 + x[..., 3]) ** (1 + x[..., 4] ** 2),
+    "tanh MLP, vector output": _mlp,
+    "softmax, log_softmax, logsumexp": lambda x: torch.stack([
+        (torch.softmax(x, -1) * torch.arange(6.0)).sum(-1),
+        torch.log_softmax(x, -1)[..., 2], torch.logsumexp(x, -1)], -1),
+    "var, std, norm, mean": lambda x: torch.stack([x.var(-1), x.std(-1),
+                                                   torch.linalg.vector_norm(x, dim=-1),
+                                                   x.mean(-1) ** 3], -1),
+    "views, indexing, where": _views,
+    "det, inverse, solve, slogdet": _linalg,
+    "two-input pointwise ops (fallback)": lambda x: (torch.atan2(x[..., :3], 2 + x[..., 3:])
+                                                     + torch.hypot(x[..., :3], x[..., 3:])).sum(-1),
+    "lgamma, digamma (pointwise fallback)": lambda x: (torch.lgamma(3 + x)
+                                                       + torch.digamma(3 + x)).sum(-1),
+    "eigvalsh (general fallback)": lambda x: torch.linalg.eigvalsh(
+        x[..., :4].reshape(*x.shape[:-1], 2, 2) + x[..., :4].reshape(*x.shape[:-1], 2, 2).mT
+        + torch.diag(torch.tensor([0.0, 3.0], dtype=x.dtype))) @ torch.tensor([1.0, -2.0],
+                                                                            dtype=x.dtype),
+    "conv1d": _conv,
+}  # fmt: skip
+"""Every op family of the Taylor engine, on 6 variables per instance."""
+
+
+def point(device, dtype=torch.float64, batch=3):
+    x = 0.5 * torch.randn(batch, 6, generator=torch.Generator().manual_seed(7), dtype=dtype)
+    return x.to(device)
+
+
+def tolerance(order):
+    return {"rtol": 1e-8, "atol": 1e-8 * 10**order}
+
+
+DENSE_FALLBACK = {"eigvalsh (general fallback)"}
+"""Cases on the dense reverse-mode fallback, which carries orders up to 4."""
+
+
+FAST = {"tanh MLP, vector output", "softmax, log_softmax, logsumexp", "det, inverse, solve, slogdet",
+        "two-input pointwise ops (fallback)", "views, indexing, where"}  # fmt: skip
+"""The families whose fourth order runs in the fast tier (``make test``); every family at
+orders 3, 4 and 6 runs in ``make test-all``."""
+
+
+def tiered(name, order):
+    fast = name in FAST and order == 4
+    return pytest.param(name, order, marks=() if fast else pytest.mark.slow, id=f"{name}-{order}")
+
+
+@pytest.mark.parametrize(("name", "order"), [tiered(n, k) for n in CASES for k in (3, 4, 6)])
+def test_directional_derivatives_match_nested_autograd(name, order, device):
+    if name in DENSE_FALLBACK and order > 4:
+        pytest.skip("the dense fallback carries orders up to 4 (refused above: a spec below)")
+    f, x = CASES[name], point(device)
+    v = torch.randn(x.shape, generator=torch.Generator().manual_seed(3), dtype=x.dtype).to(device)
+    got = pyhvp.directional_derivatives(f, x, v, order=order, backend=EAGER)
+    expected = nested_directional_derivatives(f, x.cpu(), v.cpu(), order)
+    torch.testing.assert_close(got.cpu(), expected, **tolerance(order))
+
+
+def test_eighth_order_coefficients_match_closed_forms(device):
+    """d^k/dt^k of exp(a.x) sin(b.x) along v, k = 0..8: Im((a.v + i b.v)^k e^{a.x + i b.x})."""
+    x = point(device)
+    a, b = (
+        torch.linspace(-1, 1, x.shape[-1], dtype=x.dtype, device=device) * s for s in (0.7, 1.3)
+    )
+    v = torch.randn(x.shape, generator=torch.Generator().manual_seed(5), dtype=x.dtype).to(device)
+    got = pyhvp.directional_derivatives(
+        lambda y: torch.exp(y @ a) * torch.sin(y @ b), x, v, order=8, backend=EAGER
+    )
+    rate = torch.complex(v @ a, v @ b)
+    expected = torch.stack([(rate**k * torch.exp(torch.complex(x @ a, x @ b))).imag
+                            for k in range(9)])  # fmt: skip
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+
+
+def test_an_op_without_a_rule_and_with_an_empty_output_adds_nothing(device):
+    """``pdist`` of one row is empty: the fallback above second order has nothing to
+    differentiate (it refused before: autograd's nested derivatives cannot reshape 0 entries)."""
+    x = point(device)
+    v = torch.randn(x.shape, generator=torch.Generator().manual_seed(7), dtype=x.dtype).to(device)
+    got = pyhvp.directional_derivatives(
+        lambda y: (y**4).sum(-1) + torch.pdist(y[:1]).sum(), x, v, order=4, backend=EAGER
+    )
+    torch.testing.assert_close(got[4], 24 * (v**4).sum(-1))
+
+
+def test_a_shared_direction_is_each_instance_s_direction(device):
+    x = point(device)
+    v = torch.tensor([1.0, 0, 0, 0, 0, 0], dtype=x.dtype, device=device)  # u_xxxx
+    got = pyhvp.directional_derivatives(_mlp, x, v, order=4, backend=EAGER)
+    expected = nested_directional_derivatives(_mlp, x.cpu(), v.cpu().expand(x.shape), 4)
+    torch.testing.assert_close(got.cpu(), expected, **tolerance(4))
+
+
+@pytest.mark.parametrize("name", ["tanh MLP, vector output",
+                                  *(pytest.param(n, marks=pytest.mark.slow) for n in (
+                                      "polynomials and products", "softmax, log_softmax, logsumexp",
+                                      "conv1d"))])  # fmt: skip
+@pytest.mark.parametrize("chunk_size", [None, 7])
+def test_the_exact_bilaplacian_matches_nested_autograd(name, chunk_size, device):
+    f, x = CASES[name], point(device)
+    got = pyhvp.bilaplacian(f, x, chunk_size=chunk_size, backend=EAGER)
+    torch.testing.assert_close(got.cpu(), nested_bilaplacian(f, x.cpu()), **tolerance(4))
+
+
+TERMS = {
+    "2-D bi-Laplacian": {(0, 0, 0, 0): 1.0, (0, 0, 1, 1): 2.0, (1, 1, 1, 1): 1.0},
+    "KdV-like, three orders": {(0, 0, 0): 1.0, (1,): -0.5, (0, 1): 3.0},
+    "sixth order along an axis": {(2, 2, 2, 2, 2, 2): 1.0},
+    "mixed sixth order, three variables": {(0, 0, 1, 1, 2, 2): 1.0, (0, 1, 1, 1, 1, 1): -2.0},
+    "f itself and a gradient term": {(): 2.0, (4,): 1.5},
+    "unsorted keys add up": {(1, 0, 0): 1.0, (0, 1, 0): 2.0},
+}
+
+
+@pytest.mark.parametrize("terms", TERMS.values(), ids=TERMS.keys())
+@pytest.mark.parametrize("name", ["tanh MLP, vector output",
+                                  *(pytest.param(n, marks=pytest.mark.slow) for n in (
+                                      "polynomials and products", "exp, sin, cos, tanh, sigmoid"))])  # fmt: skip
+def test_differential_operators_match_nested_autograd(name, terms, device):
+    f, x = CASES[name], point(device)
+    got = pyhvp.differential_operator(f, x, terms, backend=EAGER)
+    expected = sum(c * nested_mixed_partial(f, x.cpu(), alpha) for alpha, c in terms.items())
+    torch.testing.assert_close(got.cpu(), expected, **tolerance(6))
+
+
+def test_the_bilaplacian_is_a_differential_operator(device):
+    x = point(device)
+    n = x.shape[-1]
+    terms = {(i, i, j, j): 1.0 for i in range(n) for j in range(n)}
+    torch.testing.assert_close(pyhvp.differential_operator(_mlp, x, terms, backend=EAGER),
+                               pyhvp.bilaplacian(_mlp, x, backend=EAGER), **tolerance(4))  # fmt: skip
+
+
+def _plate(width=16):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(2, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(),
+                         nn.Linear(width, 1)).double()  # fmt: skip
+
+
+OPERATORS = {
+    "bilaplacian": lambda f, x: pyhvp.bilaplacian(f, x, backend=EAGER),
+    "u_xxxx": lambda f, x: pyhvp.directional_derivatives(
+        f, x, torch.tensor([1.0, 0.0], dtype=x.dtype), order=4, backend=EAGER)[4],
+    "differential operator": lambda f, x: pyhvp.differential_operator(
+        f, x, {(0, 0, 0): 1.0, (0, 1, 1, 1): 2.0}, backend=EAGER),
+}  # fmt: skip
+REFERENCES = {
+    "bilaplacian": lambda f, x: nested_bilaplacian(f, x, create_graph=True),
+    "u_xxxx": lambda f, x: nested_mixed_partial(f, x, (0, 0, 0, 0), create_graph=True),
+    "differential operator": lambda f, x: (
+        nested_mixed_partial(f, x, (0, 0, 0), create_graph=True)
+        + 2 * nested_mixed_partial(f, x, (0, 1, 1, 1), create_graph=True)
+    ),
+}
+
+
+@pytest.mark.parametrize("operator", OPERATORS)
+def test_results_are_differentiable_in_parameters_and_x(operator):
+    """What a plate PINN's training step needs: the gradient of a loss on the operator in the
+    network's parameters (and in x)."""
+    net = _plate()
+    x = point("cpu", batch=5)[:, :2].clone().requires_grad_()
+    f = lambda y: net(y)[..., 0]  # noqa: E731
+    params = [x, *net.parameters()]
+    unused = {"allow_unused": True, "materialize_grads": True}  # the last bias: a shift
+    got = torch.autograd.grad(OPERATORS[operator](f, x).pow(2).sum(), params, **unused)
+    expected = torch.autograd.grad(REFERENCES[operator](f, x).pow(2).sum(), params, **unused)
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-8, atol=1e-10)
+
+
+def test_the_bilaplacian_estimator_is_unbiased_and_reproducible():
+    x = point("cpu")
+    exact = nested_bilaplacian(_mlp, x)
+    estimate = pyhvp.bilaplacian(_mlp, x, method="hutchinson", samples=20000,
+                                 generator=torch.Generator().manual_seed(0), backend=EAGER)  # fmt: skip
+    again = pyhvp.bilaplacian(_mlp, x, method="hutchinson", samples=20000,
+                              generator=torch.Generator().manual_seed(0), backend=EAGER)  # fmt: skip
+    assert torch.equal(estimate, again)
+    relative = ((estimate - exact).norm() / exact.norm()).item()
+    assert relative < 0.05, relative
+
+
+# --- operators nested in operators: exact, or refused -----------------------------------------
+
+QUARTIC = lambda x: (x**4).sum(-1)  # noqa: E731
+"""Per instance: Delta f = 12 |x|^2, Delta^2 f = 24 N, d_i^2 Delta f = 24."""
+
+NESTED = {
+    "laplacian of laplacian": (lambda x: pyhvp.laplacian(lambda y: pyhvp.laplacian(QUARTIC, y), x),
+                               lambda x: torch.full(x.shape[:-1], 24.0 * x.shape[-1])),
+    "hessian_diagonal of laplacian": (
+        lambda x: pyhvp.hessian_diagonal(lambda y: pyhvp.laplacian(QUARTIC, y), x),
+        lambda x: torch.full(x.shape, 24.0)),
+    "laplacian of a summed hessian_diagonal": (
+        lambda x: pyhvp.laplacian(lambda y: pyhvp.hessian_diagonal(QUARTIC, y).sum(-1), x),
+        lambda x: torch.full(x.shape[:-1], 24.0 * x.shape[-1])),
+    "laplacian of grad_and_laplacian's gradient": (
+        lambda x: pyhvp.laplacian(lambda y: pyhvp.grad_and_laplacian(QUARTIC, y).grad, x),
+        lambda x: 24 * x),
+    "laplacian of an hvp": (
+        lambda x: pyhvp.laplacian(lambda y: pyhvp.hvp(QUARTIC, y, torch.ones_like(y)), x),
+        lambda x: torch.full(x.shape, 24.0)),
+    "directional derivative of a laplacian": (
+        lambda x: pyhvp.directional_derivatives(lambda y: pyhvp.laplacian(QUARTIC, y), x,
+                                                torch.ones(x.shape[-1], dtype=x.dtype), order=2)[2],
+        lambda x: torch.full(x.shape[:-1], 24.0 * x.shape[-1])),
+    "laplacian inside torch.func.grad inside laplacian": (
+        lambda x: pyhvp.laplacian(lambda y: torch.func.vmap(torch.func.grad(
+            lambda z: pyhvp.laplacian(QUARTIC, z[None])[0]))(y).sum(-1), x),
+        lambda x: torch.zeros(x.shape[:-1])),
+}  # fmt: skip
+"""Issue 26: each of these returned zeros before (the inner operator ran under ``no_grad`` on a
+detached ``x``, which the outer recorder read as a constant)."""
+
+
+@pytest.mark.parametrize("case", NESTED.values(), ids=NESTED.keys())
+def test_an_operator_nested_in_another_composes_exactly(case, device):
+    nested, closed_form = case
+    x = point(device)[:, :3]
+    torch.testing.assert_close(nested(x).cpu(), closed_form(x.cpu()).double())
+
+
+def test_a_nested_julia_call_is_refused_not_read_as_a_constant():
+    """The julia backend's result is opaque to the recorder: refused before Julia starts (the
+    backend object is made without starting it, so this runs where Julia does not)."""
+    from pyhvp.backends.julia import JuliaBackend
+
+    julia = object.__new__(JuliaBackend)
+    jf = pyhvp.julia_function("x -> sum(abs2, x)")
+    with pytest.raises(ValueError, match="inside f of a Taylor-engine operator"):
+        pyhvp.laplacian(lambda y: pyhvp.hvp(jf, y, y, backend=julia), point("cpu"))
+
+
+def test_a_second_order_rule_falls_back_above_second_order(monkeypatch):
+    """A rule that gives two derivatives (pyhvp.taylor.chain) is not used at fourth order: the
+    engine's exact fallback carries the op there (sinh's, a pointwise op's: autograd's own
+    elementwise derivatives)."""
+    from pyhvp.taylor import registry
+
+    def second_order_only(ctx, out, u):
+        return pyhvp.taylor.chain(ctx, out, u, torch.cosh(u.value), out)
+
+    monkeypatch.setitem(registry.RULES, torch.ops.aten.sinh.default, second_order_only)
+    x = point("cpu")
+    f = lambda y: torch.sinh(y).sum(-1)  # noqa: E731
+    got = pyhvp.directional_derivatives(f, x, torch.ones(6, dtype=x.dtype), order=4,
+                                        backend=EAGER)  # fmt: skip
+    torch.testing.assert_close(got, nested_directional_derivatives(f, x, torch.ones(6), 4),
+                               **tolerance(4))  # fmt: skip
+
+
+def test_a_second_order_rule_without_a_fallback_is_refused_by_name():
+    """A custom op with a second-order rule and an autograd formula that torch.func cannot
+    transform: at fourth order the refusal names the op, the order and its rule's limit."""
+
+    @torch.library.custom_op("pyhvp_test::softsign", mutates_args=())
+    def softsign(t: torch.Tensor) -> torch.Tensor:
+        return t / (1 + t.abs())
+
+    @softsign.register_fake
+    def _(t):
+        return torch.empty_like(t)
+
+    @pyhvp.register_jet_rule(softsign)
+    def _(ctx, out, u):
+        d1 = 1 / (1 + u.value.abs()) ** 2
+        return pyhvp.taylor.chain(
+            ctx, out, u, d1, -2 * torch.sign(u.value) * d1 / (1 + u.value.abs())
+        )
+
+    with pytest.raises(pyhvp.UnsupportedOpError, match=r"softsign.*order 4.*its jet rule"):
+        pyhvp.directional_derivatives(lambda y: softsign(y).sum(-1), point("cpu"),
+                                      torch.ones(6, dtype=torch.float64), order=4, backend=EAGER)  # fmt: skip
+
+
+REFUSALS = {
+    "order 0": (lambda x: pyhvp.directional_derivatives(QUARTIC, x, x, order=0),
+                ValueError, "order must be an int >= 1"),
+    "v of another shape": (lambda x: pyhvp.directional_derivatives(QUARTIC, x, x[0, :2], order=3),
+                           ValueError, r"v must have x's shape \(3, 6\)"),
+    "terms not a mapping": (lambda x: pyhvp.differential_operator(QUARTIC, x, [(0, 0)]),
+                            TypeError, "terms must be a non-empty mapping"),
+    "a variable out of range": (lambda x: pyhvp.differential_operator(QUARTIC, x, {(0, 6): 1.0}),
+                                ValueError, r"variable indices in \[0, 6\)"),
+    "a coefficient that is not a number": (
+        lambda x: pyhvp.differential_operator(QUARTIC, x, {(0,): "1"}),
+        TypeError, "must be a finite real number"),
+    "hutchinson without samples": (lambda x: pyhvp.bilaplacian(QUARTIC, x, method="hutchinson"),
+                                   ValueError, "samples must be an int >= 1"),
+    "an unknown method": (lambda x: pyhvp.bilaplacian(QUARTIC, x, method="hutch++"),
+                          ValueError, r"method must be one of \['exact', 'hutchinson'\]"),
+    "the dense fallback past order 4": (
+        lambda x: pyhvp.directional_derivatives(CASES["eigvalsh (general fallback)"], x, x,
+                                                order=6, backend=EAGER),
+        pyhvp.UnsupportedOpError, "goes to order 4 only"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", REFUSALS.values(), ids=REFUSALS.keys())
+def test_bad_input_is_refused_with_its_name(case):
+    call, error, message = case
+    with pytest.raises(error, match=message):
+        call(point("cpu"))
+
+
+@pytest.mark.slow
+def test_the_sixth_derivative_of_a_network_along_an_axis():
+    """Order 6 along e_0 of a tanh network: one jet of order six."""
+    net = _plate()
+    x = point("cpu", batch=4)[:, :2]
+    f = lambda y: net(y)[..., 0]  # noqa: E731
+    got = pyhvp.directional_derivatives(f, x, torch.tensor([1.0, 0.0], dtype=x.dtype), order=6,
+                                        backend=EAGER)  # fmt: skip
+    expected = nested_mixed_partial(f, x, (0,) * 6)
+    assert math.isfinite(got[6].abs().max().item())
+    torch.testing.assert_close(got[6], expected, **tolerance(6))
