@@ -2,7 +2,7 @@
 c_alpha d^alpha f``, from one collapsed Taylor jet.
 
 Each term's mixed partial is a weighted sum of pure directional derivatives along integer
-directions (:mod:`pyhvp.interpolation`); the directions of every term are pushed together as one
+directions (``pyhvp.interpolation``); the directions of every term are pushed together as one
 jet of the highest order present, the top order summed over them with the weights as it goes
 (collapsed Taylor mode) and the lower orders read per direction at the output. ``f`` is recorded
 once and one kernel runs. Runs on the backend's optional ``taylor_coefficients`` primitive.
@@ -47,7 +47,7 @@ def differential_operator(
     ``{(0, 0, 0): 1.0, (1,): -0.5, (0, 1): 3.0}`` is ``u_xxx - u_y / 2 + 3 u_xy``.
 
     Mixed partials come from pure directional derivatives by the interpolation identities of
-    Griewank, Utke & Walther (:mod:`pyhvp.interpolation`): a term of order ``k`` in ``P``
+    Griewank, Utke & Walther (``pyhvp.interpolation``): a term of order ``k`` in ``P``
     distinct variables needs at most ``C(P + k - 1, k)`` directions, a pure one (``u_xxxx``)
     one; terms share directions. All directions run as one jet of the highest order ``K``
     present, its top order collapsed (summed with the weights as it goes): cost about ``K``

@@ -72,7 +72,6 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 Params = dict[str, torch.Tensor]
-Method = Literal["auto", "sparse", "reverse"]
 METHODS = ("auto", "sparse", "reverse")
 _log = logging.getLogger("pyhvp.sub_hessian")
 
@@ -89,7 +88,7 @@ def sub_hessian(
     chunk_size: int | None = None,
     backend: str | Backend = "torch",
     progress: bool = False,
-    method: Method = "auto",
+    method: Literal["auto", "sparse", "reverse"] = "auto",
 ) -> torch.Tensor: ...
 
 
@@ -105,7 +104,7 @@ def sub_hessian(
     chunk_size: int | None = None,
     backend: str | Backend = "torch",
     progress: bool = False,
-    method: Method = "auto",
+    method: Literal["auto", "sparse", "reverse"] = "auto",
 ) -> Params: ...
 
 
@@ -121,7 +120,7 @@ def sub_hessian(
     chunk_size: int | None = None,
     backend: str | Backend = "torch",
     progress: bool = False,
-    method: Method = "auto",
+    method: Literal["auto", "sparse", "reverse"] = "auto",
 ) -> torch.Tensor: ...
 
 
@@ -137,7 +136,7 @@ def sub_hessian(
     chunk_size: int | None = None,
     backend: str | Backend = "torch",
     progress: bool = False,
-    method: Method = "auto",
+    method: Literal["auto", "sparse", "reverse"] = "auto",
 ) -> torch.Tensor | Params:
     """Hessian of the scalar ``loss(params)`` over the components ``index`` selects.
 
