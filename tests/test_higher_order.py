@@ -12,6 +12,7 @@ from dense import (
     nested_directional_derivatives,
     nested_mixed_partial,
 )
+from test_taylor_engine import softsign
 from torch import nn
 
 import pyhvp
@@ -324,23 +325,8 @@ def test_a_second_order_rule_falls_back_above_second_order(monkeypatch):
 
 def test_a_second_order_rule_without_a_fallback_is_refused_by_name():
     """A custom op with a second-order rule and an autograd formula that torch.func cannot
-    transform: at fourth order the refusal names the op, the order and its rule's limit."""
-
-    @torch.library.custom_op("pyhvp_test::softsign", mutates_args=())
-    def softsign(t: torch.Tensor) -> torch.Tensor:
-        return t / (1 + t.abs())
-
-    @softsign.register_fake
-    def _(t):
-        return torch.empty_like(t)
-
-    @pyhvp.register_jet_rule(softsign)
-    def _(ctx, out, u):
-        d1 = 1 / (1 + u.value.abs()) ** 2
-        return pyhvp.taylor.chain(
-            ctx, out, u, d1, -2 * torch.sign(u.value) * d1 / (1 + u.value.abs())
-        )
-
+    transform: at fourth order the refusal names the op, the order and its rule's limit
+    (``softsign`` of the engine's specs: a rule of second order only, no autograd formula)."""
     with pytest.raises(pyhvp.UnsupportedOpError, match=r"softsign.*order 4.*its jet rule"):
         pyhvp.directional_derivatives(lambda y: softsign(y).sum(-1), point("cpu"),
                                       torch.ones(6, dtype=torch.float64), order=4, backend=EAGER)  # fmt: skip
