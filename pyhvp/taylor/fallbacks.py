@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-import operator
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -161,32 +160,39 @@ def _gradient_of(fn: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
 
 def pointwise_taylor(ctx: Context, fn: Callable[..., Tensor], primals: tuple[Tensor, ...],
                      jets: list[Jet], out: Tensor) -> Jet:  # fmt: skip
-    """An elementwise op of several jet inputs at any order: its elementwise mixed partials up
-    to the order (nested ``torch.func.grad`` of its sum, reverse mode) composed with the inputs'
-    Taylor coefficients (:func:`composed`)."""
-    nd, m = out.ndim, len(jets)
-    spread = tuple(p.expand(out.shape) for p in primals)
-    derivative: dict[tuple[int, ...], Callable[..., Tensor]] = {(): fn}
-    partials: dict[tuple[int, ...], Tensor] = {}
-    for p in range(1, ctx.order + 1):
-        for index in itertools.combinations_with_replacement(range(m), p):
-            lower = derivative[index[:-1]]
-            derivative[index] = cast(Callable[..., Tensor], grad(
-                lambda *v, lower=lower: lower(*v).sum(), argnums=index[-1]))  # fmt: skip
-            partials[index] = derivative[index](*spread)
-
-    def contract(vectors: list[list[Tensor | None]]) -> Tensor | None:
-        terms = []
-        for index in itertools.product(range(m), repeat=len(vectors)):
-            factors = [vectors[r][i] for r, i in enumerate(index)]
-            if any(f is None for f in factors):
-                continue
-            product = functools.reduce(operator.mul, cast(list[Tensor], factors))
-            terms.append(broadcast_times(product, partials[tuple(sorted(index))]))
-        return plus(*terms)
-
+    """An elementwise op of several jet inputs at any order, per direction along its inputs'
+    Taylor polynomials: ``h(t) = fn(u_1(t), ..., u_m(t))``, ``u_i(t) = sum_k u_ik t^k / k!``,
+    whose derivatives at 0 are the coefficients (nested ``torch.func.grad`` of the sum over
+    elements and directions: one chain of derivatives of one variable, where every mixed partial
+    of ``fn`` composed by Faa di Bruno's formula traced about 25 times as many ops at sixth
+    order). A collapsed top order adds ``fn``'s gradient times the inputs' summed top
+    coefficients to the per-direction rest, summed."""
+    nd, top = out.ndim, ctx.order - 1 if ctx.collapses() else ctx.order
     coefficients = [[coefficient_of(j, nd, k) for k in range(1, ctx.order + 1)] for j in jets]
-    return Jet(out, tuple(composed(ctx, contract, coefficients)))
+    spread = tuple(p.expand(out.shape) for p in primals)
+    lead = max((c.shape[0] for cs in coefficients for c in cs[:top] if c is not None), default=1)
+
+    def polynomial(value: Tensor, cs: list[Tensor | None], t: Tensor) -> Tensor:
+        """``value + sum_k cs[k - 1] t^k / k!`` (k <= top), by Horner's rule."""
+        series = None
+        for k in range(top, 0, -1):
+            series = plus(cs[k - 1], None if series is None else series * (t / (k + 1)))
+        return value if series is None else value + t * series
+
+    def along(t: Tensor) -> Tensor:
+        return fn(*(polynomial(v, cs, t) for v, cs in zip(spread, coefficients, strict=True)))
+
+    terms: list[Tensor | None] = list(
+        elementwise_derivatives(along, out.new_zeros((lead, *out.shape)), top)
+    )
+    if top < ctx.order:
+        gradient = grad(lambda *p: fn(*p).sum(), argnums=tuple(range(len(spread))))(*spread)
+        rest = None if top == 0 else ctx.summed(cast(Tensor, terms[-1]))
+        terms.append(plus(rest, *(
+            None if cs[-1] is None else broadcast_times(cs[-1], g)
+            for cs, g in zip(coefficients, gradient, strict=True)
+        )))  # fmt: skip
+    return Jet(out, tuple(terms))
 
 
 def composed(ctx: Context, contract: Callable[[list[list[Tensor | None]]], Tensor | None],
