@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from pyhvp.taylor import rules  # noqa: F401 (registers the dedicated rules)
@@ -182,12 +183,26 @@ def build_kernel(
         return run_jets(program, mode, x, directions, w, constants, event)
 
     inputs = (x, directions, *([] if weights is None else [weights]), *constants)
-    with torch.no_grad(), strong_zeros() if mode.strong else contextlib.nullcontext():
+    with (
+        torch.no_grad(),
+        strong_zeros() if mode.strong else contextlib.nullcontext(),
+        _one_fake_mode(),
+    ):
         graph = make_fx(jets)(*map(traceable, inputs))
     _drop_identical_views(graph.graph)
     graph.graph.eliminate_dead_code()
     graph.recompile()
     return JetKernel(graph, mode)
+
+
+def _one_fake_mode() -> contextlib.AbstractContextManager[object]:
+    """One fake-tensor mode for a whole trace: ``make_fx`` notes each node's shape in a fake
+    tensor, and without a mode in context it builds a new one per node (which captures a Python
+    stack: about 5 ms, most of a trace's time; a sixth-order fallback traces thousands of
+    nodes)."""
+    return torch._guards.tracing(
+        torch._guards.TracingContext(FakeTensorMode(allow_fallback_kernels=True))
+    )
 
 
 def _drop_identical_views(graph: fx.Graph) -> None:
