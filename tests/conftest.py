@@ -1,6 +1,7 @@
 """Shared fixtures: every test that takes ``device`` runs on each device this machine has."""
 
 import itertools
+import os
 
 import pytest
 import torch
@@ -9,6 +10,16 @@ from pyhvp import submatrix
 from pyhvp.backends import compile_policy
 from pyhvp.backends import torch as torch_backend
 from pyhvp.taylor import guards
+
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    # pytest-xdist workers share the cores: torch's default (a thread per core in every worker)
+    # oversubscribes them, and OpenMP's barriers then made single specs up to 3x slower (the
+    # sixth-order fallback spec: 206 s on two 2-thread workers, 69 s on one thread). The
+    # environment variable reaches the processes the specs start.
+    THREADS = str(max(1, (os.cpu_count() or 1) // WORKERS))
+    os.environ["OMP_NUM_THREADS"] = THREADS
+    torch.set_num_threads(int(THREADS))
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
