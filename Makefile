@@ -50,8 +50,10 @@ docs: $(VENV)/.docs-installed
 	$(PY) -m sphinx -W --keep-going -n -b html docs docs/_build/html
 
 
-# The whole suite (pytest only, both tiers) on the ends of the torch range pyproject.toml declares
-# besides the pin: its floor and the newest release pip installs here, each in a venv of its own
+# The fast tier and the whole OpInfo sweep (pytest only; the slow tier's other specs -- compiles
+# at length, sixth-order fallbacks, wheels -- run on the pin only, to keep CI within 40 minutes)
+# on the ends of the torch range pyproject.toml declares besides the pin: its floor and the newest
+# release pip installs here, each in a venv of its own
 # (.venv-torch-<version>, git-ignored); the pinned .venv is not touched. These are PyPI's CUDA
 # builds, which run on the CPU, about 5.5 GB each: pip keeps no cache of them, and with PRUNE=1
 # (CI) each venv is removed once its suite has passed, so the disk never holds two. The OpInfo
@@ -65,7 +67,7 @@ test-torch-range:
 
 test-torch-%: .venv-torch-%/.installed
 	@echo "== torch $*"
-	.venv-torch-$*/bin/python -m pytest -p no:cacheprovider $(XDIST)
+	.venv-torch-$*/bin/python -m pytest -p no:cacheprovider -m "not slow or opinfo" $(XDIST)
 	$(if $(PRUNE),rm -rf .venv-torch-$*)
 
 .venv-torch-%/.installed: pyproject.toml
