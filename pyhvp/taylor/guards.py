@@ -15,7 +15,8 @@ The first call of each graph records ``f`` as without guards, and records the gr
 traced too (node by node, on that call's tensors). The graph's program is reused only if both
 records give the very same program, and its constants are the call's inputs in the same places
 or scalars the graph made from Python values (which the guards fix). The route -- one per code
-of ``f`` -- is declined, and ``f`` recorded at every call as before, when:
+of ``f`` and network it captures (:func:`_route_key`) -- is declined, and ``f`` recorded at every
+call as before, when:
 
 * dynamo cannot take ``f`` whole (a graph break: data-dependent Python control flow,
   ``.item()``, printing, autograd inside ``f``), or its graph runs a transform (``torch.func``);
