@@ -48,8 +48,17 @@ def basis_event(x: Tensor, directions: Tensor) -> tuple[int, ...] | None:
     if event != tuple(x.shape[x.ndim - count :]) or directions.dtype != x.dtype:
         return None
     eye = identity(n, directions.dtype, directions.device)
-    ours = directions.data_ptr() == eye.data_ptr() and directions.is_contiguous()
+    ours = _same_memory(directions, eye) and directions.is_contiguous()
     return event if ours or torch.equal(directions.reshape(n, n), eye) else None
+
+
+def _same_memory(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` starts where ``b`` does; False for a tensor without storage (a functorch
+    transform's wrapper: an operator nested in ``torch.func.grad``)."""
+    try:
+        return a.data_ptr() == b.data_ptr()
+    except RuntimeError:
+        return False
 
 
 IDENTITIES_CACHED = 8
