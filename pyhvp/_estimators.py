@@ -15,6 +15,7 @@ import torch
 
 from pyhvp._checks import check_batched_output, fmt_shape, require_floating, require_like
 from pyhvp.backends import Backend
+from pyhvp.taylor.kernel import identity
 
 EXACT = "exact"
 HUTCHINSON = "hutchinson"
@@ -144,8 +145,9 @@ class Space:
         return factor.reshape(*padded, n_vars, factor.shape[-1])
 
     def basis(self) -> torch.Tensor:
-        """``(d, 1, ..., 1, d)``: e_j, the same in every instance."""
-        eye = torch.eye(self.dim, dtype=self.like.dtype, device=self.like.device)
+        """``(d, 1, ..., 1, d)``: e_j, the same in every instance (a view of the identity the
+        Taylor engine shares and recognises: read only)."""
+        eye = identity(self.dim, self.like.dtype, self.like.device)
         return eye.reshape(self.dim, *(1,) * len(self.batch), self.dim)
 
     def directions(self, coefficients: torch.Tensor) -> torch.Tensor:

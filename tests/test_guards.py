@@ -195,8 +195,41 @@ def test_a_float_that_changes_every_call_leaves_the_route_after_a_few_graphs(rec
 
         torch.testing.assert_close(pyhvp.hessian_diagonal(f, x, backend=GUARDED),
                                    instance_hessian_diagonal(f, x))  # fmt: skip
-    route = guards._ROUTES[f.__code__]
+    route = guards._ROUTES[guards._route_key(f)]
     assert route.graphs == guards.GRAPHS_PER_ROUTE and route.declined is not None
+
+
+def _through_one_lambda(net):
+    """``net``'s output per instance, by one lambda code whatever the network."""
+    return lambda y: net(y).squeeze(-1)
+
+
+def test_one_lambda_over_many_networks_keeps_a_route_per_network(records, device):
+    """A sweep over more networks than a route takes graphs, through one lambda: each network
+    has its own route, so its later calls are served by its graph, unrecorded."""
+    x = torch.randn(5, 3, dtype=torch.float64, device=device)
+    nets = [_net(device) for _ in range(guards.GRAPHS_PER_ROUTE + 2)]
+    for net in nets:
+        for call in range(2):
+            f = _through_one_lambda(net)
+            before = records[0]
+            torch.testing.assert_close(pyhvp.laplacian(f, x, backend=GUARDED),
+                                       instance_laplacian(f, x))  # fmt: skip
+            assert records[0] == before if call else records[0] > before
+    assert all(route.declined is None for route in guards._ROUTES.values())
+
+
+def test_networks_past_the_routes_of_a_code_share_one_route(monkeypatch, device):
+    """A network made anew at every call would cost a route, and a dynamo trace, per call: past
+    ROUTES_PER_CODE, callables of that code share one route (which declines as any route)."""
+    monkeypatch.setattr(guards, "ROUTES_PER_CODE", 2)
+    x = torch.randn(5, 3, dtype=torch.float64, device=device)
+    for _ in range(4):
+        net = _net(device)
+        f = _through_one_lambda(net)
+        torch.testing.assert_close(pyhvp.laplacian(f, x, backend=GUARDED), instance_laplacian(f, x))
+    assert guards._route_key(f) is f.__code__
+    assert sum(isinstance(key, tuple) for key in guards._ROUTES) == 2
 
 
 def test_guards_must_be_a_bool():

@@ -25,6 +25,7 @@ from pyhvp import TorchBackend, taylor
 from pyhvp.backends import torch as torch_backend
 from pyhvp.backends.compile_policy import function_key
 from pyhvp.taylor import program
+from pyhvp.taylor.kernel import basis_event, identity
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -968,6 +969,21 @@ def test_only_the_basis_gets_diagonal_coefficients(directions):
     hessians = instance_hessians(lambda y: products_of_jets(y, torch.ones(n)), x)
     flat = u.reshape(len(u), n)
     torch.testing.assert_close(second, torch.einsum("kj,bjl,kl->b", flat, hessians, flat))
+
+
+def test_the_shared_identity_is_the_basis_by_memory_and_made_anew_once_written():
+    """The exact Laplacian's directions view the identity the engine shares, recognised
+    without an N x N comparison; another identity is recognised by value; one written in place
+    is not the basis, and the next call gets a fresh identity."""
+    x = torch.randn(5, 4, dtype=torch.float64)
+    eye = identity(4, x.dtype, x.device)
+    assert basis_event(x, eye[:, None, :]) == (4,)
+    assert basis_event(x, torch.eye(4, dtype=x.dtype)[:, None, :]) == (4,)
+    eye[0, 0] = 2.0
+    assert basis_event(x, eye[:, None, :]) is None
+    assert torch.equal(identity(4, x.dtype, x.device), torch.eye(4, dtype=x.dtype))
+    lap = pyhvp.laplacian(lambda y: (y**3).sum(-1), x, backend=TorchBackend(compile=False))
+    torch.testing.assert_close(lap, 6 * x.sum(-1))
 
 
 def test_laplacian_kernels_compute_neither_the_value_nor_the_first_derivatives_of_f():

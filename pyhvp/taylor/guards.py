@@ -15,7 +15,8 @@ The first call of each graph records ``f`` as without guards, and records the gr
 traced too (node by node, on that call's tensors). The graph's program is reused only if both
 records give the very same program, and its constants are the call's inputs in the same places
 or scalars the graph made from Python values (which the guards fix). The route -- one per code
-of ``f`` -- is declined, and ``f`` recorded at every call as before, when:
+of ``f`` and network it captures (:func:`_route_key`) -- is declined, and ``f`` recorded at every
+call as before, when:
 
 * dynamo cannot take ``f`` whole (a graph break: data-dependent Python control flow,
   ``.item()``, printing, autograd inside ``f``), or its graph runs a transform (``torch.func``);
@@ -42,6 +43,7 @@ from typing import Any, cast
 import torch
 from torch import fx
 
+from pyhvp._keys import Identity
 from pyhvp._user_errors import quiet_tracing
 from pyhvp.taylor.recorder import (
     DET,
@@ -151,18 +153,50 @@ class _Unchecked(Exception):
 
 _ROUTES: dict[Hashable, _Route] = {}
 
+ROUTES_PER_CODE = 16
+"""Most routes of one code keyed by the modules its callables capture (:func:`_route_key`);
+callables of that code over further modules share one route, which declines after
+:data:`GRAPHS_PER_ROUTE` graphs as every route does (a module made anew at every call would
+otherwise cost a new route, and a dynamo trace, per call)."""
+
 
 def _route_key(f: Callable[..., Tensor]) -> Hashable:
     """Callables of one code share a route (a lambda made anew at every call, a module's class):
     dynamo's guards tell them apart by their closures and attributes. Wrappers (``__wrapped__``,
-    ``functools.partial``) are keyed by what they wrap."""
+    ``functools.partial``) are keyed by what they wrap. Callables of one code over different
+    modules (captured, bound, or the module itself) get a route each, up to
+    :data:`ROUTES_PER_CODE`: a sweep over several networks through one lambda keeps a graph per
+    network (one route would trace a graph for each and decline after the sixth)."""
     while True:
         inner = f.func if isinstance(f, functools.partial) else getattr(f, "__wrapped__", None)
         if inner is None:
             break
         f = inner
     func = getattr(f, "__func__", f)  # a bound method: its function
-    return cast(Hashable, getattr(func, "__code__", None) or type(f))
+    code = cast(Hashable, getattr(func, "__code__", None) or type(f))
+    captured = [getattr(f, "__self__", f), *(cell.cell_contents for cell in _cells(func))]
+    modules = tuple(Identity(m) for m in captured if isinstance(m, torch.nn.Module))
+    if not modules:
+        return code
+    key = (code, modules)
+    if key not in _ROUTES and sum(isinstance(k, tuple) and k[0] is code for k in _ROUTES) >= (
+        ROUTES_PER_CODE
+    ):
+        return code
+    return key
+
+
+def _cells(func: object) -> list[types.CellType]:
+    """The closure cells of a Python function that are filled (none for other callables)."""
+    cells = getattr(func, "__closure__", None) or ()
+    filled = []
+    for cell in cells:
+        try:
+            cell.cell_contents  # noqa: B018 (an empty cell raises)
+        except ValueError:
+            continue
+        filled.append(cell)
+    return filled
 
 
 def _plain_call() -> bool:

@@ -10,8 +10,8 @@ left in it, only the ops the rules emitted. :class:`JetMode` says what a kernel 
 from __future__ import annotations
 
 import contextlib
-import functools
 import operator
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,9 +31,10 @@ Tensor = torch.Tensor
 def basis_event(x: Tensor, directions: Tensor) -> tuple[int, ...] | None:
     """The event when ``directions`` are its basis ``e_k`` shared by every instance --
     ``(N, 1, ..., 1, *event)``, the identity over x's last dims (the fewest whose size is N) --
-    else None. Checked by value (an N x N comparison), since a kernel traced for the basis keeps
-    x's coefficient diagonal (:class:`~pyhvp.taylor.jets.DiagonalCoefficient`) and reads the
-    directions only where a rule multiplies it out."""
+    else None. Checked by value -- by memory where they are :func:`identity`'s, else by an N x N
+    comparison -- since a kernel traced for the basis keeps x's coefficient diagonal
+    (:class:`~pyhvp.taylor.jets.DiagonalCoefficient`) and reads the directions only where a rule
+    multiplies it out."""
     n = directions.shape[0] if directions.ndim else 0
     if n == 0 or directions.ndim != x.ndim + 1 or directions.requires_grad:
         return None
@@ -47,14 +48,42 @@ def basis_event(x: Tensor, directions: Tensor) -> tuple[int, ...] | None:
         return None
     if event != tuple(x.shape[x.ndim - count :]) or directions.dtype != x.dtype:
         return None
-    eye = _identity(n, directions.dtype, directions.device)
-    return event if torch.equal(directions.reshape(n, n), eye) else None
+    eye = identity(n, directions.dtype, directions.device)
+    ours = _same_memory(directions, eye) and directions.is_contiguous()
+    return event if ours or torch.equal(directions.reshape(n, n), eye) else None
 
 
-@functools.lru_cache(maxsize=8)
-def _identity(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """The N x N identity :func:`basis_event` compares with, made once (read only)."""
-    return torch.eye(n, dtype=dtype, device=device)
+def _same_memory(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` starts where ``b`` does; False for a tensor without storage (a functorch
+    transform's wrapper: an operator nested in ``torch.func.grad``)."""
+    try:
+        return a.data_ptr() == b.data_ptr()
+    except RuntimeError:
+        return False
+
+
+IDENTITIES_CACHED = 8
+"""Identities kept by :func:`identity` (least recently used dropped first)."""
+
+_IDENTITIES: OrderedDict[tuple[int, torch.dtype, torch.device], Tensor] = OrderedDict()
+
+
+def identity(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The N x N identity, made once per size, dtype and device and shared: the exact
+    Laplacian's directions (``Space.basis``), which :func:`basis_event` then recognises by
+    their memory instead of comparing N x N values (with two ``eye`` per call, 20-60 us of a
+    0.5-3 ms call). Read only: one written in place (through any view: its version counter
+    says so) is made anew. Made outside inference mode and without grad, so that it serves
+    every call."""
+    key = (n, dtype, device)
+    eye = _IDENTITIES.pop(key, None)
+    if eye is None or eye._version:
+        with torch.inference_mode(False), torch.no_grad():
+            eye = torch.eye(n, dtype=dtype, device=device)
+    _IDENTITIES[key] = eye
+    while len(_IDENTITIES) > IDENTITIES_CACHED:
+        _IDENTITIES.popitem(last=False)
+    return eye
 
 
 @dataclass(frozen=True)
