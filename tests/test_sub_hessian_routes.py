@@ -6,6 +6,7 @@ The injections op by op are ``test_sub_hessian_sparse_ops``'s."""
 import logging
 import warnings
 from dataclasses import dataclass
+from itertools import accumulate
 
 import pytest
 import torch
@@ -387,3 +388,73 @@ def test_tensors_of_two_dtypes_never_share_a_sparse_pass(caplog):
 def test_method_must_be_a_route_name():
     with pytest.raises(ValueError, match="method must be one of"):
         pyhvp.sub_hessian(big_cumsum, BIG, torch.tensor([0]), method="forward")
+
+
+EAGER = pyhvp.TorchBackend(compile=False)
+
+
+def affine_and_unused(p):
+    """``b`` enters linearly (a zero block) and ``unused`` not at all (a zero block)."""
+    return (torch.tanh(F.linear(X[:, :8], p["w"])) ** 2).sum() + p["b"].sum()
+
+
+@dataclass
+class LoopCase:
+    """A call with at most ``FEW_TANGENTS`` components per tensor, and its dense reference."""
+
+    name: str
+    call: object  # (backend) -> result
+    expected: object  # () -> dense float64 result
+
+
+PARAMS, BATCHES, DATA_INDEX = data_set()
+FEW = {"w": SMALL[:3], "b": torch.randn(3, dtype=torch.float64), "unused": torch.ones(2).double()}
+FEW_INDEX = {
+    "w": torch.tensor([0, 9, 9, 23]),
+    "b": torch.tensor([2, 0]),
+    "unused": torch.tensor([1]),
+}
+
+
+def per_block(joint, index):
+    starts = list(accumulate([0, *map(len, index.values())]))
+    return {name: joint[a:b, a:b] for name, a, b in zip(index, starts, starts[1:], strict=False)}
+
+
+LOOP_CASES = [
+    LoopCase(
+        "one tensor",
+        lambda backend: pyhvp.sub_hessian(
+            weight_decay, SMALL, torch.tensor([0, 9, 63]), backend=backend
+        ),
+        lambda: dense_sub_hessian(weight_decay, SMALL, torch.tensor([0, 9, 63])),
+    ),
+    LoopCase(
+        "blocks, affine and unused tensors with zero blocks",
+        lambda backend: pyhvp.sub_hessian(affine_and_unused, FEW, FEW_INDEX, backend=backend),
+        lambda: per_block(dense_sub_hessian(affine_and_unused, FEW, FEW_INDEX), FEW_INDEX),
+    ),
+    LoopCase(
+        "joint, over a data set",
+        lambda backend: pyhvp.sub_hessian(
+            batch_loss, PARAMS, DATA_INDEX, data=BATCHES, joint=True, backend=backend
+        ),
+        lambda: summed_dense(PARAMS, BATCHES, DATA_INDEX),
+    ),
+    LoopCase(
+        "blocks over a data set, chunked by 1, in inference mode",
+        lambda backend: torch.inference_mode()(pyhvp.sub_hessian)(
+            batch_loss, PARAMS, DATA_INDEX, data=BATCHES, chunk_size=1, backend=backend
+        ),
+        lambda: per_block(summed_dense(PARAMS, BATCHES, DATA_INDEX), DATA_INDEX),
+    ),
+]
+
+
+@pytest.mark.parametrize("case", LOOP_CASES, ids=lambda c: c.name)
+def test_a_few_components_per_tensor_take_the_seed_loop_eagerly(case, caplog):
+    with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"):
+        got = case.call(EAGER)
+    messages = [record.getMessage() for record in caplog.records]
+    assert messages and all("seed's loop" in message for message in messages)
+    torch.testing.assert_close(got, case.expected(), **F64)
