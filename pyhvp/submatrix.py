@@ -20,8 +20,10 @@ per call signature) learns how each selected tensor enters each op, the work dow
 and the products a dense direction of it pays; modelled times then split the tensors between
 sparse groups and the reverse route. Tensors the sparse route refuses (an op without a sparse
 rule on a tensor over ``restricted.DENSE_LIMIT`` entries, a write, an embedding's padding row)
-take the reverse route; below ``routes.MIN_COMPONENTS`` components in all, eagerly, every tensor
-does, without a survey. With ``joint=True`` the reverse route's rows fill the cross blocks of its
+take the reverse route; eagerly, at most ``FEW_TANGENTS`` (4) components per tensor, or below
+``routes.MIN_COMPONENTS`` in all, every tensor does, without a survey -- at a few per tensor by
+the seed's loop itself (one backward per component: no one-hot tangents, no batching setup),
+which the cost model may also take for a compiled call. With ``joint=True`` the reverse route's rows fill the cross blocks of its
 tensors. The choice is logged on the ``pyhvp.sub_hessian`` logger at DEBUG level. Both routes'
 kernels compile under the torch backend's compile policy.
 
@@ -643,6 +645,12 @@ loop itself (:func:`_loop_rows`)."""
 BY_LOOP = "by the seed's loop of one backward per component"
 
 
+def _loops(plan: _Plan, chosen: routes.Routes, backend: Backend) -> bool:
+    """Whether the reverse route of ``chosen`` runs the seed's loop (the cost model's choice, or
+    :func:`_by_loop`)."""
+    return bool(chosen.reverse) and (chosen.loop or _by_loop(plan, chosen.reverse, backend))
+
+
 def _by_loop(plan: _Plan, members: Iterable[int], backend: Backend) -> bool:
     """Whether the reverse route runs the seed's loop for the selected tensors ``members``:
     eagerly (``compile=False``) at most :data:`FEW_TANGENTS` components of each."""
@@ -708,7 +716,8 @@ def _choose_routes(
             for i in members
         )
 
-    chosen = routes.choose(found, sizes, joint, compiled, method != "sparse", together)
+    few = method == "auto" and max(sizes, default=0) <= FEW_TANGENTS
+    chosen = routes.choose(found, sizes, joint, compiled, method != "sparse", together, few)
     if key is not None:
         _ROUTES[key] = chosen
         if len(_ROUTES) > compile_policy.CACHE_SIZE:
@@ -729,7 +738,7 @@ def _log_routes(plan: _Plan, chosen: routes.Routes, backend: Backend) -> None:
     """The routes of this batch, on the ``pyhvp.sub_hessian`` logger (DEBUG)."""
     if not _log.isEnabledFor(logging.DEBUG):
         return
-    by_loop = f" {BY_LOOP}" if chosen.reverse and _by_loop(plan, chosen.reverse, backend) else ""
+    by_loop = f" {BY_LOOP}" if _loops(plan, chosen, backend) else ""
     groups = [[_label(plan, i) for i in group] for group in chosen.groups]
     why = {
         _label(plan, i): chosen.refusals[i] or "cheaper by the cost model" for i in chosen.reverse
@@ -798,13 +807,14 @@ def _sums(
                             rows, columns
                         ]
             reverse, inner = chosen.reverse, None if chunk_size else chosen.chunk
+            loop = _loops(plan, chosen, backend)
         else:
-            by_loop = f" {BY_LOOP}" if _by_loop(plan, range(len(plan.flats)), backend) else ""
-            _log.debug("sub_hessian: reverse route%s (%s)", by_loop, refusal)
             reverse, inner = tuple(range(len(plan.tensors))), None
+            loop = _by_loop(plan, reverse, backend)
+            _log.debug("sub_hessian: reverse route%s (%s)", f" {BY_LOOP}" if loop else "", refusal)
         if reverse:
             _reverse_blocks(
-                plan, reverse, batch_values, spec, chunk_size, backend, total, blocks, inner
+                plan, reverse, batch_values, spec, chunk_size, backend, total, blocks, inner, loop
             )
     if total is not None:
         return [total]
@@ -876,12 +886,12 @@ def _reverse_blocks(
     total: torch.Tensor | None,
     blocks: list[torch.Tensor],
     inner: int | None,
+    loop: bool,
 ) -> None:
     """One batch by the reverse route for the selected tensors ``members``, added to ``blocks``
     (their diagonal blocks), or with ``total`` (one matrix) to its rows of those tensors' entries
     and, mirrored, to the same columns of the other rows (the sparse route's); ``inner``: how many
-    tangents each batched second pass takes (None: all)."""
-    loop = _by_loop(plan, members, backend)
+    tangents each batched second pass takes (None: all); ``loop``: by the seed's loop."""
     if total is None:  # per tensor, the others held constant
         names = tuple(plan.sparse.selected[i] for i in members)
         by_name = _by_name(plan)
@@ -989,15 +999,17 @@ def _loop_rows(
         )
         blocks = []
         for y, g, rows, columns in zip(ys, grads, row_flats, column_flats, strict=True):
-            columns = columns.to(y.device)
-            block = y.new_zeros(len(rows), len(columns))
+            if not (g.requires_grad and len(rows)):  # f affine in y, or no rows
+                blocks.append(y.new_zeros(len(rows), len(columns)))
+                continue
             entries = g.reshape(-1)
-            for n, j in enumerate(rows.tolist() if g.requires_grad else ()):  # else f affine in y
-                (row,) = torch.autograd.grad(
+            full = [
+                torch.autograd.grad(
                     entries[j], y, retain_graph=True, allow_unused=True, materialize_grads=True
-                )
-                block[n] = row.reshape(-1)[columns]
-            blocks.append(block)
+                )[0].reshape(-1)
+                for j in rows.tolist()
+            ]
+            blocks.append(torch.stack(full)[:, columns.to(y.device)])
     return blocks
 
 

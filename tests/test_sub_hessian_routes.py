@@ -458,3 +458,36 @@ def test_a_few_components_per_tensor_take_the_seed_loop_eagerly(case, caplog):
     messages = [record.getMessage() for record in caplog.records]
     assert messages and all("seed's loop" in message for message in messages)
     torch.testing.assert_close(got, case.expected(), **F64)
+
+
+WIDE_SOFTMAX_INPUTS = torch.rand(20000, 8, dtype=torch.float64)
+
+
+def wide_softmax(p):
+    """Elementwise work over 20000 x 8 activations, which a compiled kernel fuses."""
+    return (torch.softmax(WIDE_SOFTMAX_INPUTS @ p, -1) ** 2).sum()
+
+
+@dataclass
+class LoopChoice:
+    name: str
+    loss: object
+    params: torch.Tensor
+    loop: bool
+
+
+LOOP_CHOICES = [
+    LoopChoice(
+        "a small loss: a compiled kernel's setup outweighs its work", weight_decay, SMALL, True
+    ),
+    LoopChoice(
+        "a wide softmax: the compiled kernel's fused work costs less", wide_softmax, SMALL, False
+    ),
+]
+
+
+@pytest.mark.parametrize("case", LOOP_CHOICES, ids=lambda c: c.name)
+def test_compiled_at_a_few_components_the_cost_model_weighs_the_seed_loop(case):
+    found = pyhvp.restricted.routes.survey(case.loss, [case.params], [])
+    chosen = pyhvp.restricted.routes.choose(found, [2], joint=False, compiled=True, loop=True)
+    assert chosen.loop == case.loop
