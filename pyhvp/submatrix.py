@@ -362,15 +362,16 @@ def _check_index(name: str, index: object, shape: torch.Size, of: str) -> torch.
             + _flat_index_hint(index, shape, of)
         )
     numel = shape.numel()
+    index = index if index.dtype == torch.long else index.long()
     if index.numel() == 0:
-        return index.long()
+        return index
     low, high = map(int, torch.aminmax(index))
     if low < 0 or high >= numel:
         raise ValueError(
             f"{name} must hold flat indices in [0, {numel}) ({of} has {numel} entries; negative "
             f"indices are not accepted), got {low if low < 0 else high}"
         )
-    return index.long()
+    return index
 
 
 def _flat_index_hint(index: torch.Tensor, shape: torch.Size, of: str) -> str:
@@ -770,13 +771,12 @@ def _sums(
         raise ValueError(f"method='sparse' does not apply: {refusal}")
     if not any(len(flat) for flat in plan.flats):  # nothing selected: (0, 0) blocks
         batches = []
-    flats = [flat.to(t.device) for flat, t in zip(plan.flats, plan.tensors, strict=True)]
-    sizes = [len(flat) for flat in flats]
+    sizes = [len(flat) for flat in plan.flats]
     offsets = list(accumulate([0, *sizes]))
     # the sparse kernel's view of the selection (the same for every batch), made when needed
     coords: list[torch.Tensor | None] = [None] * len(plan.tensors)
     total = plan.tensors[0].new_zeros(offsets[-1], offsets[-1]) if plan.one_block else None
-    blocks = [t.new_zeros(k, k) for t, k in zip(plan.tensors, sizes, strict=True)]
+    blocks: list[torch.Tensor | None] = [None] * len(sizes)  # None: no batch added yet
     chosen: routes.Routes | None = None
     for batch in [None] if batches is None else batches:
         batch_values, spec = ([], None) if batches is None else pytree.tree_flatten(batch)
@@ -799,7 +799,7 @@ def _sums(
                 for a, i in enumerate(group):
                     rows = slice(starts[a], starts[a + 1])
                     if total is None:
-                        blocks[i] += block[rows, rows]
+                        _add(blocks, i, block[rows, rows])
                         continue
                     for b, j in enumerate(group):
                         columns = slice(starts[b], starts[b + 1])
@@ -818,7 +818,16 @@ def _sums(
             )
     if total is not None:
         return [total]
-    return blocks
+    return [
+        t.new_zeros(k, k) if block is None else block
+        for block, t, k in zip(blocks, plan.tensors, sizes, strict=True)
+    ]
+
+
+def _add(blocks: list[torch.Tensor | None], i: int, value: torch.Tensor) -> None:
+    """``blocks[i] += value``, the first one taken as it is (no zeros to add it to)."""
+    block = blocks[i]
+    blocks[i] = value if block is None else block + value
 
 
 def _sparse_parts(
@@ -884,7 +893,7 @@ def _reverse_blocks(
     chunk_size: int | None,
     backend: Backend,
     total: torch.Tensor | None,
-    blocks: list[torch.Tensor],
+    blocks: list[torch.Tensor | None],
     inner: int | None,
     loop: bool,
 ) -> None:
@@ -905,7 +914,7 @@ def _reverse_blocks(
             loss, leaves, flats, flats, others, batch_values, chunk_size, backend, inner, loop
         )
         for i, row in zip(members, rows, strict=True):
-            blocks[i] += row
+            _add(blocks, i, row)
         return
     # one vector of every selected tensor (or params itself): rows of the members' entries
     sizes = [len(flat) for flat in plan.flats]
@@ -1009,7 +1018,7 @@ def _loop_rows(
                 )[0].reshape(-1)
                 for j in rows.tolist()
             ]
-            blocks.append(torch.stack(full)[:, columns.to(y.device)])
+            blocks.append(torch.stack(full).index_select(1, columns.to(y.device)))
     return blocks
 
 
