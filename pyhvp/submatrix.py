@@ -23,9 +23,9 @@ rule on a tensor over ``restricted.DENSE_LIMIT`` entries, a write, an embedding'
 take the reverse route; eagerly, at most ``FEW_TANGENTS`` (4) components per tensor, or below
 ``routes.MIN_COMPONENTS`` in all, every tensor does, without a survey -- at a few per tensor by
 the seed's loop itself (one backward per component: no one-hot tangents, no batching setup),
-which the cost model may also take for a compiled call. With ``joint=True`` the reverse route's rows fill the cross blocks of its
-tensors. The choice is logged on the ``pyhvp.sub_hessian`` logger at DEBUG level. Both routes'
-kernels compile under the torch backend's compile policy.
+which the cost model may also take for a compiled call. With ``joint=True`` the reverse route's
+rows fill the cross blocks of its tensors. The choice is logged on the ``pyhvp.sub_hessian``
+logger at DEBUG level. Both routes' kernels compile under the torch backend's compile policy.
 
 With ``data``, the loss is summed over batches: one such pass per batch (and per chunk), the rows
 accumulated, so memory is bounded by one batch; the routes chosen on the first batch hold until a
@@ -960,7 +960,6 @@ def _reverse_rows(
     ``loop``, the seed's loop (:func:`_loop_rows`) instead."""
     if loop:
         return _loop_rows(loss, leaves, row_flats, column_flats, (*others, *batch_values))
-    most = max(len(flat) for flat in row_flats)
     primitive = require_primitive(backend, "grad_and_block_hvps", "sub_hessian")
     row_flats = [flat.to(t.device) for flat, t in zip(row_flats, leaves, strict=True)]
     column_flats = [flat.to(t.device) for flat, t in zip(column_flats, leaves, strict=True)]
@@ -968,6 +967,7 @@ def _reverse_rows(
         t.new_zeros(len(rows), len(columns))
         for rows, columns, t in zip(row_flats, column_flats, leaves, strict=True)
     ]
+    most = max(len(flat) for flat in row_flats)
     step = chunk_size or most
     for start in range(0, most, step):
         # one chunk of one-hot tangents per leaf: memory O(chunk_size * P), not O(k * P)
