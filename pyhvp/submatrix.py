@@ -20,10 +20,12 @@ per call signature) learns how each selected tensor enters each op, the work dow
 and the products a dense direction of it pays; modelled times then split the tensors between
 sparse groups and the reverse route. Tensors the sparse route refuses (an op without a sparse
 rule on a tensor over ``restricted.DENSE_LIMIT`` entries, a write, an embedding's padding row)
-take the reverse route; below ``routes.MIN_COMPONENTS`` components in all, eagerly, every tensor
-does, without a survey. With ``joint=True`` the reverse route's rows fill the cross blocks of its
-tensors. The choice is logged on the ``pyhvp.sub_hessian`` logger at DEBUG level. Both routes'
-kernels compile under the torch backend's compile policy.
+take the reverse route; eagerly, at most ``FEW_TANGENTS`` (4) components per tensor, or below
+``routes.MIN_COMPONENTS`` in all, every tensor does, without a survey -- at a few per tensor by
+the seed's loop itself (one backward per component: no one-hot tangents, no batching setup),
+which the cost model may also take for a compiled call. With ``joint=True`` the reverse route's
+rows fill the cross blocks of its tensors. The choice is logged on the ``pyhvp.sub_hessian``
+logger at DEBUG level. Both routes' kernels compile under the torch backend's compile policy.
 
 With ``data``, the loss is summed over batches: one such pass per batch (and per chunk), the rows
 accumulated, so memory is bounded by one batch; the routes chosen on the first batch hold until a
@@ -46,7 +48,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from functools import partial
 from itertools import accumulate
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
 import torch
 from torch.func import functional_call
@@ -64,7 +66,7 @@ from pyhvp._checks import (
 from pyhvp._progress import progress_bar
 from pyhvp._user_errors import stacklevel_outside_pyhvp, user_errors
 from pyhvp.backends import Backend, compile_policy, require_primitive, resolve_backend
-from pyhvp.backends.torch import TorchBackend
+from pyhvp.backends.torch import TorchBackend, _normal
 from pyhvp.distributed import Fingerprint, check_group, sum_over_ranks
 from pyhvp.restricted import NotSparse, routes
 
@@ -210,19 +212,31 @@ def _local_sums(
         tensor = require_floating("params", params).detach()
         flat = _check_index("index", index, tensor.shape, "params")
         selection = _Selection(loss, (), ())
-        fingerprint: Fingerprint = {
-            "params' shape, dtype": (tuple(tensor.shape), str(tensor.dtype)),
-            "index": flat.tolist(),
-        }
+        # what the ranks of a group compare (reading indices back costs a sync: only then)
+        fingerprint: Fingerprint = (
+            {}
+            if group is None
+            else {
+                "params' shape, dtype": (tuple(tensor.shape), str(tensor.dtype)),
+                "index": flat.tolist(),
+            }
+        )
         plan = _Plan(selection, [tensor], [flat], [], selection, [tensor], [flat], one_block=True)
         return _sums(plan, batches, chunk_size, resolved, method), fingerprint
     fixed, flats = _check_named(params, index, joint)
-    fingerprint = {
-        "joint": joint,
-        "params' names": list(fixed),
-        **{f"params[{n!r}] shape, dtype": (tuple(p.shape), str(p.dtype)) for n, p in fixed.items()},
-        **{f"index[{name!r}]": flat.tolist() for name, flat in flats.items()},
-    }
+    fingerprint = (
+        {}
+        if group is None
+        else {
+            "joint": joint,
+            "params' names": list(fixed),
+            **{
+                f"params[{n!r}] shape, dtype": (tuple(p.shape), str(p.dtype))
+                for n, p in fixed.items()
+            },
+            **{f"index[{name!r}]": flat.tolist() for name, flat in flats.items()},
+        }
+    )
     names = list(flats)
     others = [p for name, p in fixed.items() if name not in flats]
     tensors = [fixed[name] for name in names]
@@ -348,15 +362,16 @@ def _check_index(name: str, index: object, shape: torch.Size, of: str) -> torch.
             + _flat_index_hint(index, shape, of)
         )
     numel = shape.numel()
+    index = index if index.dtype == torch.long else index.long()
     if index.numel() == 0:
-        return index.long()
+        return index
     low, high = map(int, torch.aminmax(index))
     if low < 0 or high >= numel:
         raise ValueError(
             f"{name} must hold flat indices in [0, {numel}) ({of} has {numel} entries; negative "
             f"indices are not accepted), got {low if low < 0 else high}"
         )
-    return index.long()
+    return index
 
 
 def _flat_index_hint(index: torch.Tensor, shape: torch.Size, of: str) -> str:
@@ -598,9 +613,12 @@ def _static_refusal(plan: _Plan, backend: Backend, method: str) -> str | None:
     ``None``; the cost model decides the rest."""
     if not isinstance(backend, TorchBackend):
         return f"backend {backend.name!r} is not the torch backend"
+    if method != "auto" or (backend.compile is True and restricted.compiles()):
+        return None
+    if _by_loop(plan, range(len(plan.flats)), backend):
+        return f"at most {FEW_TANGENTS} components per tensor, eagerly"
     total = sum(len(flat) for flat in plan.flats)
-    compiled = backend.compile is True and restricted.compiles()
-    if method == "auto" and total < routes.MIN_COMPONENTS and not compiled:
+    if total < routes.MIN_COMPONENTS:
         return (
             f"{total} components, fewer than {routes.MIN_COMPONENTS}: the reverse route costs less"
         )
@@ -622,7 +640,24 @@ def _by_name(plan: _Plan) -> dict[str, torch.Tensor]:
 
 FEW_TANGENTS = 4
 """Most tangents per tensor that the reverse route pushes by one backward each rather than one
-batched backward (``is_grads_batched``), whose setup costs more at so few."""
+batched backward (``is_grads_batched``), whose setup costs more at so few; eagerly, by the seed's
+loop itself (:func:`_loop_rows`)."""
+
+BY_LOOP = "by the seed's loop of one backward per component"
+
+
+def _loops(plan: _Plan, chosen: routes.Routes, backend: Backend) -> bool:
+    """Whether the reverse route of ``chosen`` runs the seed's loop (the cost model's choice, or
+    :func:`_by_loop`)."""
+    return bool(chosen.reverse) and (chosen.loop or _by_loop(plan, chosen.reverse, backend))
+
+
+def _by_loop(plan: _Plan, members: Iterable[int], backend: Backend) -> bool:
+    """Whether the reverse route runs the seed's loop for the selected tensors ``members``:
+    eagerly (``compile=False``) at most :data:`FEW_TANGENTS` components of each."""
+    eager = isinstance(backend, TorchBackend) and backend.compile is False
+    return eager and max((len(plan.flats[i]) for i in members), default=0) <= FEW_TANGENTS
+
 
 _ROUTES: OrderedDict[Hashable, routes.Routes] = OrderedDict()
 """Routes chosen, by what the survey's result depends on (the loss's key, the tensors' and the
@@ -682,7 +717,8 @@ def _choose_routes(
             for i in members
         )
 
-    chosen = routes.choose(found, sizes, joint, compiled, method != "sparse", together)
+    few = method == "auto" and max(sizes, default=0) <= FEW_TANGENTS
+    chosen = routes.choose(found, sizes, joint, compiled, method != "sparse", together, few)
     if key is not None:
         _ROUTES[key] = chosen
         if len(_ROUTES) > compile_policy.CACHE_SIZE:
@@ -699,18 +735,20 @@ def _masked(plan: _Plan, i: int, rows: Iterable[int]) -> bool:
     return bool(torch.isin(selected, torch.tensor(rows, device=selected.device)).any())
 
 
-def _log_routes(plan: _Plan, chosen: routes.Routes) -> None:
+def _log_routes(plan: _Plan, chosen: routes.Routes, backend: Backend) -> None:
     """The routes of this batch, on the ``pyhvp.sub_hessian`` logger (DEBUG)."""
     if not _log.isEnabledFor(logging.DEBUG):
         return
+    by_loop = f" {BY_LOOP}" if _loops(plan, chosen, backend) else ""
     groups = [[_label(plan, i) for i in group] for group in chosen.groups]
     why = {
         _label(plan, i): chosen.refusals[i] or "cheaper by the cost model" for i in chosen.reverse
     }
     _log.debug(
-        "sub_hessian: sparse route for %s; reverse route for %s (modelled %.3g ms, reverse "
+        "sub_hessian: sparse route for %s; reverse route%s for %s (modelled %.3g ms, reverse "
         "route alone %.3g ms)",
         " and ".join(f"[{', '.join(g)}] (one pass)" for g in groups) or "none",
+        by_loop,
         "; ".join(f"{name} ({reason})" for name, reason in why.items()) or "none",
         chosen.cost / 1e6,
         chosen.reverse_only_cost / 1e6,
@@ -733,13 +771,12 @@ def _sums(
         raise ValueError(f"method='sparse' does not apply: {refusal}")
     if not any(len(flat) for flat in plan.flats):  # nothing selected: (0, 0) blocks
         batches = []
-    flats = [flat.to(t.device) for flat, t in zip(plan.flats, plan.tensors, strict=True)]
-    sizes = [len(flat) for flat in flats]
+    sizes = [len(flat) for flat in plan.flats]
     offsets = list(accumulate([0, *sizes]))
     # the sparse kernel's view of the selection (the same for every batch), made when needed
     coords: list[torch.Tensor | None] = [None] * len(plan.tensors)
     total = plan.tensors[0].new_zeros(offsets[-1], offsets[-1]) if plan.one_block else None
-    blocks = [t.new_zeros(k, k) for t, k in zip(plan.tensors, sizes, strict=True)]
+    blocks: list[torch.Tensor | None] = [None] * len(sizes)  # None: no batch added yet
     chosen: routes.Routes | None = None
     for batch in [None] if batches is None else batches:
         batch_values, spec = ([], None) if batches is None else pytree.tree_flatten(batch)
@@ -756,13 +793,13 @@ def _sums(
                     raise ValueError(f"method='sparse' does not apply: {error}") from None
                 chosen = _choose_routes(plan, backend, batch_values, spec, method, fresh=True)
                 parts = _sparse_parts(plan, chosen, coords, batch_values, spec, chunk_size, backend)
-            _log_routes(plan, chosen)
+            _log_routes(plan, chosen, backend)
             for group, block in parts:
                 starts = list(accumulate([0, *(sizes[i] for i in group)]))
                 for a, i in enumerate(group):
                     rows = slice(starts[a], starts[a + 1])
                     if total is None:
-                        blocks[i] += block[rows, rows]
+                        _add(blocks, i, block[rows, rows])
                         continue
                     for b, j in enumerate(group):
                         columns = slice(starts[b], starts[b + 1])
@@ -770,16 +807,27 @@ def _sums(
                             rows, columns
                         ]
             reverse, inner = chosen.reverse, None if chunk_size else chosen.chunk
+            loop = _loops(plan, chosen, backend)
         else:
-            _log.debug("sub_hessian: reverse route (%s)", refusal)
             reverse, inner = tuple(range(len(plan.tensors))), None
+            loop = _by_loop(plan, reverse, backend)
+            _log.debug("sub_hessian: reverse route%s (%s)", f" {BY_LOOP}" if loop else "", refusal)
         if reverse:
             _reverse_blocks(
-                plan, reverse, batch_values, spec, chunk_size, backend, total, blocks, inner
+                plan, reverse, batch_values, spec, chunk_size, backend, total, blocks, inner, loop
             )
     if total is not None:
         return [total]
-    return blocks
+    return [
+        t.new_zeros(k, k) if block is None else block
+        for block, t, k in zip(blocks, plan.tensors, sizes, strict=True)
+    ]
+
+
+def _add(blocks: list[torch.Tensor | None], i: int, value: torch.Tensor) -> None:
+    """``blocks[i] += value``, the first one taken as it is (no zeros to add it to)."""
+    block = blocks[i]
+    blocks[i] = value if block is None else block + value
 
 
 def _sparse_parts(
@@ -845,13 +893,14 @@ def _reverse_blocks(
     chunk_size: int | None,
     backend: Backend,
     total: torch.Tensor | None,
-    blocks: list[torch.Tensor],
+    blocks: list[torch.Tensor | None],
     inner: int | None,
+    loop: bool,
 ) -> None:
     """One batch by the reverse route for the selected tensors ``members``, added to ``blocks``
     (their diagonal blocks), or with ``total`` (one matrix) to its rows of those tensors' entries
     and, mirrored, to the same columns of the other rows (the sparse route's); ``inner``: how many
-    tangents each batched second pass takes (None: all)."""
+    tangents each batched second pass takes (None: all); ``loop``: by the seed's loop."""
     if total is None:  # per tensor, the others held constant
         names = tuple(plan.sparse.selected[i] for i in members)
         by_name = _by_name(plan)
@@ -862,10 +911,10 @@ def _reverse_blocks(
         others = [by_name[name] for name in plan.sparse.names if name not in names]
         flats = [plan.flats[i] for i in members]
         rows = _reverse_rows(
-            loss, leaves, flats, flats, others, batch_values, chunk_size, backend, inner
+            loss, leaves, flats, flats, others, batch_values, chunk_size, backend, inner, loop
         )
         for i, row in zip(members, rows, strict=True):
-            blocks[i] += row
+            _add(blocks, i, row)
         return
     # one vector of every selected tensor (or params itself): rows of the members' entries
     sizes = [len(flat) for flat in plan.flats]
@@ -883,6 +932,7 @@ def _reverse_blocks(
         chunk_size,
         backend,
         inner,
+        loop,
     )
     mine = mine.to(total.device)
     total[mine] += row_block
@@ -901,11 +951,15 @@ def _reverse_rows(
     chunk_size: int | None,
     backend: Backend,
     inner: int | None = None,
+    loop: bool = False,
 ) -> list[torch.Tensor]:
     """Per leaf, ``(len(row_flats[i]), len(column_flats[i]))``: the rows ``H e_j`` of the
     Hessian in that leaf for its entries ``row_flats[i]``, at its entries ``column_flats[i]``
     (not yet symmetrised); every pass (``chunk_size`` tangents per leaf) is one call of the
-    multi-leaf primitive, whose batched second passes take ``inner`` tangents at a time."""
+    multi-leaf primitive, whose batched second passes take ``inner`` tangents at a time; with
+    ``loop``, the seed's loop (:func:`_loop_rows`) instead."""
+    if loop:
+        return _loop_rows(loss, leaves, row_flats, column_flats, (*others, *batch_values))
     primitive = require_primitive(backend, "grad_and_block_hvps", "sub_hessian")
     row_flats = [flat.to(t.device) for flat, t in zip(row_flats, leaves, strict=True)]
     column_flats = [flat.to(t.device) for flat, t in zip(column_flats, leaves, strict=True)]
@@ -927,6 +981,44 @@ def _reverse_rows(
         ):
             if len(chunk):  # a leaf with fewer components than this chunk's start has none
                 block[start : start + len(chunk)] += product.reshape(len(chunk), -1)[:, columns]
+    return blocks
+
+
+def _loop_rows(
+    loss: _Selection,
+    leaves: list[torch.Tensor],
+    row_flats: list[torch.Tensor],
+    column_flats: list[torch.Tensor],
+    args: tuple[Any, ...],
+) -> list[torch.Tensor]:
+    """:func:`_reverse_rows` by the seed's loop, eagerly: one forward and first backward that
+    keeps its graph, then one backward of each selected gradient entry, its row read at the
+    columns. At a few components per tensor this costs less than any batched pass (no one-hot
+    tangents, no ``vmap`` nor compile-cache lookup): on the benchmark's models at k = 2 per
+    tensor the reverse route's fixed cost made it 1.05-1.3x this loop."""
+    with torch.inference_mode(False), torch.enable_grad():
+        ys = [cast(torch.Tensor, t).detach().requires_grad_() for t in _normal(tuple(leaves))]
+        total = loss(*ys, *_normal(args))
+        grads = (
+            torch.autograd.grad(
+                total, ys, create_graph=True, allow_unused=True, materialize_grads=True
+            )
+            if total.requires_grad
+            else tuple(map(torch.zeros_like, ys))
+        )
+        blocks = []
+        for y, g, rows, columns in zip(ys, grads, row_flats, column_flats, strict=True):
+            if not (g.requires_grad and len(rows)):  # f affine in y, or no rows
+                blocks.append(y.new_zeros(len(rows), len(columns)))
+                continue
+            entries = g.reshape(-1)
+            full = [
+                torch.autograd.grad(
+                    entries[j], y, retain_graph=True, allow_unused=True, materialize_grads=True
+                )[0].reshape(-1)
+                for j in rows.tolist()
+            ]
+            blocks.append(torch.stack(full).index_select(1, columns.to(y.device)))
     return blocks
 
 

@@ -6,6 +6,7 @@ The injections op by op are ``test_sub_hessian_sparse_ops``'s."""
 import logging
 import warnings
 from dataclasses import dataclass
+from itertools import accumulate
 
 import pytest
 import torch
@@ -357,14 +358,17 @@ def test_fewer_than_min_components_take_the_reverse_route_under_auto(caplog):
 
 
 @pytest.mark.slow
-def test_fewer_than_min_components_take_the_sparse_route_when_compiled_from_the_first_call(caplog):
+def test_fewer_than_min_components_are_the_cost_models_when_compiled_from_the_first_call(caplog):
+    """Not the eager rule's reverse route: here the seed's loop, cheaper than a compiled kernel's
+    setup (``test_compiled_at_a_few_components_the_cost_model_weighs_the_seed_loop``)."""
     if not pyhvp.restricted.compiles():
         pytest.skip("this torch's dynamo drops the mode: the sparse kernel would run eagerly")
     index = torch.tensor([0, 9, 63])
     backend = pyhvp.TorchBackend(compile=True)
     with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"):
         got = pyhvp.sub_hessian(weight_decay, SMALL, index, backend=backend)
-    assert routes_taken(caplog) == ["sparse"]
+    (message,) = [record.getMessage() for record in caplog.records]
+    assert "reverse route by the seed's loop" in message and "(modelled" in message
     torch.testing.assert_close(got, dense_sub_hessian(weight_decay, SMALL, index), **F64)
 
 
@@ -387,3 +391,106 @@ def test_tensors_of_two_dtypes_never_share_a_sparse_pass(caplog):
 def test_method_must_be_a_route_name():
     with pytest.raises(ValueError, match="method must be one of"):
         pyhvp.sub_hessian(big_cumsum, BIG, torch.tensor([0]), method="forward")
+
+
+EAGER = pyhvp.TorchBackend(compile=False)
+
+
+def affine_and_unused(p):
+    """``b`` enters linearly (a zero block) and ``unused`` not at all (a zero block)."""
+    return (torch.tanh(F.linear(X[:, :8], p["w"])) ** 2).sum() + p["b"].sum()
+
+
+@dataclass
+class LoopCase:
+    """A call with at most ``FEW_TANGENTS`` components per tensor, and its dense reference."""
+
+    name: str
+    call: object  # (backend) -> result
+    expected: object  # () -> dense float64 result
+
+
+PARAMS, BATCHES, DATA_INDEX = data_set()
+FEW = {"w": SMALL[:3], "b": torch.randn(3, dtype=torch.float64), "unused": torch.ones(2).double()}
+FEW_INDEX = {
+    "w": torch.tensor([0, 9, 9, 23]),
+    "b": torch.tensor([2, 0]),
+    "unused": torch.tensor([1]),
+}
+
+
+def per_block(joint, index):
+    starts = list(accumulate([0, *map(len, index.values())]))
+    return {name: joint[a:b, a:b] for name, a, b in zip(index, starts, starts[1:], strict=False)}
+
+
+LOOP_CASES = [
+    LoopCase(
+        "one tensor",
+        lambda backend: pyhvp.sub_hessian(
+            weight_decay, SMALL, torch.tensor([0, 9, 63]), backend=backend
+        ),
+        lambda: dense_sub_hessian(weight_decay, SMALL, torch.tensor([0, 9, 63])),
+    ),
+    LoopCase(
+        "blocks, affine and unused tensors with zero blocks",
+        lambda backend: pyhvp.sub_hessian(affine_and_unused, FEW, FEW_INDEX, backend=backend),
+        lambda: per_block(dense_sub_hessian(affine_and_unused, FEW, FEW_INDEX), FEW_INDEX),
+    ),
+    LoopCase(
+        "joint, over a data set",
+        lambda backend: pyhvp.sub_hessian(
+            batch_loss, PARAMS, DATA_INDEX, data=BATCHES, joint=True, backend=backend
+        ),
+        lambda: summed_dense(PARAMS, BATCHES, DATA_INDEX),
+    ),
+    LoopCase(
+        "blocks over a data set, chunked by 1, in inference mode",
+        lambda backend: torch.inference_mode()(pyhvp.sub_hessian)(
+            batch_loss, PARAMS, DATA_INDEX, data=BATCHES, chunk_size=1, backend=backend
+        ),
+        lambda: per_block(summed_dense(PARAMS, BATCHES, DATA_INDEX), DATA_INDEX),
+    ),
+]
+
+
+@pytest.mark.parametrize("case", LOOP_CASES, ids=lambda c: c.name)
+def test_a_few_components_per_tensor_take_the_seed_loop_eagerly(case, caplog):
+    with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"):
+        got = case.call(EAGER)
+    messages = [record.getMessage() for record in caplog.records]
+    assert messages and all("seed's loop" in message for message in messages)
+    torch.testing.assert_close(got, case.expected(), **F64)
+
+
+WIDE_SOFTMAX_INPUTS = torch.rand(20000, 8, dtype=torch.float64)
+
+
+def wide_softmax(p):
+    """Elementwise work over 20000 x 8 activations, which a compiled kernel fuses."""
+    return (torch.softmax(WIDE_SOFTMAX_INPUTS @ p, -1) ** 2).sum()
+
+
+@dataclass
+class LoopChoice:
+    name: str
+    loss: object
+    params: torch.Tensor
+    loop: bool
+
+
+LOOP_CHOICES = [
+    LoopChoice(
+        "a small loss: a compiled kernel's setup outweighs its work", weight_decay, SMALL, True
+    ),
+    LoopChoice(
+        "a wide softmax: the compiled kernel's fused work costs less", wide_softmax, SMALL, False
+    ),
+]
+
+
+@pytest.mark.parametrize("case", LOOP_CHOICES, ids=lambda c: c.name)
+def test_compiled_at_a_few_components_the_cost_model_weighs_the_seed_loop(case):
+    found = pyhvp.restricted.routes.survey(case.loss, [case.params], [])
+    chosen = pyhvp.restricted.routes.choose(found, [2], joint=False, compiled=True, loop=True)
+    assert chosen.loop == case.loop

@@ -26,7 +26,10 @@ derivatives take many passes). Then
   group: every direction of a group runs down to its earliest tensor;
 * the reverse route costs one forward and backward shared by all its tensors,
   :data:`REVERSE_SETUP`, per tensor :data:`REVERSE_PASS`, and per direction
-  :data:`REVERSE_DIRECTION` plus :data:`REVERSE_TAIL` times the tensor's tail plus its product.
+  :data:`REVERSE_DIRECTION` plus :data:`REVERSE_TAIL` times the tensor's tail plus its product;
+* the seed's loop (every tensor by one eager backward per component; offered at a few
+  components per tensor, where eagerly it is taken without a survey) costs one forward and
+  backward and per component :data:`LOOP_DIRECTION` plus the reverse route's work: no setup.
 
 ``jacrev``'s batched passes cost more per unit of tail than autograd's (``SPARSE_TAIL >
 REVERSE_TAIL``), so a tensor goes sparse where its product outweighs that: the seed's
@@ -37,8 +40,9 @@ tensors: those the sparse route refuses take the reverse route; the others are s
 of consecutive tensors (in the order the loss first uses them) and the reverse route, by dynamic
 programming over that order. With ``joint=True`` the sparse tensors form one group (cross blocks
 need one pass) and the reverse route gives full rows for the others. A compiled backend
-(``compile=True``) pays :data:`COMPILED_SETUP` instead of either setup, but for a sparse group
-over a tensor viewed through a property (``W.T``), which runs eagerly.
+(``compile=True``) pays :data:`COMPILED_SETUP` instead of either setup, and its elements cost
+:data:`COMPILED_ELEMENTS` of eager ones, but for a sparse group over a tensor viewed through a
+property (``W.T``), which runs eagerly.
 """
 
 from __future__ import annotations
@@ -72,7 +76,9 @@ from pyhvp.restricted.ops import (
 MIN_COMPONENTS = 8
 """Fewest selected components for which ``method="auto"`` surveys the loss unless the backend
 compiles from the first call: below it the reverse route's few Hessian-vector products cost less
-than the sparse route's fixed setup (and the survey) on every model measured."""
+than the sparse route's fixed setup (and the survey) on every model measured. (With
+``compile=False``, at most ``submatrix.FEW_TANGENTS`` per tensor is not surveyed either: the
+seed's loop takes it.)"""
 
 MAC_NS = 0.05
 """Nanoseconds per multiply-add of a contraction (a GEMM or a convolution)."""
@@ -96,8 +102,10 @@ SPARSE_SETUP = 2_000_000.0
 REVERSE_SETUP = 500_000.0
 """Fixed nanoseconds of the reverse route (autograd's setup)."""
 
-COMPILED_SETUP = 200_000.0
-"""Fixed nanoseconds of a compiled kernel (dynamo's guards, the call)."""
+COMPILED_SETUP = 1_000_000.0
+"""Fixed nanoseconds of a compiled kernel (the compile cache's key, dynamo's guards, the call):
+a compiled sparse kernel of the seed's model at k = 2 per tensor takes 1.3 ms, nearly all of it
+this."""
 
 REVERSE_PASS = 300_000.0
 """Fixed nanoseconds of each tensor's batched second pass on the reverse route."""
@@ -115,6 +123,15 @@ SPARSE_TAIL = 5.4
 REVERSE_TAIL = 3.9
 """A direction's cost in units of its tail's modelled time (a forward tangent, the backward's
 tangent and their reverse), on each route."""
+
+LOOP_DIRECTION = 300_000.0
+"""Nanoseconds per component of the seed's loop beyond its work (an eager backward's dispatch):
+the loop has no setup, so at a few components it beats a compiled kernel's
+:data:`COMPILED_SETUP` only where the work is small."""
+
+COMPILED_ELEMENTS = 0.6
+"""An element's cost in a compiled kernel, in eager ones: inductor fuses elementwise ops (the
+transformer block at k = 2 per tensor: 0.63x the eager loop compiled, on either route)."""
 
 
 @dataclasses.dataclass
@@ -319,9 +336,10 @@ def _bits(mask: int) -> list[int]:
     return [i for i in range(mask.bit_length()) if mask >> i & 1]
 
 
-def _ns(work: Work) -> float:
-    """Modelled nanoseconds of ``work`` (one direction's)."""
-    return work.macs * MAC_NS + work.elements * ELEMENT_NS + work.table * TABLE_NS
+def _ns(work: Work, compiled: bool = False) -> float:
+    """Modelled nanoseconds of ``work`` (one direction's), eagerly or in a compiled kernel."""
+    element = ELEMENT_NS * (COMPILED_ELEMENTS if compiled else 1.0)
+    return work.macs * MAC_NS + work.elements * element + work.table * TABLE_NS
 
 
 def _numel(out: Any) -> int:
@@ -421,6 +439,9 @@ class Routes:
     chunk: int | None = None
     """Directions per batched pass, where all of them would hold more than :data:`BATCHED`
     elements in one output (None: all at once)."""
+    loop: bool = False
+    """The reverse route (then every tensor's) by the seed's loop of one eager backward per
+    component."""
 
 
 def choose(
@@ -430,11 +451,45 @@ def choose(
     compiled: bool,
     reverse: bool = True,
     together: Callable[[Sequence[int]], bool] = lambda members: True,
+    loop: bool = False,
 ) -> Routes:
     """The cheapest split of the selected tensors (``sizes``: selected components of each)
     between sparse groups and the reverse route (see the module docstring). ``reverse=False``:
     the sparse route for every tensor (none may be refused); ``together(members)``: whether
-    those tensors may share one sparse kernel (one dtype and device)."""
+    those tensors may share one sparse kernel (one dtype and device); ``loop``: whether the
+    seed's loop may take every tensor instead, where it costs less."""
+    best = _split(found, sizes, joint, compiled, reverse, together)
+    if not loop:
+        return best
+    every = _products(found.usage)
+    seed = FORWARD_AND_BACKWARD * _ns(found.forward) + sum(
+        sizes[i]
+        * (LOOP_DIRECTION + REVERSE_TAIL * _ns(u.tail) + _ns(every if joint else u.product))
+        for i, u in enumerate(found.usage)
+    )
+    if seed >= best.cost:
+        return best
+    everything = tuple(range(len(sizes)))
+    return dataclasses.replace(best, groups=(), reverse=everything, cost=seed, loop=True)
+
+
+def _products(usage: Sequence[Usage]) -> Work:
+    """Every selected tensor's product: what a joint dense direction pays."""
+    every = Work()
+    for u in usage:
+        every.add(u.product)
+    return every
+
+
+def _split(
+    found: Survey,
+    sizes: Sequence[int],
+    joint: bool,
+    compiled: bool,
+    reverse: bool,
+    together: Callable[[Sequence[int]], bool],
+) -> Routes:
+    """:func:`choose` between sparse groups and the reverse route alone."""
     usage = found.usage
     refusals = tuple(u.refusal for u in usage)
     widest = max((u.widest for u in usage), default=0)
@@ -443,20 +498,23 @@ def choose(
         chunk = None
     eager_only = frozenset(i for i, u in enumerate(usage) if u.property_view is not None)
     masked_rows = tuple(frozenset(u.masked_rows) for u in usage)
-    forward = FORWARD_AND_BACKWARD * _ns(found.forward)
-    reverse_fixed = forward + (COMPILED_SETUP if compiled else REVERSE_SETUP)
+    reverse_fixed = FORWARD_AND_BACKWARD * _ns(found.forward, compiled) + (
+        COMPILED_SETUP if compiled else REVERSE_SETUP
+    )
     refused = tuple(i for i, u in enumerate(usage) if u.refusal is not None)
     eligible = sorted(
         (i for i, u in enumerate(usage) if u.refusal is None), key=lambda i: (usage[i].order, i)
     )
     # a reverse direction's gradient is dense in its tensor; joint, in every selected tensor
-    every = Work()
-    for u in usage:
-        every.add(u.product)
+    every = _products(usage)
     per_reverse = [
         REVERSE_PASS
         + sizes[i]
-        * (REVERSE_DIRECTION + REVERSE_TAIL * _ns(u.tail) + _ns(every if joint else u.product))
+        * (
+            REVERSE_DIRECTION
+            + REVERSE_TAIL * _ns(u.tail, compiled)
+            + _ns(every if joint else u.product, compiled)
+        )
         for i, u in enumerate(usage)
     ]
     reverse_only = reverse_fixed + sum(per_reverse)
@@ -464,11 +522,12 @@ def choose(
     def group(members: Sequence[int]) -> float:
         if not together(members):
             return math.inf
-        reach = max(_ns(usage[i].tail) for i in members)
-        directions = sum(sizes[i] for i in members)
         # a group over a tensor viewed through a property runs eagerly even when compiling
         traced = compiled and not eager_only.intersection(members)
+        reach = max(_ns(usage[i].tail, traced) for i in members)
+        directions = sum(sizes[i] for i in members)
         setup = COMPILED_SETUP if traced else SPARSE_SETUP
+        forward = FORWARD_AND_BACKWARD * _ns(found.forward, traced)
         return forward + setup + directions * (SPARSE_DIRECTION + SPARSE_TAIL * reach)
 
     def reverse_cost(members: Sequence[int]) -> float:
