@@ -58,9 +58,9 @@ def compile_after_eager_calls(monkeypatch, compile_cache):
 
 @pytest.fixture
 def compiled(monkeypatch, compile_cache) -> list:
-    """Every kernel handed to torch.compile during the test, in order (still compiled; not the
-    guards' calls of f, which dynamo traces without compiling); the compile cache starts
-    empty."""
+    """Every kernel handed to a compiler during the test, in order (still compiled): to
+    torch.compile (not the guards' calls of f, which dynamo traces without compiling), or, a jet
+    kernel's graph, to inductor directly; the compile cache starts empty."""
     calls = []
     real_compile = torch.compile
 
@@ -69,7 +69,13 @@ def compiled(monkeypatch, compile_cache) -> list:
             calls.append(fn)
         return real_compile(fn, **kwargs)
 
+    class RecordingGraph(torch_backend._InductorGraph):
+        def __init__(self, graph):
+            calls.append(graph)
+            super().__init__(graph)
+
     monkeypatch.setattr(torch, "compile", recording_compile)
+    monkeypatch.setattr(torch_backend, "_InductorGraph", RecordingGraph)
     return calls
 
 
