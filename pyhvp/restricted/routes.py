@@ -463,8 +463,7 @@ def choose(
         return best
     every = _products(found.usage)
     seed = FORWARD_AND_BACKWARD * _ns(found.forward) + sum(
-        sizes[i]
-        * (LOOP_DIRECTION + REVERSE_TAIL * _ns(u.tail) + _ns(every if joint else u.product))
+        sizes[i] * (LOOP_DIRECTION + _reverse_work(u, every, joint, compiled=False))
         for i, u in enumerate(found.usage)
     )
     if seed >= best.cost:
@@ -479,6 +478,15 @@ def _products(usage: Sequence[Usage]) -> Work:
     for u in usage:
         every.add(u.product)
     return every
+
+
+def _reverse_work(usage: Usage, every: Work, joint: bool, compiled: bool) -> float:
+    """Modelled nanoseconds of one reverse direction of a tensor (on the reverse route or the
+    seed's loop): its tail's tangents and reverse, and its gradient's product, dense in the
+    tensor (``joint``: in every selected tensor, ``every``)."""
+    return REVERSE_TAIL * _ns(usage.tail, compiled) + _ns(
+        every if joint else usage.product, compiled
+    )
 
 
 def _split(
@@ -508,13 +516,7 @@ def _split(
     # a reverse direction's gradient is dense in its tensor; joint, in every selected tensor
     every = _products(usage)
     per_reverse = [
-        REVERSE_PASS
-        + sizes[i]
-        * (
-            REVERSE_DIRECTION
-            + REVERSE_TAIL * _ns(u.tail, compiled)
-            + _ns(every if joint else u.product, compiled)
-        )
+        REVERSE_PASS + sizes[i] * (REVERSE_DIRECTION + _reverse_work(u, every, joint, compiled))
         for i, u in enumerate(usage)
     ]
     reverse_only = reverse_fixed + sum(per_reverse)
