@@ -212,31 +212,20 @@ def _local_sums(
         tensor = require_floating("params", params).detach()
         flat = _check_index("index", index, tensor.shape, "params")
         selection = _Selection(loss, (), ())
-        # what the ranks of a group compare (reading indices back costs a sync: only then)
-        fingerprint: Fingerprint = (
-            {}
-            if group is None
-            else {
-                "params' shape, dtype": (tuple(tensor.shape), str(tensor.dtype)),
-                "index": flat.tolist(),
-            }
-        )
+        fingerprint = _compared(group, lambda: {
+            "params' shape, dtype": (tuple(tensor.shape), str(tensor.dtype)),
+            "index": flat.tolist(),
+        })  # fmt: skip
         plan = _Plan(selection, [tensor], [flat], [], selection, [tensor], [flat], one_block=True)
         return _sums(plan, batches, chunk_size, resolved, method), fingerprint
     fixed, flats = _check_named(params, index, joint)
-    fingerprint = (
-        {}
-        if group is None
-        else {
-            "joint": joint,
-            "params' names": list(fixed),
-            **{
-                f"params[{n!r}] shape, dtype": (tuple(p.shape), str(p.dtype))
-                for n, p in fixed.items()
-            },
-            **{f"index[{name!r}]": flat.tolist() for name, flat in flats.items()},
-        }
-    )
+    fingerprint = _compared(group, lambda: {
+        "joint": joint,
+        "params' names": list(fixed),
+        **{f"params[{n!r}] shape, dtype": (tuple(p.shape), str(p.dtype))
+           for n, p in fixed.items()},
+        **{f"index[{name!r}]": flat.tolist() for name, flat in flats.items()},
+    })  # fmt: skip
     names = list(flats)
     others = [p for name, p in fixed.items() if name not in flats]
     tensors = [fixed[name] for name in names]
@@ -389,6 +378,12 @@ def _flat_index_hint(index: torch.Tensor, shape: torch.Size, of: str) -> str:
         f"flat (row-major) indices, as np.ravel_multi_index(multi_indices, {tuple(shape)}) "
         f"computes them"
     )
+
+
+def _compared(group: ProcessGroup | None, fingerprint: Callable[[], Fingerprint]) -> Fingerprint:
+    """What the ranks of ``group`` compare; nothing without one (reading the indices back to
+    the host costs a sync: only then)."""
+    return {} if group is None else fingerprint()
 
 
 def _check_named(
