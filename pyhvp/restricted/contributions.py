@@ -15,7 +15,8 @@ op's output; :func:`inject` adds ``sum_p z_p * tangent_p`` to the output. The op
   through a one-hot kernel into output channel ``o``, one grouped transposed convolution for all
   k entries;
 * embeddings (:func:`embedding_contribution`): entry ``(r, c)`` adds 1 at feature ``c`` of every
-  token equal to ``r``.
+  token equal to ``r`` -- eagerly as the list of those (token, entry) pairs, so that a batched
+  pass costs what the matches are, not ``k`` times every token.
 
 Every function here is plain torch code, differentiable (a direction's tangent depends on the
 other operands, which may carry directions of other selected tensors) and traceable by dynamo.
@@ -33,13 +34,16 @@ import torch.nn.functional as F
 
 
 class Contribution(NamedTuple):
-    """Each of k entries' tangent of an op's output ``out``. With ``dim`` None, ``values`` is
-    ``(k, *out.shape)``; else entry p's tangent is ``values[p]`` (``out.shape`` without ``dim``)
-    placed at index ``positions[p]`` of ``out``'s dim ``dim`` (zero elsewhere)."""
+    """Each of k entries' tangent of an op's output ``out``. With ``entries`` set, a list of
+    nonzeros: entry ``entries[n]``'s tangent is ``values[n]`` at flat position ``positions[n]``
+    of ``out`` (``dim`` unused). Else with ``dim`` None, ``values`` is ``(k, *out.shape)``; else
+    entry p's tangent is ``values[p]`` (``out.shape`` without ``dim``) placed at index
+    ``positions[p]`` of ``out``'s dim ``dim`` (zero elsewhere)."""
 
     dim: int | None
     positions: torch.Tensor | None
     values: torch.Tensor
+    entries: torch.Tensor | None = None
 
 
 DENSE_PLACED = 16
@@ -55,6 +59,10 @@ def inject(out: torch.Tensor, part: torch.Tensor, c: Contribution, batch: int) -
     *out.shape)`` matrix contracted with ``part``, a matrix product in every pass."""
     z = part.to(out.dtype)
     values = c.values.to(out.dtype)
+    if c.entries is not None:
+        assert c.positions is not None
+        flat = out.reshape(-1).index_add(0, c.positions, z[c.entries] * values)
+        return flat.view(out.shape)
     k = values.shape[0]
     if c.dim is None:
         return out + torch.tensordot(z, values, 1)  # type: ignore[no-any-return]
@@ -298,8 +306,14 @@ def embedding_contribution(
     """Tangents of ``F.embedding(indices, weight)`` along k one-hot entries ``coords`` (row,
     column) of the table: 1 at the column of every token equal to the row (the true derivative,
     also in a ``padding_idx`` row, where autograd's is zero: the caller routes such entries to
-    the reverse route)."""
+    the reverse route). Eagerly the (token, entry) pairs that match; traced, where dynamo needs
+    static shapes, each entry's ``(k, *indices.shape)`` indicator placed at its column (a batched
+    pass then moves ``k`` times every token's feature)."""
     rows, columns = coords[0], coords[1]
     k = rows.shape[0]
-    values = (indices.unsqueeze(0) == rows.view(k, *[1] * indices.ndim)).to(weight.dtype)
-    return Contribution(indices.ndim, columns, values)
+    matches = indices.unsqueeze(0) == rows.view(k, *[1] * indices.ndim)
+    if torch.compiler.is_compiling():
+        return Contribution(indices.ndim, columns, matches.to(weight.dtype))
+    entries, tokens = matches.view(k, -1).nonzero(as_tuple=True)
+    positions = tokens * weight.shape[-1] + columns[entries]
+    return Contribution(None, positions, torch.ones_like(positions, dtype=weight.dtype), entries)

@@ -252,14 +252,11 @@ class Injection(TorchFunctionMode):
             return None
         out = _call(op, func, bound)
         entry = chosen[1]
-        values = contribution.values
-        if entry.mask is not None:
-            values = values * entry.mask.view(-1, *[1] * (values.ndim - 1))
+        part = entry.part if entry.mask is None else entry.part * entry.mask
         if op == "addmm" and bound.get("alpha", 1) != 1:
-            values = values * bound["alpha"]
-        contribution = contribution._replace(values=values)
+            part = part * bound["alpha"]
         self.sparse_uses += 1
-        return rules.inject(out, entry.part, contribution, self.batch)
+        return rules.inject(out, part, contribution, self.batch)
 
 
 def _call(op: str, func: Callable[..., Any], bound: dict[str, Any]) -> Any:
