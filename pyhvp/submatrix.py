@@ -23,7 +23,7 @@ rule on a tensor over ``restricted.DENSE_LIMIT`` entries, a write, an embedding'
 take the reverse route; eagerly, at most ``FEW_TANGENTS`` (4) components per tensor, or below
 ``routes.MIN_COMPONENTS`` in all, every tensor does, without a survey -- at a few per tensor by
 the seed's loop itself (one backward per component: no one-hot tangents, no batching setup),
-which the cost model may also take for a compiled call. With ``joint=True`` the reverse route's
+which the cost model also weighs on every other ``"auto"`` call. With ``joint=True`` the reverse route's
 rows fill the cross blocks of its tensors. The choice is logged on the ``pyhvp.sub_hessian``
 logger at DEBUG level. Both routes' kernels compile under the torch backend's compile policy.
 
@@ -712,8 +712,8 @@ def _choose_routes(
             for i in members
         )
 
-    few = method == "auto" and max(sizes, default=0) <= FEW_TANGENTS
-    chosen = routes.choose(found, sizes, joint, compiled, method != "sparse", together, few)
+    loop = method == "auto"
+    chosen = routes.choose(found, sizes, joint, compiled, method != "sparse", together, loop)
     if key is not None:
         _ROUTES[key] = chosen
         if len(_ROUTES) > compile_policy.CACHE_SIZE:
@@ -735,14 +735,20 @@ def _log_routes(plan: _Plan, chosen: routes.Routes, backend: Backend) -> None:
     if not _log.isEnabledFor(logging.DEBUG):
         return
     by_loop = f" {BY_LOOP}" if _loops(plan, chosen, backend) else ""
+    compiling = isinstance(backend, TorchBackend) and backend.compile is not False
     groups = [[_label(plan, i) for i in group] for group in chosen.groups]
+    passes = [
+        "(one pass, eagerly)" if compiling and chosen.eager_only & set(group) else "(one pass)"
+        for group in chosen.groups
+    ]
     why = {
         _label(plan, i): chosen.refusals[i] or "cheaper by the cost model" for i in chosen.reverse
     }
     _log.debug(
         "sub_hessian: sparse route for %s; reverse route%s for %s (modelled %.3g ms, reverse "
         "route alone %.3g ms)",
-        " and ".join(f"[{', '.join(g)}] (one pass)" for g in groups) or "none",
+        " and ".join(f"[{', '.join(g)}] {how}" for g, how in zip(groups, passes, strict=True))
+        or "none",
         by_loop,
         "; ".join(f"{name} ({reason})" for name, reason in why.items()) or "none",
         chosen.cost / 1e6,

@@ -178,7 +178,7 @@ def test_seed_model_by_the_sparse_route_equals_the_seed_loop_in_float64(caplog):
     index = {"1.weight": torch.tensor([7839, 5, 784, 0, 5, 3000]), "1.bias": torch.tensor([9, 2])}
     loss, params = pyhvp.module_loss(model, nn.CrossEntropyLoss(), inputs, targets)
     with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"):
-        blocks = pyhvp.sub_hessian(loss, params, index)
+        blocks = pyhvp.sub_hessian(loss, params, index, method="sparse")
     assert routes_taken(caplog) == ["sparse"]
     expected = loop_sub_hessians(model, nn.CrossEntropyLoss(), inputs, targets, index)
     torch.testing.assert_close(blocks, expected, **F64)
@@ -367,7 +367,7 @@ def test_fewer_than_min_components_are_the_cost_models_when_compiled_from_the_fi
     backend = pyhvp.TorchBackend(compile=True)
     with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"):
         got = pyhvp.sub_hessian(weight_decay, SMALL, index, backend=backend)
-    (message,) = [record.getMessage() for record in caplog.records]
+    (message,) = [r.getMessage() for r in caplog.records if r.name == "pyhvp.sub_hessian"]
     assert "reverse route by the seed's loop" in message and "(modelled" in message
     torch.testing.assert_close(got, dense_sub_hessian(weight_decay, SMALL, index), **F64)
 
@@ -494,3 +494,25 @@ def test_compiled_at_a_few_components_the_cost_model_weighs_the_seed_loop(case):
     found = pyhvp.restricted.routes.survey(case.loss, [case.params], [])
     chosen = pyhvp.restricted.routes.choose(found, [2], joint=False, compiled=True, loop=True)
     assert chosen.loop == case.loop
+
+
+TOKENS = torch.randint(0, 2000, (16, 32), generator=torch.Generator().manual_seed(3))
+TABLE = torch.randn(2000, 8, dtype=torch.float64)
+
+
+def embedded(p):
+    return (torch.tanh(F.embedding(TOKENS, p).mean(1)) ** 2).sum()
+
+
+@pytest.mark.parametrize(
+    ("entries", "eagerly"), [(2, False), (40, True)], ids=["2 entries", "40 entries"]
+)
+def test_compiled_an_embeddings_group_runs_eagerly_where_its_static_injection_costs_more(
+    entries, eagerly
+):
+    """A compiled injection marks every token per entry and direction (static shapes), an eager
+    one lists the matching tokens: at many entries the group's kernel runs eagerly."""
+    found = pyhvp.restricted.routes.survey(embedded, [TABLE], [])
+    chosen = pyhvp.restricted.routes.choose(found, [entries], joint=False, compiled=True)
+    assert chosen.groups == ((0,),)
+    assert (0 in chosen.eager_only) == eagerly

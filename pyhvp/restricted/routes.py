@@ -27,9 +27,10 @@ derivatives take many passes). Then
 * the reverse route costs one forward and backward shared by all its tensors,
   :data:`REVERSE_SETUP`, per tensor :data:`REVERSE_PASS`, and per direction
   :data:`REVERSE_DIRECTION` plus :data:`REVERSE_TAIL` times the tensor's tail plus its product;
-* the seed's loop (every tensor by one eager backward per component; offered at a few
-  components per tensor, where eagerly it is taken without a survey) costs one forward and
-  backward and per component :data:`LOOP_DIRECTION` plus the reverse route's work: no setup.
+* the seed's loop (every tensor by one eager backward per component; weighed on every
+  ``"auto"`` call, and taken without a survey eagerly at a few components per tensor) costs one
+  forward and backward and per component :data:`LOOP_DIRECTION` plus the reverse route's work
+  (its tail's convolutions and embedding tables at the loop's own rates): no setup.
 
 ``jacrev``'s batched passes cost more per unit of tail than autograd's (``SPARSE_TAIL >
 REVERSE_TAIL``), so a tensor goes sparse where its product outweighs that: the seed's
@@ -42,7 +43,9 @@ programming over that order. With ``joint=True`` the sparse tensors form one gro
 need one pass) and the reverse route gives full rows for the others. A compiled backend
 (``compile=True``) pays :data:`COMPILED_SETUP` instead of either setup, and its elements cost
 :data:`COMPILED_ELEMENTS` of eager ones, but for a sparse group over a tensor viewed through a
-property (``W.T``), which runs eagerly.
+property (``W.T``), which runs eagerly, and a group over an embedding, whose compiled injection
+costs :data:`INDICATOR_NS` per token and entry and direction: it runs eagerly where that is
+cheaper. A convolution's multiply-adds count :data:`CONVOLUTION` times.
 """
 
 from __future__ import annotations
@@ -83,15 +86,31 @@ seed's loop takes it.)"""
 MAC_NS = 0.05
 """Nanoseconds per multiply-add of a contraction (a GEMM or a convolution)."""
 
-ELEMENT_NS = 0.5
+ELEMENT_NS = 0.1
 """Nanoseconds per element an elementwise op reads or writes, batched (memory-bound)."""
 
 NORMALISATION = 4.0
 """How many times a normalisation's or softmax's elements count."""
 
+CONVOLUTION = {"forward": 2.0, "sparse": 3.0, "reverse": 6.0, "loop": 4.0}
+"""A convolution's multiply-adds in a GEMM's, by where they run: in the forward (and a dense
+direction's product), in a direction's tail on the sparse route, on the reverse route (vmap's
+batched ``convolution_backward``) and in the seed's loop (LeNet-5's conv1: 8.3, 12.4 and 8.4 ms
+a direction on those three, with the same tail)."""
+
+INDICATOR_NS = 12.0
+"""Nanoseconds per token, selected entry and direction of an embedding's injection in a compiled
+kernel, which needs static shapes: each entry's indicator over every token, gathered and scattered
+in the batched backward (the text classifier at k = 128: 0.4 s of its 0.5). Eagerly the injection
+lists the matching tokens only, too few to model."""
+
 TABLE_NS = 10.0
 """Nanoseconds per entry of an embedding table whose dense gradient a reverse direction writes
 (vmap's batched embedding backward)."""
+
+LOOP_TABLE_NS = 2.0
+"""The same in the seed's loop, one backward at a time (a table zero-filled and scattered into:
+the text classifier's, 1.0 ms a component against 2.5 batched)."""
 
 FORWARD_AND_BACKWARD = 3.0
 """A pass's forward and first backward, in forwards of the loss."""
@@ -111,7 +130,7 @@ REVERSE_PASS = 300_000.0
 """Fixed nanoseconds of each tensor's batched second pass on the reverse route."""
 
 SPARSE_DIRECTION = 50_000.0
-REVERSE_DIRECTION = 150_000.0
+REVERSE_DIRECTION = 50_000.0
 """Nanoseconds per direction beyond its work (the batched ops' per-row overhead)."""
 
 BATCHED = 1 << 22
@@ -119,12 +138,15 @@ BATCHED = 1 << 22
 past it a pass runs in chunks of directions, as wider batches spill the caches and run slower
 than one direction at a time (LeNet-5 at k = 128: 1.2-1.8x the seed's loop unchunked)."""
 
-SPARSE_TAIL = 5.4
-REVERSE_TAIL = 3.9
+SPARSE_TAIL = 4.8
+REVERSE_TAIL = 3.2
 """A direction's cost in units of its tail's modelled time (a forward tangent, the backward's
-tangent and their reverse), on each route."""
+tangent and their reverse), on each route. With :data:`MAC_NS`, :data:`ELEMENT_NS` and the
+per-direction overheads, a least-squares fit (relative errors) of one direction's time, alone in
+its pass, over the 23 tensors of the benchmark's models (``bench_sub_hessian.py``: the seed's,
+LeNet-5, the text classifier, the transformer block), eagerly, one thread."""
 
-LOOP_DIRECTION = 300_000.0
+LOOP_DIRECTION = 250_000.0
 """Nanoseconds per component of the seed's loop beyond its work (an eager backward's dispatch):
 the loop has no setup, so at a few components it beats a compiled kernel's
 :data:`COMPILED_SETUP` only where the work is small."""
@@ -142,11 +164,14 @@ class Work:
     elements: float = 0.0
     table: float = 0.0
     """Entries of embedding tables written densely."""
+    convolution: float = 0.0
+    """Multiply-adds of convolutions (:data:`CONVOLUTION`)."""
 
     def add(self, other: Work) -> None:
         self.macs += other.macs
         self.elements += other.elements
         self.table += other.table
+        self.convolution += other.convolution
 
 
 @dataclasses.dataclass
@@ -165,6 +190,8 @@ class Usage:
     property_view: str | None = None
     """A tensor property it is viewed through (``W.T``): dynamo traces those past the mode, so
     a kernel over it runs eagerly."""
+    indicator: int = 0
+    """Tokens of the embeddings it enters sparsely (see :data:`INDICATOR_NS`)."""
     widest: int = 0
     """Most elements of one output downstream of it: what each direction batched in a pass
     holds at once there."""
@@ -286,8 +313,10 @@ class Survey(TorchFunctionMode):
                 padding = bound.get("padding_idx") if op == "embedding" and bound else None
                 if padding is not None:
                     usage.masked_rows.add(padding % value.shape[0])
-                table = value.numel() if kind(func) == "embedding" else 0
-                usage.product.add(Work(2 * cost.macs, 0.0, table))
+                table = value.numel() if op == "embedding" else 0
+                if op == "embedding" and bound:
+                    usage.indicator += bound["input"].numel()
+                usage.product.add(Work(2 * cost.macs, 0.0, table, 2 * cost.convolution))
                 usage.tail.add(Work(0.0, _numel(out)))
             elif any(value is b for b in biases):  # its tangent: a broadcast, no product
                 self._note(source, f"{name} (dense: an added bias)")
@@ -336,10 +365,14 @@ def _bits(mask: int) -> list[int]:
     return [i for i in range(mask.bit_length()) if mask >> i & 1]
 
 
-def _ns(work: Work, compiled: bool = False) -> float:
-    """Modelled nanoseconds of ``work`` (one direction's), eagerly or in a compiled kernel."""
+def _ns(
+    work: Work, compiled: bool = False, where: str = "forward", table_ns: float = TABLE_NS
+) -> float:
+    """Modelled nanoseconds of ``work`` (one direction's), eagerly or in a compiled kernel;
+    ``where`` it runs prices its convolutions (:data:`CONVOLUTION`)."""
     element = ELEMENT_NS * (COMPILED_ELEMENTS if compiled else 1.0)
-    return work.macs * MAC_NS + work.elements * element + work.table * TABLE_NS
+    macs = work.macs + work.convolution * CONVOLUTION[where]
+    return macs * MAC_NS + work.elements * element + work.table * table_ns
 
 
 def _numel(out: Any) -> int:
@@ -373,7 +406,10 @@ def _cost(
     elements = float(sum(t.numel() for t in [*leaves, *outs]))
     if func in _NORMALISATIONS:
         elements *= NORMALISATION
-    return Work(float(_macs(func, args, kwargs, leaves, outs)), elements)
+    macs = float(_macs(func, args, kwargs, leaves, outs))
+    if kind(func) in ("conv", "conv_transpose"):
+        return Work(0.0, elements, convolution=macs)
+    return Work(macs, elements)
 
 
 def _macs(
@@ -431,8 +467,9 @@ class Routes:
     refusals: tuple[str | None, ...] = ()
     """Per selected tensor, why the sparse route refuses it (None: it does not)."""
     eager_only: frozenset[int] = frozenset()
-    """Selected tensors viewed through a tensor property (``W.T``), which dynamo traces past the
-    mode: a sparse kernel over one runs eagerly."""
+    """Selected tensors whose sparse kernel runs eagerly when compiling: those viewed through a
+    tensor property (``W.T``), which dynamo traces past the mode, and the groups the model finds
+    cheaper eagerly (an embedding's static injection, :data:`INDICATOR_NS`)."""
     masked_rows: tuple[frozenset[int], ...] = ()
     """Per selected tensor, :attr:`Usage.masked_rows` (an equal call selecting entries there is
     surveyed again)."""
@@ -463,7 +500,7 @@ def choose(
         return best
     every = _products(found.usage)
     seed = FORWARD_AND_BACKWARD * _ns(found.forward) + sum(
-        sizes[i] * (LOOP_DIRECTION + _reverse_work(u, every, joint, compiled=False))
+        sizes[i] * (LOOP_DIRECTION + _reverse_work(u, every, joint, compiled=False, loop=True))
         for i, u in enumerate(found.usage)
     )
     if seed >= best.cost:
@@ -480,12 +517,16 @@ def _products(usage: Sequence[Usage]) -> Work:
     return every
 
 
-def _reverse_work(usage: Usage, every: Work, joint: bool, compiled: bool) -> float:
+def _reverse_work(
+    usage: Usage, every: Work, joint: bool, compiled: bool, loop: bool = False
+) -> float:
     """Modelled nanoseconds of one reverse direction of a tensor (on the reverse route or the
-    seed's loop): its tail's tangents and reverse, and its gradient's product, dense in the
-    tensor (``joint``: in every selected tensor, ``every``)."""
-    return REVERSE_TAIL * _ns(usage.tail, compiled) + _ns(
-        every if joint else usage.product, compiled
+    seed's loop, ``loop``): its tail's tangents and reverse, and its gradient's product, dense
+    in the tensor (``joint``: in every selected tensor, ``every``)."""
+    tail = _ns(usage.tail, compiled, "loop" if loop else "reverse")
+    product = every if joint else usage.product
+    return REVERSE_TAIL * tail + _ns(
+        product, compiled, table_ns=LOOP_TABLE_NS if loop else TABLE_NS
     )
 
 
@@ -521,16 +562,28 @@ def _split(
     ]
     reverse_only = reverse_fixed + sum(per_reverse)
 
-    def group(members: Sequence[int]) -> float:
-        if not together(members):
-            return math.inf
-        # a group over a tensor viewed through a property runs eagerly even when compiling
-        traced = compiled and not eager_only.intersection(members)
-        reach = max(_ns(usage[i].tail, traced) for i in members)
+    def group_cost(members: Sequence[int], traced: bool) -> float:
+        reach = max(_ns(usage[i].tail, traced, "sparse") for i in members)
         directions = sum(sizes[i] for i in members)
         setup = COMPILED_SETUP if traced else SPARSE_SETUP
         forward = FORWARD_AND_BACKWARD * _ns(found.forward, traced)
-        return forward + setup + directions * (SPARSE_DIRECTION + SPARSE_TAIL * reach)
+        indicators = sum(sizes[i] * usage[i].indicator for i in members) if traced else 0
+        per_direction = SPARSE_DIRECTION + SPARSE_TAIL * reach + INDICATOR_NS * indicators
+        return forward + setup + directions * per_direction
+
+    def eagerly(members: Sequence[int]) -> bool:
+        """Whether the group's kernel runs eagerly: a tensor viewed through a property, or
+        cheaper so (an embedding's static injection)."""
+        return (
+            not compiled
+            or bool(eager_only.intersection(members))
+            or (group_cost(members, False) < group_cost(members, True))
+        )
+
+    def group(members: Sequence[int]) -> float:
+        if not together(members):
+            return math.inf
+        return group_cost(members, not eagerly(members))
 
     def reverse_cost(members: Sequence[int]) -> float:
         return reverse_fixed + sum(per_reverse[i] for i in members) if members else 0.0
@@ -556,7 +609,7 @@ def _split(
                     cost,
                     reverse_only,
                     refusals,
-                    eager_only,
+                    eager_only.union(members if compiled and eagerly(members) else ()),
                     masked_rows,
                     chunk,
                 )
@@ -584,7 +637,7 @@ def _split(
         cost + reverse_cost(refused),
         reverse_only,
         refusals,
-        eager_only,
+        eager_only.union(*(g for g in groups if compiled and eagerly(g))),
         masked_rows,
         chunk,
     )
