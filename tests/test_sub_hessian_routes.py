@@ -516,3 +516,22 @@ def test_compiled_an_embeddings_group_runs_eagerly_where_its_static_injection_co
     chosen = pyhvp.restricted.routes.choose(found, [entries], joint=False, compiled=True)
     assert chosen.groups == ((0,),)
     assert (0 in chosen.eager_only) == eagerly
+
+
+BIG_TABLE = torch.randn(20000, 16, dtype=torch.float64)
+
+
+def padded(p):
+    return (torch.tanh(F.embedding(TOKENS, p, padding_idx=0).mean(1)) ** 2).sum()
+
+
+def test_where_every_batched_pass_costs_more_auto_takes_the_seed_loop(caplog):
+    """Entries in an embedding's ``padding_idx`` row leave the sparse route; a batched reverse
+    pass writes a table-sized gradient per direction, the loop one per backward, cheaper."""
+    index = torch.arange(0, 16)  # row 0, the padding row
+    with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"):
+        got = pyhvp.sub_hessian(padded, BIG_TABLE, index, backend=EAGER)
+    (message,) = [r.getMessage() for r in caplog.records if r.name == "pyhvp.sub_hessian"]
+    assert "reverse route by the seed's loop" in message and "(modelled" in message
+    expected = pyhvp.sub_hessian(padded, BIG_TABLE, index, method="reverse")
+    torch.testing.assert_close(got, expected, **F64)
