@@ -535,3 +535,21 @@ def test_where_every_batched_pass_costs_more_auto_takes_the_seed_loop(caplog):
     assert "reverse route by the seed's loop" in message and "(modelled" in message
     expected = pyhvp.sub_hessian(padded, BIG_TABLE, index, method="reverse")
     torch.testing.assert_close(got, expected, **F64)
+
+
+def test_the_seed_loop_takes_the_reverse_routes_tensors_beside_a_sparse_group(caplog):
+    """A split, not all or nothing: ``v`` goes sparse, the padded table ``e`` (refused by the
+    sparse route, a table-sized gradient per batched direction) goes by the loop."""
+    params = {"e": BIG_TABLE, "v": MEDIUM}
+    index = {"e": torch.arange(0, 16), "v": MANY}
+
+    def loss(p):
+        return padded(p["e"]) + seed_like(p["v"])
+
+    with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"):
+        got = pyhvp.sub_hessian(loss, params, index, backend=EAGER)
+    assert reverse_tensors(caplog) == [{"params['e']"}]
+    (message,) = [r.getMessage() for r in caplog.records if r.name == "pyhvp.sub_hessian"]
+    assert "sparse route for [params['v']]" in message and "by the seed's loop" in message
+    expected = pyhvp.sub_hessian(loss, params, index, method="reverse")
+    torch.testing.assert_close(got, expected, **F64)

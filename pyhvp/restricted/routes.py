@@ -27,8 +27,9 @@ derivatives take many passes). Then
 * the reverse route costs one forward and backward shared by all its tensors,
   :data:`REVERSE_SETUP`, per tensor :data:`REVERSE_PASS`, and per direction
   :data:`REVERSE_DIRECTION` plus :data:`REVERSE_TAIL` times the tensor's tail plus its product;
-* the seed's loop (every tensor by one eager backward per component; weighed on every
-  ``"auto"`` call, and taken without a survey eagerly at a few components per tensor) costs one
+* the seed's loop (one eager backward per component of the tensors a split leaves to the
+  reverse route, or of all; weighed on every ``"auto"`` call, and taken for every tensor
+  without a survey eagerly at a few components per tensor) costs one
   forward and backward and per component :data:`LOOP_DIRECTION` plus the reverse route's work
   (its tail's convolutions and embedding tables at the loop's own rates): no setup.
 
@@ -92,11 +93,12 @@ ELEMENT_NS = 0.1
 NORMALISATION = 4.0
 """How many times a normalisation's or softmax's elements count."""
 
-CONVOLUTION = {"forward": 2.0, "sparse": 3.0, "reverse": 6.0, "loop": 4.0}
+CONVOLUTION = {"forward": 2.0, "sparse": 4.0, "reverse": 6.0, "loop": 4.0}
 """A convolution's multiply-adds in a GEMM's, by where they run: in the forward (and a dense
 direction's product), in a direction's tail on the sparse route, on the reverse route (vmap's
-batched ``convolution_backward``) and in the seed's loop (LeNet-5's conv1: 8.3, 12.4 and 8.4 ms
-a direction on those three, with the same tail)."""
+batched ``convolution_backward``) and in the seed's loop (LeNet-5's conv1 alone: 8.3, 12.4 and
+8.4 ms a direction on those three, with the same tail; in the whole model at k = 128 per tensor
+its sparse group took 2.8 s where the reverse route took 1.9, hence 4x, not the fit's 3x)."""
 
 INDICATOR_NS = 12.0
 """Nanoseconds per token, selected entry and direction of an embedding's injection in a compiled
@@ -494,19 +496,14 @@ def choose(
     between sparse groups and the reverse route (see the module docstring). ``reverse=False``:
     the sparse route for every tensor (none may be refused); ``together(members)``: whether
     those tensors may share one sparse kernel (one dtype and device); ``loop``: whether the
-    seed's loop may take every tensor instead, where it costs less."""
+    seed's loop may take the reverse route's tensors instead, where the split costs less so."""
     best = _split(found, sizes, joint, compiled, reverse, together)
     if not loop:
         return best
-    every = _products(found.usage)
-    seed = FORWARD_AND_BACKWARD * _ns(found.forward) + sum(
-        sizes[i] * (LOOP_DIRECTION + _reverse_work(u, every, joint, compiled=False, loop=True))
-        for i, u in enumerate(found.usage)
-    )
-    if seed >= best.cost:
+    by_loop = _split(found, sizes, joint, compiled, reverse, together, loop=True)
+    if by_loop.cost >= best.cost:
         return best
-    everything = tuple(range(len(sizes)))
-    return dataclasses.replace(best, groups=(), reverse=everything, cost=seed, loop=True)
+    return dataclasses.replace(by_loop, reverse_only_cost=best.reverse_only_cost)
 
 
 def _products(usage: Sequence[Usage]) -> Work:
@@ -537,8 +534,10 @@ def _split(
     compiled: bool,
     reverse: bool,
     together: Callable[[Sequence[int]], bool],
+    loop: bool = False,
 ) -> Routes:
-    """:func:`choose` between sparse groups and the reverse route alone."""
+    """:func:`choose` between sparse groups and the reverse route, by batched passes or
+    (``loop``) by the seed's loop."""
     usage = found.usage
     refusals = tuple(u.refusal for u in usage)
     widest = max((u.widest for u in usage), default=0)
@@ -547,9 +546,9 @@ def _split(
         chunk = None
     eager_only = frozenset(i for i, u in enumerate(usage) if u.property_view is not None)
     masked_rows = tuple(frozenset(u.masked_rows) for u in usage)
-    reverse_fixed = FORWARD_AND_BACKWARD * _ns(found.forward, compiled) + (
-        COMPILED_SETUP if compiled else REVERSE_SETUP
-    )
+    reverse_fixed = FORWARD_AND_BACKWARD * _ns(found.forward, compiled and not loop)
+    if not loop:  # the loop has no setup
+        reverse_fixed += COMPILED_SETUP if compiled else REVERSE_SETUP
     refused = tuple(i for i, u in enumerate(usage) if u.refusal is not None)
     eligible = sorted(
         (i for i, u in enumerate(usage) if u.refusal is None), key=lambda i: (usage[i].order, i)
@@ -557,7 +556,10 @@ def _split(
     # a reverse direction's gradient is dense in its tensor; joint, in every selected tensor
     every = _products(usage)
     per_reverse = [
-        REVERSE_PASS + sizes[i] * (REVERSE_DIRECTION + _reverse_work(u, every, joint, compiled))
+        sizes[i] * (LOOP_DIRECTION + _reverse_work(u, every, joint, compiled=False, loop=True))
+        if loop
+        else REVERSE_PASS
+        + sizes[i] * (REVERSE_DIRECTION + _reverse_work(u, every, joint, compiled))
         for i, u in enumerate(usage)
     ]
     reverse_only = reverse_fixed + sum(per_reverse)
@@ -598,6 +600,7 @@ def _split(
             eager_only,
             masked_rows,
             chunk,
+            loop,
         )
         for start in range(len(eligible) if reverse else 1):
             members, rest = tuple(eligible[start:]), (*refused, *eligible[:start])
@@ -612,6 +615,7 @@ def _split(
                     eager_only.union(members if compiled and eagerly(members) else ()),
                     masked_rows,
                     chunk,
+                    loop,
                 )
         return best
     # blocks: dynamic programming over the loss's order; state: has the reverse route a member
@@ -640,4 +644,5 @@ def _split(
         eager_only.union(*(g for g in groups if compiled and eagerly(g))),
         masked_rows,
         chunk,
+        loop,
     )
