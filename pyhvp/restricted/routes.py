@@ -315,8 +315,9 @@ class Survey(TorchFunctionMode):
                 padding = bound.get("padding_idx") if op == "embedding" and bound else None
                 if padding is not None:
                     usage.masked_rows.add(padding % value.shape[0])
-                table = value.numel() if op == "embedding" else 0
+                table = 0
                 if op == "embedding" and bound:
+                    table = value.numel()
                     usage.indicator += bound["input"].numel()
                 usage.product.add(Work(2 * cost.macs, 0.0, table, 2 * cost.convolution))
                 usage.tail.add(Work(0.0, _numel(out)))
@@ -479,8 +480,8 @@ class Routes:
     """Directions per batched pass, where all of them would hold more than :data:`BATCHED`
     elements in one output (None: all at once)."""
     loop: bool = False
-    """The reverse route (then every tensor's) by the seed's loop of one eager backward per
-    component."""
+    """The tensors of the reverse route by the seed's loop of one eager backward per component
+    (beside the sparse groups, if any)."""
 
 
 def choose(
@@ -573,19 +574,20 @@ def _split(
         per_direction = SPARSE_DIRECTION + SPARSE_TAIL * reach + INDICATOR_NS * indicators
         return forward + setup + directions * per_direction
 
-    def eagerly(members: Sequence[int]) -> bool:
-        """Whether the group's kernel runs eagerly: a tensor viewed through a property, or
-        cheaper so (an embedding's static injection)."""
-        return (
-            not compiled
-            or bool(eager_only.intersection(members))
-            or (group_cost(members, False) < group_cost(members, True))
-        )
-
     def group(members: Sequence[int]) -> float:
+        """A group's kernel, compiled where it may (no tensor viewed through a property) and
+        that costs less than eagerly (an embedding's static injection costs more)."""
         if not together(members):
             return math.inf
-        return group_cost(members, not eagerly(members))
+        eager = group_cost(members, False)
+        if not compiled or eager_only.intersection(members):
+            return eager
+        return min(eager, group_cost(members, True))
+
+    def with_eager(groups: Sequence[Sequence[int]]) -> frozenset[int]:
+        """:attr:`Routes.eager_only`: the property views and the groups cheaper eagerly."""
+        cheaper = (g for g in groups if group_cost(g, False) < group_cost(g, True))
+        return eager_only.union(*cheaper) if compiled else eager_only
 
     def reverse_cost(members: Sequence[int]) -> float:
         return reverse_fixed + sum(per_reverse[i] for i in members) if members else 0.0
@@ -612,7 +614,7 @@ def _split(
                     cost,
                     reverse_only,
                     refusals,
-                    eager_only.union(members if compiled and eagerly(members) else ()),
+                    with_eager([members]),
                     masked_rows,
                     chunk,
                     loop,
@@ -641,7 +643,7 @@ def _split(
         cost + reverse_cost(refused),
         reverse_only,
         refusals,
-        eager_only.union(*(g for g in groups if compiled and eagerly(g))),
+        with_eager(groups),
         masked_rows,
         chunk,
         loop,
