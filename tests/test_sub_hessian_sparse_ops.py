@@ -12,6 +12,7 @@ from dense import dense_sub_hessian, loop_sub_hessians
 from torch import nn
 
 import pyhvp
+from pyhvp.restricted.contributions import Contribution, inject
 from pyhvp.restricted.ops import describe
 
 F64 = {"rtol": 1e-9, "atol": 1e-11}
@@ -537,3 +538,26 @@ def test_the_compiled_injection_equals_the_dense_sub_hessian(case, device, recwa
     for got in calls:
         torch.testing.assert_close(got, dense_sub_hessian(loss, params, index), **F64)
     assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+
+
+# --- how a placed tangent enters ----------------------------------------------------------
+
+
+def test_placed_tangents_that_carry_the_passes_directions_enter_by_index_add():
+    """Each entry's tangent placed at one of a few positions (a linear layer's 3 outputs):
+    constant in the pass, as one dense ``(k, *out)`` matrix (a product per direction); where it
+    depends on ``z`` (an input carrying another tensor's directions), by ``index_add``, which
+    does not build that matrix per direction. Both add the same."""
+    out = torch.zeros(5, 3, dtype=torch.float64)
+    z = torch.tensor([2.0, -1.0], dtype=torch.float64, requires_grad=True)
+    values = torch.randn(2, 5, dtype=torch.float64)  # entries (o=0, .) and (o=2, .) over 5 rows
+    placed = Contribution(1, torch.tensor([0, 2]), values)
+    constant = inject(out, z, placed, batch=8)
+    scale = torch.tensor(2.0, dtype=torch.float64, requires_grad=True)  # stands for a direction
+    carried = inject(out, z, placed._replace(values=values * scale), batch=8)
+    assert constant.grad_fn.name() == "AddBackward0"
+    assert carried.grad_fn.name() == "IndexAddBackward0"
+    expected = torch.zeros(5, 3, dtype=torch.float64)
+    expected[:, 0], expected[:, 2] = 2 * values[0], -values[1]
+    torch.testing.assert_close(constant, expected, **F64)
+    torch.testing.assert_close(carried, 2 * expected, **F64)

@@ -54,9 +54,12 @@ matrix: its products cost that many times the elements ``index_add`` moves."""
 def inject(out: torch.Tensor, part: torch.Tensor, c: Contribution, batch: int) -> torch.Tensor:
     """``out + sum_p part[p] * tangent_p``. ``batch``: how many directions the Hessian pass
     pushes at once. Placed tangents enter by ``index_add`` (its batched backward holds ``batch *
-    k`` tangents of ``values``' size), unless ``batch`` exceeds the placed dim's size and that is
-    at most :data:`DENSE_PLACED` (a convolution's few channels): then as a dense ``(k,
-    *out.shape)`` matrix contracted with ``part``, a matrix product in every pass."""
+    k`` tangents of ``values``' size), unless ``batch`` exceeds the placed dim's size, that is
+    at most :data:`DENSE_PLACED` (a convolution's few channels) and ``values`` is constant in
+    the pass: then as a dense ``(k, *out.shape)`` matrix contracted with ``part``, a matrix
+    product in every pass. Values that depend on ``part`` (an input carrying the directions of
+    another tensor of the group) would make that matrix ``batch`` times over (LeNet-5's fc2
+    after fc1 at k = 128 per tensor: 477 ms against 106 by ``index_add``)."""
     z = part.to(out.dtype)
     values = c.values.to(out.dtype)
     if c.entries is not None:
@@ -68,7 +71,7 @@ def inject(out: torch.Tensor, part: torch.Tensor, c: Contribution, batch: int) -
         return out + torch.tensordot(z, values, 1)  # type: ignore[no-any-return]
     assert c.positions is not None
     size = out.shape[c.dim]
-    if batch <= size or size > DENSE_PLACED:
+    if batch <= size or size > DENSE_PLACED or values.requires_grad:
         scaled = values * z.view(k, *[1] * (values.ndim - 1))
         return out.index_add(c.dim, c.positions, scaled.movedim(0, c.dim))
     shape = [k] + [1] * out.ndim
