@@ -553,3 +553,26 @@ def test_the_seed_loop_takes_the_reverse_routes_tensors_beside_a_sparse_group(ca
     assert "sparse route for [params['v']]" in message and "by the seed's loop" in message
     expected = pyhvp.sub_hessian(loss, params, index, method="reverse")
     torch.testing.assert_close(got, expected, **F64)
+
+
+WIDE_INPUTS = torch.rand(64, 800, dtype=torch.float64)
+FIRST, SECOND = torch.randn(60, 800, dtype=torch.float64), torch.randn(4, 60, dtype=torch.float64)
+
+
+def two_layers(first, second):
+    return (torch.tanh(F.linear(torch.tanh(F.linear(WIDE_INPUTS, first)), second)) ** 2).sum()
+
+
+@pytest.mark.parametrize(
+    ("components", "groups"), [(16, ((0, 1),)), (64, ((0,),))], ids=["16 each", "64 each"]
+)
+def test_a_layer_whose_input_carries_an_earlier_groups_directions_leaves_it_at_many(
+    components, groups
+):
+    """In one group, the second layer's entries' tangents (its input's columns) carry the first
+    layer's directions: ``(directions, k, rows)`` of them per pass, priced as such, so at many
+    components the second layer leaves the group (here for the reverse route)."""
+    found = pyhvp.restricted.routes.survey(two_layers, [FIRST, SECOND], [])
+    assert [u.injections for u in found.usage] == [[(64, 60, 0)], [(64, 4, 0b01)]]
+    chosen = pyhvp.restricted.routes.choose(found, [components] * 2, joint=False, compiled=False)
+    assert chosen.groups == groups

@@ -23,7 +23,10 @@ derivatives take many passes). Then
 * a sparse *group* (one ``jacrev(grad)`` kernel, joint over its tensors) costs a forward and
   backward of the loss (:data:`FORWARD_AND_BACKWARD` forwards), :data:`SPARSE_SETUP`, and per
   direction :data:`SPARSE_DIRECTION` plus :data:`SPARSE_TAIL` times the largest tail in the
-  group: every direction of a group runs down to its earliest tensor;
+  group (every direction of a group runs down to its earliest tensor), plus each member's
+  injection, its k entries' tangents (:func:`_injection_ns`: :data:`INJECTION_NS` per element,
+  :data:`CROSSED_NS` where they carry the directions of another member, a later layer of the
+  same group);
 * the reverse route costs one forward and backward shared by all its tensors,
   :data:`REVERSE_SETUP`, per tensor :data:`REVERSE_PASS`, and per direction
   :data:`REVERSE_DIRECTION` plus :data:`REVERSE_TAIL` times the tensor's tail plus its product;
@@ -105,6 +108,18 @@ INDICATOR_NS = 12.0
 kernel, which needs static shapes: each entry's indicator over every token, gathered and scattered
 in the batched backward (the text classifier at k = 128: 0.4 s of its 0.5). Eagerly the injection
 lists the matching tokens only, too few to model."""
+
+INJECTION_NS = 2.0
+"""Nanoseconds per direction, selected entry and element of its tangent where a group's pass
+injects it (:attr:`Usage.injections`): every direction's tangent of the op's output gathered at
+the k entries and scattered back, ``(directions, k, rows)`` elements through gathers with
+materialised indices (LeNet-5's fc1 alone at k = 256: 9 ms of gather and 8 of scatter_add for
+4.2 M of them; the text classifier's fc1 and the seed's weight: 1-2 ns)."""
+
+CROSSED_NS = 20.0
+"""The same where the op's other operands carry directions of another tensor of the group, so
+each entry's tangent differs per direction (LeNet-5's fc2 after fc1 in one group at k = 128:
+64 ms more than two groups; the text classifier's: 40 ms)."""
 
 TABLE_NS = 10.0
 """Nanoseconds per entry of an embedding table whose dense gradient a reverse direction writes
@@ -197,6 +212,10 @@ class Usage:
     widest: int = 0
     """Most elements of one output downstream of it: what each direction batched in a pass
     holds at once there."""
+    injections: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
+    """Per op it enters sparsely: the elements of one entry's tangent there, the size of the
+    output dims that place it (see :func:`_injection_ns`), and a bit mask of the selected
+    tensors the op's other operands depend on."""
     masked_rows: set[int] = dataclasses.field(default_factory=set)
     """Rows whose derivative autograd masks (an embedding's ``padding_idx``): the sparse rule
     gives the true derivative there, the seed's loop and the reverse route zero."""
@@ -261,7 +280,7 @@ class Survey(TorchFunctionMode):
             self.usage[source].tail.add(cost)
             self.usage[source].widest = max(self.usage[source].widest, widest)
         if direct:
-            followed = self._classify(func, args, kwargs, direct, out, cost)
+            followed = self._classify(func, args, kwargs, direct, out, cost, taint)
             if followed:
                 return out  # views of a selected tensor: selected tensors themselves
             taint |= sum(1 << source for source in direct)
@@ -278,6 +297,7 @@ class Survey(TorchFunctionMode):
         direct: dict[int, torch.Tensor],
         out: Any,
         cost: Work,
+        taint: int,
     ) -> bool:
         """Note how each selected tensor in ``direct`` enters ``func``; True for a view that
         follows one (its outputs are then selected tensors, not activations)."""
@@ -297,11 +317,13 @@ class Survey(TorchFunctionMode):
             for source in direct:
                 self._note(source, f"{name} (no derivative)")
             return True
-        sparse = None
+        sparse, key = None, None
         biases: tuple[Any, ...] = ()
         if op in CONTRACTED or op == "einsum":
             bound = bind(op, args, kwargs)
-            sparse, refusal = _sparse_operand(op, bound, self._source) if bound else (None, None)
+            sparse, key, refusal = (
+                _sparse_operand(op, bound, self._source) if bound else (None, None, None)
+            )
             if refusal is not None:
                 for source in direct:
                     self._note(source, f"{name} (refused)", refusal)
@@ -321,6 +343,8 @@ class Survey(TorchFunctionMode):
                     usage.indicator += bound["input"].numel()
                 usage.product.add(Work(2 * cost.macs, 0.0, table, 2 * cost.convolution))
                 usage.tail.add(Work(0.0, _numel(out)))
+                if bound and key is not None and op != "embedding":
+                    usage.injections.append((*_entry_shape(op, bound, key, out), taint))
             elif any(value is b for b in biases):  # its tangent: a broadcast, no product
                 self._note(source, f"{name} (dense: an added bias)")
                 usage.tail.add(Work(0.0, _numel(out)))
@@ -342,16 +366,17 @@ class Survey(TorchFunctionMode):
 
 def _sparse_operand(
     op: str, bound: dict[str, Any], source: Callable[[object], int | None]
-) -> tuple[int | None, str | None]:
+) -> tuple[int | None, str | int | None, str | None]:
     """Which selected tensor enters the contraction sparsely (the largest selected operand, as
-    :class:`~pyhvp.restricted.mode.Injection` picks it), and a refusal of the call itself."""
+    :class:`~pyhvp.restricted.mode.Injection` picks it) under which key of ``bound``, and a
+    refusal of the call itself."""
     selected = [(key, t, source(t)) for key, t in contracted(op, bound) if source(t) is not None]
     if not selected:
-        return None, None
+        return None, None, None
     if writes_operand(op, bound):
-        return None, "enters torch.nn.functional.embedding with max_norm, which writes to it"
+        return None, None, "enters torch.nn.functional.embedding with max_norm, which writes to it"
     if autograd_convention(op, bound):
-        return None, None
+        return None, None, None
     largest = selected[0]
     for triple in selected[1:]:
         if triple[1].numel() > largest[1].numel():
@@ -360,8 +385,37 @@ def _sparse_operand(
         inputs, _, _, keys = einsum_form(op, bound)
         spec = inputs[keys.index(largest[0])]
         if len(set(spec)) != len(spec):  # a diagonal: no sparse rule
-            return None, None
-    return largest[2], None
+            return None, None, None
+    return largest[2], largest[0], None
+
+
+def _entry_shape(op: str, bound: dict[str, Any], key: str | int, out: Any) -> tuple[int, int]:
+    """Elements of one selected entry's tangent of the op's output (its ``values`` row in
+    :mod:`~pyhvp.restricted.contributions`), and the size of the output dims that place it (a
+    linear weight's output features, a kernel's output channels)."""
+    if not isinstance(out, torch.Tensor) or out.numel() == 0:
+        return 0, 1
+    if op in EINSUM_FAMILY:
+        inputs, output, _, keys = einsum_form(op, bound)
+        own = set(inputs[keys.index(key)])
+        placed = math.prod(n for letter, n in zip(output, out.shape, strict=True) if letter in own)
+    else:
+        batched = bound["input"].ndim == bound["weight"].ndim
+        placed = out.shape[1] if batched else out.shape[0]
+    return out.numel() // max(placed, 1), max(placed, 1)
+
+
+def _injection_ns(elements: int, placed: int, crossed: bool) -> float:
+    """Modelled nanoseconds of one direction's injection of one entry (:attr:`Usage.
+    injections`), as :func:`~pyhvp.restricted.contributions.inject` makes it: by ``index_add``,
+    :data:`INJECTION_NS` per element of its tangent, :data:`CROSSED_NS` where the tangent
+    carries the directions of another tensor of the group; at a few placing positions
+    (``DENSE_PLACED``) and a constant tangent, a matrix product with the output's elements."""
+    if crossed:
+        return elements * CROSSED_NS
+    if placed <= rules.DENSE_PLACED:
+        return elements * placed * MAC_NS
+    return elements * INJECTION_NS
 
 
 def _bits(mask: int) -> list[int]:
@@ -571,7 +625,15 @@ def _split(
         setup = COMPILED_SETUP if traced else SPARSE_SETUP
         forward = FORWARD_AND_BACKWARD * _ns(found.forward, traced)
         indicators = sum(sizes[i] * usage[i].indicator for i in members) if traced else 0
-        per_direction = SPARSE_DIRECTION + SPARSE_TAIL * reach + INDICATOR_NS * indicators
+        together = sum(1 << i for i in members)
+        injected = (COMPILED_ELEMENTS if traced else 1.0) * sum(
+            sizes[i] * _injection_ns(elements, placed, bool(crossed & together))
+            for i in members
+            for elements, placed, crossed in usage[i].injections
+        )
+        per_direction = (
+            SPARSE_DIRECTION + SPARSE_TAIL * reach + INDICATOR_NS * indicators + injected
+        )
         return forward + setup + directions * per_direction
 
     def group(members: Sequence[int]) -> float:
