@@ -38,6 +38,17 @@ def one_core() -> None:
     )
 
 
+def allocator() -> str:
+    """The CPU allocator's settings in effect, for a report's header: with glibc's defaults large
+    buffers are mmap'd and page-faulted afresh on every call, which on the 2-core CI machine can
+    cost as much as the arithmetic."""
+    tuned = [k for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_") if k in os.environ]
+    preload = os.environ.get("LD_PRELOAD", "")
+    if tuned or preload:
+        return f"tuned ({', '.join(tuned + ([preload] if preload else []))})"
+    return "glibc defaults"
+
+
 def synchronize(device: torch.device | str) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()

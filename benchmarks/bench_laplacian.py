@@ -30,14 +30,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from dataclasses import dataclass
 from functools import partial
 
 import torch
-from _timing import Report, announce, interleaved_ms, median_ms, one_core
+from _timing import Report, allocator, announce, interleaved_ms, median_ms, one_core
 from torch.func import grad, hessian, jvp, vmap
 
 import pyhvp
@@ -380,14 +379,6 @@ def per_call(report):
                     f"{recorded * 1e3:.0f} us recording f at every call (the record "
                     f"{times['record (f under the recorder, key)'] * 1e3:.0f} us of which "
                     f"f alone {times['f alone'] * 1e3:.0f} us)")  # fmt: skip
-
-
-def allocator():
-    tuned = [k for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_") if k in os.environ]
-    preload = os.environ.get("LD_PRELOAD", "")
-    if tuned or preload:
-        return f"tuned ({', '.join(tuned + ([preload] if preload else []))})"
-    return "glibc defaults"
 
 
 def main(with_compiled):
