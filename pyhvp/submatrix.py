@@ -69,6 +69,7 @@ from pyhvp.backends import Backend, compile_policy, require_primitive, resolve_b
 from pyhvp.backends.torch import TorchBackend, _normal
 from pyhvp.distributed import Fingerprint, check_group, sum_over_ranks
 from pyhvp.restricted import NotSparse, routes
+from pyhvp.restricted.trial import TIMED_RUNS, Trial
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -654,11 +655,11 @@ def _by_loop(plan: _Plan, members: Iterable[int], backend: Backend) -> bool:
     return eager and max((len(plan.flats[i]) for i in members), default=0) <= FEW_TANGENTS
 
 
-_ROUTES: OrderedDict[Hashable, routes.Routes] = OrderedDict()
+_ROUTES: OrderedDict[Hashable, Trial] = OrderedDict()
 """Routes chosen, by what the survey's result depends on (the loss's key, the tensors' and the
-batch's metadata, the selection's sizes, the options): a loss called again is not surveyed
-again. A stale entry costs speed only: a use the sparse kernel refuses raises, and the caller
-surveys anew."""
+batch's metadata, the selection's sizes, the options), with their trial against the seed's loop
+(:mod:`pyhvp.restricted.trial`): a loss called again is not surveyed again. A stale entry costs
+speed only: a use the sparse kernel refuses raises, and the caller surveys anew."""
 
 
 def _choose_routes(
@@ -668,10 +669,11 @@ def _choose_routes(
     spec: Any,
     method: str,
     fresh: bool = False,
-) -> routes.Routes:
+) -> Trial:
     """The cost model's split of the selected tensors between sparse groups and the reverse
     route, from a survey of the loss on this batch (:mod:`pyhvp.restricted.routes`), or as
-    chosen before for an equal call (``fresh``: survey anew)."""
+    chosen before for an equal call (``fresh``: survey anew); under ``"auto"``, on trial against
+    the seed's loop where it is not the loop itself."""
     loss = dataclasses.replace(plan.sparse, batch_spec=spec)
     compiled = backend.compile is True and restricted.compiles()
     joint = plan.one_block and bool(plan.sparse.names)
@@ -687,7 +689,7 @@ def _choose_routes(
     if key is not None and not fresh and key in _ROUTES:
         _ROUTES.move_to_end(key)
         cached = _ROUTES[key]
-        if not any(_masked(plan, i, rows) for i, rows in enumerate(cached.masked_rows)):
+        if not any(_masked(plan, i, rows) for i, rows in enumerate(cached.model.masked_rows)):
             return cached
     found = routes.survey(loss, plan.tensors, inputs[len(plan.tensors) :])
     for i, usage in enumerate(found.usage):
@@ -712,13 +714,16 @@ def _choose_routes(
             for i in members
         )
 
-    loop = method == "auto"
-    chosen = routes.choose(found, sizes, joint, compiled, method != "sparse", together, loop)
+    auto = method == "auto"
+    chosen = routes.choose(found, sizes, joint, compiled, method != "sparse", together, auto)
+    trial = Trial(chosen)
+    if auto and (chosen.groups or not chosen.loop):
+        trial.loop = routes.seed_loop(found, sizes, joint, chosen)
     if key is not None:
-        _ROUTES[key] = chosen
+        _ROUTES[key] = trial
         if len(_ROUTES) > compile_policy.CACHE_SIZE:
             _ROUTES.popitem(last=False)
-    return chosen
+    return trial
 
 
 def _masked(plan: _Plan, i: int, rows: Iterable[int]) -> bool:
@@ -778,21 +783,27 @@ def _sums(
     coords: list[torch.Tensor | None] = [None] * len(plan.tensors)
     total = plan.tensors[0].new_zeros(offsets[-1], offsets[-1]) if plan.one_block else None
     blocks: list[torch.Tensor | None] = [None] * len(sizes)  # None: no batch added yet
-    chosen: routes.Routes | None = None
+    trial: Trial | None = None
+    device = plan.tensors[0].device if plan.tensors else torch.device("cpu")
     for batch in [None] if batches is None else batches:
         batch_values, spec = ([], None) if batches is None else pytree.tree_flatten(batch)
         # the result carries no graph: batch tensors are data, never differentiated through
         batch_values = [v.detach() if isinstance(v, torch.Tensor) else v for v in batch_values]
+        timed = False
         if refusal is None:
             assert isinstance(backend, TorchBackend)  # _static_refusal's condition
-            if chosen is None:
-                chosen = _choose_routes(plan, backend, batch_values, spec, method)
+            if trial is None:
+                trial = _choose_routes(plan, backend, batch_values, spec, method)
+            # a trial compares calls of one batch; a data set's batches may differ in size
+            chosen, timed = trial.next() if batches is None else (trial.model, False)
+            start = _clock(device) if timed else 0.0
             try:
                 parts = _sparse_parts(plan, chosen, coords, batch_values, spec, chunk_size, backend)
             except NotSparse as error:  # this batch uses a tensor differently
                 if method == "sparse":
                     raise ValueError(f"method='sparse' does not apply: {error}") from None
-                chosen = _choose_routes(plan, backend, batch_values, spec, method, fresh=True)
+                trial = _choose_routes(plan, backend, batch_values, spec, method, fresh=True)
+                chosen, timed = trial.model, False
                 parts = _sparse_parts(plan, chosen, coords, batch_values, spec, chunk_size, backend)
             _log_routes(plan, chosen, backend)
             for group, block in parts:
@@ -817,12 +828,37 @@ def _sums(
             _reverse_blocks(
                 plan, reverse, batch_values, spec, chunk_size, backend, total, blocks, inner, loop
             )
+        if timed:
+            assert trial is not None
+            _settle(trial, trial.record(chosen, _clock(device) - start))
     if total is not None:
         return [total]
     return [
         t.new_zeros(k, k) if block is None else block
         for block, t, k in zip(blocks, plan.tensors, sizes, strict=True)
     ]
+
+
+def _clock(device: torch.device) -> float:
+    """Seconds on the compile policy's clock, once ``device``'s queued work is done."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return compile_policy.clock()
+
+
+def _settle(trial: Trial, settled: routes.Routes | None) -> None:
+    """Log the end of a trial (DEBUG, ``pyhvp.sub_hessian``), once it settled."""
+    if settled is None:
+        return
+    _log.debug(
+        "sub_hessian: measured the cost model's routes at %.3g ms and the seed's loop at %.3g ms "
+        "(the faster of %d runs each); keeping %s",
+        trial.fastest(False) * 1e3,
+        trial.fastest(True) * 1e3,
+        TIMED_RUNS,
+        "the seed's loop" if settled is trial.loop else "the cost model's routes",
+        extra={"settled": "loop" if settled is trial.loop else "model"},
+    )
 
 
 def _add(blocks: list[torch.Tensor | None], i: int, value: torch.Tensor) -> None:

@@ -15,6 +15,9 @@ from dense import dense_sub_hessian, loop_sub_hessians
 from torch import nn
 
 import pyhvp
+from pyhvp import submatrix
+from pyhvp.restricted.routes import Routes
+from pyhvp.restricted.trial import TIMED_RUNS, Trial
 
 ROUTES = ("sparse", "reverse", "auto")
 F64 = {"rtol": 1e-9, "atol": 1e-11}
@@ -88,7 +91,7 @@ def routes_taken(caplog):
     """Per logged batch: "sparse" (every tensor), "reverse" (every tensor) or "mixed"."""
     taken = []
     for record in caplog.records:
-        if record.name != "pyhvp.sub_hessian":
+        if record.name != "pyhvp.sub_hessian" or hasattr(record, "settled"):
             continue
         sparse, reverse = getattr(record, "sparse", []), getattr(record, "reverse", ["all"])
         taken.append("mixed" if sparse and reverse else "sparse" if sparse else "reverse")
@@ -576,3 +579,50 @@ def test_a_layer_whose_input_carries_an_earlier_groups_directions_leaves_it_at_m
     assert [u.injections for u in found.usage] == [[(64, 60, 0)], [(64, 4, 0b01)]]
     chosen = pyhvp.restricted.routes.choose(found, [components] * 2, joint=False, compiled=False)
     assert chosen.groups == groups
+
+
+# --- the trial against the seed's loop ----------------------------------------------------
+
+
+def test_a_trial_warms_the_models_routes_up_then_times_both_and_keeps_the_faster():
+    model, loop = Routes((), (0,), 1.0, 1.0), Routes((), (0,), 2.0, 1.0, loop=True)
+    trial = Trial(model, loop)
+    handed = [trial.next() for _ in range(1 + 2 * TIMED_RUNS)]
+    assert handed == [(model, False), (loop, True), (model, True), (loop, True), (model, True)]
+    for plan, seconds in [(loop, 0.3), (model, 0.5), (loop, 0.9)]:
+        assert trial.record(plan, seconds) is None
+    assert trial.record(model, 0.4) is loop  # the faster of each plan's runs: 0.3 against 0.4
+    assert trial.next() == (loop, False)
+
+
+def test_routes_that_are_the_loop_are_not_on_trial():
+    model = Routes((), (0,), 1.0, 1.0, loop=True)
+    assert [Trial(model).next() for _ in range(3)] == [(model, False)] * 3
+
+
+def slow(function, clock, seconds):
+    """``function``, advancing the fake ``clock`` by ``seconds`` per call."""
+
+    def timed(*args, **kwargs):
+        clock[0] += seconds
+        return function(*args, **kwargs)
+
+    return timed
+
+
+@pytest.mark.parametrize(("slower", "kept"), [("_loop_rows", "model"), ("_sparse_pass", "loop")])
+def test_repeated_calls_keep_whichever_plan_ran_faster(slower, kept, monkeypatch, caplog):
+    """The cost model sends ``seed_like`` to the sparse route; on a clock where ``slower`` takes
+    a second, the trial keeps the other plan, and every call's matrix is the dense one."""
+    clock = [0.0]
+    monkeypatch.setattr(pyhvp.backends.compile_policy, "clock", lambda: clock[0])
+    monkeypatch.setattr(submatrix, slower, slow(getattr(submatrix, slower), clock, 1.0))
+    expected = dense_sub_hessian(seed_like, MEDIUM, MANY)
+    with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"):
+        for _ in range(2 + 2 * TIMED_RUNS):
+            got = pyhvp.sub_hessian(seed_like, MEDIUM, MANY, backend=EAGER)
+            torch.testing.assert_close(got, expected, **F64)
+    (settled,) = [r.settled for r in caplog.records if hasattr(r, "settled")]
+    assert settled == kept
+    last = [r.getMessage() for r in caplog.records if hasattr(r, "reverse")][-1]
+    assert ("by the seed's loop" in last) == (kept == "loop")

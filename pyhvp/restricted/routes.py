@@ -561,6 +561,21 @@ def choose(
     return dataclasses.replace(by_loop, reverse_only_cost=best.reverse_only_cost)
 
 
+def seed_loop(found: Survey, sizes: Sequence[int], joint: bool, model: Routes) -> Routes:
+    """Every selected tensor by the seed's loop, with its modelled cost: the alternative a
+    :class:`~pyhvp.restricted.trial.Trial` measures against the ``model``'s routes."""
+    split = _split(found, sizes, joint, False, True, lambda members: True, loop=True)
+    return dataclasses.replace(
+        model,
+        groups=(),
+        reverse=tuple(range(len(sizes))),
+        cost=split.reverse_only_cost,
+        eager_only=frozenset(),
+        chunk=None,
+        loop=True,
+    )
+
+
 def _products(usage: Sequence[Usage]) -> Work:
     """Every selected tensor's product: what a joint dense direction pays."""
     every = Work()
