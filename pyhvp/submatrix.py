@@ -24,8 +24,10 @@ take the reverse route; eagerly, at most ``FEW_TANGENTS`` (4) components per ten
 ``routes.MIN_COMPONENTS`` in all, every tensor does, without a survey -- at a few per tensor by
 the seed's loop itself (one backward per component: no one-hot tangents, no batching setup),
 which the cost model also weighs on every other ``"auto"`` call. With ``joint=True`` the reverse route's
-rows fill the cross blocks of its tensors. The choice is logged on the ``pyhvp.sub_hessian``
-logger at DEBUG level. Both routes' kernels compile under the torch backend's compile policy.
+rows fill the cross blocks of its tensors. An equal call made again (no ``data``) measures: the
+model's routes against the seed's loop, two timed runs each, then the faster
+(:mod:`pyhvp.restricted.trial`). The choice is logged on the ``pyhvp.sub_hessian`` logger at
+DEBUG level. Both routes' kernels compile under the torch backend's compile policy.
 
 With ``data``, the loss is summed over batches: one such pass per batch (and per chunk), the rows
 accumulated, so memory is bounded by one batch; the routes chosen on the first batch hold until a
