@@ -49,7 +49,8 @@ need one pass) and the reverse route gives full rows for the others. A compiled 
 :data:`COMPILED_ELEMENTS` of eager ones, but for a sparse group over a tensor viewed through a
 property (``W.T``), which runs eagerly, and a group over an embedding, whose compiled injection
 costs :data:`INDICATOR_NS` per token and entry and direction: it runs eagerly where that is
-cheaper. A convolution's multiply-adds count :data:`CONVOLUTION` times.
+cheaper. A convolution's multiply-adds count :data:`CONVOLUTION` times (in a compiled sparse
+kernel :data:`COMPILED_CONVOLUTION`).
 """
 
 from __future__ import annotations
@@ -96,12 +97,18 @@ ELEMENT_NS = 0.1
 NORMALISATION = 4.0
 """How many times a normalisation's or softmax's elements count."""
 
-CONVOLUTION = {"forward": 2.0, "sparse": 4.0, "reverse": 6.0, "loop": 4.0}
+CONVOLUTION = {"forward": 2.0, "sparse": 2.0, "reverse": 6.0, "loop": 4.0}
 """A convolution's multiply-adds in a GEMM's, by where they run: in the forward (and a dense
 direction's product), in a direction's tail on the sparse route, on the reverse route (vmap's
 batched ``convolution_backward``) and in the seed's loop (LeNet-5's conv1 alone: 8.3, 12.4 and
-8.4 ms a direction on those three, with the same tail; in the whole model at k = 128 per tensor
-its sparse group took 2.8 s where the reverse route took 1.9, hence 4x, not the fit's 3x)."""
+8.4 ms a direction on those three, with the same tail). LeNet-5 by the sparse route alone,
+eagerly: 0.79x the seed's loop at k = 16 per tensor and 0.90x at 128, where the loop's rate
+(4x) had the model send its first convolution to the loop."""
+
+COMPILED_CONVOLUTION = {"sparse": 4.0}
+"""The same in a compiled kernel, where it differs: inductor's code for a sparse group's batched
+convolutions runs slower than eager ATen's (LeNet-5 by the sparse route alone at k = 128 per
+tensor: 1.81x the seed's loop compiled, 0.90x eagerly), so such a group runs eagerly."""
 
 INDICATOR_NS = 12.0
 """Nanoseconds per token, selected entry and direction of an embedding's injection in a compiled
@@ -428,7 +435,8 @@ def _ns(
     """Modelled nanoseconds of ``work`` (one direction's), eagerly or in a compiled kernel;
     ``where`` it runs prices its convolutions (:data:`CONVOLUTION`)."""
     element = ELEMENT_NS * (COMPILED_ELEMENTS if compiled else 1.0)
-    macs = work.macs + work.convolution * CONVOLUTION[where]
+    convolution = COMPILED_CONVOLUTION.get(where) if compiled else None
+    macs = work.macs + work.convolution * (convolution or CONVOLUTION[where])
     return macs * MAC_NS + work.elements * element + work.table * table_ns
 
 
