@@ -86,6 +86,9 @@ log = logging.getLogger("pyhvp.compile")
 
 def function_key(f: object, _seen: frozenset[int] = frozenset()) -> Hashable:
     """What ``f`` computes, as a hashable key (see the module docstring)."""
+    value = value_key(f)  # first: most leaves are names and numbers
+    if value is not None:
+        return value
     if id(f) in _seen:  # a closure that captures itself
         return Identity(f)
     seen = _seen | {id(f)}
@@ -110,7 +113,7 @@ def function_key(f: object, _seen: frozenset[int] = frozenset()) -> Hashable:
         return ("dataclass", type(f), tuple((k, function_key(v, seen)) for k, v in state.items()))
     if isinstance(f, tuple):
         return ("tuple", tuple(function_key(item, seen) for item in f))
-    return value_key(f) or Identity(f)
+    return Identity(f)
 
 
 def _cell_key(cell: types.CellType, seen: frozenset[int]) -> Hashable:
