@@ -228,7 +228,9 @@ def main(device: str, only: list[str]) -> None:
                     blocks, results["seed loop"], rtol=1e-3, atol=1e-5, msg=name
                 )
             calls = {name: partial(fn, make, X, y, idxs) for name, fn in METHODS.items()}
-            times = interleaved_ms(calls, device, warmup=2, rounds=41, budget_s=30.0)
+            # the steady state: past the compile policy's trial of each compiled kernel (it
+            # alternates compiled and eager calls) and past "auto"'s trial against the loop
+            times = interleaved_ms(calls, device, warmup=8, rounds=41, budget_s=30.0)
             rows = list(times.items())
             report.table(f"{model_name}, k={k} per tensor, {device}", rows, "seed loop")
             report.point(f"sub-Hessians, {model_name}", "k components per tensor", k, rows)
