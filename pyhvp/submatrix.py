@@ -25,8 +25,8 @@ take the reverse route; eagerly, at most ``FEW_TANGENTS`` (4) components per ten
 the seed's loop itself (one backward per component: no one-hot tangents, no batching setup),
 which the cost model also weighs on every other ``"auto"`` call. With ``joint=True`` the reverse route's
 rows fill the cross blocks of its tensors. An equal call made again (no ``data``) measures: the
-model's routes against the seed's loop, two timed runs each, then the faster
-(:mod:`pyhvp.restricted.trial`). The choice is logged on the ``pyhvp.sub_hessian`` logger at
+model's routes against the seed's loop and, unless compiling, the sparse and the reverse route
+alone, two timed runs each, then the fastest (:mod:`pyhvp.restricted.trial`). The choice is logged on the ``pyhvp.sub_hessian`` logger at
 DEBUG level. Both routes' kernels compile under the torch backend's compile policy.
 
 With ``data``, the loss is summed over batches: one such pass per batch (and per chunk), the rows
@@ -71,7 +71,7 @@ from pyhvp.backends import Backend, compile_policy, require_primitive, resolve_b
 from pyhvp.backends.torch import TorchBackend, _normal
 from pyhvp.distributed import Fingerprint, check_group, sum_over_ranks
 from pyhvp.restricted import NotSparse, routes
-from pyhvp.restricted.trial import TIMED_RUNS, Trial
+from pyhvp.restricted.trial import MODEL, TIMED_RUNS, Trial
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -675,7 +675,7 @@ def _choose_routes(
     """The cost model's split of the selected tensors between sparse groups and the reverse
     route, from a survey of the loss on this batch (:mod:`pyhvp.restricted.routes`), or as
     chosen before for an equal call (``fresh``: survey anew); under ``"auto"``, on trial against
-    the seed's loop where it is not the loop itself."""
+    the other plans (:func:`_alternatives`)."""
     loss = dataclasses.replace(plan.sparse, batch_spec=spec)
     compiled = backend.compile is True and restricted.compiles()
     joint = plan.one_block and bool(plan.sparse.names)
@@ -718,14 +718,42 @@ def _choose_routes(
 
     auto = method == "auto"
     chosen = routes.choose(found, sizes, joint, compiled, method != "sparse", together, auto)
-    trial = Trial(chosen)
-    if auto and (chosen.groups or not chosen.loop):
-        trial.loop = routes.seed_loop(found, sizes, joint, chosen)
+    plans = [(MODEL, chosen)]
+    if auto:
+        plans += _alternatives(found, sizes, joint, compiled, together, chosen)
+    trial = Trial(tuple(plans))
     if key is not None:
         _ROUTES[key] = trial
         if len(_ROUTES) > compile_policy.CACHE_SIZE:
             _ROUTES.popitem(last=False)
     return trial
+
+
+def _alternatives(
+    found: routes.Survey,
+    sizes: Sequence[int],
+    joint: bool,
+    compiled: bool,
+    together: Callable[[Sequence[int]], bool],
+    model: routes.Routes,
+) -> list[tuple[str, routes.Routes]]:
+    """The plans a trial measures against the ``model``'s routes (:mod:`pyhvp.restricted.
+    trial`): the seed's loop, and unless compiling, the sparse route alone (where it refuses no
+    tensor) and the reverse route alone; none equal to the model's."""
+    every = tuple(range(len(sizes)))
+    plans = [("the seed's loop", routes.seed_loop(found, sizes, joint, model))]
+    if not compiled:
+        if not any(model.refusals):
+            plans.append(("the sparse route alone", routes.choose(
+                found, sizes, joint, False, reverse=False, together=together)))  # fmt: skip
+        plans.append(("the reverse route alone", dataclasses.replace(
+            model, groups=(), reverse=every, cost=model.reverse_only_cost, eager_only=frozenset(),
+            loop=False)))  # fmt: skip
+
+    def same(a: routes.Routes, b: routes.Routes) -> bool:
+        return (a.groups, a.reverse, a.loop) == (b.groups, b.reverse, b.loop)
+
+    return [(name, plan) for name, plan in plans if not same(plan, model)]
 
 
 def _masked(plan: _Plan, i: int, rows: Iterable[int]) -> bool:
@@ -797,7 +825,7 @@ def _sums(
             if trial is None:
                 trial = _choose_routes(plan, backend, batch_values, spec, method)
             # a trial compares calls of one batch; a data set's batches may differ in size
-            chosen, timed = trial.next() if batches is None else (trial.model, False)
+            name, chosen, timed = trial.next() if batches is None else (MODEL, trial.model, False)
             start = _clock(device) if timed else 0.0
             try:
                 parts = _sparse_parts(plan, chosen, coords, batch_values, spec, chunk_size, backend)
@@ -805,7 +833,7 @@ def _sums(
                 if method == "sparse":
                     raise ValueError(f"method='sparse' does not apply: {error}") from None
                 trial = _choose_routes(plan, backend, batch_values, spec, method, fresh=True)
-                chosen, timed = trial.model, False
+                name, chosen, timed = MODEL, trial.model, False
                 parts = _sparse_parts(plan, chosen, coords, batch_values, spec, chunk_size, backend)
             _log_routes(plan, chosen, backend)
             for group, block in parts:
@@ -832,7 +860,8 @@ def _sums(
             )
         if timed:
             assert trial is not None
-            _settle(trial, trial.record(chosen, _clock(device) - start))
+            if trial.record(name, _clock(device) - start):
+                _log_trial(trial)
     if total is not None:
         return [total]
     return [
@@ -848,18 +877,14 @@ def _clock(device: torch.device) -> float:
     return compile_policy.clock()
 
 
-def _settle(trial: Trial, settled: routes.Routes | None) -> None:
-    """Log the end of a trial (DEBUG, ``pyhvp.sub_hessian``), once it settled."""
-    if settled is None:
-        return
+def _log_trial(trial: Trial) -> None:
+    """The end of a trial, on the ``pyhvp.sub_hessian`` logger (DEBUG)."""
     _log.debug(
-        "sub_hessian: measured the cost model's routes at %.3g ms and the seed's loop at %.3g ms "
-        "(the faster of %d runs each); keeping %s",
-        trial.fastest(False) * 1e3,
-        trial.fastest(True) * 1e3,
+        "sub_hessian: measured %s (the faster of %d runs each); keeping %s",
+        ", ".join(f"{name} at {trial.fastest(name) * 1e3:.3g} ms" for name, _ in trial.plans),
         TIMED_RUNS,
-        "the seed's loop" if settled is trial.loop else "the cost model's routes",
-        extra={"settled": "loop" if settled is trial.loop else "model"},
+        trial.settled,
+        extra={"settled": trial.settled},
     )
 
 

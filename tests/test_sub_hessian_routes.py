@@ -584,20 +584,25 @@ def test_a_layer_whose_input_carries_an_earlier_groups_directions_leaves_it_at_m
 # --- the trial against the seed's loop ----------------------------------------------------
 
 
-def test_a_trial_warms_the_models_routes_up_then_times_both_and_keeps_the_faster():
+def test_a_trial_warms_the_models_routes_up_then_times_every_plan_and_keeps_the_fastest():
     model, loop = Routes((), (0,), 1.0, 1.0), Routes((), (0,), 2.0, 1.0, loop=True)
-    trial = Trial(model, loop)
-    handed = [trial.next() for _ in range(1 + 2 * TIMED_RUNS)]
-    assert handed == [(model, False), (loop, True), (model, True), (loop, True), (model, True)]
-    for plan, seconds in [(loop, 0.3), (model, 0.5), (loop, 0.9)]:
-        assert trial.record(plan, seconds) is None
-    assert trial.record(model, 0.4) is loop  # the faster of each plan's runs: 0.3 against 0.4
-    assert trial.next() == (loop, False)
+    sparse = Routes(((0,),), (), 1.5, 1.0)
+    trial = Trial((("model", model), ("loop", loop), ("sparse", sparse)))
+    handed = [trial.next() for _ in range(1 + 3 * TIMED_RUNS)]
+    assert handed == [("model", model, False)] + [
+        ("loop", loop, True),
+        ("sparse", sparse, True),
+        ("model", model, True),
+    ] * TIMED_RUNS
+    timings = [("loop", 0.3), ("sparse", 0.2), ("model", 0.5), ("loop", 0.9), ("sparse", 0.4)]
+    assert not any(trial.record(name, seconds) for name, seconds in timings)
+    assert trial.record("model", 0.25)  # the fastest of each plan's runs: 0.3, 0.2, 0.25
+    assert trial.next() == ("sparse", sparse, False)
 
 
-def test_routes_that_are_the_loop_are_not_on_trial():
+def test_a_single_plan_is_not_on_trial():
     model = Routes((), (0,), 1.0, 1.0, loop=True)
-    assert [Trial(model).next() for _ in range(3)] == [(model, False)] * 3
+    assert [Trial((("model", model),)).next() for _ in range(3)] == [("model", model, False)] * 3
 
 
 def slow(function, clock, seconds):
@@ -610,19 +615,27 @@ def slow(function, clock, seconds):
     return timed
 
 
-@pytest.mark.parametrize(("slower", "kept"), [("_loop_rows", "model"), ("_sparse_pass", "loop")])
-def test_repeated_calls_keep_whichever_plan_ran_faster(slower, kept, monkeypatch, caplog):
-    """The cost model sends ``seed_like`` to the sparse route; on a clock where ``slower`` takes
-    a second, the trial keeps the other plan, and every call's matrix is the dense one."""
+@pytest.mark.parametrize(
+    ("seconds", "kept"),
+    [
+        ({"_loop_rows": 3, "_sparse_pass": 1, "_one_hot": 2}, "the cost model's routes"),
+        ({"_loop_rows": 1, "_sparse_pass": 2, "_one_hot": 3}, "the seed's loop"),
+        ({"_loop_rows": 3, "_sparse_pass": 2, "_one_hot": 1}, "the reverse route alone"),
+    ],
+    ids=["model", "loop", "reverse"],
+)
+def test_repeated_calls_keep_whichever_plan_ran_fastest(seconds, kept, monkeypatch, caplog):
+    """The cost model sends ``seed_like`` to the sparse route; on a fake clock where the seed's
+    loop, a sparse pass and a batched reverse pass (its one-hot tangents) take the given
+    seconds, the trial keeps the fastest plan, and every call's matrix is the dense one."""
     clock = [0.0]
     monkeypatch.setattr(pyhvp.backends.compile_policy, "clock", lambda: clock[0])
-    monkeypatch.setattr(submatrix, slower, slow(getattr(submatrix, slower), clock, 1.0))
+    for name, spent in seconds.items():
+        monkeypatch.setattr(submatrix, name, slow(getattr(submatrix, name), clock, spent))
     expected = dense_sub_hessian(seed_like, MEDIUM, MANY)
     with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"):
-        for _ in range(2 + 2 * TIMED_RUNS):
+        for _ in range(2 + 3 * TIMED_RUNS):  # a warm-up, three plans' timed runs, one kept
             got = pyhvp.sub_hessian(seed_like, MEDIUM, MANY, backend=EAGER)
             torch.testing.assert_close(got, expected, **F64)
     (settled,) = [r.settled for r in caplog.records if hasattr(r, "settled")]
     assert settled == kept
-    last = [r.getMessage() for r in caplog.records if hasattr(r, "reverse")][-1]
-    assert ("by the seed's loop" in last) == (kept == "loop")

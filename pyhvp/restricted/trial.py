@@ -1,15 +1,17 @@
-"""Which plan a repeated ``method="auto"`` sub-Hessian runs: the cost model's routes or the
-seed's loop, measured on the calls themselves.
+"""Which plan a repeated ``method="auto"`` sub-Hessian runs: the cost model's routes or an
+alternative -- the seed's loop, and eagerly the sparse or the reverse route alone --, measured on
+the calls themselves.
 
 The cost model (:mod:`pyhvp.restricted.routes`) predicts; its constants come from one machine
 and its errors reach 20-30% (a VM's page faults, a core shared with another process, the
-allocator), about the margin by which the model's routes beat the loop on dense networks. So
-when the model's routes are not the loop itself, an equal call (same signature: see
-``submatrix._ROUTES``) runs as a trial: the model's routes first (a warm-up: compiled kernels
-compile there), then the loop and the model's routes alternately, :data:`TIMED_RUNS` timed runs
-each, and from then on whichever took less (the smaller of its runs). Both give the same matrix
-up to rounding. A run is one call; a call with ``data=`` runs the model's routes on every batch
-(its batches may differ in size, which a trial would compare).
+allocator), about the margin by which the model's routes beat the loop on dense networks. So an
+equal call (same signature: see ``submatrix._ROUTES``) runs as a trial: the model's routes first
+(a warm-up: compiled kernels compile there), then every plan in turn, :data:`TIMED_RUNS` timed
+runs each, and from then on the one that took least (the smaller of its runs). Compiled
+(``compile=True``), the only alternative is the loop, which compiles nothing: the routes alone
+would compile kernels of their own to be tried. Every plan gives the same matrix up to rounding.
+A run is one call; a call with ``data=`` runs the model's routes on every batch (its batches may
+differ in size, which a trial would compare).
 """
 
 from __future__ import annotations
@@ -21,43 +23,47 @@ from pyhvp.restricted.routes import Routes
 TIMED_RUNS = 2
 """Timed runs of each plan before the trial settles."""
 
+MODEL = "the cost model's routes"
+
 
 @dataclasses.dataclass
 class Trial:
-    """The trial between the cost model's ``model`` routes and the seed's ``loop`` (None: the
-    model's routes are the loop: nothing to try)."""
+    """The trial between named plans, the cost model's routes (:data:`MODEL`) first; with one
+    plan there is nothing to try."""
 
-    model: Routes
-    loop: Routes | None = None
+    plans: tuple[tuple[str, Routes], ...]
     runs: int = 0
     """Runs handed out so far (the first is the untimed warm-up)."""
-    seconds: dict[bool, list[float]] = dataclasses.field(
-        default_factory=lambda: {False: [], True: []}
-    )
-    """Timed runs, by whether they ran the loop."""
-    settled: Routes | None = None
+    seconds: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    """Timed runs, by plan name."""
+    settled: str | None = None
+    """The name of the plan kept once the trial settled."""
 
-    def next(self) -> tuple[Routes, bool]:
-        """The plan of the next run, and whether to time it (and :meth:`record` it)."""
-        if self.loop is None:
-            return self.model, False
+    @property
+    def model(self) -> Routes:
+        return self.plans[0][1]
+
+    def next(self) -> tuple[str, Routes, bool]:
+        """The next run's plan, by name, and whether to time it (and :meth:`record` it)."""
         if self.settled is not None:
-            return self.settled, False
+            return self.settled, dict(self.plans)[self.settled], False
+        if len(self.plans) == 1:
+            return (*self.plans[0], False)
         runs, self.runs = self.runs, self.runs + 1
         if runs == 0:
-            return self.model, False
-        return (self.loop if runs % 2 else self.model), True
+            return (*self.plans[0], False)
+        order = (*self.plans[1:], self.plans[0])  # the alternatives first: the model is warm
+        return (*order[(runs - 1) % len(order)], True)
 
-    def record(self, plan: Routes, seconds: float) -> Routes | None:
-        """Add a timed run of ``plan``; the plan kept from now on once the trial settles (on this
-        run), else None."""
-        assert self.loop is not None and self.settled is None
-        self.seconds[plan is self.loop].append(seconds)
-        if min(len(times) for times in self.seconds.values()) < TIMED_RUNS:
-            return None
-        self.settled = self.loop if self.fastest(True) < self.fastest(False) else self.model
-        return self.settled
+    def record(self, name: str, seconds: float) -> bool:
+        """Add a timed run of plan ``name``; whether the trial settled on this run."""
+        assert self.settled is None
+        self.seconds.setdefault(name, []).append(seconds)
+        if any(len(self.seconds.get(plan, ())) < TIMED_RUNS for plan, _ in self.plans):
+            return False
+        self.settled = min((plan for plan, _ in self.plans), key=self.fastest)
+        return True
 
-    def fastest(self, loop: bool) -> float:
-        """The smaller of the timed runs of the loop (``loop``) or of the model's routes."""
-        return min(self.seconds[loop])
+    def fastest(self, name: str) -> float:
+        """The smaller of plan ``name``'s timed runs."""
+        return min(self.seconds[name])
