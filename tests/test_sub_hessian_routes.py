@@ -589,11 +589,16 @@ def test_a_trial_warms_the_models_routes_up_then_times_every_plan_and_keeps_the_
     sparse = Routes(((0,),), (), 1.5, 1.0)
     trial = Trial((("model", model), ("loop", loop), ("sparse", sparse)))
     handed = [trial.next() for _ in range(1 + 3 * TIMED_RUNS)]
-    assert handed == [("model", model, False)] + [
-        ("loop", loop, True),
-        ("sparse", sparse, True),
-        ("model", model, True),
-    ] * TIMED_RUNS
+    assert (
+        handed
+        == [("model", model, False)]
+        + [
+            ("loop", loop, True),
+            ("sparse", sparse, True),
+            ("model", model, True),
+        ]
+        * TIMED_RUNS
+    )
     timings = [("loop", 0.3), ("sparse", 0.2), ("model", 0.5), ("loop", 0.9), ("sparse", 0.4)]
     assert not any(trial.record(name, seconds) for name, seconds in timings)
     assert trial.record("model", 0.25)  # the fastest of each plan's runs: 0.3, 0.2, 0.25
