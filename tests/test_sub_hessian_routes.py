@@ -588,21 +588,26 @@ def test_a_trial_warms_the_models_routes_up_then_times_every_plan_and_keeps_the_
     model, loop = Routes((), (0,), 1.0, 1.0), Routes((), (0,), 2.0, 1.0, loop=True)
     sparse = Routes(((0,),), (), 1.5, 1.0)
     trial = Trial((("model", model), ("loop", loop), ("sparse", sparse)))
-    handed = [trial.next() for _ in range(1 + 3 * TIMED_RUNS)]
-    assert (
-        handed
-        == [("model", model, False)]
-        + [
-            ("loop", loop, True),
-            ("sparse", sparse, True),
-            ("model", model, True),
-        ]
-        * TIMED_RUNS
-    )
-    timings = [("loop", 0.3), ("sparse", 0.2), ("model", 0.5), ("loop", 0.9), ("sparse", 0.4)]
-    assert not any(trial.record(name, seconds) for name, seconds in timings)
-    assert trial.record("model", 0.25)  # the fastest of each plan's runs: 0.3, 0.2, 0.25
+    assert trial.next() == ("model", model, False)  # the warm-up
+    timings = [("loop", 0.3), ("sparse", 0.25), ("model", 0.35), ("loop", 0.32), ("sparse", 0.3)]
+    for name, seconds in timings:
+        assert trial.next() == (name, dict(trial.plans)[name], True)
+        assert not trial.record(name, seconds)
+    assert trial.next() == ("model", model, True)
+    assert trial.record("model", 0.26)  # the fastest of each plan's runs: 0.3, 0.25, 0.26
     assert trial.next() == ("sparse", sparse, False)
+
+
+def test_a_plan_much_slower_than_the_fastest_run_is_not_run_again():
+    plans = tuple((name, Routes((), (0,), 1.0, 1.0, loop=name == "loop")) for name in "ab")
+    trial = Trial((("model", Routes(((0,),), (), 1.0, 1.0)), *plans))
+    trial.next()
+    for name, seconds in [("a", 1.0), ("b", 0.5), ("model", 0.6)]:  # a: over DROP x 0.5
+        assert trial.next()[0] == name
+        trial.record(name, seconds)
+    assert trial.next()[0] == "b" and not trial.record("b", 0.5)
+    assert trial.next()[0] == "model" and trial.record("model", 0.4)
+    assert trial.settled == "model" and trial.dropped == {"a"}
 
 
 def test_a_single_plan_is_not_on_trial():

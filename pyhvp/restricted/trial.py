@@ -7,7 +7,8 @@ and its errors reach 20-30% (a VM's page faults, a core shared with another proc
 allocator), about the margin by which the model's routes beat the loop on dense networks. So an
 equal call (same signature: see ``submatrix._ROUTES``) runs as a trial: the model's routes first
 (a warm-up: compiled kernels compile there), then every plan in turn, :data:`TIMED_RUNS` timed
-runs each, and from then on the one that took least (the smaller of its runs). Compiled
+runs each -- a plan slower than :data:`DROP` times the fastest run so far is not run again --, and
+from then on the one that took least (the smaller of its runs). Compiled
 (``compile=True``), the only alternative is the loop, which compiles nothing: the routes alone
 would compile kernels of their own to be tried. Every plan gives the same matrix up to rounding.
 A run is one call; a call with ``data=`` runs the model's routes on every batch (its batches may
@@ -17,11 +18,17 @@ differ in size, which a trial would compare).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from pyhvp.restricted.routes import Routes
 
 TIMED_RUNS = 2
 """Timed runs of each plan before the trial settles."""
+
+DROP = 1.5
+"""A plan whose timed run took this many times the fastest run so far leaves the trial: the
+trial's cost stays near one slow run per plan (the transformer block's reverse route alone,
+eagerly at k = 128 per tensor: 1.9x the seed's loop)."""
 
 MODEL = "the cost model's routes"
 
@@ -36,6 +43,8 @@ class Trial:
     """Runs handed out so far (the first is the untimed warm-up)."""
     seconds: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     """Timed runs, by plan name."""
+    dropped: set[str] = dataclasses.field(default_factory=set)
+    """Plans out of the trial (:data:`DROP`)."""
     settled: str | None = None
     """The name of the plan kept once the trial settled."""
 
@@ -52,17 +61,31 @@ class Trial:
         runs, self.runs = self.runs, self.runs + 1
         if runs == 0:
             return (*self.plans[0], False)
-        order = (*self.plans[1:], self.plans[0])  # the alternatives first: the model is warm
-        return (*order[(runs - 1) % len(order)], True)
+        # the plan with the fewest runs, the alternatives first (the model's routes are warm)
+        order = [*self.plans[1:], self.plans[0]]
+        return (*min(self._pending(order), key=lambda plan: len(self._runs(plan[0]))), True)
 
     def record(self, name: str, seconds: float) -> bool:
         """Add a timed run of plan ``name``; whether the trial settled on this run."""
         assert self.settled is None
         self.seconds.setdefault(name, []).append(seconds)
-        if any(len(self.seconds.get(plan, ())) < TIMED_RUNS for plan, _ in self.plans):
+        best = min(min(runs) for runs in self.seconds.values())
+        self.dropped |= {plan for plan, runs in self.seconds.items() if min(runs) > DROP * best}
+        if self._pending(self.plans):
             return False
-        self.settled = min((plan for plan, _ in self.plans), key=self.fastest)
+        self.settled = min(self.seconds, key=self.fastest)
         return True
+
+    def _runs(self, name: str) -> list[float]:
+        return self.seconds.get(name, [])
+
+    def _pending(self, plans: Sequence[tuple[str, Routes]]) -> list[tuple[str, Routes]]:
+        """The ``plans`` still to be timed."""
+        return [
+            plan
+            for plan in plans
+            if plan[0] not in self.dropped and len(self._runs(plan[0])) < TIMED_RUNS
+        ]
 
     def fastest(self, name: str) -> float:
         """The smaller of plan ``name``'s timed runs."""
