@@ -649,3 +649,24 @@ def test_repeated_calls_keep_whichever_plan_ran_fastest(seconds, kept, monkeypat
             torch.testing.assert_close(got, expected, **F64)
     (settled,) = [r.settled for r in caplog.records if hasattr(r, "settled")]
     assert settled == kept
+
+
+@pytest.mark.parametrize("joint", [False, True])
+def test_every_plan_of_a_trial_gives_the_dense_sub_hessian(joint, caplog):
+    """Repeated calls run the trial's plans in turn (the model's routes, the loop, each route
+    alone): every call, blocks or joint, equals the dense float64 matrix."""
+    params, index = {"v": MEDIUM, "s": SMALL}, {"v": MANY, "s": torch.tensor([0, 9, 63, 9])}
+
+    def loss(p):
+        return seed_like(p["v"]) + weight_decay(p["s"])
+
+    if joint:
+        expected = dense_sub_hessian(loss, params, index)
+    else:
+        expected = {name: dense_sub_hessian(loss, params, {name: i}) for name, i in index.items()}
+    with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"):
+        for _ in range(2 + 4 * TIMED_RUNS):
+            got = pyhvp.sub_hessian(loss, params, index, joint=joint, backend=EAGER)
+            torch.testing.assert_close(got, expected, **F64)
+    ran = {r.getMessage().split(" (modelled")[0] for r in caplog.records if hasattr(r, "reverse")}
+    assert len(ran) >= 3  # the model's routes, the loop and the reverse route alone at least
