@@ -720,7 +720,8 @@ def _choose_routes(
     chosen = routes.choose(found, sizes, joint, compiled, method != "sparse", together, auto)
     plans = [(MODEL, chosen)]
     if auto:
-        plans += _alternatives(found, sizes, joint, compiled, together, chosen)
+        numels = [t.numel() for t in plan.tensors]
+        plans += _alternatives(found, sizes, numels, joint, compiled, together, chosen)
     trial = Trial(tuple(plans))
     if key is not None:
         _ROUTES[key] = trial
@@ -729,9 +730,17 @@ def _choose_routes(
     return trial
 
 
+TRIAL_TANGENTS = 1 << 25
+"""Most elements of one-hot tangents (components times entries of their tensors) the reverse
+route alone may hold beyond the model's routes' to be tried: a trial must not run out of memory
+where the model's routes do not (a large embedding table's reverse route holds a table-sized
+tangent per component)."""
+
+
 def _alternatives(
     found: routes.Survey,
     sizes: Sequence[int],
+    numels: Sequence[int],
     joint: bool,
     compiled: bool,
     together: Callable[[Sequence[int]], bool],
@@ -739,13 +748,18 @@ def _alternatives(
 ) -> list[tuple[str, routes.Routes]]:
     """The plans a trial measures against the ``model``'s routes (:mod:`pyhvp.restricted.
     trial`): the seed's loop, and unless compiling, the sparse route alone (where it refuses no
-    tensor) and the reverse route alone; none equal to the model's."""
+    tensor) and the reverse route alone (within :data:`TRIAL_TANGENTS`); none equal to the
+    model's. ``numels``: entries of each selected tensor."""
     every = tuple(range(len(sizes)))
+    # joint, a reverse pass's tangents span every selected tensor
+    tangents = sum(
+        sizes[i] * (sum(numels) if joint else numels[i]) for i in every if i not in model.reverse
+    )
     plans = [("the seed's loop", routes.seed_loop(found, sizes, joint, model))]
-    if not compiled:
-        if not any(model.refusals):
-            plans.append(("the sparse route alone", routes.choose(
-                found, sizes, joint, False, reverse=False, together=together)))  # fmt: skip
+    if not compiled and not any(model.refusals):
+        plans.append(("the sparse route alone", routes.choose(
+            found, sizes, joint, False, reverse=False, together=together)))  # fmt: skip
+    if not compiled and tangents <= TRIAL_TANGENTS:
         plans.append(("the reverse route alone", dataclasses.replace(
             model, groups=(), reverse=every, cost=model.reverse_only_cost, eager_only=frozenset(),
             loop=False)))  # fmt: skip

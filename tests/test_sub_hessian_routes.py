@@ -670,3 +670,15 @@ def test_every_plan_of_a_trial_gives_the_dense_sub_hessian(joint, caplog):
             torch.testing.assert_close(got, expected, **F64)
     ran = {r.getMessage().split(" (modelled")[0] for r in caplog.records if hasattr(r, "reverse")}
     assert len(ran) >= 3  # the model's routes, the loop and the reverse route alone at least
+
+
+@pytest.mark.parametrize(("bound", "tried"), [(10**9, True), (0, False)], ids=["within", "over"])
+def test_a_trial_tries_the_reverse_route_alone_only_within_its_memory_bound(
+    bound, tried, monkeypatch
+):
+    """The reverse route alone holds a one-hot tangent of its tensor per component: it is
+    tried only where those the model's routes do not hold already fit ``TRIAL_TANGENTS``."""
+    monkeypatch.setattr(submatrix, "TRIAL_TANGENTS", bound)
+    pyhvp.sub_hessian(seed_like, MEDIUM, MANY, backend=EAGER)
+    (trial,) = submatrix._ROUTES.values()
+    assert ("the reverse route alone" in dict(trial.plans)) == tried
