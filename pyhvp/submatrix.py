@@ -24,9 +24,9 @@ take the reverse route; eagerly, at most ``FEW_TANGENTS`` (4) components per ten
 ``routes.MIN_COMPONENTS`` in all, every tensor does, without a survey -- at a few per tensor by
 the seed's loop itself (one backward per component: no one-hot tangents, no batching setup),
 which the cost model also weighs on every other ``"auto"`` call. With ``joint=True`` the reverse route's
-rows fill the cross blocks of its tensors. An equal call made again (no ``data``) measures: the
-model's routes against the seed's loop and, unless compiling, the sparse and the reverse route
-alone, two timed runs each, then the fastest (:mod:`pyhvp.restricted.trial`). The choice is logged on the ``pyhvp.sub_hessian`` logger at
+rows fill the cross blocks of its tensors. An equal call made again (no ``data``; ``compile`` False or True)
+measures: the model's routes against the seed's loop and, unless compiling, the sparse and the
+reverse route alone, two timed runs each, then the fastest (:mod:`pyhvp.restricted.trial`). The choice is logged on the ``pyhvp.sub_hessian`` logger at
 DEBUG level. Both routes' kernels compile under the torch backend's compile policy.
 
 With ``data``, the loss is summed over batches: one such pass per batch (and per chunk), the rows
@@ -719,7 +719,9 @@ def _choose_routes(
     auto = method == "auto"
     chosen = routes.choose(found, sizes, joint, compiled, method != "sparse", together, auto)
     plans = [(MODEL, chosen)]
-    if auto:
+    # compile="auto" compiles a plan's kernels once its eager time pays for that: a trial settled
+    # on eager times would keep the loop where the compiled routes would beat it later
+    if auto and backend.compile != "auto":
         numels = [t.numel() for t in plan.tensors]
         plans += _alternatives(found, sizes, numels, joint, compiled, together, chosen)
     trial = Trial(tuple(plans))

@@ -682,3 +682,11 @@ def test_a_trial_tries_the_reverse_route_alone_only_within_its_memory_bound(
     pyhvp.sub_hessian(seed_like, MEDIUM, MANY, backend=EAGER)
     (trial,) = submatrix._ROUTES.values()
     assert ("the reverse route alone" in dict(trial.plans)) == tried
+
+
+def test_under_the_default_compile_policy_the_models_routes_are_not_on_trial():
+    """``compile="auto"`` compiles the routes' kernels once their eager time pays for it; a trial
+    on eager times could keep the loop for good where the compiled routes beat it later."""
+    pyhvp.sub_hessian(seed_like, MEDIUM, MANY)
+    (trial,) = submatrix._ROUTES.values()
+    assert [name for name, _ in trial.plans] == ["the cost model's routes"]

@@ -13,7 +13,9 @@ from then on the one that took least (the smaller of its runs). Compiled
 would compile kernels of their own to be tried; the reverse route alone is tried only where its
 one-hot tangents fit a memory bound (``submatrix.TRIAL_TANGENTS``). Every plan gives the same matrix up to rounding.
 A run is one call; a call with ``data=`` runs the model's routes on every batch (its batches may
-differ in size, which a trial would compare).
+differ in size, which a trial would compare). Under the default ``compile="auto"`` there is no
+trial: the compile policy compiles a plan's kernels once their eager time pays for it, and a trial
+settled on eager times would keep the loop where the compiled routes beat it later.
 """
 
 from __future__ import annotations
