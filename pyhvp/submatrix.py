@@ -24,9 +24,10 @@ take the reverse route; eagerly, at most ``FEW_TANGENTS`` (4) components per ten
 ``routes.MIN_COMPONENTS`` in all, every tensor does, without a survey -- at a few per tensor by
 the seed's loop itself (one backward per component: no one-hot tangents, no batching setup),
 which the cost model also weighs on every other ``"auto"`` call. With ``joint=True`` the reverse route's
-rows fill the cross blocks of its tensors. An equal call made again (no ``data``; ``compile`` False or True)
-measures: the model's routes against the seed's loop and, unless compiling, the sparse and the
-reverse route alone, two timed runs each, then the fastest (:mod:`pyhvp.restricted.trial`). The choice is logged on the ``pyhvp.sub_hessian`` logger at
+rows fill the cross blocks of its tensors. An equal call made again (no ``data``;
+``compile`` False or True) measures: the model's routes against the seed's loop and, unless
+compiling, the sparse and the reverse route alone, up to two timed runs each, then the fastest
+(:mod:`pyhvp.restricted.trial`). The choice is logged on the ``pyhvp.sub_hessian`` logger at
 DEBUG level. Both routes' kernels compile under the torch backend's compile policy.
 
 With ``data``, the loss is summed over batches: one such pass per batch (and per chunk), the rows
@@ -659,7 +660,7 @@ def _by_loop(plan: _Plan, members: Iterable[int], backend: Backend) -> bool:
 
 _ROUTES: OrderedDict[Hashable, Trial] = OrderedDict()
 """Routes chosen, by what the survey's result depends on (the loss's key, the tensors' and the
-batch's metadata, the selection's sizes, the options), with their trial against the seed's loop
+batch's metadata, the selection's sizes, the options), with their trial against the other plans
 (:mod:`pyhvp.restricted.trial`): a loss called again is not surveyed again. A stale entry costs
 speed only: a use the sparse kernel refuses raises, and the caller surveys anew."""
 
@@ -896,7 +897,7 @@ def _clock(device: torch.device) -> float:
 def _log_trial(trial: Trial) -> None:
     """The end of a trial, on the ``pyhvp.sub_hessian`` logger (DEBUG)."""
     _log.debug(
-        "sub_hessian: measured %s (the faster of %d runs each); keeping %s",
+        "sub_hessian: measured %s (the fastest of up to %d runs each); keeping %s",
         ", ".join(f"{name} at {trial.fastest(name) * 1e3:.3g} ms" for name, _ in trial.plans),
         TIMED_RUNS,
         trial.settled,

@@ -404,6 +404,8 @@ def _entry_shape(op: str, bound: dict[str, Any], key: str | int, out: Any) -> tu
         return 0, 1
     if op in EINSUM_FAMILY:
         inputs, output, _, keys = einsum_form(op, bound)
+        if len(output) != out.ndim:  # not as einsum reads it: a model's estimate, never an error
+            return out.numel(), 1
         own = set(inputs[keys.index(key)])
         placed = math.prod(n for letter, n in zip(output, out.shape, strict=True) if letter in own)
     else:
