@@ -753,19 +753,19 @@ def _alternatives(
     trial`): the seed's loop, and unless compiling, the sparse route alone (where it refuses no
     tensor) and the reverse route alone (within :data:`TRIAL_TANGENTS`); none equal to the
     model's. ``numels``: entries of each selected tensor."""
-    every = tuple(range(len(sizes)))
     # joint, a reverse pass's tangents span every selected tensor
     tangents = sum(
-        sizes[i] * (sum(numels) if joint else numels[i]) for i in every if i not in model.reverse
+        k * (sum(numels) if joint else numels[i])
+        for i, k in enumerate(sizes)
+        if i not in model.reverse
     )
-    plans = [("the seed's loop", routes.seed_loop(found, sizes, joint, model))]
+    plans = [("the seed's loop", routes.reverse_alone(found, sizes, joint, model, loop=True))]
     if not compiled and not any(model.refusals):
         plans.append(("the sparse route alone", routes.choose(
             found, sizes, joint, False, reverse=False, together=together)))  # fmt: skip
     if not compiled and tangents <= TRIAL_TANGENTS:
-        plans.append(("the reverse route alone", dataclasses.replace(
-            model, groups=(), reverse=every, cost=model.reverse_only_cost, eager_only=frozenset(),
-            loop=False)))  # fmt: skip
+        plans.append(("the reverse route alone",
+                      routes.reverse_alone(found, sizes, joint, model, loop=False)))  # fmt: skip
 
     def same(a: routes.Routes, b: routes.Routes) -> bool:
         return (a.groups, a.reverse, a.loop) == (b.groups, b.reverse, b.loop)

@@ -571,19 +571,45 @@ def choose(
     return dataclasses.replace(by_loop, reverse_only_cost=best.reverse_only_cost)
 
 
-def seed_loop(found: Survey, sizes: Sequence[int], joint: bool, model: Routes) -> Routes:
-    """Every selected tensor by the seed's loop, with its modelled cost: the alternative a
-    :class:`~pyhvp.restricted.trial.Trial` measures against the ``model``'s routes."""
-    split = _split(found, sizes, joint, False, True, lambda members: True, loop=True)
+def reverse_alone(
+    found: Survey, sizes: Sequence[int], joint: bool, model: Routes, loop: bool
+) -> Routes:
+    """Every selected tensor on the reverse route, batched or (``loop``) by the seed's loop,
+    with its modelled cost: the alternatives a :class:`~pyhvp.restricted.trial.Trial` measures
+    against the ``model``'s routes (from one survey, whose batched cost the model holds)."""
+    cost = model.reverse_only_cost
+    if loop:
+        fixed, per_tensor = _reverse_costs(found, sizes, joint, False, loop=True)
+        cost = fixed + sum(per_tensor)
     return dataclasses.replace(
         model,
         groups=(),
         reverse=tuple(range(len(sizes))),
-        cost=split.reverse_only_cost,
+        cost=cost,
         eager_only=frozenset(),
-        chunk=None,
-        loop=True,
+        chunk=None if loop else model.chunk,
+        loop=loop,
     )
+
+
+def _reverse_costs(
+    found: Survey, sizes: Sequence[int], joint: bool, compiled: bool, loop: bool
+) -> tuple[float, list[float]]:
+    """Modelled nanoseconds of the reverse route, batched or (``loop``) by the seed's loop: its
+    fixed cost (one forward and backward, the setup), and each selected tensor's."""
+    fixed = FORWARD_AND_BACKWARD * _ns(found.forward, compiled and not loop)
+    if not loop:  # the loop has no setup
+        fixed += COMPILED_SETUP if compiled else REVERSE_SETUP
+    # a reverse direction's gradient is dense in its tensor; joint, in every selected tensor
+    every = _products(found.usage)
+    per_tensor = [
+        sizes[i] * (LOOP_DIRECTION + _reverse_work(u, every, joint, compiled=False, loop=True))
+        if loop
+        else REVERSE_PASS
+        + sizes[i] * (REVERSE_DIRECTION + _reverse_work(u, every, joint, compiled))
+        for i, u in enumerate(found.usage)
+    ]
+    return fixed, per_tensor
 
 
 def _products(usage: Sequence[Usage]) -> Work:
@@ -626,22 +652,11 @@ def _split(
         chunk = None
     eager_only = frozenset(i for i, u in enumerate(usage) if u.property_view is not None)
     masked_rows = tuple(frozenset(u.masked_rows) for u in usage)
-    reverse_fixed = FORWARD_AND_BACKWARD * _ns(found.forward, compiled and not loop)
-    if not loop:  # the loop has no setup
-        reverse_fixed += COMPILED_SETUP if compiled else REVERSE_SETUP
+    reverse_fixed, per_reverse = _reverse_costs(found, sizes, joint, compiled, loop)
     refused = tuple(i for i, u in enumerate(usage) if u.refusal is not None)
     eligible = sorted(
         (i for i, u in enumerate(usage) if u.refusal is None), key=lambda i: (usage[i].order, i)
     )
-    # a reverse direction's gradient is dense in its tensor; joint, in every selected tensor
-    every = _products(usage)
-    per_reverse = [
-        sizes[i] * (LOOP_DIRECTION + _reverse_work(u, every, joint, compiled=False, loop=True))
-        if loop
-        else REVERSE_PASS
-        + sizes[i] * (REVERSE_DIRECTION + _reverse_work(u, every, joint, compiled))
-        for i, u in enumerate(usage)
-    ]
     reverse_only = reverse_fixed + sum(per_reverse)
 
     def group_cost(members: Sequence[int], traced: bool) -> float:
@@ -650,9 +665,9 @@ def _split(
         setup = COMPILED_SETUP if traced else SPARSE_SETUP
         forward = FORWARD_AND_BACKWARD * _ns(found.forward, traced)
         indicators = sum(sizes[i] * usage[i].indicator for i in members) if traced else 0
-        together = sum(1 << i for i in members)
+        mask = sum(1 << i for i in members)
         injected = (COMPILED_ELEMENTS if traced else 1.0) * sum(
-            sizes[i] * _injection_ns(elements, placed, bool(crossed & together))
+            sizes[i] * _injection_ns(elements, placed, bool(crossed & mask))
             for i in members
             for elements, placed, crossed in usage[i].injections
         )

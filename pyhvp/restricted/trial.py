@@ -7,11 +7,11 @@ and its errors reach 20-30% (a VM's page faults, a core shared with another proc
 allocator), about the margin by which the model's routes beat the loop on dense networks. So an
 equal call (same signature: see ``submatrix._ROUTES``) runs as a trial: the model's routes first
 (a warm-up: compiled kernels compile there), then every plan in turn, :data:`TIMED_RUNS` timed
-runs each -- a plan slower than :data:`DROP` times the fastest run so far is not run again --, and
-from then on the one that took least (the smaller of its runs). Compiled
-(``compile=True``), the only alternative is the loop, which compiles nothing: the routes alone
-would compile kernels of their own to be tried; the reverse route alone is tried only where its
-one-hot tangents fit a memory bound (``submatrix.TRIAL_TANGENTS``). Every plan gives the same matrix up to rounding.
+runs each -- a plan slower than :data:`DROP` times the fastest run so far is not run again --,
+and from then on the one that took least (the smaller of its runs). Compiled (``compile=True``),
+the only alternative is the loop, which compiles nothing: the routes alone would compile kernels
+of their own to be tried; the reverse route alone is tried only where its one-hot tangents fit a
+memory bound (``submatrix.TRIAL_TANGENTS``). Every plan gives the same matrix up to rounding.
 A run is one call; a call with ``data=`` runs the model's routes on every batch (its batches may
 differ in size, which a trial would compare). Under the default ``compile="auto"`` there is no
 trial: the compile policy compiles a plan's kernels once their eager time pays for it, and a trial
@@ -42,8 +42,8 @@ class Trial:
     plan there is nothing to try."""
 
     plans: tuple[tuple[str, Routes], ...]
-    runs: int = 0
-    """Runs handed out so far (the first is the untimed warm-up)."""
+    warmed: bool = False
+    """Whether the untimed warm-up run (the model's routes) was handed out."""
     seconds: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     """Timed runs, by plan name."""
     dropped: set[str] = dataclasses.field(default_factory=set)
@@ -61,8 +61,8 @@ class Trial:
             return self.settled, dict(self.plans)[self.settled], False
         if len(self.plans) == 1:
             return (*self.plans[0], False)
-        runs, self.runs = self.runs, self.runs + 1
-        if runs == 0:
+        if not self.warmed:
+            self.warmed = True
             return (*self.plans[0], False)
         # the plan with the fewest runs, the alternatives first (the model's routes are warm)
         order = [*self.plans[1:], self.plans[0]]
