@@ -81,8 +81,12 @@ CASES = {
                                                    x.mean(-1) ** 3], -1),
     "views, indexing, where": _views,
     "det, inverse, solve, slogdet": _linalg,
-    "two-input pointwise ops (fallback)": lambda x: (torch.atan2(x[..., :3], 2 + x[..., 3:])
-                                                     + torch.hypot(x[..., :3], x[..., 3:])).sum(-1),
+    "two-input pointwise ops (fallback)": lambda x: (
+        torch.atan2(x[..., :3], 2 + x[..., 3:]) + torch.hypot(x[..., :3], x[..., 3:])
+        + torch.addcmul(x[..., :3], x[..., 3:], torch.sin(x[..., :3]))
+        + torch.lerp(x[..., :3], x[..., 3:] ** 2, torch.sigmoid(x[..., 3:]))
+        + torch.xlogy(x[..., :3], 2 + x[..., 3:]) + torch.maximum(x[..., :3] ** 3, x[..., 3:])
+    ).sum(-1),
     "lgamma, digamma (pointwise fallback)": lambda x: (torch.lgamma(3 + x)
                                                        + torch.digamma(3 + x)).sum(-1),
     "eigvalsh (general fallback)": lambda x: torch.linalg.eigvalsh(
@@ -164,7 +168,7 @@ def test_a_shared_direction_is_each_instance_s_direction(device):
     torch.testing.assert_close(got.cpu(), expected, **tolerance(4))
 
 
-@pytest.mark.parametrize("name", ["tanh MLP, vector output",
+@pytest.mark.parametrize("name", ["tanh MLP, vector output", "two-input pointwise ops (fallback)",
                                   *(pytest.param(n, marks=pytest.mark.slow) for n in (
                                       "polynomials and products", "softmax, log_softmax, logsumexp",
                                       "conv1d"))])  # fmt: skip
@@ -185,10 +189,20 @@ TERMS = {
 }
 
 
-@pytest.mark.parametrize("terms", TERMS.values(), ids=TERMS.keys())
-@pytest.mark.parametrize("name", ["tanh MLP, vector output",
-                                  *(pytest.param(n, marks=pytest.mark.slow) for n in (
-                                      "polynomials and products", "exp, sin, cos, tanh, sigmoid"))])  # fmt: skip
+def operator_case(name, key):
+    """The MLP in the fast tier; the collapsed fallback of two-input ops below sixth order too
+    (its sixth-order references take seconds each)."""
+    fast = name == "tanh MLP, vector output" or (
+        name == "two-input pointwise ops (fallback)" and max(map(len, TERMS[key])) < 6
+    )
+    return pytest.param(name, TERMS[key], marks=() if fast else pytest.mark.slow,
+                        id=f"{name}-{key}")  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "terms"), [
+    operator_case(n, key) for n in ("tanh MLP, vector output", "two-input pointwise ops (fallback)",
+                                    "polynomials and products", "exp, sin, cos, tanh, sigmoid")
+    for key in TERMS])  # fmt: skip
 def test_differential_operators_match_nested_autograd(name, terms, device):
     f, x = CASES[name], point(device)
     got = pyhvp.differential_operator(f, x, terms, backend=EAGER)

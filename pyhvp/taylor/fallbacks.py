@@ -165,8 +165,9 @@ def pointwise_taylor(ctx: Context, fn: Callable[..., Tensor], primals: tuple[Ten
     whose derivatives at 0 are the coefficients (nested ``torch.func.grad`` of the sum over
     elements and directions: one chain of derivatives of one variable, where every mixed partial
     of ``fn`` composed by Faa di Bruno's formula traced about 25 times as many ops at sixth
-    order). A collapsed top order adds ``fn``'s gradient times the inputs' summed top
-    coefficients to the per-direction rest, summed."""
+    order). A collapsed top order ``K`` differentiates the polynomials truncated below ``K``
+    ``K`` times, sums that over directions and adds ``fn``'s gradient times the inputs' summed
+    top coefficients: the only term of ``h^(K)`` that holds an order-``K`` coefficient."""
     nd, top = out.ndim, ctx.order - 1 if ctx.collapses() else ctx.order
     coefficients = [[coefficient_of(j, nd, k) for k in range(1, ctx.order + 1)] for j in jets]
     spread = tuple(p.expand(out.shape) for p in primals)
@@ -182,16 +183,13 @@ def pointwise_taylor(ctx: Context, fn: Callable[..., Tensor], primals: tuple[Ten
     def along(t: Tensor) -> Tensor:
         return fn(*(polynomial(v, cs, t) for v, cs in zip(spread, coefficients, strict=True)))
 
-    terms: list[Tensor | None] = list(
-        elementwise_derivatives(along, out.new_zeros((lead, *out.shape)), top)
-    )
-    if top < ctx.order:
+    terms = elementwise_derivatives(along, out.new_zeros((lead, *out.shape)), ctx.order)
+    if top < ctx.order:  # the top derivative of the truncated polynomials lacks only g . u_K
         gradient = grad(lambda *p: fn(*p).sum(), argnums=tuple(range(len(spread))))(*spread)
-        rest = None if top == 0 else ctx.summed(cast(Tensor, terms[-1]))
-        terms.append(plus(rest, *(
+        terms[-1] = plus(ctx.summed(cast(Tensor, terms[-1])), *(
             None if cs[-1] is None else broadcast_times(cs[-1], g)
             for cs, g in zip(coefficients, gradient, strict=True)
-        )))  # fmt: skip
+        ))  # fmt: skip
     return Jet(out, tuple(terms))
 
 
