@@ -308,6 +308,73 @@ def test_an_operator_nested_in_another_composes_exactly(case, device):
     torch.testing.assert_close(nested(x).cpu(), closed_form(x.cpu()).double())
 
 
+SEXTIC_SUM = lambda x: (x**6).sum()  # noqa: E731
+"""Summed over instances: Delta^2 per instance 360 |x|^2, so the Hessian of the summed
+bi-Laplacian is 720 I."""
+
+AROUND = {
+    "grad of a laplacian": (
+        lambda x: torch.func.grad(lambda y: pyhvp.laplacian(QUARTIC, y).sum())(x),
+        lambda x: 24 * x),
+    "jvp of grad_and_laplacian's laplacian": (
+        lambda x: torch.func.jvp(lambda y: pyhvp.grad_and_laplacian(QUARTIC, y).laplacian, (x,),
+                                 (torch.ones_like(x),))[1],
+        lambda x: 24 * x.sum(-1)),
+    "jacrev of a laplacian (instances independent)": (
+        lambda x: torch.func.jacrev(lambda y: pyhvp.laplacian(QUARTIC, y))(x),
+        lambda x: torch.eye(len(x), dtype=x.dtype)[..., None] * 24 * x),
+    "hessian of a summed bilaplacian": (
+        lambda x: torch.func.hessian(lambda y: pyhvp.bilaplacian(
+            lambda z: (z**6).sum(-1), y).sum())(x).reshape(x.numel(), x.numel()),
+        lambda x: 720 * torch.eye(x.numel(), dtype=x.dtype)),
+    "vmap of a differential operator": (
+        lambda x: torch.func.vmap(lambda y: pyhvp.differential_operator(
+            QUARTIC, y, {(0, 0): 1.0, (1, 1, 1): 1.0}))(x[None])[0],
+        lambda x: 12 * x[..., 0] ** 2 + 24 * x[..., 1]),
+    "jacfwd of third directional derivatives": (
+        lambda x: torch.func.jacfwd(lambda y: pyhvp.directional_derivatives(
+            QUARTIC, y, torch.ones(3, dtype=y.dtype), order=3)[3].sum())(x),
+        lambda x: torch.full_like(x, 24.0)),
+    "grad in a captured parameter of a laplacian": (
+        lambda x: torch.func.grad(lambda w: pyhvp.laplacian(
+            lambda z: ((z * w) ** 4).sum(-1), x).sum())(torch.full_like(x[0], 1.5)),
+        lambda x: 48 * 1.5**3 * (x**2).sum(0)),
+}  # fmt: skip
+"""A ``torch.func`` transform around an operator: its recorder would see the transform's
+unwrapped tensors (x and captured tensors constants: zeros, as before), so the operator runs by
+nested forward mode there, which composes."""
+
+
+@pytest.mark.parametrize("case", AROUND.values(), ids=AROUND.keys())
+def test_an_operator_inside_a_torch_func_transform_is_differentiated(case, device):
+    transformed, closed_form = case
+    x = point(device)[:, :3]
+    torch.testing.assert_close(transformed(x).cpu(), closed_form(x.cpu()))
+
+
+DUAL = {
+    "laplacian": (lambda x: pyhvp.laplacian(QUARTIC, x), lambda x: 24 * x.sum(-1)),
+    "bilaplacian": (lambda x: pyhvp.bilaplacian(lambda z: (z**6).sum(-1), x),
+                    lambda x: 720 * x.sum(-1)),
+    "hvp": (lambda x: pyhvp.hvp(QUARTIC, x, torch.ones_like(x)), lambda x: 24 * x),
+    "hessian_diagonal, hutchinson": (
+        lambda x: pyhvp.hessian_diagonal(QUARTIC, x, method="hutchinson", samples=3),
+        lambda x: 24 * x),
+}  # fmt: skip
+"""Forward-mode AD (``torch.autograd.forward_ad``) around an operator, along ones: the result's
+tangent (None before: the kernels ran detached, or on detached aliases)."""
+
+
+@pytest.mark.parametrize("case", DUAL.values(), ids=DUAL.keys())
+def test_an_operator_carries_forward_mode_tangents(case, device):
+    operator, closed_form = case
+    x = point(device)[:, :3]
+    with torch.autograd.forward_ad.dual_level():
+        out = operator(torch.autograd.forward_ad.make_dual(x, torch.ones_like(x)))
+        tangent = torch.autograd.forward_ad.unpack_dual(out).tangent
+    torch.testing.assert_close(tangent.detach().cpu(), closed_form(x.cpu()))
+
+
 def test_a_nested_julia_call_is_refused_not_read_as_a_constant():
     """The julia backend's result is opaque to the recorder: refused before Julia starts (the
     backend object is made without starting it, so this runs where Julia does not)."""

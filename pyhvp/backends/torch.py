@@ -31,7 +31,8 @@ Compilation (``TorchBackend(compile=...)``; the rule itself is :mod:`.compile_po
   autograd, jet kernels compile too (``_Detour``: AOTAutograd's compiled forward
   and backward, an eager rerun for backwards that keep or create a graph), under a signature
   that says which inputs need grad; HVP kernels, and calls inside ``torch.func`` transforms or
-  forward-mode AD, run eagerly. HVP kernels treat tensors that ``f`` captures (module
+  forward-mode AD, run eagerly (Taylor coefficients inside a ``torch.func`` transform by nested
+  ``jvp``: ``_nested_forward``). HVP kernels treat tensors that ``f`` captures (module
   parameters) as constants: pass them as args to differentiate through them (jet kernels take
   them as inputs). Inference tensors and calls inside ``torch.inference_mode()`` are accepted.
 * Jet kernels compile on the CPU too: they hold no nested forward-mode AD, which inductor's CPU
@@ -63,7 +64,8 @@ from typing import Any, Literal, TypeVar, cast
 
 import torch
 from torch import fx
-from torch.func import grad, vjp, vmap
+from torch.autograd import forward_ad
+from torch.func import grad, jvp, vjp, vmap
 
 from pyhvp import restricted, taylor
 from pyhvp._checks import check_output, fmt_shape
@@ -169,7 +171,7 @@ def _grad_and_block_hvps_eager(
     with torch.enable_grad():
         # aliases, not the leaves themselves: partial derivatives, never through args made from
         # a leaf
-        ys = [y.view_as(y) if y.requires_grad else y.detach().requires_grad_() for y in leaves]
+        ys = [_differentiable_alias(y) for y in leaves]
         total = f(*ys, *args)
         if not total.requires_grad:  # f is constant in every leaf
             return tuple(map(torch.zeros_like, leaves)), tuple(map(torch.zeros_like, tangents))
@@ -204,6 +206,16 @@ def _grad_and_block_hvps_eager(
     return tuple(g if keep_graph else g.detach() for g in grads), hvs
 
 
+def _differentiable_alias(y: torch.Tensor) -> torch.Tensor:
+    """An alias of ``y`` that requires grad and keeps ``y``'s autograd history and forward-mode
+    tangent (forward over reverse, under ``torch.autograd.forward_ad``)."""
+    if y.requires_grad:
+        return y.view_as(y)
+    primal, tangent = forward_ad.unpack_dual(y)
+    alias = primal.detach().requires_grad_()
+    return alias if tangent is None else forward_ad.make_dual(alias, tangent)
+
+
 def _split(
     n_leaves: int, inputs: tuple[Any, ...]
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], tuple[object, ...]]:
@@ -216,6 +228,45 @@ def _split(
 def _jet_kernel(kernel: taylor.JetKernel, *inputs: torch.Tensor) -> object:
     """A flat jet kernel of :mod:`pyhvp.taylor`: plain aten ops, run eagerly or compiled."""
     return kernel(*inputs)
+
+
+def _nested_forward(
+    f: Callable[..., torch.Tensor], x: torch.Tensor, directions: torch.Tensor,
+    args: Sequence[object], chunk_size: int | None, mode: taylor.JetMode,
+    weights: torch.Tensor | None,
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """``taylor_coefficients`` by ``mode.order`` nested ``torch.func.jvp``, vmapped over the
+    directions: what runs inside a ``torch.func`` transform (``grad``, ``jvp``, ``vmap``, ...
+    around an operator), which composes with it. The recorder cannot run there: it sees the
+    transform's unwrapped tensors, in which ``x`` and the tensors ``f`` captures would be
+    constants (derivatives silently zero). Eager, and exponential in the order."""
+
+    def derivatives(u: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        def upto(k: int) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]]:
+            if k == 0:
+                return lambda y: (f(y, *args),)
+            lower = upto(k - 1)
+
+            def through(y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                values, tangents = jvp(lower, (y,), (u,))
+                return (*values, tangents[-1])
+
+            return through
+
+        return upto(mode.order)(x)
+
+    along = vmap(derivatives, chunk_size=chunk_size)(directions.expand(-1, *x.shape))
+    results = []
+    for k in mode.outputs:
+        if k == 0:
+            results.append(along[0][0])
+        elif mode.collapses(k):
+            top = along[k] if weights is None else along[k] * weights.reshape(
+                -1, *(1,) * (along[k].ndim - 1))  # fmt: skip
+            results.append(top.sum(0).to(x.dtype))
+        else:
+            results.append(along[k].to(x.dtype))
+    return tuple(results)
 
 
 def _finite_derivatives(out: object, mode: taylor.JetMode) -> bool:
@@ -275,18 +326,20 @@ class _InductorGraph:
 
 
 def _needs_autograd(values: Sequence[object]) -> bool:
-    return torch.is_grad_enabled() and any(
-        isinstance(v, torch.Tensor) and v.requires_grad for v in values
+    """Whether a result must carry derivatives: reverse mode's graph (grad mode on and an input
+    requiring grad) or forward mode's tangents (an input that is a dual tensor)."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return True
+    return forward_ad._current_level >= 0 and any(
+        forward_ad.unpack_dual(t).tangent is not None for t in tensors
     )
 
 
 def _plain_autograd() -> bool:
     """No functorch transform (``torch.func.grad``, ``vmap``, ...) and no forward-mode AD level
     is active: what a compiled kernel's autograd supports."""
-    return (
-        torch._C._functorch.peek_interpreter_stack() is None
-        and torch.autograd.forward_ad._current_level < 0
-    )
+    return torch._C._functorch.peek_interpreter_stack() is None and forward_ad._current_level < 0
 
 
 def _normal(inputs: tuple[object, ...]) -> tuple[object, ...]:
@@ -641,6 +694,8 @@ class TorchBackend:
         mode of ``order`` (:mod:`pyhvp.taylor`); ``f`` is recorded once for all chunks, the
         per-direction outputs of the chunks concatenated, the collapsed one summed."""
         mode = taylor.JetMode(order, collapsed, outputs, weights is not None)
+        if not taylor.recording() and torch._C._functorch.peek_interpreter_stack() is not None:
+            return _nested_forward(f, x, directions, args, chunk_size, mode, weights)
         size = chunk_size or len(directions)
         # one chunk: directions themselves (a split costs a few microseconds a call)
         chunks = (directions,) if size >= len(directions) else torch.split(directions, size)
