@@ -692,11 +692,13 @@ def _choose_routes(
     if key is not None and not fresh and key in _ROUTES:
         _ROUTES.move_to_end(key)
         cached = _ROUTES[key]
-        if not any(_masked(plan, i, rows) for i, rows in enumerate(cached.model.masked_rows)):
+        if not any(
+            _masked(plan, i, entries) for i, entries in enumerate(cached.model.masked_entries)
+        ):
             return cached
     found = routes.survey(loss, plan.tensors, inputs[len(plan.tensors) :])
     for i, usage in enumerate(found.usage):
-        if usage.refusal is None and _masked(plan, i, usage.masked_rows):
+        if usage.refusal is None and _masked(plan, i, usage.masked_entries):
             usage.refusal = (
                 "has selected entries in a padding_idx row of torch.nn.functional.embedding, "
                 "where autograd's derivative (the seed's loop's) is zero, not the true one"
@@ -773,13 +775,13 @@ def _alternatives(
     return [(name, plan) for name, plan in plans if not same(plan, model)]
 
 
-def _masked(plan: _Plan, i: int, rows: Iterable[int]) -> bool:
-    """Whether selected tensor ``i`` has selected entries in the table rows ``rows``."""
-    rows = list(rows)
-    if not rows:
+def _masked(plan: _Plan, i: int, entries: Iterable[int]) -> bool:
+    """Whether selected tensor ``i`` has selected entries among its flat ``entries``."""
+    entries = list(entries)
+    if not entries:
         return False
-    selected = plan.flats[i] // plan.tensors[i].shape[-1]
-    return bool(torch.isin(selected, torch.tensor(rows, device=selected.device)).any())
+    selected = plan.flats[i]
+    return bool(torch.isin(selected, torch.tensor(entries, device=selected.device)).any())
 
 
 def _log_routes(plan: _Plan, chosen: routes.Routes, backend: Backend) -> None:

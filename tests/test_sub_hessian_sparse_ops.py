@@ -237,6 +237,12 @@ CASES = [
         {"e": [16, 0, 25, 16, 5]},
     ),
     Case(
+        "embedding with padding_idx of a view e[1:], entries in row 3 of e but not in row 4",
+        on(TOKENS, lambda t, p: squash(F.embedding(t, p["e"][1:], padding_idx=3).sum(1))),
+        {"e": (8, 4)},
+        {"e": [12, 0, 15, 12, 21]},
+    ),
+    Case(
         "embedding, scale_grad_by_freq (autograd's derivative, taken densely)",
         on(TOKENS, lambda t, p: squash(F.embedding(t, p["e"], scale_grad_by_freq=True).sum(1))),
         {"e": (7, 4)},
@@ -327,19 +333,27 @@ def test_each_injection_equals_the_dense_sub_hessian(case, device):
     torch.testing.assert_close(joint, reference(case, loss, params, index), **F64)
 
 
-def test_entries_in_an_embeddings_padding_row_take_the_reverse_route():
+PADDED_TABLES = {
+    "the table itself (padding row 3: entries 12-15)": (lambda e: e, 12),
+    "a view e[1:] (its padding row 3 is row 4 of e: entries 16-19)": (lambda e: e[1:], 17),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("table", PADDED_TABLES.values(), ids=PADDED_TABLES.keys())
+def test_entries_in_an_embeddings_padding_row_take_the_reverse_route(table):
     """Autograd's derivative in a ``padding_idx`` row is zero (the seed's loop's convention), the
     sparse rule's would be the true one: such a selection is refused there, and ``"auto"``
-    takes the reverse route for it."""
-    loss = on(TOKENS, lambda t, p: squash(F.embedding(t, p["e"], padding_idx=3).sum(1)))
-    params, index = {"e": torch.randn(7, 4, dtype=torch.float64)}, {"e": torch.tensor([12, 0])}
+    takes the reverse route for it. Through a view, the row is the view's (it was e's own:
+    the sparse route then served e[1:]'s padding row, wrongly)."""
+    view, padded_entry = table
+    loss = on(TOKENS, lambda t, p: squash(F.embedding(t, view(p["e"]), padding_idx=3).sum(1)))
+    params = {"e": torch.randn(8, 4, dtype=torch.float64)}
     with pytest.raises(ValueError, match="padding_idx row"):
-        pyhvp.sub_hessian(loss, params, index, method="sparse")
-    auto = pyhvp.sub_hessian(loss, params, {"e": torch.tensor([12, 0, 13, 5, 25, 1, 2, 3])})
-    reverse = pyhvp.sub_hessian(
-        loss, params, {"e": torch.tensor([12, 0, 13, 5, 25, 1, 2, 3])}, method="reverse"
-    )
-    torch.testing.assert_close(auto, reverse, **F64)
+        pyhvp.sub_hessian(loss, params, {"e": torch.tensor([padded_entry, 0])}, method="sparse")
+    index = {"e": torch.tensor([padded_entry, 0, 13, 5, 25, 1, 2, 3])}
+    auto = pyhvp.sub_hessian(loss, params, index)
+    torch.testing.assert_close(auto, pyhvp.sub_hessian(loss, params, index, method="reverse"),
+                               **F64)  # fmt: skip
 
 
 @pytest.mark.parametrize("case", CASES[:20:3], ids=lambda c: c.name)

@@ -223,9 +223,22 @@ class Usage:
     """Per op it enters sparsely: the elements of one entry's tangent there, the size of the
     output dims that place it (see :func:`_injection_ns`), and a bit mask of the selected
     tensors the op's other operands depend on."""
-    masked_rows: set[int] = dataclasses.field(default_factory=set)
-    """Rows whose derivative autograd masks (an embedding's ``padding_idx``): the sparse rule
-    gives the true derivative there, the seed's loop and the reverse route zero."""
+    masked_entries: set[int] = dataclasses.field(default_factory=set)
+    """Flat entries whose derivative autograd masks (an embedding's ``padding_idx`` row, read
+    through the view the table is): the sparse rule gives the true derivative there, the seed's
+    loop and the reverse route zero."""
+
+
+def _entries_of_row(tensor: torch.Tensor, view: torch.Tensor, row: int) -> list[int] | None:
+    """The flat entries of ``tensor`` that row ``row`` of ``view`` (``tensor`` or a view of it)
+    reads, from the view's strides; None where they cannot be read so (``tensor`` not
+    contiguous, or the view of another dtype or storage)."""
+    same_storage = view.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
+    if not (tensor.is_contiguous() and view.dtype == tensor.dtype and same_storage):
+        return None
+    offset = view.storage_offset() - tensor.storage_offset()
+    positions = torch.arange(tensor.numel()).as_strided(view.shape, view.stride(), offset)
+    return positions[row].flatten().tolist()
 
 
 class Survey(TorchFunctionMode):
@@ -237,6 +250,7 @@ class Survey(TorchFunctionMode):
         self.usage = [Usage() for _ in tensors]
         self.forward = Work()
         # id -> (tensor, which selected tensor): the selected tensors and the views of them
+        self._tensors = list(tensors)
         self._sources = {id(t): (t, i) for i, t in enumerate(tensors)}
         # id -> (tensor, bit mask of the selected tensors it depends on): the activations
         self._taint: dict[int, tuple[torch.Tensor, int]] = {}
@@ -343,7 +357,13 @@ class Survey(TorchFunctionMode):
                 self._note(source, f"{name} (sparse)")
                 padding = bound.get("padding_idx") if op == "embedding" and bound else None
                 if padding is not None:
-                    usage.masked_rows.add(padding % value.shape[0])
+                    entries = _entries_of_row(self._tensors[source], value,
+                                              padding % value.shape[0])  # fmt: skip
+                    if entries is None:
+                        self._note(source, f"{name} (refused)", "is a padding_idx table through "
+                                   "a view whose entries pyhvp cannot map to its own")  # fmt: skip
+                    else:
+                        usage.masked_entries.update(entries)
                 table = 0
                 if op == "embedding" and bound:
                     table = value.numel()
@@ -537,9 +557,9 @@ class Routes:
     """Selected tensors whose sparse kernel runs eagerly when compiling: those viewed through a
     tensor property (``W.T``), which dynamo traces past the mode, and the groups the model finds
     cheaper eagerly (an embedding's static injection, :data:`INDICATOR_NS`)."""
-    masked_rows: tuple[frozenset[int], ...] = ()
-    """Per selected tensor, :attr:`Usage.masked_rows` (an equal call selecting entries there is
-    surveyed again)."""
+    masked_entries: tuple[frozenset[int], ...] = ()
+    """Per selected tensor, :attr:`Usage.masked_entries` (an equal call selecting one of them
+    is surveyed again)."""
     chunk: int | None = None
     """Directions per batched pass, where all of them would hold more than :data:`BATCHED`
     elements in one output (None: all at once)."""
@@ -651,7 +671,7 @@ def _split(
     if chunk is not None and chunk >= (sum(sizes) if joint else max(sizes, default=0)):
         chunk = None
     eager_only = frozenset(i for i, u in enumerate(usage) if u.property_view is not None)
-    masked_rows = tuple(frozenset(u.masked_rows) for u in usage)
+    masked_entries = tuple(frozenset(u.masked_entries) for u in usage)
     reverse_fixed, per_reverse = _reverse_costs(found, sizes, joint, compiled, loop)
     refused = tuple(i for i, u in enumerate(usage) if u.refusal is not None)
     eligible = sorted(
@@ -702,7 +722,7 @@ def _split(
             reverse_only,
             refusals,
             eager_only,
-            masked_rows,
+            masked_entries,
             chunk,
             loop,
         )
@@ -717,7 +737,7 @@ def _split(
                     reverse_only,
                     refusals,
                     with_eager([members]),
-                    masked_rows,
+                    masked_entries,
                     chunk,
                     loop,
                 )
@@ -746,7 +766,7 @@ def _split(
         reverse_only,
         refusals,
         with_eager(groups),
-        masked_rows,
+        masked_entries,
         chunk,
         loop,
     )
