@@ -211,9 +211,17 @@ def _differentiable_alias(y: torch.Tensor) -> torch.Tensor:
     tangent (forward over reverse, under ``torch.autograd.forward_ad``)."""
     if y.requires_grad:
         return y.view_as(y)
-    primal, tangent = forward_ad.unpack_dual(y)
-    alias = primal.detach().requires_grad_()
-    return alias if tangent is None else forward_ad.make_dual(alias, tangent)
+    tangent = _tangent(y)
+    alias = y.detach().requires_grad_()
+    make_dual = cast(Callable[[torch.Tensor, torch.Tensor], torch.Tensor], forward_ad.make_dual)
+    return alias if tangent is None else make_dual(alias, tangent)
+
+
+def _tangent(t: torch.Tensor) -> torch.Tensor | None:
+    """``t``'s forward-mode tangent at the current ``forward_ad`` level (None: not dual)."""
+    unpack = cast(Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]],
+                  forward_ad.unpack_dual)  # fmt: skip
+    return unpack(t)[1]
 
 
 def _split(
@@ -248,8 +256,8 @@ def _nested_forward(
             lower = upto(k - 1)
 
             def through(y: torch.Tensor) -> tuple[torch.Tensor, ...]:
-                values, tangents = jvp(lower, (y,), (u,))
-                return (*values, tangents[-1])
+                pushed = jvp(lower, (y,), (u,))
+                return (*pushed[0], pushed[1][-1])
 
             return through
 
@@ -331,9 +339,7 @@ def _needs_autograd(values: Sequence[object]) -> bool:
     tensors = [v for v in values if isinstance(v, torch.Tensor)]
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return True
-    return forward_ad._current_level >= 0 and any(
-        forward_ad.unpack_dual(t).tangent is not None for t in tensors
-    )
+    return forward_ad._current_level >= 0 and any(_tangent(t) is not None for t in tensors)
 
 
 def _plain_autograd() -> bool:
