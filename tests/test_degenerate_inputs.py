@@ -83,6 +83,26 @@ def test_an_output_that_is_not_real_floating_is_refused_naming_its_dtype(op, f, 
         call(f, torch.randn(4, 3), "torch")
 
 
+META_CALLS = {
+    **{name: call for name, (call, _) in OPERATORS.items()},
+    "laplacian": lambda f, x, backend: pyhvp.laplacian(f, x, backend=backend),
+}
+
+
+@pytest.mark.parametrize("call", META_CALLS.values(), ids=META_CALLS.keys())
+def test_x_on_the_meta_device_is_refused_naming_it(call):
+    """A meta tensor has shapes but no values: refused by name (an internal ``.item()`` error
+    before)."""
+    with pytest.raises(ValueError, match=r"^(x|params) must hold values.*meta device"):
+        call(cubic, torch.randn(4, 3, device="meta"), "torch")
+
+
+def test_a_sub_hessian_index_on_the_meta_device_is_refused_naming_it():
+    with pytest.raises(ValueError, match=r"^index must hold values.*meta device"):
+        pyhvp.sub_hessian(lambda p: cubic(p).sum(), torch.randn(4, 3),
+                          torch.tensor([0, 4], device="meta"))  # fmt: skip
+
+
 def frozen_first_layer():
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
