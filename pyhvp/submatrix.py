@@ -71,7 +71,7 @@ from pyhvp._user_errors import stacklevel_outside_pyhvp, user_errors
 from pyhvp.backends import Backend, compile_policy, require_primitive, resolve_backend
 from pyhvp.backends.torch import TorchBackend, _normal
 from pyhvp.distributed import Fingerprint, check_group, sum_over_ranks
-from pyhvp.restricted import NotSparse, routes
+from pyhvp.restricted import NotSparse, WritesSelected, routes
 from pyhvp.restricted.trial import MODEL, TIMED_RUNS, Trial
 
 if TYPE_CHECKING:
@@ -624,6 +624,17 @@ def _static_refusal(plan: _Plan, backend: Backend, method: str) -> str | None:
     return None
 
 
+def _written(plan: _Plan, i: int, what: str) -> str:
+    """Why a loss that writes to selected tensor ``i`` is refused, and what to do instead."""
+    return (
+        f"{_label(plan, i)} {what}: sub_hessian never modifies params, and its derivatives "
+        "would be at values other than those given. Make the write before the call (an "
+        "embedding's rows renormalised once: torch.embedding_renorm_(weight, indices, "
+        "max_norm, 2.0) under torch.no_grad()) and give the loss tensors it does not write to "
+        "(max_norm=None)"
+    )
+
+
 def _label(plan: _Plan, i: int) -> str:
     """How the user names selected tensor ``i``."""
     return f"params[{plan.sparse.selected[i]!r}]" if plan.sparse.names else "params"
@@ -696,7 +707,10 @@ def _choose_routes(
             _masked(plan, i, entries) for i, entries in enumerate(cached.model.masked_entries)
         ):
             return cached
-    found = routes.survey(loss, plan.tensors, inputs[len(plan.tensors) :])
+    try:
+        found = routes.survey(loss, plan.tensors, inputs[len(plan.tensors) :])
+    except WritesSelected as error:
+        raise ValueError(_written(plan, error.source, error.what)) from None
     for i, usage in enumerate(found.usage):
         if usage.refusal is None and _masked(plan, i, usage.masked_entries):
             usage.refusal = (
@@ -820,7 +834,12 @@ def _sums(
 ) -> list[torch.Tensor]:
     """The call's blocks (unsymmetrised), summed over the batches. The routes are chosen on the
     first batch and kept while they apply: a batch the sparse route refuses (a loss that uses a
-    tensor differently there) is surveyed again, and the new routes kept from it on."""
+    tensor differently there) is surveyed again, and the new routes kept from it on. A plan
+    whose kernels fail on the first batch (an op that ``torch.func`` or a batched backward
+    cannot run: an ``autograd.Function`` without ``setup_context``, a batch norm in training
+    mode, ``group_norm``'s batched double backward) leaves the trial, and the batch runs again
+    by the seed's loop -- for good, where the model's routes failed -- unless ``method="sparse"``
+    (refused by name)."""
     refusal = "method='reverse'" if method == "reverse" else _static_refusal(plan, backend, method)
     if method == "sparse" and refusal is not None:
         raise ValueError(f"method='sparse' does not apply: {refusal}")
@@ -834,49 +853,78 @@ def _sums(
     blocks: list[torch.Tensor | None] = [None] * len(sizes)  # None: no batch added yet
     trial: Trial | None = None
     device = plan.tensors[0].device if plan.tensors else torch.device("cpu")
-    for batch in [None] if batches is None else batches:
+    versions = [_version(t) for t in plan.tensors]
+    every = tuple(range(len(plan.tensors)))
+    for n, batch in enumerate([None] if batches is None else batches):
         batch_values, spec = ([], None) if batches is None else pytree.tree_flatten(batch)
         # the result carries no graph: batch tensors are data, never differentiated through
         batch_values = [v.detach() if isinstance(v, torch.Tensor) else v for v in batch_values]
-        timed = False
-        if refusal is None:
-            assert isinstance(backend, TorchBackend)  # _static_refusal's condition
-            if trial is None:
-                trial = _choose_routes(plan, backend, batch_values, spec, method)
-            # a trial compares calls of one batch; a data set's batches may differ in size
-            name, chosen, timed = trial.next() if batches is None else (MODEL, trial.model, False)
-            start = _clock(device) if timed else 0.0
-            try:
-                parts = _sparse_parts(plan, chosen, coords, batch_values, spec, chunk_size, backend)
-            except NotSparse as error:  # this batch uses a tensor differently
-                if method == "sparse":
-                    raise ValueError(f"method='sparse' does not apply: {error}") from None
-                trial = _choose_routes(plan, backend, batch_values, spec, method, fresh=True)
-                name, chosen, timed = MODEL, trial.model, False
-                parts = _sparse_parts(plan, chosen, coords, batch_values, spec, chunk_size, backend)
-            _log_routes(plan, chosen, backend)
+        timed, name, start = False, MODEL, 0.0
+        try:
+            if refusal is None:
+                assert isinstance(backend, TorchBackend)  # _static_refusal's condition
+                if trial is None:
+                    trial = _choose_routes(plan, backend, batch_values, spec, method)
+                # a trial compares calls of one batch; a data set's batches may differ in size
+                name, chosen, timed = (
+                    trial.next() if batches is None else (MODEL, trial.model, False)
+                )
+                start = _clock(device) if timed else 0.0
+                try:
+                    parts = _sparse_parts(
+                        plan, chosen, coords, batch_values, spec, chunk_size, backend
+                    )
+                except NotSparse as error:  # this batch uses a tensor differently
+                    if method == "sparse":
+                        raise ValueError(f"method='sparse' does not apply: {error}") from None
+                    trial = _choose_routes(plan, backend, batch_values, spec, method, fresh=True)
+                    name, chosen, timed = MODEL, trial.model, False
+                    parts = _sparse_parts(
+                        plan, chosen, coords, batch_values, spec, chunk_size, backend
+                    )
+                reverse, inner = chosen.reverse, None if chunk_size else chosen.chunk
+                loop = _loops(plan, chosen, backend)
+                _log_routes(plan, chosen, backend)
+            else:
+                parts, reverse, inner = [], every, None
+                loop = _by_loop(plan, reverse, backend)
+                _log.debug("sub_hessian: reverse route%s (%s)", f" {BY_LOOP}" if loop else "",
+                           refusal)  # fmt: skip
             for group, block in parts:
-                starts = list(accumulate([0, *(sizes[i] for i in group)]))
-                for a, i in enumerate(group):
-                    rows = slice(starts[a], starts[a + 1])
-                    if total is None:
-                        _add(blocks, i, block[rows, rows])
-                        continue
-                    for b, j in enumerate(group):
-                        columns = slice(starts[b], starts[b + 1])
-                        total[offsets[i] : offsets[i + 1], offsets[j] : offsets[j + 1]] += block[
-                            rows, columns
-                        ]
-            reverse, inner = chosen.reverse, None if chunk_size else chosen.chunk
-            loop = _loops(plan, chosen, backend)
-        else:
-            reverse, inner = tuple(range(len(plan.tensors))), None
-            loop = _by_loop(plan, reverse, backend)
-            _log.debug("sub_hessian: reverse route%s (%s)", f" {BY_LOOP}" if loop else "", refusal)
-        if reverse:
-            _reverse_blocks(
-                plan, reverse, batch_values, spec, chunk_size, backend, total, blocks, inner, loop
-            )
+                _add_group(plan, group, block, total, blocks)
+            if reverse:
+                _reverse_blocks(plan, reverse, batch_values, spec, chunk_size, backend, total,
+                                blocks, inner, loop)  # fmt: skip
+        except (ValueError, torch.cuda.OutOfMemoryError):
+            raise
+        except Exception as error:
+            if method == "sparse":
+                raise ValueError(
+                    f"method='sparse' does not apply: its kernels cannot run this loss "
+                    f"({type(error).__name__}: {error}); method='auto' takes the seed's loop"
+                ) from error
+            if n or not isinstance(backend, TorchBackend):
+                raise
+            if refusal is not None and loop:  # the loop itself failed: the loss's own error
+                raise
+            # the first batch: nothing else was added yet
+            if total is not None:
+                total.zero_()
+            blocks[:] = [None] * len(blocks)
+            if trial is not None:
+                trial.drop(name, dataclasses.replace(
+                    trial.model, groups=(), reverse=every, chunk=None, eager_only=frozenset(),
+                    loop=True))  # fmt: skip
+            _log.debug("sub_hessian: %s failed (%s: %s); the seed's loop serves the call",
+                       name if refusal is None else "the reverse route", type(error).__name__,
+                       error)  # fmt: skip
+            timed = False
+            _reverse_blocks(plan, every, batch_values, spec, chunk_size, backend, total, blocks,
+                            None, True)  # fmt: skip
+        for i, (t, version) in enumerate(zip(plan.tensors, versions, strict=True)):
+            if _version(t) != version:  # under no_grad, which autograd allows: found after it
+                raise ValueError(_written(plan, i, "was written by the loss under no_grad (it "
+                                          "now holds the written values)"))  # fmt: skip
         if timed:
             assert trial is not None
             if trial.record(name, _clock(device) - start):
@@ -887,6 +935,11 @@ def _sums(
         t.new_zeros(k, k) if block is None else block
         for block, t, k in zip(blocks, plan.tensors, sizes, strict=True)
     ]
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter (None for an inference tensor, which keeps none)."""
+    return None if t.is_inference() else t._version
 
 
 def _clock(device: torch.device) -> float:
@@ -900,11 +953,28 @@ def _log_trial(trial: Trial) -> None:
     """The end of a trial, on the ``pyhvp.sub_hessian`` logger (DEBUG)."""
     _log.debug(
         "sub_hessian: measured %s (the fastest of up to %d runs each); keeping %s",
-        ", ".join(f"{name} at {trial.fastest(name) * 1e3:.3g} ms" for name, _ in trial.plans),
+        ", ".join(f"{name} at {trial.fastest(name) * 1e3:.3g} ms" for name in trial.seconds),
         TIMED_RUNS,
         trial.settled,
         extra={"settled": trial.settled},
     )
+
+
+def _add_group(plan: _Plan, group: Sequence[int], block: torch.Tensor,
+               total: torch.Tensor | None, blocks: list[torch.Tensor | None]) -> None:  # fmt: skip
+    """A sparse group's joint block added to ``blocks`` (its members' diagonal blocks) or to
+    ``total`` (one matrix)."""
+    sizes = [len(flat) for flat in plan.flats]
+    offsets = list(accumulate([0, *sizes]))
+    starts = list(accumulate([0, *(sizes[i] for i in group)]))
+    for a, i in enumerate(group):
+        rows = slice(starts[a], starts[a + 1])
+        if total is None:
+            _add(blocks, i, block[rows, rows])
+            continue
+        for b, j in enumerate(group):
+            columns = slice(starts[b], starts[b + 1])
+            total[offsets[i] : offsets[i + 1], offsets[j] : offsets[j + 1]] += block[rows, columns]
 
 
 def _add(blocks: list[torch.Tensor | None], i: int, value: torch.Tensor) -> None:

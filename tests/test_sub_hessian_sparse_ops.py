@@ -495,10 +495,26 @@ def test_a_forced_sparse_route_it_does_not_cover_names_the_op_and_the_route_take
     assert "getset_descriptor" not in str(error.value)
 
 
-def test_embedding_with_max_norm_is_refused_as_a_write():
-    loss = on(TOKENS, lambda t, p: F.embedding(t, p["e"], max_norm=1.0).sum())
-    with pytest.raises(ValueError, match=r"with max_norm, which writes to it"):
-        pyhvp.sub_hessian(loss, {"e": torch.randn(7, 4)}, {"e": torch.tensor([0])}, method="sparse")
+MAX_NORM_CALLS = {
+    "sparse": ("sparse", torch.arange(2), True),
+    "auto, surveyed (12 components)": ("auto", torch.arange(12), True),
+    "auto, 2 components (not surveyed)": ("auto", torch.arange(2), False),
+    "reverse": ("reverse", torch.arange(12), False),
+}  # fmt: skip
+"""An embedding's ``max_norm`` renormalises the selected table under ``no_grad``, which
+autograd allows (every route ran it, and params changed silently): refused on every route,
+before the write where the loss is surveyed."""
+
+
+@pytest.mark.parametrize("call", MAX_NORM_CALLS.values(), ids=MAX_NORM_CALLS.keys())
+def test_embedding_with_max_norm_is_refused_as_a_write_to_params(call):
+    method, index, before_the_write = call
+    loss = on(TOKENS, lambda t, p: torch.tanh(F.embedding(t, p["e"], max_norm=1.0)).pow(2).sum())
+    table = 3 * torch.randn(7, 4, dtype=torch.float64)
+    given = table.clone()
+    with pytest.raises(ValueError, match=r"params\['e'\] .*(max_norm|under no_grad)"):
+        pyhvp.sub_hessian(loss, {"e": table}, {"e": index}, method=method)
+    assert torch.equal(table, given) == before_the_write
 
 
 @pytest.mark.parametrize(

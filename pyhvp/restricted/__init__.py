@@ -39,11 +39,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pyhvp.restricted.mode import DENSE_LIMIT, Injection, NotSparse
+from pyhvp.restricted.mode import DENSE_LIMIT, Injection, NotSparse, WritesSelected
 
 __all__ = [
     "DENSE_LIMIT",
     "NotSparse",
+    "WritesSelected",
     "compiles",
     "restricted_hessian",
     "selected_entries",

@@ -53,6 +53,16 @@ class NotSparse(BaseException):
     cannot swallow it."""
 
 
+class WritesSelected(BaseException):
+    """The loss would write to selected tensor ``source`` where autograd lets it (``what``:
+    under ``no_grad``, as an embedding's ``max_norm`` renormalises its table): raised before
+    the write, since ``sub_hessian`` never modifies ``params``."""
+
+    def __init__(self, source: int, what: str) -> None:
+        super().__init__(what)
+        self.source, self.what = source, what
+
+
 class Selected(NamedTuple):
     """A selected tensor, or a view of one, with its selected entries."""
 

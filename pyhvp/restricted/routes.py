@@ -66,7 +66,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from pyhvp.restricted import contributions as rules
-from pyhvp.restricted.mode import DENSE_LIMIT, NotSparse, view_positions
+from pyhvp.restricted.mode import DENSE_LIMIT, NotSparse, WritesSelected, view_positions
 from pyhvp.restricted.ops import (
     BIASES,
     CONTRACTED,
@@ -281,8 +281,11 @@ class Survey(TorchFunctionMode):
         for value in pytree.tree_leaves(written):  # stop before the write: params stay as given
             source = self._source(value)
             if source is not None:
+                if not torch.is_grad_enabled():  # the reverse route would make it (autograd may)
+                    raise WritesSelected(source, f"is written by {describe(func)} under no_grad")
                 self._note(source, f"{describe(func)} (a write)", f"is written by {describe(func)}")
                 raise NotSparse(f"{describe(func)} writes to a selected tensor")
+        self._refuse_hidden_writes(op, args, kwargs)
         out = func(*args, **kwargs)
         leaves = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
         outs = [v for v in pytree.tree_leaves(out) if isinstance(v, torch.Tensor)]
@@ -309,6 +312,19 @@ class Survey(TorchFunctionMode):
             for value in outs:
                 self._taint[id(value)] = (value, taint)
         return out
+
+    def _refuse_hidden_writes(self, op: str, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        """An op that writes to a selected tensor under ``no_grad``, inside it (an embedding's
+        ``max_norm``), which no route could undo: refused before it runs."""
+        bound = bind(op, args, kwargs) if op == "embedding" else None
+        if bound is None or not writes_operand(op, bound):
+            return
+        for _, value in contracted(op, bound):
+            source = self._source(value)
+            if source is not None:
+                raise WritesSelected(
+                    source, "enters torch.nn.functional.embedding with max_norm, which "
+                    "renormalises the rows it reads in place")  # fmt: skip
 
     def _classify(
         self,
@@ -400,8 +416,6 @@ def _sparse_operand(
     selected = [(key, t, source(t)) for key, t in contracted(op, bound) if source(t) is not None]
     if not selected:
         return None, None, None
-    if writes_operand(op, bound):
-        return None, None, "enters torch.nn.functional.embedding with max_norm, which writes to it"
     if autograd_convention(op, bound):
         return None, None, None
     largest = selected[0]

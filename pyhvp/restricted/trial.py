@@ -35,6 +35,8 @@ eagerly at k = 128 per tensor: 1.9x the seed's loop)."""
 
 MODEL = "the cost model's routes"
 
+LOOP_FALLBACK = "the seed's loop, where the model's routes failed"
+
 
 @dataclasses.dataclass
 class Trial:
@@ -78,6 +80,18 @@ class Trial:
             return False
         self.settled = min(self.seconds, key=self.fastest)
         return True
+
+    def drop(self, name: str, loop: Routes) -> None:
+        """Plan ``name`` failed (a kernel that cannot run this loss): out of the trial. Where it
+        was the model's routes, the trial is over and ``loop`` (the seed's loop, which runs
+        what autograd runs) serves every equal call."""
+        if name == self.plans[0][0]:
+            self.plans, self.settled = ((LOOP_FALLBACK, loop),), LOOP_FALLBACK
+            return
+        self.dropped.add(name)
+        self.seconds.pop(name, None)
+        if self.settled is None and not self._pending(self.plans):
+            self.settled = min(self.seconds, key=self.fastest) if self.seconds else self.plans[0][0]
 
     def _runs(self, name: str) -> list[float]:
         return self.seconds.get(name, [])
