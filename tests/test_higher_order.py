@@ -335,6 +335,14 @@ AROUND = {
         lambda x: torch.func.jacfwd(lambda y: pyhvp.directional_derivatives(
             QUARTIC, y, torch.ones(3, dtype=y.dtype), order=3)[3].sum())(x),
         lambda x: torch.full_like(x, 24.0)),
+    "grad of a Hutchinson hessian_diagonal (batched HVPs)": (
+        lambda x: torch.func.grad(lambda y: pyhvp.hessian_diagonal(
+            QUARTIC, y, method="hutchinson", samples=3).sum())(x),
+        lambda x: 24 * x),
+    "vmap of hvp with two tangents": (
+        lambda x: torch.func.vmap(lambda y: pyhvp.hvp(
+            QUARTIC, y, torch.stack([y, torch.ones_like(y)])))(x[None])[0],
+        lambda x: 12 * x**2 * torch.stack([x, torch.ones_like(x)])),
     "grad in a captured parameter of a laplacian": (
         lambda x: torch.func.grad(lambda w: pyhvp.laplacian(
             lambda z: ((z * w) ** 4).sum(-1), x).sum())(torch.full_like(x[0], 1.5)),
@@ -342,7 +350,8 @@ AROUND = {
 }  # fmt: skip
 """A ``torch.func`` transform around an operator: its recorder would see the transform's
 unwrapped tensors (x and captured tensors constants: zeros, as before), so the operator runs by
-nested forward mode there, which composes."""
+nested forward mode there, which composes; HVPs run their torch.func kernel there (autograd's
+batched backward leaked its vmap level into the result, which could not even be printed)."""
 
 
 @pytest.mark.parametrize("case", AROUND.values(), ids=AROUND.keys())

@@ -791,6 +791,10 @@ class TorchBackend:
         for good, without a warning: a known limit, not a compiler failure)."""
         if taylor.recording():  # nested in f of a Taylor-engine operator: its ops are f's
             return traced_kernel(f, *static, *inputs)
+        if torch._C._functorch.peek_interpreter_stack() is not None:
+            # inside a torch.func transform: the torch.func kernel composes with it, where
+            # autograd's batched backward (is_grads_batched) leaked its own vmap level
+            return traced_kernel(f, *static, *inputs)
         eager = partial(eager_kernel, f, *static)
         if _needs_autograd(inputs):
             tensors_only = all(isinstance(t, torch.Tensor) for t in inputs)
