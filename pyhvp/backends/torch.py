@@ -31,8 +31,8 @@ Compilation (``TorchBackend(compile=...)``; the rule itself is :mod:`.compile_po
   autograd, jet kernels compile too (``_Detour``: AOTAutograd's compiled forward
   and backward, an eager rerun for backwards that keep or create a graph), under a signature
   that says which inputs need grad; HVP kernels, and calls inside ``torch.func`` transforms or
-  forward-mode AD, run eagerly (Taylor coefficients inside a ``torch.func`` transform by nested
-  ``jvp``: ``_nested_forward``). HVP kernels treat tensors that ``f`` captures (module
+  forward-mode AD, run eagerly (inside a ``torch.func`` transform, Taylor coefficients by nested
+  ``jvp`` -- ``_nested_forward`` -- and HVPs by their ``torch.func`` kernel, which compose). HVP kernels treat tensors that ``f`` captures (module
   parameters) as constants: pass them as args to differentiate through them (jet kernels take
   them as inputs). Inference tensors and calls inside ``torch.inference_mode()`` are accepted.
 * Jet kernels compile on the CPU too: they hold no nested forward-mode AD, which inductor's CPU
