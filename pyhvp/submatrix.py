@@ -45,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import os
 import types
 import warnings
 from collections import OrderedDict
@@ -54,6 +55,8 @@ from itertools import accumulate
 from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
 import torch
+from torch._C._functorch import TransformType
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
@@ -67,7 +70,7 @@ from pyhvp._checks import (
     require_tensor,
 )
 from pyhvp._progress import progress_bar
-from pyhvp._user_errors import stacklevel_outside_pyhvp, user_errors
+from pyhvp._user_errors import PACKAGE, stacklevel_outside_pyhvp, user_errors
 from pyhvp.backends import Backend, compile_policy, require_primitive, resolve_backend
 from pyhvp.backends.torch import TorchBackend, _normal
 from pyhvp.distributed import Fingerprint, check_group, sum_over_ranks
@@ -173,6 +176,7 @@ def sub_hessian(
     >>> torch.equal(H, torch.tensor([[18.0, 0.0, 0.0], [0.0, 4.0, 2.0], [0.0, 2.0, 0.0]]))
     True
     """
+    _refuse_differentiating_transforms()
     group = check_group(group)
     options = (joint, chunk_size, backend, progress, method, group)
     local = partial(_local_sums, loss, params, index, data, *options)
@@ -181,6 +185,18 @@ def sub_hessian(
     if isinstance(params, torch.Tensor) or joint:
         return blocks[0]
     return dict(zip(index, blocks, strict=True))
+
+
+def _refuse_differentiating_transforms() -> None:
+    """A sub-Hessian carries no graph: inside ``torch.func.grad`` (or ``jvp``, ``jacrev``,
+    ``hessian``, ...) its derivative would be silently zero. ``vmap`` is fine."""
+    differentiating = (TransformType.Grad, TransformType.Jvp)
+    if any(i.key() in differentiating for i in retrieve_all_functorch_interpreters()):
+        raise ValueError(
+            "sub_hessian cannot be differentiated: its result carries no graph, so a torch.func "
+            "transform around it (grad, jvp, jacrev, jacfwd, hessian) would see zeros; call it "
+            "outside the transform (vmap around it is fine)"
+        )
 
 
 def _local_sums(
@@ -624,10 +640,10 @@ def _static_refusal(plan: _Plan, backend: Backend, method: str) -> str | None:
     return None
 
 
-def _written(plan: _Plan, i: int, what: str) -> str:
-    """Why a loss that writes to selected tensor ``i`` is refused, and what to do instead."""
+def _written(label: str, what: str) -> str:
+    """Why a loss that writes to the params tensor ``label`` is refused, and what to do."""
     return (
-        f"{_label(plan, i)} {what}: sub_hessian never modifies params, and its derivatives "
+        f"{label} {what}: sub_hessian never modifies params, and its derivatives "
         "would be at values other than those given. Make the write before the call (an "
         "embedding's rows renormalised once: torch.embedding_renorm_(weight, indices, "
         "max_norm, 2.0) under torch.no_grad()) and give the loss tensors it does not write to "
@@ -710,7 +726,7 @@ def _choose_routes(
     try:
         found = routes.survey(loss, plan.tensors, inputs[len(plan.tensors) :])
     except WritesSelected as error:
-        raise ValueError(_written(plan, error.source, error.what)) from None
+        raise ValueError(_written(_label(plan, error.source), error.what)) from None
     for i, usage in enumerate(found.usage):
         if usage.refusal is None and _masked(plan, i, usage.masked_entries):
             usage.refusal = (
@@ -835,11 +851,11 @@ def _sums(
     """The call's blocks (unsymmetrised), summed over the batches. The routes are chosen on the
     first batch and kept while they apply: a batch the sparse route refuses (a loss that uses a
     tensor differently there) is surveyed again, and the new routes kept from it on. A plan
-    whose kernels fail on the first batch (an op that ``torch.func`` or a batched backward
-    cannot run: an ``autograd.Function`` without ``setup_context``, a batch norm in training
-    mode, ``group_norm``'s batched double backward) leaves the trial, and the batch runs again
-    by the seed's loop -- for good, where the model's routes failed -- unless ``method="sparse"``
-    (refused by name)."""
+    whose kernels fail on a batch (an op that ``torch.func`` or a batched backward cannot run:
+    an ``autograd.Function`` without ``setup_context``, a batch norm in training mode,
+    ``group_norm``'s batched double backward) leaves the trial, and the batch runs again by the
+    seed's loop -- for good, where the model's routes failed -- unless ``method="sparse"``
+    (refused by name); an error of the loss's own code is raised as it is."""
     refusal = "method='reverse'" if method == "reverse" else _static_refusal(plan, backend, method)
     if method == "sparse" and refusal is not None:
         raise ValueError(f"method='sparse' does not apply: {refusal}")
@@ -853,13 +869,17 @@ def _sums(
     blocks: list[torch.Tensor | None] = [None] * len(sizes)  # None: no batch added yet
     trial: Trial | None = None
     device = plan.tensors[0].device if plan.tensors else torch.device("cpu")
-    versions = [_version(t) for t in plan.tensors]
+    watched = [*plan.tensors, *plan.others]  # every tensor of params
+    unselected = [name for name in plan.sparse.names if name not in plan.sparse.selected]
+    labels = [*map(partial(_label, plan), range(len(plan.tensors))),
+              *(f"params[{name!r}]" for name in unselected)]  # fmt: skip
+    versions = [_version(t) for t in watched]
     every = tuple(range(len(plan.tensors)))
-    for n, batch in enumerate([None] if batches is None else batches):
+    for batch in [None] if batches is None else batches:
         batch_values, spec = ([], None) if batches is None else pytree.tree_flatten(batch)
         # the result carries no graph: batch tensors are data, never differentiated through
         batch_values = [v.detach() if isinstance(v, torch.Tensor) else v for v in batch_values]
-        timed, name, start = False, MODEL, 0.0
+        timed, name, start, loop = False, MODEL, 0.0, False
         try:
             if refusal is None:
                 assert isinstance(backend, TorchBackend)  # _static_refusal's condition
@@ -890,41 +910,37 @@ def _sums(
                 loop = _by_loop(plan, reverse, backend)
                 _log.debug("sub_hessian: reverse route%s (%s)", f" {BY_LOOP}" if loop else "",
                            refusal)  # fmt: skip
-            for group, block in parts:
-                _add_group(plan, group, block, total, blocks)
+            # the reverse route adds its rows once all are computed, the sparse groups after it:
+            # a failure adds nothing of this batch
             if reverse:
                 _reverse_blocks(plan, reverse, batch_values, spec, chunk_size, backend, total,
                                 blocks, inner, loop)  # fmt: skip
+            for group, block in parts:
+                _add_group(plan, group, block, total, blocks)
         except (ValueError, torch.cuda.OutOfMemoryError):
             raise
         except Exception as error:
+            if not _kernel_failure(error) or loop or not isinstance(backend, TorchBackend):
+                raise  # the loss's own error, or the seed's loop's: as autograd raises it
             if method == "sparse":
                 raise ValueError(
                     f"method='sparse' does not apply: its kernels cannot run this loss "
                     f"({type(error).__name__}: {error}); method='auto' takes the seed's loop"
                 ) from error
-            if n or not isinstance(backend, TorchBackend):
-                raise
-            if refusal is not None and loop:  # the loop itself failed: the loss's own error
-                raise
-            # the first batch: nothing else was added yet
-            if total is not None:
-                total.zero_()
-            blocks[:] = [None] * len(blocks)
             if trial is not None:
                 trial.drop(name, dataclasses.replace(
                     trial.model, groups=(), reverse=every, chunk=None, eager_only=frozenset(),
                     loop=True))  # fmt: skip
-            _log.debug("sub_hessian: %s failed (%s: %s); the seed's loop serves the call",
+            _log.debug("sub_hessian: %s failed (%s: %s); the seed's loop serves the batch",
                        name if refusal is None else "the reverse route", type(error).__name__,
                        error)  # fmt: skip
             timed = False
             _reverse_blocks(plan, every, batch_values, spec, chunk_size, backend, total, blocks,
                             None, True)  # fmt: skip
-        for i, (t, version) in enumerate(zip(plan.tensors, versions, strict=True)):
+        for t, version, label in zip(watched, versions, labels, strict=True):
             if _version(t) != version:  # under no_grad, which autograd allows: found after it
-                raise ValueError(_written(plan, i, "was written by the loss under no_grad (it "
-                                          "now holds the written values)"))  # fmt: skip
+                raise ValueError(_written(label, "was written by the loss under no_grad (it now "
+                                          "holds the written values)"))  # fmt: skip
         if timed:
             assert trial is not None
             if trial.record(name, _clock(device) - start):
@@ -935,6 +951,19 @@ def _sums(
         t.new_zeros(k, k) if block is None else block
         for block, t, k in zip(blocks, plan.tensors, sizes, strict=True)
     ]
+
+
+def _kernel_failure(error: Exception) -> bool:
+    """Whether ``error`` was raised inside torch or pyhvp (a transform or a batched backward
+    refusing what the loss runs), which the seed's loop may serve, rather than by the loss's own
+    code (its innermost frame), which is raised as it is."""
+    frame, traceback = None, error.__traceback__
+    while traceback is not None:
+        frame, traceback = traceback.tb_frame, traceback.tb_next
+    return frame is not None and frame.f_code.co_filename.startswith((TORCH_PACKAGE, PACKAGE))
+
+
+TORCH_PACKAGE = os.path.dirname(torch.__file__) + os.sep
 
 
 def _version(t: torch.Tensor) -> int | None:

@@ -273,6 +273,9 @@ def test_the_bilaplacian_estimator_is_unbiased_and_reproducible():
 QUARTIC = lambda x: (x**4).sum(-1)  # noqa: E731
 """Per instance: Delta f = 12 |x|^2, Delta^2 f = 24 N, d_i^2 Delta f = 24."""
 
+QUINTIC = lambda x: (x**5).sum(-1)  # noqa: E731
+"""Per instance: Delta f = 20 sum x_i^3, whose gradient 60 x_i^2 has Laplacians 120."""
+
 NESTED = {
     "laplacian of laplacian": (lambda x: pyhvp.laplacian(lambda y: pyhvp.laplacian(QUARTIC, y), x),
                                lambda x: torch.full(x.shape[:-1], 24.0 * x.shape[-1])),
@@ -292,13 +295,22 @@ NESTED = {
         lambda x: pyhvp.directional_derivatives(lambda y: pyhvp.laplacian(QUARTIC, y), x,
                                                 torch.ones(x.shape[-1], dtype=x.dtype), order=2)[2],
         lambda x: torch.full(x.shape[:-1], 24.0 * x.shape[-1])),
+    "laplacian of torch.func.grad of a laplacian": (
+        lambda x: pyhvp.laplacian(lambda y: torch.func.grad(
+            lambda z: pyhvp.laplacian(QUINTIC, z).sum())(y), x),
+        lambda x: torch.full(x.shape, 120.0)),
+    "laplacian of torch.func.vmap of a laplacian": (
+        lambda x: pyhvp.laplacian(lambda y: torch.func.vmap(
+            lambda z: pyhvp.laplacian(QUINTIC, z[None])[0])(y), x),
+        lambda x: 120 * x.sum(-1)),
     "laplacian inside torch.func.grad inside laplacian": (
         lambda x: pyhvp.laplacian(lambda y: torch.func.vmap(torch.func.grad(
             lambda z: pyhvp.laplacian(QUARTIC, z[None])[0]))(y).sum(-1), x),
         lambda x: torch.zeros(x.shape[:-1])),
 }  # fmt: skip
 """Issue 26: each of these returned zeros before (the inner operator ran under ``no_grad`` on a
-detached ``x``, which the outer recorder read as a constant)."""
+detached ``x``, which the outer recorder read as a constant); with a ``torch.func`` transform
+between the two, so did the inner operator's record (the transform's unwrapped tensors)."""
 
 
 @pytest.mark.parametrize("case", NESTED.values(), ids=NESTED.keys())
@@ -343,6 +355,10 @@ AROUND = {
         lambda x: torch.func.vmap(lambda y: pyhvp.hvp(
             QUARTIC, y, torch.stack([y, torch.ones_like(y)])))(x[None])[0],
         lambda x: 12 * x**2 * torch.stack([x, torch.ones_like(x)])),
+    "vmap of a laplacian over an expanded x (stride 0)": (
+        lambda x: torch.func.vmap(lambda y: pyhvp.laplacian(QUARTIC, y))(
+            x[None].expand(2, *x.shape))[1],
+        lambda x: 12 * (x**2).sum(-1)),
     "grad in a captured parameter of a laplacian": (
         lambda x: torch.func.grad(lambda w: pyhvp.laplacian(
             lambda z: ((z * w) ** 4).sum(-1), x).sum())(torch.full_like(x[0], 1.5)),

@@ -680,6 +680,67 @@ def test_a_loss_the_kernels_cannot_run_is_served_by_the_seeds_loop_on_every_call
         torch.testing.assert_close(got, expected, **F64)
 
 
+def test_a_later_batch_the_kernels_cannot_run_is_served_by_the_seeds_loop():
+    """Over ``data``, the batch a plan fails on runs again by the seed's loop, whichever batch it
+    is: nothing of a failed batch was added (the reverse rows and sparse blocks are added once
+    all are computed)."""
+    p = torch.randn(5, 8, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    index = torch.arange(0, 40, 3)
+    batches = [torch.tensor(0), torch.tensor(1)]  # batch 1 goes through the old-style Function
+
+    def loss(q, which):
+        return old_style_function(q) if which else old_style_function(q, torch.square)
+
+    expected = 2 * dense_sub_hessian(lambda q: old_style_function(q, torch.square), p, index)
+    for _ in range(3):
+        got = pyhvp.sub_hessian(loss, p, index, data=batches, backend=EAGER)
+        torch.testing.assert_close(got, expected, **F64)
+
+
+def test_the_losss_own_error_is_raised_not_retried_by_the_loop():
+    """An exception the loss raises itself (its innermost frame is the loss's) is raised as it
+    is, every time, even where a rerun would not raise it."""
+    calls = []
+
+    def flaky(p):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("the loss's own error")
+        return seed_like(p)
+
+    with pytest.raises(RuntimeError, match="the loss's own error"):
+        for _ in range(3):
+            pyhvp.sub_hessian(flaky, MEDIUM, MANY, backend=EAGER)
+
+
+def test_a_write_to_a_tensor_of_params_that_is_not_selected_is_refused_naming_it():
+    """The loss renormalises ``params['e']`` (an embedding's ``max_norm``) while ``w`` alone is
+    selected: refused after the run (nothing else surveys ``e``), naming ``e``."""
+    tokens = torch.tensor([[0, 1, 2], [3, 4, 0]])
+    params = {
+        "e": 3 * torch.randn(5, 8, dtype=torch.float64),
+        "w": torch.randn(8, 8, dtype=torch.float64),
+    }
+
+    def loss(p):
+        return torch.tanh(F.embedding(tokens, p["e"], max_norm=1.0) @ p["w"]).pow(2).sum()
+
+    with pytest.raises(ValueError, match=r"params\['e'\] was written by the loss under no_grad"):
+        pyhvp.sub_hessian(loss, params, {"w": torch.arange(12)})
+
+
+def test_a_sub_hessian_inside_a_differentiating_transform_is_refused_and_vmap_runs():
+    """The result carries no graph: ``torch.func.grad`` of it gave zeros silently."""
+    p = torch.randn(5, dtype=torch.float64)
+
+    def sub(q):
+        return pyhvp.sub_hessian(lambda r: (r**4).sum(), q, torch.tensor([0, 1]))
+
+    with pytest.raises(ValueError, match="sub_hessian cannot be differentiated"):
+        torch.func.grad(lambda q: sub(q).sum())(p)
+    torch.testing.assert_close(torch.func.vmap(sub)(p[None])[0], torch.diag(12 * p[:2] ** 2))
+
+
 def test_a_forced_sparse_route_that_cannot_run_the_loss_is_refused_by_name():
     p = torch.randn(5, 8, dtype=torch.float64)
     with pytest.raises(ValueError, match=r"method='sparse' does not apply: its kernels.*setup_con"):
