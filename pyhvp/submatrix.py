@@ -916,7 +916,7 @@ def _sums(
                 _reverse_blocks(plan, reverse, batch_values, spec, chunk_size, backend, total,
                                 blocks, inner, loop)  # fmt: skip
             for group, block in parts:
-                _add_group(plan, group, block, total, blocks)
+                _add_group(group, block, offsets, total, blocks)
         except (ValueError, torch.cuda.OutOfMemoryError):
             raise
         except Exception as error:
@@ -928,9 +928,7 @@ def _sums(
                     f"({type(error).__name__}: {error}); method='auto' takes the seed's loop"
                 ) from error
             if trial is not None:
-                trial.drop(name, dataclasses.replace(
-                    trial.model, groups=(), reverse=every, chunk=None, eager_only=frozenset(),
-                    loop=True))  # fmt: skip
+                trial.drop(name, routes.every_tensor_reverse(trial.model, len(every), loop=True))
             _log.debug("sub_hessian: %s failed (%s: %s); the seed's loop serves the batch",
                        name if refusal is None else "the reverse route", type(error).__name__,
                        error)  # fmt: skip
@@ -953,6 +951,9 @@ def _sums(
     ]
 
 
+TORCH_PACKAGE = os.path.dirname(torch.__file__) + os.sep
+
+
 def _kernel_failure(error: Exception) -> bool:
     """Whether ``error`` was raised inside torch or pyhvp (a transform or a batched backward
     refusing what the loss runs), which the seed's loop may serve, rather than by the loss's own
@@ -961,9 +962,6 @@ def _kernel_failure(error: Exception) -> bool:
     while traceback is not None:
         frame, traceback = traceback.tb_frame, traceback.tb_next
     return frame is not None and frame.f_code.co_filename.startswith((TORCH_PACKAGE, PACKAGE))
-
-
-TORCH_PACKAGE = os.path.dirname(torch.__file__) + os.sep
 
 
 def _version(t: torch.Tensor) -> int | None:
@@ -989,13 +987,11 @@ def _log_trial(trial: Trial) -> None:
     )
 
 
-def _add_group(plan: _Plan, group: Sequence[int], block: torch.Tensor,
+def _add_group(group: Sequence[int], block: torch.Tensor, offsets: Sequence[int],
                total: torch.Tensor | None, blocks: list[torch.Tensor | None]) -> None:  # fmt: skip
     """A sparse group's joint block added to ``blocks`` (its members' diagonal blocks) or to
-    ``total`` (one matrix)."""
-    sizes = [len(flat) for flat in plan.flats]
-    offsets = list(accumulate([0, *sizes]))
-    starts = list(accumulate([0, *(sizes[i] for i in group)]))
+    ``total`` (one matrix whose tensor ``i`` spans ``offsets[i]:offsets[i + 1]``)."""
+    starts = list(accumulate([0, *(offsets[i + 1] - offsets[i] for i in group)]))
     for a, i in enumerate(group):
         rows = slice(starts[a], starts[a + 1])
         if total is None:

@@ -367,16 +367,24 @@ class _InductorGraph:
 def _needs_autograd(values: Sequence[object]) -> bool:
     """Whether a result must carry derivatives: reverse mode's graph (grad mode on and an input
     requiring grad) or forward mode's tangents (an input that is a dual tensor)."""
-    tensors = [v for v in values if isinstance(v, torch.Tensor)]
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+    if torch.is_grad_enabled() and any(
+        isinstance(v, torch.Tensor) and v.requires_grad for v in values
+    ):
         return True
-    return forward_ad._current_level >= 0 and any(_tangent(t) is not None for t in tensors)
+    return forward_ad._current_level >= 0 and any(
+        isinstance(v, torch.Tensor) and _tangent(v) is not None for v in values
+    )
+
+
+def _inside_transform() -> bool:
+    """Whether a functorch transform (``torch.func.grad``, ``vmap``, ...) is active."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
 
 
 def _plain_autograd() -> bool:
-    """No functorch transform (``torch.func.grad``, ``vmap``, ...) and no forward-mode AD level
-    is active: what a compiled kernel's autograd supports."""
-    return torch._C._functorch.peek_interpreter_stack() is None and forward_ad._current_level < 0
+    """No functorch transform and no forward-mode AD level is active: what a compiled kernel's
+    autograd supports."""
+    return not _inside_transform() and forward_ad._current_level < 0
 
 
 def _normal(inputs: tuple[object, ...]) -> tuple[object, ...]:
@@ -731,7 +739,7 @@ class TorchBackend:
         mode of ``order`` (:mod:`pyhvp.taylor`); ``f`` is recorded once for all chunks, the
         per-direction outputs of the chunks concatenated, the collapsed one summed."""
         mode = taylor.JetMode(order, collapsed, outputs, weights is not None)
-        if torch._C._functorch.peek_interpreter_stack() is not None:
+        if _inside_transform():
             return _nested_forward(f, x, directions, args, chunk_size, mode, weights)
         size = chunk_size or len(directions)
         # one chunk: directions themselves (a split costs a few microseconds a call)
@@ -822,7 +830,7 @@ class TorchBackend:
         for good, without a warning: a known limit, not a compiler failure)."""
         if taylor.recording():  # nested in f of a Taylor-engine operator: its ops are f's
             return traced_kernel(f, *static, *inputs)
-        if torch._C._functorch.peek_interpreter_stack() is not None:
+        if _inside_transform():
             # inside a torch.func transform: the torch.func kernel composes with it, where
             # autograd's batched backward (is_grads_batched) leaked its own vmap level
             return traced_kernel(f, *static, *inputs)

@@ -236,9 +236,10 @@ def _entries_of_row(tensor: torch.Tensor, view: torch.Tensor, row: int) -> list[
     same_storage = view.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
     if not (tensor.is_contiguous() and view.dtype == tensor.dtype and same_storage):
         return None
-    offset = view.storage_offset() - tensor.storage_offset()
-    positions = torch.arange(tensor.numel()).as_strided(view.shape, view.stride(), offset)
-    return positions[row].flatten().tolist()
+    positions = torch.tensor(view.storage_offset() - tensor.storage_offset() + row * view.stride(0))
+    for size, stride in zip(view.shape[1:], view.stride()[1:], strict=True):
+        positions = positions[..., None] + torch.arange(size) * stride
+    return positions.flatten().tolist()
 
 
 class Survey(TorchFunctionMode):
@@ -615,11 +616,16 @@ def reverse_alone(
     if loop:
         fixed, per_tensor = _reverse_costs(found, sizes, joint, False, loop=True)
         cost = fixed + sum(per_tensor)
+    return dataclasses.replace(every_tensor_reverse(model, len(sizes), loop), cost=cost)
+
+
+def every_tensor_reverse(model: Routes, count: int, loop: bool) -> Routes:
+    """``model`` with all ``count`` selected tensors on the reverse route, batched or
+    (``loop``) by the seed's loop; its costs are ``model``'s."""
     return dataclasses.replace(
         model,
         groups=(),
-        reverse=tuple(range(len(sizes))),
-        cost=cost,
+        reverse=tuple(range(count)),
         eager_only=frozenset(),
         chunk=None if loop else model.chunk,
         loop=loop,
