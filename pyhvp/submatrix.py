@@ -43,6 +43,7 @@ tensor, and per op it enters at most ``K * out`` for its directions' tangents.
 from __future__ import annotations
 
 import dataclasses
+import dis
 import inspect
 import logging
 import os
@@ -952,16 +953,27 @@ def _sums(
 
 
 TORCH_PACKAGE = os.path.dirname(torch.__file__) + os.sep
+_RAISES = frozenset({"RAISE_VARARGS", "RERAISE"})  # the opcodes of a raise statement
 
 
 def _kernel_failure(error: Exception) -> bool:
-    """Whether ``error`` was raised inside torch or pyhvp (a transform or a batched backward
-    refusing what the loss runs), which the seed's loop may serve, rather than by the loss's own
-    code (its innermost frame), which is raised as it is."""
-    frame, traceback = None, error.__traceback__
-    while traceback is not None:
-        frame, traceback = traceback.tb_frame, traceback.tb_next
-    return frame is not None and frame.f_code.co_filename.startswith((TORCH_PACKAGE, PACKAGE))
+    """Whether ``error`` came from torch or pyhvp (a transform or a batched backward refusing
+    what the loss runs), which the seed's loop may serve: raised in torch's or pyhvp's code, or a
+    ``RuntimeError`` of a torch call in the loss (an op implemented in C++ raises in the loss's
+    own frame). A ``raise`` statement of the loss's own code is its own error, raised as it is."""
+    traceback = error.__traceback__
+    if traceback is None:
+        return False
+    while traceback.tb_next is not None:
+        traceback = traceback.tb_next
+    code = traceback.tb_frame.f_code
+    if code.co_filename.startswith((TORCH_PACKAGE, PACKAGE)):
+        return True
+    raising = any(
+        instruction.offset == traceback.tb_lasti and instruction.opname in _RAISES
+        for instruction in dis.get_instructions(code)
+    )
+    return isinstance(error, RuntimeError) and not raising
 
 
 def _version(t: torch.Tensor) -> int | None:

@@ -632,7 +632,8 @@ def test_a_plan_that_fails_leaves_the_trial_and_the_models_failure_ends_it():
 
 class OldStyleSquare(torch.autograd.Function):
     """An ``autograd.Function`` without ``setup_context``: autograd runs it, ``torch.func``
-    (the sparse kernels' vmap and jvp) refuses it."""
+    (the sparse kernels' vmap and jvp) refuses it -- from torch 2.14 on in C++, so the refusal is
+    raised in the loss's own frame, like an error of the loss's own."""
 
     @staticmethod
     def forward(ctx, x):
@@ -698,7 +699,7 @@ def test_a_later_batch_the_kernels_cannot_run_is_served_by_the_seeds_loop():
 
 
 def test_the_losss_own_error_is_raised_not_retried_by_the_loop():
-    """An exception the loss raises itself (its innermost frame is the loss's) is raised as it
+    """An exception the loss raises itself (by a raise statement of its own) is raised as it
     is, every time, even where a rerun would not raise it."""
     calls = []
 
