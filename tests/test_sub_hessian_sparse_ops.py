@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from dense import dense_sub_hessian, loop_sub_hessians
 from torch import nn
+from torch._dynamo.utils import counters
 
 import pyhvp
 from pyhvp.restricted.contributions import Contribution, inject
@@ -556,7 +557,7 @@ def test_ops_are_named_as_the_user_wrote_them(func, name):
 def test_the_compiled_injection_equals_the_dense_sub_hessian(case, device, recwarn):
     """Compiled from the first call, twice; no warning (a compiled kernel that disagreed with
     eager's first result would warn). ``W.T`` is a tensor property, which dynamo traces past the
-    mode: its kernel runs eagerly, still without a warning."""
+    mode on torch 2.13: its kernel runs eagerly there, still without a warning."""
     if not pyhvp.restricted.compiles():
         pytest.skip("this torch's dynamo drops the mode")
     loss, params, index = case.make(device)
@@ -568,6 +569,45 @@ def test_the_compiled_injection_equals_the_dense_sub_hessian(case, device, recwa
     for got in calls:
         torch.testing.assert_close(got, dense_sub_hessian(loss, params, index), **F64)
     assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+
+
+WIDE_X = tensors((3, 1300), seed=3)[0]
+"""Inputs for a weight of 5 x 1300 entries, over :data:`~pyhvp.restricted.DENSE_LIMIT`: a use
+without a sparse rule would be refused, not entered densely."""
+
+PROPERTY_VIEWS = {
+    "x @ W.T": lambda p: squash(WIDE_X @ p["w"].T),
+    "x @ W.mT": lambda p: squash(WIDE_X @ p["w"].mT),
+    "x @ W.T[1:] (a view of the property)": lambda p: squash(WIDE_X[:, 1:] @ p["w"].T[1:]),
+}
+
+
+@pytest.mark.parametrize("loss", PROPERTY_VIEWS.values(), ids=PROPERTY_VIEWS.keys())
+def test_a_wide_tensor_viewed_through_a_property_takes_the_sparse_route_compiled(loss):
+    """``compile=True``, forced sparse: compiled where dynamo hands the property to the mode
+    (torch 2.14, as ``aten.numpy_T``, ``aten.mT``), eagerly where it traces it past the mode
+    (2.13); both give the dense sub-Hessian."""
+    (w,) = tensors((5, 1300), seed=4)
+    index = {"w": torch.tensor([4, 1300, 2, 4, 6499])}
+    got = pyhvp.sub_hessian(loss, {"w": w}, index, method="sparse", joint=True,
+                            backend=pyhvp.TorchBackend(compile=True))  # fmt: skip
+    torch.testing.assert_close(got, dense_sub_hessian(loss, {"w": w}, index), **F64)
+
+
+def test_a_property_views_kernel_compiles_whole_exactly_where_dynamo_hands_it_to_the_mode(
+    compiled,
+):
+    """Compiled in one graph where dynamo hands ``W.T`` to the mode as ``aten.numpy_T`` (torch
+    2.14; a graph break there ran the loss eagerly: 4.3 ms a call where whole takes 0.6);
+    never compiled where dynamo traces it past the mode (2.13: ``W.T`` would be a constant):
+    :func:`pyhvp.restricted.compiles_property_views`."""
+    expected = pyhvp.restricted.compiles_property_views()  # its probe compiles before the count
+    compiled.clear()
+    counters.clear()
+    (w,) = tensors((5, 1300), seed=4)
+    pyhvp.sub_hessian(PROPERTY_VIEWS["x @ W.T"], {"w": w}, {"w": torch.arange(8)},
+                      method="sparse", backend=pyhvp.TorchBackend(compile=True))  # fmt: skip
+    assert (len(compiled) == 1 and not counters["graph_break"]) == expected
 
 
 # --- how a placed tangent enters ----------------------------------------------------------

@@ -46,6 +46,7 @@ __all__ = [
     "NotSparse",
     "WritesSelected",
     "compiles",
+    "compiles_property_views",
     "restricted_hessian",
     "selected_entries",
 ]
@@ -100,10 +101,26 @@ def compiles() -> bool:
     ``b`` selected (both injection paths), traced by dynamo alone (no inductor; 0.7 s here, 2.6 s
     as a process's first dynamo trace). Torch 2.5 traces the loss without the mode it enters (a
     zero Hessian), 2.6 fails on ``F.linear`` inside it; 2.13 and 2.14 trace it."""
+    return _traces_as_eager(lambda x, weight, bias: F.linear(x, weight, bias))
+
+
+@functools.cache
+def compiles_property_views() -> bool:
+    """Whether dynamo traces :func:`restricted_hessian` as it runs eagerly on a selected tensor
+    viewed through a tensor property, ``x @ W.T``: asked once per process, where a compiled
+    kernel would take one. Torch 2.14 hands the mode ``W.T`` as ``aten.numpy_T``; 2.13 traces it
+    past the mode (a kernel over it then runs eagerly: compiled, its ``W.T`` would be a
+    constant)."""
+    return compiles() and _traces_as_eager(lambda x, weight, bias: x @ weight.T + bias)
+
+
+def _traces_as_eager(layer: Callable[..., torch.Tensor]) -> bool:
+    """Whether the compiled kernel's Hessian of ``sum(layer(x, W, b) ** 3)`` over every entry of
+    ``W`` and ``b`` equals the eager one (and is not zero)."""
     inputs = torch.tensor([[1.0, 2.0]], dtype=torch.float64)
 
     def cubed(weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        return (F.linear(inputs, weight, bias) ** 3).sum()
+        return (layer(inputs, weight, bias) ** 3).sum()
 
     tensors = (torch.tensor([[1.0, -1.0], [0.5, 2.0]], dtype=torch.float64), inputs[0])
     coords = [selected_entries(t, torch.arange(t.numel())) for t in tensors]

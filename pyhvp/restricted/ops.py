@@ -131,6 +131,9 @@ _CHEAP_NAMES = [
 _NORMS = ("layer_norm", "group_norm", "batch_norm", "instance_norm", "rms_norm")
 
 PROPERTIES = ("T", "mT", "H", "mH")
+_TRACED_PROPERTIES = ("numpy_T", "mT", "matrix_H", "mH")
+"""The aten ops dynamo hands a ``TorchFunctionMode`` for ``W.T``, ``W.mT``, ``W.H`` and ``W.mH``
+(torch 2.14; 2.13 traces the properties past the mode)."""
 
 
 def _table() -> dict[Callable[..., Any], str]:
@@ -149,6 +152,8 @@ def _table() -> dict[Callable[..., Any], str]:
     for name in _NORMS:
         if getattr(F, name, None) is not None:
             kinds[getattr(F, name)] = "cheap"
+    for name in _TRACED_PROPERTIES:
+        kinds[getattr(torch.ops.aten, name)] = "view"
     for owner in (Tensor, torch):
         kinds[owner.detach] = "constant"
     kinds.update(_EINSUM_FAMILY)

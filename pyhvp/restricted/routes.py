@@ -47,7 +47,8 @@ programming over that order. With ``joint=True`` the sparse tensors form one gro
 need one pass) and the reverse route gives full rows for the others. A compiled backend
 (``compile=True``) pays :data:`COMPILED_SETUP` instead of either setup, and its elements cost
 :data:`COMPILED_ELEMENTS` of eager ones, but for a sparse group over a tensor viewed through a
-property (``W.T``), which runs eagerly, and a group over an embedding, whose compiled injection
+property (``W.T``), which runs eagerly where dynamo traces the property past the mode (torch
+2.13; 2.14 hands it to the mode), and a group over an embedding, whose compiled injection
 costs :data:`INDICATOR_NS` per token and entry and direction: it runs eagerly where that is
 cheaper. A convolution's multiply-adds count :data:`CONVOLUTION` times (in a compiled sparse
 kernel :data:`COMPILED_CONVOLUTION`).
@@ -65,6 +66,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from pyhvp.restricted import compiles_property_views
 from pyhvp.restricted import contributions as rules
 from pyhvp.restricted.mode import DENSE_LIMIT, NotSparse, WritesSelected, view_positions
 from pyhvp.restricted.ops import (
@@ -212,8 +214,9 @@ class Usage:
     tail: Work = dataclasses.field(default_factory=lambda: Work())
     """The work downstream of it, per direction."""
     property_view: str | None = None
-    """A tensor property it is viewed through (``W.T``): dynamo traces those past the mode, so
-    a kernel over it runs eagerly."""
+    """A tensor property it is viewed through (``W.T``): where dynamo traces those past the mode
+    (torch 2.13, :func:`~pyhvp.restricted.compiles_property_views`), a kernel over it runs
+    eagerly."""
     indicator: int = 0
     """Tokens of the embeddings it enters sparsely (see :data:`INDICATOR_NS`)."""
     widest: int = 0
@@ -570,7 +573,7 @@ class Routes:
     """Per selected tensor, why the sparse route refuses it (None: it does not)."""
     eager_only: frozenset[int] = frozenset()
     """Selected tensors whose sparse kernel runs eagerly when compiling: those viewed through a
-    tensor property (``W.T``), which dynamo traces past the mode, and the groups the model finds
+    tensor property (``W.T``) where dynamo traces those past the mode, and the groups the model finds
     cheaper eagerly (an embedding's static injection, :data:`INDICATOR_NS`)."""
     masked_entries: tuple[frozenset[int], ...] = ()
     """Per selected tensor, :attr:`Usage.masked_entries` (an equal call selecting one of them
@@ -690,7 +693,8 @@ def _split(
     chunk = max(1, BATCHED // widest) if widest else None
     if chunk is not None and chunk >= (sum(sizes) if joint else max(sizes, default=0)):
         chunk = None
-    eager_only = frozenset(i for i, u in enumerate(usage) if u.property_view is not None)
+    viewed = frozenset(i for i, u in enumerate(usage) if u.property_view is not None)
+    eager_only = viewed if viewed and compiled and not compiles_property_views() else frozenset()
     masked_entries = tuple(frozenset(u.masked_entries) for u in usage)
     reverse_fixed, per_reverse = _reverse_costs(found, sizes, joint, compiled, loop)
     refused = tuple(i for i, u in enumerate(usage) if u.refusal is not None)
