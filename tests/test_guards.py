@@ -144,6 +144,10 @@ def _write(x):
     return y.pow(3).sum(-1)
 
 
+def _item_scale(x):
+    return x.pow(3).sum(-1) / x.abs().max().item()
+
+
 def _determinant(x):
     return torch.linalg.det(x.reshape(*x.shape[:-1], 2, 2) + 1)
 
@@ -153,7 +157,24 @@ DECLINED = {  # f the route must leave to the record at every call, and why
     "a random draw (dropout)": _dropout,
     "a write to a tensor": _write,
     "a determinant (its rule depends on the values)": _determinant,
+    "a value read into Python (.item(), which no guard checks)": _item_scale,
 }
+
+
+def test_a_tensor_read_into_python_is_read_anew_at_every_call(device):
+    """An annealed temperature read by ``.item()``: dynamo (torch 2.13) traces that whole and no
+    guard checks the value; the graph's program kept the first call's number (the Laplacian of
+    the first temperature at every later one) until such an ``f`` was declined."""
+    temperature = torch.tensor(1.0, dtype=torch.float64, device=device)
+
+    def f(x):
+        return temperature.item() * torch.tanh(x).pow(2).sum(-1)
+
+    x = torch.randn(5, 3, dtype=torch.float64, device=device)
+    for _ in range(2):
+        pyhvp.laplacian(f, x, backend=GUARDED)
+    temperature.fill_(4.0)
+    torch.testing.assert_close(pyhvp.laplacian(f, x, backend=GUARDED), instance_laplacian(f, x))
 
 
 @pytest.mark.parametrize("f", DECLINED.values(), ids=DECLINED.keys())

@@ -22,6 +22,9 @@ call as before, when:
   ``.item()``, printing, autograd inside ``f``), or its graph runs a transform (``torch.func``);
 * ``f`` writes to a tensor, draws random values or computes a determinant (whose rule depends on
   the values): these must happen, or be judged, anew at every call;
+* ``f`` reads a tensor's value into Python (``.item()``, ``float(t)``): dynamo (torch 2.13)
+  traces that whole, and its guards do not check the value, so the graph's program would keep
+  the first call's number;
 * ``f`` hands dynamo more than its result (an intermediate kept in Python state);
 * the two records differ, or the graph's record fails;
 * dynamo has traced :data:`GRAPHS_PER_ROUTE` graphs for the route (a float that changes at every
@@ -47,6 +50,7 @@ from pyhvp._keys import Identity
 from pyhvp._user_errors import quiet_tracing
 from pyhvp.taylor.recorder import (
     DET,
+    ITEM,
     Recorder,
     record,
     recording_state,
@@ -271,6 +275,8 @@ def _refusal(graph: _Graph, variable: Tensor, inputs: Sequence[object], build: B
         return "f draws random values"
     if recorder.wrote or any(func is DET for func, *_ in recorder.events):
         return "f writes to a tensor or computes a determinant"
+    if any(func is ITEM for func, *_ in recorder.events):  # dynamo 2.13 traces .item() whole
+        return "f reads a tensor's value into Python (.item(), float(t)), which no guard checks"
     if not all(isinstance(t, Tensor) for t in inputs):
         return "a graph input is not a tensor"
     tensors = cast(Sequence[Tensor], inputs)

@@ -46,6 +46,7 @@ KEEP = "keep"
 derivatives (autograd does not see the write), with the new values."""
 
 DET, DETACH = aten._linalg_det.default, aten.detach.default
+ITEM = aten._local_scalar_dense.default  # .item(), float(t), int(t), bool(t)
 BY_CONDITIONING = {DET: DET_BY_SVD}
 """Ops recorded as another when an instance is (nearly) singular: the record says so, so the
 program (a different op, with a rule that holds there) is keyed by it."""
