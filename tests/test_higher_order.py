@@ -87,6 +87,13 @@ CASES = {
         + torch.lerp(x[..., :3], x[..., 3:] ** 2, torch.sigmoid(x[..., 3:]))
         + torch.xlogy(x[..., :3], 2 + x[..., 3:]) + torch.maximum(x[..., :3] ** 3, x[..., 3:])
     ).sum(-1),
+    "prod keeping a middle dim, logaddexp of broadcast operands": lambda x: (
+        (x.reshape(*x.shape[:-1], 3, 2).prod(-2, keepdim=True) * torch.tensor([1.0, -2.0],
+                                                                            dtype=x.dtype)
+         ).sum((-2, -1))
+        + torch.logaddexp(x.sum(-1), torch.tensor(0.0, dtype=x.dtype))
+        + torch.logaddexp2(x[..., :1], x).pow(2).sum(-1)
+    ),
     "lgamma, digamma (pointwise fallback)": lambda x: (torch.lgamma(3 + x)
                                                        + torch.digamma(3 + x)).sum(-1),
     "eigvalsh (general fallback)": lambda x: torch.linalg.eigvalsh(
@@ -112,7 +119,8 @@ DENSE_FALLBACK = {"eigvalsh (general fallback)"}
 
 
 FAST = {"tanh MLP, vector output", "softmax, log_softmax, logsumexp", "det, inverse, solve, slogdet",
-        "two-input pointwise ops (fallback)", "views, indexing, where"}  # fmt: skip
+        "two-input pointwise ops (fallback)", "views, indexing, where",
+        "prod keeping a middle dim, logaddexp of broadcast operands"}  # fmt: skip
 """The families whose fourth order runs in the fast tier (``make test``); every family at
 orders 3, 4 and 6 runs in ``make test-all``."""
 

@@ -319,7 +319,9 @@ def _logaddexp(scale: float) -> Rule:
         nd, shift = out.ndim, _finite_below(out)
         p, q = (torch.exp(scale * (value_of(t) - shift)) for t in (a, b))
         if ctx.order > 2:
-            scaled = [t if scale == 1 else apply(ctx, aten.mul.Tensor, t, scale) for t in (a, b)]
+            full = [t.expand(out.shape) if isinstance(t, Tensor) else
+                    apply(ctx, aten.expand.default, t, list(out.shape)) for t in (a, b)]  # fmt: skip
+            scaled = [t if scale == 1 else apply(ctx, aten.mul.Tensor, t, scale) for t in full]
             pair = apply(ctx, aten.stack.default, scaled, -1)
             weights = torch.stack([p.expand(out.shape), q.expand(out.shape)], -1)
             lse, _ = _softmax_series(ctx, pair, [nd], weights, probabilities=False)
@@ -445,10 +447,11 @@ def _prod(
         d = axis(dim, u.value.ndim)
     order = [*(k for k in range(u.value.ndim) if k != d), d]
     u = apply(ctx, aten.permute.default, u, order)  # the reduced dim last
-    if ctx.order > 2:
-        product = _product_tree(ctx, u)
-        return Jet(out, product.coefficients if keepdim and dim is not None else
-                   apply(ctx, aten.squeeze.dim, product, -1).coefficients)  # fmt: skip
+    if ctx.order > 2:  # the reduced dim, last and of size 1, back in its place or dropped
+        product = apply(ctx, aten.squeeze.dim, _product_tree(ctx, u), -1)
+        if keepdim and dim is not None:
+            product = apply(ctx, aten.unsqueeze.default, product, d)
+        return Jet(out, product.coefficients)
     c1, c2 = products_but(u.value)
     t = expanded(lifted(u.first, u.value.ndim), u.value.shape, [u.value.ndim - 1])
     first = (t * c1).sum(-1)
