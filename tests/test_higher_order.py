@@ -374,7 +374,7 @@ AROUND = {
 }  # fmt: skip
 """A ``torch.func`` transform around an operator: its recorder would see the transform's
 unwrapped tensors (x and captured tensors constants: zeros, as before), so the operator runs by
-nested forward mode there, which composes; HVPs run their torch.func kernel there (autograd's
+nested reverse mode there, which composes; HVPs run their torch.func kernel there (autograd's
 batched backward leaked its vmap level into the result, which could not even be printed)."""
 
 
@@ -383,6 +383,46 @@ def test_an_operator_inside_a_torch_func_transform_is_differentiated(case, devic
     transformed, closed_form = case
     x = point(device)[:, :3]
     torch.testing.assert_close(transformed(x).cpu(), closed_form(x.cpu()))
+
+
+def _matrix(x):
+    return x[..., :4].reshape(*x.shape[:-1], 2, 2) + 2 * torch.eye(2, dtype=x.dtype)
+
+
+WEIGHTS = torch.tensor([0.5, -1.0, 2.0, 0.3], dtype=torch.float64)
+TORCH_GETS_WRONG_NESTED = {
+    "layer_norm (reverse, from the third order)": (
+        lambda x: F.layer_norm(x[..., :4], (4,)) @ WEIGHTS.to(x), 4),
+    "group_norm (its batched double backward fails)": (
+        lambda x: F.group_norm(x[..., :4].reshape(-1, 2, 2), 1).reshape(-1, 4) @ WEIGHTS.to(x), 3),
+    "instance_norm (wrong under vmap)": (
+        lambda x: F.instance_norm(x[..., :4].reshape(-1, 2, 2)).reshape(-1, 4) @ WEIGHTS.to(x), 2),
+    "det (forward over forward)": (lambda x: torch.linalg.det(_matrix(x)), 2),
+    "slogdet (forward over forward)": (lambda x: torch.linalg.slogdet(_matrix(x))[1], 4),
+    "cholesky_inverse (forward over forward)": (
+        lambda x: torch.cholesky_inverse(torch.linalg.cholesky(_matrix(x) @ _matrix(x).mT)).sum(
+            (-2, -1)), 3),
+}  # fmt: skip
+"""f, and the order whose directional derivative inside ``vmap`` was silently wrong: torch
+2.13's nested forward mode and its higher reverse-mode derivatives of these ops are wrong."""
+
+
+@pytest.mark.parametrize("case", TORCH_GETS_WRONG_NESTED.values(),
+                         ids=TORCH_GETS_WRONG_NESTED.keys())  # fmt: skip
+def test_inside_vmap_ops_torch_differentiates_wrongly_nested_give_the_operators_value(case):
+    f, order = case
+    x, v = point("cpu")[:, :4] + 0.5, torch.tensor([0.3, -1.0, 0.7, 0.2], dtype=torch.float64)
+    outside = pyhvp.directional_derivatives(f, x, v, order=order)[order]
+    inside = torch.func.vmap(lambda y: pyhvp.directional_derivatives(f, y, v, order=order)[order])
+    torch.testing.assert_close(inside(x[None])[0], outside)
+
+
+def test_inside_a_transform_a_determinants_third_order_is_refused():
+    """Torch's third reverse-mode derivative of ``det`` is wrong too: refused, saying what to do."""
+    f, x = TORCH_GETS_WRONG_NESTED["det (forward over forward)"][0], point("cpu")[:, :4]
+    with pytest.raises(NotImplementedError, match=r"determinant[\s\S]*outside the transform"):
+        torch.func.vmap(lambda y: pyhvp.directional_derivatives(f, y, torch.ones(4, dtype=y.dtype),
+                                                                order=3)[3])(x[None])  # fmt: skip
 
 
 DUAL = {

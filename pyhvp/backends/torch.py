@@ -32,7 +32,7 @@ Compilation (``TorchBackend(compile=...)``; the rule itself is :mod:`.compile_po
   and backward, an eager rerun for backwards that keep or create a graph), under a signature
   that says which inputs need grad; HVP kernels, and calls inside ``torch.func`` transforms or
   forward-mode AD, run eagerly (inside a ``torch.func`` transform, Taylor coefficients by nested
-  ``jvp`` -- ``_nested_forward`` -- and HVPs by their ``torch.func`` kernel, which compose). HVP kernels treat tensors that ``f`` captures (module
+  reverse mode -- :mod:`.nested` -- and HVPs by their ``torch.func`` kernel, which compose). HVP kernels treat tensors that ``f`` captures (module
   parameters) as constants: pass them as args to differentiate through them (jet kernels take
   them as inputs). Inference tensors and calls inside ``torch.inference_mode()`` are accepted.
 * Jet kernels compile on the CPU too: they hold no nested forward-mode AD, which inductor's CPU
@@ -65,12 +65,12 @@ from typing import Any, Literal, TypeVar, cast
 import torch
 from torch import fx
 from torch.autograd import forward_ad
-from torch.func import grad, jvp, vjp, vmap
+from torch.func import grad, vjp, vmap
 
 from pyhvp import restricted, taylor
 from pyhvp._checks import check_output, fmt_shape
-from pyhvp._user_errors import note, quiet_tracing, stacklevel_outside_pyhvp
-from pyhvp.backends import Blocks, compile_policy, inductor
+from pyhvp._user_errors import quiet_tracing, stacklevel_outside_pyhvp
+from pyhvp.backends import Blocks, compile_policy, inductor, nested
 from pyhvp.backends.compile_policy import CompileCache
 
 CompileMode = Literal["auto"] | bool
@@ -236,76 +236,6 @@ def _split(
 def _jet_kernel(kernel: taylor.JetKernel, *inputs: torch.Tensor) -> object:
     """A flat jet kernel of :mod:`pyhvp.taylor`: plain aten ops, run eagerly or compiled."""
     return kernel(*inputs)
-
-
-def _nested_forward(
-    f: Callable[..., torch.Tensor], x: torch.Tensor, directions: torch.Tensor,
-    args: Sequence[object], chunk_size: int | None, mode: taylor.JetMode,
-    weights: torch.Tensor | None,
-) -> tuple[torch.Tensor, ...]:  # fmt: skip
-    """``taylor_coefficients`` by ``mode.order`` nested derivatives along each direction,
-    vmapped over the directions: what runs inside a ``torch.func`` transform (``grad``, ``jvp``,
-    ``vmap``, ... around an operator, or inside ``f`` of another operator, whose recorder then
-    records these ops), which composes with it. The recorder cannot run there: it sees the
-    transform's unwrapped tensors, in which ``x`` and the tensors ``f`` captures would be
-    constants (derivatives silently zero). Each order is ``torch.func.jvp`` of the one below --
-    inside a recorded ``f`` the Jacobian-vector product of a vjp instead (:func:`_along`): there
-    PyTorch's nested forward mode under the recorder's dispatch mode segfaulted (``x ** 5``
-    inside ``torch.func.grad``, torch 2.13). Eager, and exponential in the order. ``x`` is
-    copied: forward mode refuses a stride-0 primal."""
-    forward = not taylor.recording()
-
-    def value(y: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return (f(y, *args),)
-
-    def derivatives(u: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        coefficients: Callable[[torch.Tensor], tuple[torch.Tensor, ...]] = value
-        for _ in range(mode.order):
-            coefficients = _along(coefficients, u, forward)
-        return coefficients(x)
-
-    x = x.clone(memory_format=torch.contiguous_format)  # under vmap .contiguous() may keep it
-    try:
-        along = vmap(derivatives, chunk_size=chunk_size)(directions.expand(-1, *x.shape))
-    except NotImplementedError as error:  # an op of f without a forward-mode formula
-        note(error, "inside a torch.func transform pyhvp's Taylor operators run by nested "
-             "forward mode (torch.func.jvp), which this op of f lacks: call the operator "
-             "outside the transform and differentiate its result with torch.autograd.grad")  # fmt: skip
-        raise
-    results = []
-    for k in mode.outputs:
-        if k == 0:
-            results.append(along[0][0])
-        elif mode.collapses(k):
-            top = along[k] if weights is None else along[k] * weights.reshape(
-                -1, *(1,) * (along[k].ndim - 1))  # fmt: skip
-            results.append(top.sum(0).to(x.dtype))
-        else:
-            results.append(along[k].to(x.dtype))
-    return tuple(results)
-
-
-def _along(
-    lower: Callable[[torch.Tensor], tuple[torch.Tensor, ...]], u: torch.Tensor, forward: bool
-) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]]:
-    """``y -> (*lower(y), d/dt lower(y + t u)[-1])``: the next order along ``u``, by forward
-    mode, or by reverse over reverse (``J u`` is the gradient in the cotangent ``w`` of ``<vjp(w),
-    u>``, which is linear in ``w``)."""
-
-    def through(y: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if forward:
-            pushed = jvp(lower, (y,), (u,))
-            return (*pushed[0], pushed[1][-1])
-        pulled = vjp(lower, y)
-        values, pull = pulled[0], pulled[1]
-        zeros = tuple(map(torch.zeros_like, values))
-
-        def paired(w: torch.Tensor) -> torch.Tensor:
-            return cast(torch.Tensor, (pull((*zeros[:-1], w))[0] * u).sum())
-
-        return (*values, grad(paired)(zeros[-1]))
-
-    return through
 
 
 def _finite_derivatives(out: object, mode: taylor.JetMode) -> bool:
@@ -740,7 +670,7 @@ class TorchBackend:
         per-direction outputs of the chunks concatenated, the collapsed one summed."""
         mode = taylor.JetMode(order, collapsed, outputs, weights is not None)
         if _inside_transform():
-            return _nested_forward(f, x, directions, args, chunk_size, mode, weights)
+            return nested.taylor_coefficients(f, x, directions, args, chunk_size, mode, weights)
         size = chunk_size or len(directions)
         # one chunk: directions themselves (a split costs a few microseconds a call)
         chunks = (directions,) if size >= len(directions) else torch.split(directions, size)
