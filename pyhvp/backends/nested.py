@@ -54,11 +54,11 @@ def taylor_coefficients(
     x = x.clone(memory_format=torch.contiguous_format)  # under vmap .contiguous() may keep it
     try:
         along = vmap(derivatives, chunk_size=chunk_size)(directions.expand(-1, *x.shape))
-    except NotImplementedError as error:  # an op of f without a derivative, or refused here
+    except (NotImplementedError, RuntimeError) as error:  # no derivative, a refusal, a vmap bug
         note(error, "inside a torch.func transform pyhvp's Taylor operators differentiate f by "
-             "nested reverse mode (torch.func.vjp), which this op of f does not allow: call the "
-             "operator outside the transform and differentiate its result with "
-             "torch.autograd.grad")  # fmt: skip
+             "nested reverse mode (torch.func.vjp, vmapped over the directions): where f runs "
+             "outside the transform, call the operator outside it and differentiate its result "
+             "with torch.autograd.grad")  # fmt: skip
         raise
     results = []
     for k in mode.outputs:
