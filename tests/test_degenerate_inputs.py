@@ -69,6 +69,21 @@ def test_inference_mode_gives_the_result_of_normal_mode(op, made_inside, device)
     torch.testing.assert_close(inside, reference(cubic, x))
 
 
+def test_an_inference_tensor_arg_enters_f_over_parameters_that_require_grad(device):
+    """The Taylor engine records ``f`` with autograd on: an inference-tensor arg multiplied by a
+    parameter's output raised torch's "Inference tensors cannot be saved for backward" (the
+    HVP kernels clone such inputs; the record now does too)."""
+    net = nn.Linear(3, 3).double().to(device)
+
+    def f(x, a):
+        return (torch.tanh(net(x)) * a).sum(-1)
+
+    x, a = torch.randn(2, 4, 3, dtype=torch.float64, device=device)
+    with torch.inference_mode():
+        inside = pyhvp.hessian_diagonal(f, x.clone(), a.clone())
+    torch.testing.assert_close(inside, instance_hessian_diagonal(f, x, a))
+
+
 OUTPUTS = {
     "int64": (lambda x: (x**3).sum(-1).long(), "torch.int64"),
     "complex64": (lambda x: (x**3).sum(-1).to(torch.complex64), "torch.complex64"),

@@ -701,10 +701,12 @@ class TorchBackend:
     ) -> taylor.Capture:  # fmt: skip
         """``f``'s program (:func:`pyhvp.taylor.capture`: recorded, or found by dynamo's guards);
         ``x`` enters as a fresh alias, so ``x`` in ``args`` or captured by ``f`` is a constant
-        there."""
+        there; inference tensors (``x``, ``args``) are cloned (autograd may not save them, as
+        ``f``'s ops on parameters that require grad would)."""
         _require_torch_function(f)
         with torch.inference_mode(False):
-            return taylor.capture(f, x.clone() if x.is_inference() else x, args, guarded)
+            return taylor.capture(f, x.clone() if x.is_inference() else x, _normal(tuple(args)),
+                                  guarded)  # fmt: skip
 
     def _jets(
         self,
