@@ -429,6 +429,13 @@ def calls_autograd_grad(x):
     return g.sum(-1)
 
 
+def calls_autograd_grad_of_x(x):
+    """A force from autograd, as written for a leaf ``x``: failed before autograd's engine ran
+    ("element 0 of tensors does not require grad"), so the refusal was never reached."""
+    (g,) = torch.autograd.grad(torch.sin(x).sum(), x, create_graph=True)
+    return (g**2).sum(-1)
+
+
 ERRORS = [
     ("unknown method", lambda: pyhvp.hessian_diagonal(f_batch_scalar, X, method="newton"),
      ValueError, "method"),
@@ -472,6 +479,9 @@ ERRORS = [
      "complex intermediates are not supported by the Taylor engine"),
     ("torch.autograd.grad inside f", lambda: pyhvp.hessian_diagonal(calls_autograd_grad, X),
      RuntimeError, "Use torch.func.grad"),
+    ("torch.autograd.grad of x itself inside f (x does not require grad there)",
+     lambda: pyhvp.hessian_diagonal(calls_autograd_grad_of_x, X), RuntimeError,
+     "Use torch.func.grad"),
     ("float64 arg with float32 x",
      lambda: pyhvp.hessian_diagonal(gaussian, X, torch.zeros(3, dtype=torch.float64)),
      ValueError, "args[0]"),

@@ -482,11 +482,18 @@ def recording_state() -> Iterator[None]:
 def record(f: Callable[..., Tensor], variable: Tensor, args: Sequence[object]
            ) -> tuple[Recorder, object]:  # fmt: skip
     """``f(variable, *args)`` under the recorder, in :func:`recording_state`; recorded again
-    under :class:`_NoAutogradInside` when autograd's engine ran inside (:class:`BackwardInside`)."""
+    under :class:`_NoAutogradInside` when autograd's engine ran inside (:class:`BackwardInside`),
+    or when ``f`` failed as ``torch.autograd.grad`` of ``variable`` (which does not require grad)
+    fails, before the engine runs: then its refusal says what to do instead."""
     try:
         return _record(f, variable, args, tell_backward_apart=False)
     except BackwardInside:
         return _record(f, variable, args, tell_backward_apart=True)
+    except RuntimeError as error:
+        if "does not require grad" not in str(error):
+            raise
+        _record(f, variable, args, tell_backward_apart=True)  # raises the refusal, if autograd
+        raise
 
 
 def _record(f: Callable[..., Tensor], variable: Tensor, args: Sequence[object],
