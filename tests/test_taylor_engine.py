@@ -12,7 +12,7 @@ from dense import instance_hessian_diagonal, instance_laplacian, message_passing
 
 import pyhvp
 from pyhvp import taylor
-from pyhvp.taylor import chain, program
+from pyhvp.taylor import Jet, chain, program
 
 aten = torch.ops.aten
 
@@ -298,6 +298,56 @@ def test_register_jet_rule_refuses_what_is_not_an_op_and_a_rule_with_a_flag():
         pyhvp.register_jet_rule(torch.sin, linear=True)
     with pytest.raises(ValueError, match="one of rule=, linear=True and indexing=True"):
         pyhvp.register_jet_rule(softsign, lambda *a: None, linear=True)
+
+
+def _cube_rule(ctx, out, u):
+    return chain(ctx, out, u, 3 * u.value**2, 6 * u.value, torch.full_like(u.value, 6.0))
+
+
+def _without_directions(ctx, out, u):
+    jet = _cube_rule(ctx, out, u)
+    return Jet(
+        out, tuple(None if c is None else c.sum(0) for c in (jet.first, *jet.coefficients[1:]))
+    )
+
+
+MALFORMED_RULES = {
+    "a jet of another value": (
+        lambda ctx, out, u: Jet(2 * out, _cube_rule(ctx, out, u).coefficients),
+        "whose value is not the op's output"),
+    "coefficients without the directions' axis": (
+        _without_directions, r"order-1 coefficient of shape \(4, 3\) for a value of shape \(4, 3\)"
+    ),
+    "no first-order coefficient": (
+        lambda ctx, out, u: Jet(out, (None, *_cube_rule(ctx, out, u).coefficients[1:])),
+        "without a first-order coefficient"),
+    "a jet inside a tuple": (lambda ctx, out, u: (_cube_rule(ctx, out, u), out),
+                             "returned 2 jets or tensors where the op has 1 outputs"),
+}  # fmt: skip
+"""A user's rule, and what the refusal says: these were used silently (another value) or
+crashed inside the rules downstream."""
+
+
+def _malformed_cube(name, rule):
+    op = torch.library.custom_op(
+        f"pyhvp_test::cube_{len(name)}_{abs(hash(name)) % 10**6}",
+        lambda t: t**3,
+        mutates_args=(),
+        schema="(Tensor t) -> Tensor",
+    )
+    op.register_fake(lambda t: torch.empty_like(t))
+    pyhvp.register_jet_rule(op, rule)
+    return op
+
+
+MALFORMED_OPS = {name: _malformed_cube(name, rule) for name, (rule, _) in MALFORMED_RULES.items()}
+
+
+@pytest.mark.parametrize("name", MALFORMED_RULES)
+def test_a_malformed_user_rule_is_refused_naming_the_op_and_the_fault(name):
+    op, (_, message) = MALFORMED_OPS[name], MALFORMED_RULES[name]
+    with pytest.raises(pyhvp.UnsupportedOpError, match=message):
+        pyhvp.laplacian(lambda y: op(y).sin().sum(-1), torch.rand(4, 3, dtype=torch.float64))
 
 
 def test_index_add_runs_as_one_batched_index_add_in_the_kernel():

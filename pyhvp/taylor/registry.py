@@ -205,6 +205,12 @@ def register_jet_rule(
       ``pyhvp.taylor.NotAtThisOrder`` (``chain`` does, given too few derivatives) and the op
       takes its exact fallback.
 
+    A rule's results are checked: one per output, a jet's value the output itself, its first
+    coefficient present, its coefficients shaped as above; else ``UnsupportedOpError`` names the
+    op and the fault. A constant returned for an output that does depend on ``x``, or a
+    coefficient of size 1 along a dim where it varies, cannot be told from a correct rule:
+    test a rule against autograd on a small problem.
+
     Without ``rule`` or a flag it returns a decorator. Registration replaces an earlier rule
     and clears nothing that was cached: register before the first call that uses ``op``.
 
@@ -228,13 +234,64 @@ def register_jet_rule(
 
         def register(fn: Rule) -> Rule:
             for overload in ops:
-                RULES[overload] = fn
+                RULES[overload] = _checked(overload, fn)
             return fn
 
         return register
     for overload in ops:
-        RULES[overload] = rule if rule is not None else linear_rule(overload, indexing)
+        RULES[overload] = (_checked(overload, rule) if rule is not None
+                           else linear_rule(overload, indexing))  # fmt: skip
     return rule
+
+
+def _checked(op: object, rule: Rule) -> Rule:
+    """A user's ``rule`` whose results are checked against the op's output (:func:`_check`):
+    a malformed jet was used silently (another value, misshapen coefficients broadcast) or
+    crashed inside the rules downstream."""
+
+    def checked(ctx: Context, out: Any, *args: Any, **kwargs: Any) -> Any:
+        result = rule(ctx, out, *args, **kwargs)
+        _check(ctx, op, out, result)
+        return result
+
+    return checked
+
+
+def _check(ctx: Context, op: object, out: Any, result: Any) -> None:
+    """Per output of ``op``, ``result`` holds a constant (a tensor) or a :class:`Jet` whose
+    value is that output itself, whose first coefficient is not ``None``, and whose dense
+    coefficients are ``(K, *S)`` (``(1, *S)`` for the collapsed top order), ``S`` broadcasting
+    to the value's shape with as many dims."""
+    outs, results = pytree.tree_leaves(out), pytree.tree_leaves(result)
+
+    def refuse(what: str) -> UnsupportedOpError:
+        return UnsupportedOpError(f"pyhvp: the jet rule of {op} {what} (see "
+                                  f"pyhvp.register_jet_rule)")  # fmt: skip
+
+    if len(results) != len(outs):
+        raise refuse(f"returned {len(results)} jets or tensors where the op has {len(outs)} "
+                     f"outputs: return one per output, in the output's structure")  # fmt: skip
+    for value, got in zip(outs, results, strict=True):
+        if not isinstance(got, Jet):
+            continue
+        if got.value is not value:
+            raise refuse("returned a Jet whose value is not the op's output: build it as "
+                         "Jet(out, coefficients)")  # fmt: skip
+        if got.coefficients[0] is None:
+            raise refuse("returned a Jet without a first-order coefficient: return the output "
+                         "itself (a constant) where it does not depend on x")  # fmt: skip
+        for k, c in enumerate(got.coefficients, 1):
+            if not isinstance(c, Tensor):
+                continue
+            shape, inner = tuple(c.shape), tuple(c.shape[1:])
+            fits = c.ndim == value.ndim + 1 and all(
+                s in (1, v) for s, v in zip(inner, value.shape, strict=True)
+            )
+            if not fits or (ctx.collapses(k) and shape[0] != 1):
+                lead = "1 (summed over directions: ctx.collapses)" if ctx.collapses(k) else "K"
+                raise refuse(f"returned an order-{k} coefficient of shape {shape} for a value "
+                             f"of shape {tuple(value.shape)}: it must be ({lead}, *S), S "
+                             f"broadcasting to the value's shape with as many dims")  # fmt: skip
 
 
 def _overloads(op: object) -> list[torch._ops.OpOverload]:
