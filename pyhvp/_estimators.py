@@ -217,7 +217,10 @@ def sketch(
     ``(I - Q Q^T)`` first if ``deflate_probes``. No residual probes once Q spans all d
     directions (the estimate is then exact)."""
     sketch_size = samples // 3
-    q = torch.linalg.qr(products(space.probes("gaussian", sketch_size, generator)).movedim(0, -1)).Q
+    range_ = products(space.probes("gaussian", sketch_size, generator)).movedim(0, -1)
+    # QR in float32 at least: half and bfloat16 have no QR (geqrf), on the CPU or CUDA
+    q = torch.linalg.qr(range_.to(torch.promote_types(range_.dtype, torch.float32))).Q
+    q = q.to(range_.dtype)
     rank = q.shape[-1]  # min(sketch_size, d)
     residual = samples - sketch_size - rank if rank < space.dim else 0
     z = space.probes("rademacher", residual, generator).movedim(0, -1)  # (*batch, d, m)
