@@ -10,7 +10,7 @@ reverse passes for order ``K`` -- eager, and exponential in the order. Not forwa
 2.13's nested forward-mode derivatives of ``det``, ``slogdet``, ``logdet``, ``solve`` and
 ``cholesky_inverse`` are wrong from the second order on, and nested forward mode under the
 recorder's dispatch mode segfaulted (``x ** 5`` inside ``torch.func.grad``). Three norms run
-written out in elementary ops (:class:`_Elementary`): torch's third and higher reverse-mode
+written out in elementary ops (``_Elementary``): torch's third and higher reverse-mode
 derivatives of ``layer_norm`` are wrong, its nested ones of ``instance_norm`` under ``vmap`` from
 the second on, and its batched double backward of ``group_norm`` fails.
 A determinant's third is wrong too: refused above the second order, as an op without a

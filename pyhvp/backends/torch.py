@@ -32,7 +32,7 @@ Compilation (``TorchBackend(compile=...)``; the rule itself is :mod:`.compile_po
   and backward, an eager rerun for backwards that keep or create a graph), under a signature
   that says which inputs need grad; HVP kernels, and calls inside ``torch.func`` transforms or
   forward-mode AD, run eagerly (inside a ``torch.func`` transform, Taylor coefficients by nested
-  reverse mode -- :mod:`.nested` -- and HVPs by their ``torch.func`` kernel, which compose). HVP kernels treat tensors that ``f`` captures (module
+  reverse mode -- :mod:`pyhvp.backends.nested` -- and HVPs by their ``torch.func`` kernel, which compose). HVP kernels treat tensors that ``f`` captures (module
   parameters) as constants: pass them as args to differentiate through them (jet kernels take
   them as inputs). Inference tensors and calls inside ``torch.inference_mode()`` are accepted.
 * Jet kernels compile on the CPU too: they hold no nested forward-mode AD, which inductor's CPU
