@@ -923,7 +923,9 @@ def _sums(
         except Exception as error:
             if not _kernel_failure(error) or loop or not isinstance(backend, TorchBackend):
                 raise  # the loss's own error, or the seed's loop's: as autograd raises it
-            if method == "sparse":
+            if method == "sparse":  # unless the loss fails by itself: the loop raises that
+                _reverse_blocks(plan, every, batch_values, spec, chunk_size, backend, total,
+                                blocks, None, True)  # fmt: skip
                 raise ValueError(
                     f"method='sparse' does not apply: its kernels cannot run this loss "
                     f"({type(error).__name__}: {error}); method='auto' takes the seed's loop"

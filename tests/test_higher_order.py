@@ -417,12 +417,24 @@ def test_inside_vmap_ops_torch_differentiates_wrongly_nested_give_the_operators_
     torch.testing.assert_close(inside(x[None])[0], outside)
 
 
-def test_inside_a_transform_a_determinants_third_order_is_refused():
-    """Torch's third reverse-mode derivative of ``det`` is wrong too: refused, saying what to do."""
+DIFFERENTIATED_THRICE = {
+    "order 3 inside vmap": lambda f, x: torch.func.vmap(lambda y: pyhvp.directional_derivatives(
+        f, y, torch.ones(4, dtype=y.dtype), order=3)[3])(x[None]),
+    "order 2 inside grad": lambda f, x: torch.func.grad(lambda y: pyhvp.directional_derivatives(
+        f, y, torch.ones(4, dtype=y.dtype), order=2)[2].sum())(x),
+    "a laplacian inside vmap inside a laplacian's f": lambda f, x: pyhvp.laplacian(
+        lambda z: torch.func.vmap(lambda y: pyhvp.laplacian(f, y))(z[None])[0], x),
+}  # fmt: skip
+"""Torch's third reverse-mode derivative of ``det`` is wrong (NaN or plausible numbers where
+``grad`` or an outer operator added the third order): the order counts the transforms and the
+operator around too."""
+
+
+@pytest.mark.parametrize("call", DIFFERENTIATED_THRICE.values(), ids=DIFFERENTIATED_THRICE.keys())
+def test_inside_a_transform_a_determinant_differentiated_thrice_is_refused(call):
     f, x = TORCH_GETS_WRONG_NESTED["det (forward over forward)"][0], point("cpu")[:, :4]
     with pytest.raises(NotImplementedError, match=r"determinant[\s\S]*outside the transform"):
-        torch.func.vmap(lambda y: pyhvp.directional_derivatives(f, y, torch.ones(4, dtype=y.dtype),
-                                                                order=3)[3])(x[None])  # fmt: skip
+        call(f, x)
 
 
 DUAL = {

@@ -714,6 +714,20 @@ def test_the_losss_own_error_is_raised_not_retried_by_the_loop():
             pyhvp.sub_hessian(flaky, MEDIUM, MANY, backend=EAGER)
 
 
+@pytest.mark.parametrize("method", ["sparse", "auto"])
+def test_a_torch_error_of_the_losss_own_bug_is_raised_as_it_is(method):
+    """A shape bug raised by torch in the loss's frame looks like the kernels' refusal (which
+    torch 2.14 raises there too): the seed's loop runs the loss, and its error is raised, not
+    "method='sparse' does not apply"."""
+
+    def loss(w):
+        return (w @ torch.ones(4, 7, dtype=w.dtype)).sum()
+
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        pyhvp.sub_hessian(loss, torch.randn(5, 3, dtype=torch.float64), torch.tensor([0, 4]),
+                          method=method)  # fmt: skip
+
+
 def test_a_write_to_a_tensor_of_params_that_is_not_selected_is_refused_naming_it():
     """The loss renormalises ``params['e']`` (an embedding's ``max_norm``) while ``w`` alone is
     selected: refused after the run (nothing else surveys ``e``), naming ``e``."""

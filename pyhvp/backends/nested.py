@@ -13,9 +13,10 @@ recorder's dispatch mode segfaulted (``x ** 5`` inside ``torch.func.grad``). Thr
 written out in elementary ops (``_Elementary``): torch's third and higher reverse-mode
 derivatives of ``layer_norm`` are wrong, its nested ones of ``instance_norm`` under ``vmap`` from
 the second on, and its batched double backward of ``group_norm`` fails.
-A determinant's third is wrong too: refused above the second order, as an op without a
-derivative is (the note says to call the operator outside the transform, whose result autograd
-differentiates).
+A determinant's third is wrong too: refused where it would be differentiated more than twice
+-- the operator's order and the ``grad`` / ``jvp`` levels around it, or an outer operator's
+record --, as an op without a derivative is (the note says to call the operator outside the
+transform, whose result autograd differentiates).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
+from torch._C._functorch import TransformType
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch.func import grad, vjp, vmap
 from torch.overrides import TorchFunctionMode
 
@@ -95,7 +98,7 @@ def _along(
 class _Elementary(TorchFunctionMode):
     """``f`` with ``layer_norm``, ``group_norm`` and ``instance_norm`` (of the input's own
     statistics) written out in elementary ops (whose nested reverse-mode derivatives torch gets
-    right), and a determinant refused above the second order."""
+    right), and a determinant refused where it is differentiated more than twice."""
 
     def __init__(self, order: int) -> None:
         super().__init__()
@@ -116,12 +119,20 @@ class _Elementary(TorchFunctionMode):
                 input = bound["input"]
                 return _group_norm(input, input.shape[1], bound.get("weight"),
                                    bound.get("bias"), bound.get("eps", 1e-5))  # fmt: skip
-        if func in _DETERMINANTS and self.order > 2:
+        if func in _DETERMINANTS and (_differentiations() > 2 or taylor.recording()):
             raise NotImplementedError(
-                f"torch's reverse-mode derivatives of a determinant above the second are wrong "
-                f"(torch 2.13): pyhvp refuses its order-{self.order} Taylor coefficients here"
+                "torch's reverse-mode derivatives of a determinant above the second are wrong "
+                "(torch 2.13 and 2.14): pyhvp refuses a determinant differentiated more than "
+                "twice here (its operator's order and the transforms or the operator around it)"
             )
         return func(*args, **kwargs)
+
+
+def _differentiations() -> int:
+    """How many ``grad``, ``vjp`` and ``jvp`` levels are active: the nested orders of
+    :func:`taylor_coefficients` and the transforms around the operator."""
+    differentiating = (TransformType.Grad, TransformType.Jvp)
+    return sum(i.key() in differentiating for i in retrieve_all_functorch_interpreters())
 
 
 def _layer_norm(
