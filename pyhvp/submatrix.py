@@ -56,8 +56,6 @@ from itertools import accumulate
 from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
 import torch
-from torch._C._functorch import TransformType
-from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
@@ -72,7 +70,7 @@ from pyhvp._checks import (
 )
 from pyhvp._progress import progress_bar
 from pyhvp._user_errors import PACKAGE, stacklevel_outside_pyhvp, user_errors
-from pyhvp.backends import Backend, compile_policy, require_primitive, resolve_backend
+from pyhvp.backends import Backend, compile_policy, nested, require_primitive, resolve_backend
 from pyhvp.backends.torch import TorchBackend, _normal
 from pyhvp.distributed import Fingerprint, check_group, sum_over_ranks
 from pyhvp.restricted import NotSparse, WritesSelected, routes
@@ -191,8 +189,7 @@ def sub_hessian(
 def _refuse_differentiating_transforms() -> None:
     """A sub-Hessian carries no graph: inside ``torch.func.grad`` (or ``jvp``, ``jacrev``,
     ``hessian``, ...) its derivative would be silently zero. ``vmap`` is fine."""
-    differentiating = (TransformType.Grad, TransformType.Jvp)
-    if any(i.key() in differentiating for i in retrieve_all_functorch_interpreters()):
+    if nested.differentiation_levels():
         raise ValueError(
             "sub_hessian cannot be differentiated: its result carries no graph, so a torch.func "
             "transform around it (grad, jvp, jacrev, jacfwd, hessian) would see zeros; call it "
@@ -923,21 +920,20 @@ def _sums(
         except Exception as error:
             if not _kernel_failure(error) or loop or not isinstance(backend, TorchBackend):
                 raise  # the loss's own error, or the seed's loop's: as autograd raises it
-            if method == "sparse":  # unless the loss fails by itself: the loop raises that
-                _reverse_blocks(plan, every, batch_values, spec, chunk_size, backend, total,
-                                blocks, None, True)  # fmt: skip
-                raise ValueError(
-                    f"method='sparse' does not apply: its kernels cannot run this loss "
-                    f"({type(error).__name__}: {error}); method='auto' takes the seed's loop"
-                ) from error
             if trial is not None:
                 trial.drop(name, routes.every_tensor_reverse(trial.model, len(every), loop=True))
             _log.debug("sub_hessian: %s failed (%s: %s); the seed's loop serves the batch",
                        name if refusal is None else "the reverse route", type(error).__name__,
                        error)  # fmt: skip
             timed = False
+            # a loss that fails by itself (a torch error in its own frame) raises it here
             _reverse_blocks(plan, every, batch_values, spec, chunk_size, backend, total, blocks,
                             None, True)  # fmt: skip
+            if method == "sparse":
+                raise ValueError(
+                    f"method='sparse' does not apply: its kernels cannot run this loss "
+                    f"({type(error).__name__}: {error}); method='auto' takes the seed's loop"
+                ) from error
         for t, version, label in zip(watched, versions, labels, strict=True):
             if _version(t) != version:  # under no_grad, which autograd allows: found after it
                 raise ValueError(_written(label, "was written by the loss under no_grad (it now "
@@ -971,11 +967,10 @@ def _kernel_failure(error: Exception) -> bool:
     code = traceback.tb_frame.f_code
     if code.co_filename.startswith((TORCH_PACKAGE, PACKAGE)):
         return True
-    raising = any(
+    return isinstance(error, RuntimeError) and not any(
         instruction.offset == traceback.tb_lasti and instruction.opname in _RAISES
         for instruction in dis.get_instructions(code)
     )
-    return isinstance(error, RuntimeError) and not raising
 
 
 def _version(t: torch.Tensor) -> int | None:

@@ -119,7 +119,7 @@ class _Elementary(TorchFunctionMode):
                 input = bound["input"]
                 return _group_norm(input, input.shape[1], bound.get("weight"),
                                    bound.get("bias"), bound.get("eps", 1e-5))  # fmt: skip
-        if func in _DETERMINANTS and (_differentiations() > 2 or taylor.recording()):
+        if func in _DETERMINANTS and (differentiation_levels() > 2 or taylor.recording()):
             raise NotImplementedError(
                 "torch's reverse-mode derivatives of a determinant above the second are wrong "
                 "(torch 2.13 and 2.14): pyhvp refuses a determinant differentiated more than "
@@ -128,9 +128,10 @@ class _Elementary(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _differentiations() -> int:
-    """How many ``grad``, ``vjp`` and ``jvp`` levels are active: the nested orders of
-    :func:`taylor_coefficients` and the transforms around the operator."""
+def differentiation_levels() -> int:
+    """How many ``torch.func`` levels that differentiate (``grad``, ``vjp``, ``jvp``; not
+    ``vmap``) are active: here the nested orders of :func:`taylor_coefficients` and the
+    transforms around the operator."""
     differentiating = (TransformType.Grad, TransformType.Jvp)
     return sum(i.key() in differentiating for i in retrieve_all_functorch_interpreters())
 

@@ -319,8 +319,7 @@ def _logaddexp(scale: float) -> Rule:
         nd, shift = out.ndim, _finite_below(out)
         p, q = (torch.exp(scale * (value_of(t) - shift)) for t in (a, b))
         if ctx.order > 2:
-            full = [t.expand(out.shape) if isinstance(t, Tensor) else
-                    apply(ctx, aten.expand.default, t, list(out.shape)) for t in (a, b)]  # fmt: skip
+            full = [apply(ctx, aten.expand.default, t, list(out.shape)) for t in (a, b)]
             scaled = [t if scale == 1 else apply(ctx, aten.mul.Tensor, t, scale) for t in full]
             pair = apply(ctx, aten.stack.default, scaled, -1)
             weights = torch.stack([p.expand(out.shape), q.expand(out.shape)], -1)
