@@ -678,9 +678,11 @@ def _loops(plan: _Plan, chosen: routes.Routes, backend: Backend) -> bool:
 
 def _by_loop(plan: _Plan, members: Iterable[int], backend: Backend) -> bool:
     """Whether the reverse route runs the seed's loop for the selected tensors ``members``:
-    eagerly (``compile=False``) at most :data:`FEW_TANGENTS` components of each."""
+    eagerly (``compile=False``) at most :data:`FEW_TANGENTS` components of each, outside
+    ``torch.func`` transforms (``vmap`` around the call: autograd's loop cannot run inside)."""
     eager = isinstance(backend, TorchBackend) and backend.compile is False
-    return eager and max((len(plan.flats[i]) for i in members), default=0) <= FEW_TANGENTS
+    few = max((len(plan.flats[i]) for i in members), default=0) <= FEW_TANGENTS
+    return eager and few and not nested.inside_transform()
 
 
 _ROUTES: OrderedDict[Hashable, Trial] = OrderedDict()
@@ -911,14 +913,19 @@ def _sums(
             # the reverse route adds its rows once all are computed, the sparse groups after it:
             # a failure adds nothing of this batch
             if reverse:
-                _reverse_blocks(plan, reverse, batch_values, spec, chunk_size, backend, total,
-                                blocks, inner, loop)  # fmt: skip
+                total = _reverse_blocks(plan, reverse, batch_values, spec, chunk_size, backend,
+                                        total, blocks, inner, loop)  # fmt: skip
             for group, block in parts:
-                _add_group(group, block, offsets, total, blocks)
+                total = _add_group(group, block, offsets, total, blocks)
         except (ValueError, torch.cuda.OutOfMemoryError):
             raise
         except Exception as error:
-            if not _kernel_failure(error) or loop or not isinstance(backend, TorchBackend):
+            if (
+                not _kernel_failure(error)
+                or loop
+                or not isinstance(backend, TorchBackend)
+                or nested.inside_transform()  # where the seed's loop cannot run
+            ):
                 raise  # the loss's own error, or the seed's loop's: as autograd raises it
             if trial is not None:
                 trial.drop(name, routes.every_tensor_reverse(trial.model, len(every), loop=True))
@@ -927,8 +934,8 @@ def _sums(
                        error)  # fmt: skip
             timed = False
             # a loss that fails by itself (a torch error in its own frame) raises it here
-            _reverse_blocks(plan, every, batch_values, spec, chunk_size, backend, total, blocks,
-                            None, True)  # fmt: skip
+            total = _reverse_blocks(plan, every, batch_values, spec, chunk_size, backend, total,
+                                    blocks, None, True)  # fmt: skip
             if method == "sparse":
                 raise ValueError(
                     f"method='sparse' does not apply: its kernels cannot run this loss "
@@ -997,18 +1004,20 @@ def _log_trial(trial: Trial) -> None:
 
 
 def _add_group(group: Sequence[int], block: torch.Tensor, offsets: Sequence[int],
-               total: torch.Tensor | None, blocks: list[torch.Tensor | None]) -> None:  # fmt: skip
-    """A sparse group's joint block added to ``blocks`` (its members' diagonal blocks) or to
-    ``total`` (one matrix whose tensor ``i`` spans ``offsets[i]:offsets[i + 1]``)."""
+               total: torch.Tensor | None, blocks: list[torch.Tensor | None]
+               ) -> torch.Tensor | None:  # fmt: skip
+    """A sparse group's joint block added to ``blocks`` (its members' diagonal blocks), or
+    ``total`` (one matrix whose tensor ``i`` spans ``offsets[i]:offsets[i + 1]``) with it added
+    (out of place: under ``vmap`` the block is batched, ``total`` not)."""
     starts = list(accumulate([0, *(offsets[i + 1] - offsets[i] for i in group)]))
-    for a, i in enumerate(group):
-        rows = slice(starts[a], starts[a + 1])
-        if total is None:
-            _add(blocks, i, block[rows, rows])
-            continue
-        for b, j in enumerate(group):
-            columns = slice(starts[b], starts[b + 1])
-            total[offsets[i] : offsets[i + 1], offsets[j] : offsets[j + 1]] += block[rows, columns]
+    if total is None:
+        for a, i in enumerate(group):
+            _add(blocks, i, block[starts[a] : starts[a + 1], starts[a] : starts[a + 1]])
+        return None
+    # the group's entries in ``total``: tensor i's at offsets[i]..., in the group's order
+    where = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in group])
+    where = where.to(total.device)
+    return total.index_put((where[:, None], where[None, :]), block, accumulate=True)
 
 
 def _add(blocks: list[torch.Tensor | None], i: int, value: torch.Tensor) -> None:
@@ -1083,11 +1092,12 @@ def _reverse_blocks(
     blocks: list[torch.Tensor | None],
     inner: int | None,
     loop: bool,
-) -> None:
+) -> torch.Tensor | None:
     """One batch by the reverse route for the selected tensors ``members``, added to ``blocks``
-    (their diagonal blocks), or with ``total`` (one matrix) to its rows of those tensors' entries
-    and, mirrored, to the same columns of the other rows (the sparse route's); ``inner``: how many
-    tangents each batched second pass takes (None: all); ``loop``: by the seed's loop."""
+    (their diagonal blocks); or ``total`` (one matrix) with it added, out of place, to its rows of
+    those tensors' entries and, mirrored, to the same columns of the other rows (the sparse
+    route's); ``inner``: how many tangents each batched second pass takes (None: all);
+    ``loop``: by the seed's loop."""
     if total is None:  # per tensor, the others held constant
         names = tuple(plan.sparse.selected[i] for i in members)
         by_name = _by_name(plan)
@@ -1102,7 +1112,7 @@ def _reverse_blocks(
         )
         for i, row in zip(members, rows, strict=True):
             _add(blocks, i, row)
-        return
+        return None
     # one vector of every selected tensor (or params itself): rows of the members' entries
     sizes = [len(flat) for flat in plan.flats]
     offsets = list(accumulate([0, *sizes]))
@@ -1122,10 +1132,12 @@ def _reverse_blocks(
         loop,
     )
     mine = mine.to(total.device)
-    total[mine] += row_block
+    total = total.index_put((mine,), row_block, accumulate=True)
     rest = torch.ones(offsets[-1], dtype=torch.bool, device=total.device)
     rest[mine] = False
-    total[rest[:, None] & ~rest[None, :]] += row_block[:, rest].mT.reshape(-1)
+    elsewhere = rest.nonzero()[:, 0]
+    return total.index_put((elsewhere[:, None], mine[None, :]), row_block[:, elsewhere].mT,
+                           accumulate=True)  # fmt: skip
 
 
 def _reverse_rows(
@@ -1150,10 +1162,9 @@ def _reverse_rows(
     primitive = require_primitive(backend, "grad_and_block_hvps", "sub_hessian")
     row_flats = [flat.to(t.device) for flat, t in zip(row_flats, leaves, strict=True)]
     column_flats = [flat.to(t.device) for flat, t in zip(column_flats, leaves, strict=True)]
-    blocks = [
-        t.new_zeros(len(rows), len(columns))
-        for rows, columns, t in zip(row_flats, column_flats, leaves, strict=True)
-    ]
+    # each leaf's rows, chunk after chunk (joined at the end: under vmap they are batched)
+    pieces: list[list[torch.Tensor]] = [[t.new_zeros(0, len(c))]
+                                        for t, c in zip(leaves, column_flats, strict=True)]  # fmt: skip
     most = max(len(flat) for flat in row_flats)
     step = chunk_size or most
     for start in range(0, most, step):
@@ -1163,12 +1174,12 @@ def _reverse_rows(
         # a few tangents: one plain backward each (vmap's setup costs more than it batches)
         one_by_one = 1 if max(len(chunk) for chunk in chunks) <= FEW_TANGENTS else inner
         _, products = primitive(loss, leaves, tangents, (*others, *batch_values), one_by_one)
-        for block, chunk, columns, product in zip(
-            blocks, chunks, column_flats, products, strict=True
+        for rows, chunk, columns, product in zip(
+            pieces, chunks, column_flats, products, strict=True
         ):
             if len(chunk):  # a leaf with fewer components than this chunk's start has none
-                block[start : start + len(chunk)] += product.reshape(len(chunk), -1)[:, columns]
-    return blocks
+                rows.append(product.reshape(len(chunk), -1)[:, columns])
+    return [torch.cat(rows) for rows in pieces]
 
 
 def _loop_rows(

@@ -264,6 +264,24 @@ def writes_selected(p):
     return out
 
 
+def relu_in_place(p):
+    return torch.tanh(F.linear(X[:, :8], F.relu(p, inplace=True))).sum() ** 2
+
+
+def hardtanh_in_place_positionally(p):
+    return torch.tanh(F.linear(X[:, :8], F.hardtanh(p, -0.5, 0.5, True))).sum() ** 2
+
+
+WRITERS = {  # a loss writing to its selected tensor with grad on, and what the refusal names
+    "an in-place method": (writes_selected, r"Tensor\.mul_"),
+    "a functional with inplace=True": (relu_in_place, r"torch\.nn\.functional\.relu"),
+    "a functional's inplace flag by position": (
+        hardtanh_in_place_positionally,
+        r"torch\.nn\.functional\.hardtanh",
+    ),
+}
+
+
 @dataclass
 class ChoiceCase:
     name: str
@@ -341,14 +359,33 @@ def test_forcing_the_sparse_route_where_it_does_not_apply_raises_the_reason():
         pyhvp.sub_hessian(big_cumsum, BIG, torch.tensor([0, 1]), method="sparse")
 
 
-def test_a_write_to_a_selected_tensor_is_never_run_by_the_sparse_route(caplog):
-    before = SMALL.clone()
-    with pytest.raises(ValueError, match=r"is written by Tensor\.mul_"):
-        pyhvp.sub_hessian(writes_selected, SMALL, torch.tensor([0]), method="sparse")
-    assert torch.equal(SMALL, before)  # the survey stopped before the write
+@pytest.mark.parametrize(("loss", "writer"), WRITERS.values(), ids=WRITERS.keys())
+def test_a_write_to_a_selected_tensor_is_never_run_by_the_sparse_route(loss, writer, caplog):
+    params = SMALL - 0.5  # negative entries: relu and hardtanh would change them
+    before = params.clone()
+    with pytest.raises(ValueError, match=f"is written by {writer}"):
+        pyhvp.sub_hessian(loss, params, torch.tensor([0]), method="sparse")
+    assert torch.equal(params, before)  # the survey stopped before the write
     with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"), pytest.raises(RuntimeError):
-        pyhvp.sub_hessian(writes_selected, SMALL, torch.tensor([0]))  # reverse: a leaf written
+        pyhvp.sub_hessian(loss, params, torch.arange(20))  # reverse: a leaf written
     assert set(routes_taken(caplog)) == {"reverse"}  # and the seed's loop, which fails as well
+    assert torch.equal(params, before)
+
+
+def reads_metadata(p):
+    shape_read = p.new_ones(p.shape[0]) * p.size(1) / p.numel() + torch.zeros_like(p).sum()
+    return (torch.tanh(F.linear(WIDE, p.view(p.dtype))) ** 2).sum() * shape_read.sum()
+
+
+def test_reading_a_selected_tensors_metadata_keeps_the_sparse_route(caplog):
+    """``W.shape``, ``W.size()``, ``W.numel()``, ``W.new_ones``, ``zeros_like(W)`` and a view as
+    its own dtype use no value of ``W``: a tensor over ``DENSE_LIMIT`` stays sparse."""
+    params = torch.randn(70, 60, dtype=torch.float64)
+    with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"):
+        got = pyhvp.sub_hessian(reads_metadata, params, MANY, method="sparse")
+    assert routes_taken(caplog) == ["sparse"]
+    expected = pyhvp.sub_hessian(reads_metadata, params, MANY, method="reverse")
+    torch.testing.assert_close(got, expected, **F64)
 
 
 def test_fewer_than_min_components_take_the_reverse_route_under_auto(caplog):
@@ -538,6 +575,79 @@ def test_where_every_batched_pass_costs_more_auto_takes_the_seed_loop(caplog):
     assert "reverse route by the seed's loop" in message and "(modelled" in message
     expected = pyhvp.sub_hessian(padded, BIG_TABLE, index, method="reverse")
     torch.testing.assert_close(got, expected, **F64)
+
+
+def padded_on_flagged_batches(p, batch):
+    """The table through a one-hot product, or, on a flagged batch, an embedding whose
+    ``padding_idx`` row holds selected entries."""
+    tokens, padding = batch
+    if padding:
+        return (torch.tanh(F.embedding(tokens, p, padding_idx=0)) ** 3).sum()
+    return (torch.tanh(F.one_hot(tokens, len(p)).to(p.dtype) @ p) ** 3).sum()
+
+
+# 0 and 5: row 0, the padding row
+PADDED_INDEX = torch.tensor([0, 5, 17, 900, 1200, 1800, 2400, 3000, 3600, 4200, 4799])
+SHORT_TOKENS = TOKENS % 600  # 600 x 8: a table over DENSE_LIMIT
+
+
+@pytest.mark.parametrize("method", ["auto", "sparse"])
+def test_padding_rows_a_later_batch_reaches_are_refused_by_the_sparse_kernel(method):
+    """The first batch's survey sees no ``padding_idx``; the second reaches it with selected
+    entries in its row: autograd's derivative there (zero) holds, or ``"sparse"`` refuses."""
+    table = TABLE[:600]
+    batches = [(SHORT_TOKENS, False), (SHORT_TOKENS, True)]
+    if method == "sparse":
+        with pytest.raises(ValueError, match="padding_idx row"):
+            pyhvp.sub_hessian(padded_on_flagged_batches, table, PADDED_INDEX, data=batches,
+                              method="sparse", backend=EAGER)  # fmt: skip
+        return
+    got = pyhvp.sub_hessian(padded_on_flagged_batches, table, PADDED_INDEX, data=batches,
+                            backend=EAGER)  # fmt: skip
+    expected = pyhvp.sub_hessian(padded_on_flagged_batches, table, PADDED_INDEX, data=batches,
+                                 method="reverse")  # fmt: skip
+    torch.testing.assert_close(got, expected, **F64)
+
+
+def test_a_padding_idx_set_after_a_first_call_is_seen_by_the_cached_routes():
+    """The routes of an equal call are kept; a loss whose captured ``padding_idx`` changed since
+    reaches the sparse kernel, which refuses the padding row's entries."""
+    table, config = TABLE[:600], {"padding_idx": None}
+
+    def loss(p):
+        embedded = F.embedding(SHORT_TOKENS, p, padding_idx=config["padding_idx"])
+        return (torch.tanh(embedded) ** 3).sum()
+
+    pyhvp.sub_hessian(loss, table, PADDED_INDEX, backend=EAGER)
+    config["padding_idx"] = 0
+    for _ in range(3):  # past "auto"'s trial of each plan
+        got = pyhvp.sub_hessian(loss, table, PADDED_INDEX, backend=EAGER)
+        expected = pyhvp.sub_hessian(loss, table, PADDED_INDEX, method="reverse")
+        torch.testing.assert_close(got, expected, **F64)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["sparse", "auto"])
+def test_a_compiled_graph_traced_anew_for_a_changed_loss_is_checked_first(method):
+    """A captured flag switches ``W.t()`` to ``W.T`` after the first calls: dynamo traces a new
+    graph (torch 2.13 traces ``W.T`` past the mode: a zero Hessian there), checked against the
+    eager kernel before it serves, as a first graph is."""
+    weight, x = torch.randn(4, 5, dtype=torch.float64), torch.randn(6, 5, dtype=torch.float64)
+    index = torch.randperm(20, generator=torch.Generator().manual_seed(0))[:12]
+    config = {"property": False}
+
+    def loss(w):
+        transposed = w.T if config["property"] else w.t()
+        return ((x @ transposed).tanh() ** 3).sum()
+
+    expected = dense_sub_hessian(loss, weight, index)
+    compiled = pyhvp.TorchBackend(compile=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the check may drop the new graph
+        for flag in (False, False, True, True, True):
+            config["property"] = flag
+            got = pyhvp.sub_hessian(loss, weight, index, method=method, backend=compiled)
+            torch.testing.assert_close(got, expected, **F64)
 
 
 def test_the_seed_loop_takes_the_reverse_routes_tensors_beside_a_sparse_group(caplog):

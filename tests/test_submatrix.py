@@ -225,6 +225,41 @@ def test_result_carries_no_graph_when_params_or_batches_require_grad(device):
     assert not H.requires_grad
 
 
+EAGER = pyhvp.TorchBackend(compile=False)
+VMAP_INDEX = {"a few (the seed's loop outside vmap)": [0, 7, 3], "many": list(range(12))}
+
+
+@pytest.mark.parametrize("method", ["auto", "sparse", "reverse"])
+@pytest.mark.parametrize("index", VMAP_INDEX.values(), ids=VMAP_INDEX.keys())
+def test_vmap_over_data_the_loss_captures_gives_each_samples_sub_hessian(method, index, device):
+    weight = torch.randn(4, 5, dtype=torch.float64, device=device)
+    samples = torch.randn(3, 6, 5, dtype=torch.float64, device=device)
+    selected = torch.tensor(index, device=device)
+
+    def loss_of(x):
+        return lambda w: ((x @ w.T).tanh() ** 3).sum()
+
+    got = torch.func.vmap(
+        lambda x: pyhvp.sub_hessian(loss_of(x), weight, selected, method=method, backend=EAGER)
+    )(samples)
+    expected = torch.stack([dense_sub_hessian(loss_of(x), weight, selected) for x in samples])
+    torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("index", VMAP_INDEX.values(), ids=VMAP_INDEX.keys())
+def test_vmap_over_params_gives_each_ones_sub_hessian(index, device):
+    weights = torch.randn(3, 4, 5, dtype=torch.float64, device=device)
+    x = torch.randn(6, 5, dtype=torch.float64, device=device)
+    selected = torch.tensor(index, device=device)
+
+    def loss(w):
+        return ((x @ w.T).tanh() ** 3).sum()
+
+    got = torch.func.vmap(lambda w: pyhvp.sub_hessian(loss, w, selected, backend=EAGER))(weights)
+    expected = torch.stack([dense_sub_hessian(loss, w, selected) for w in weights])
+    torch.testing.assert_close(got, expected)
+
+
 # --- errors: (case, call, exception type, text the message must contain) ---------------------
 
 W = torch.zeros(2, 3)

@@ -128,6 +128,11 @@ class _Elementary(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def inside_transform() -> bool:
+    """Whether a functorch transform (``torch.func.grad``, ``vmap``, ...) is active."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
 def differentiation_levels() -> int:
     """How many ``torch.func`` levels that differentiate (``grad``, ``vjp``, ``jvp``; not
     ``vmap``) are active: here the nested orders of :func:`taylor_coefficients` and the

@@ -35,11 +35,12 @@ from pyhvp.restricted.ops import (
     EINSUM_FAMILY,
     autograd_convention,
     bind,
+    call_kind,
     contracted,
     describe,
     einsum_form,
-    kind,
     writes_operand,
+    writes_to,
 )
 
 DENSE_LIMIT = 4096
@@ -177,8 +178,8 @@ class Injection(TorchFunctionMode):
         values = pytree.tree_leaves((args, kwargs))
         if not any(self._find(v) is not None for v in values):
             return func(*args, **kwargs)
-        op = kind(func)
-        written = args[0] if op == "write" and args else kwargs.get("out")
+        op = call_kind(func, args, kwargs)
+        written = writes_to(op, func, args, kwargs)
         if any(self._find(v) is not None for v in pytree.tree_leaves(written)):
             raise NotSparse(f"{describe(func)} writes to a selected tensor")
         if op == "view":
@@ -257,16 +258,38 @@ class Injection(TorchFunctionMode):
         if chosen is None:
             result: object = _call(op, func, bound)
             return result
-        contribution = _contribution(op, bound, chosen[0], chosen[1].coords)
+        entry = chosen[1]
+        _refuse_padding_rows(op, bound, entry)
+        contribution = _contribution(op, bound, chosen[0], entry.coords)
         if isinstance(contribution, str):
             return None
         out = _call(op, func, bound)
-        entry = chosen[1]
         part = entry.part if entry.mask is None else entry.part * entry.mask
         if op == "addmm" and bound.get("alpha", 1) != 1:
             part = part * bound["alpha"]
         self.sparse_uses += 1
         return rules.inject(out, part, contribution, self.batch)
+
+
+PADDING_ROW = (
+    "has selected entries in a padding_idx row of torch.nn.functional.embedding, where "
+    "autograd's derivative (the seed's loop's) is zero, not the true one"
+)
+
+
+def _refuse_padding_rows(op: str, bound: dict[str, Any], entry: Selected) -> None:
+    """Raise :class:`NotSparse` where an embedding with ``padding_idx`` reads selected entries in
+    that row (the survey routes them to the reverse route; a later batch, or a loss whose
+    captured state changed since, may read them anew). Eagerly: a compiled kernel's graph
+    depends on ``padding_idx``, and a graph traced anew is checked against the eager kernel."""
+    padding = bound.get("padding_idx") if op == "embedding" else None
+    if padding is None or torch.compiler.is_compiling():
+        return
+    hit = entry.coords[0] == padding % bound["weight"].shape[0]
+    if entry.mask is not None:
+        hit = hit & (entry.mask > 0)
+    if bool(hit.any()):
+        raise NotSparse(f"a selected tensor {PADDING_ROW}")
 
 
 def _call(op: str, func: Callable[..., Any], bound: dict[str, Any]) -> Any:

@@ -7,7 +7,9 @@ Kinds (:func:`kind`):
   (:mod:`pyhvp.restricted.contributions`) for the operands listed in :data:`CONTRACTED`;
 * ``"view"``: a rearrangement or slice of a selected tensor (``W.T``, ``W.view(...)``, ``W[2:]``,
   ``W.chunk(3)``): its result is followed as a selected tensor of its own;
-* ``"constant"``: ``detach``: the result has no derivative, as in autograd;
+* ``"constant"``: ``detach``, and what reads a selected tensor's metadata alone (``W.shape``,
+  ``W.size()``, ``W.dtype``, ``torch.zeros_like(W)``, ``W.new_ones(...)``): the result has no
+  derivative, as in autograd;
 * ``"cheap"``: elementwise arithmetic, reductions and normalisations, whose derivative in an
   operand costs no more than the op's own size: a selected operand enters densely
   (``W + scatter(z)``) at any size;
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -128,6 +131,36 @@ _CHEAP_NAMES = [
     "__rpow__",
 ]
 
+_METADATA_NAMES = [
+    "size",
+    "dim",
+    "ndimension",
+    "numel",
+    "nelement",
+    "stride",
+    "storage_offset",
+    "is_contiguous",
+    "element_size",
+    "is_floating_point",
+    "is_complex",
+    "get_device",
+    "__len__",
+    "zeros_like",
+    "ones_like",
+    "empty_like",
+    "full_like",
+    "rand_like",
+    "randn_like",
+    "randint_like",
+    "new_zeros",
+    "new_ones",
+    "new_empty",
+    "new_full",
+]
+"""Functions of a tensor's metadata alone (never of its values): kind ``"constant"``."""
+
+_METADATA_PROPERTIES = ("shape", "dtype", "device", "ndim", "layout", "is_cuda", "requires_grad")
+
 _NORMS = ("layer_norm", "group_norm", "batch_norm", "instance_norm", "rms_norm")
 
 PROPERTIES = ("T", "mT", "H", "mH")
@@ -156,6 +189,12 @@ def _table() -> dict[Callable[..., Any], str]:
         kinds[getattr(torch.ops.aten, name)] = "view"
     for owner in (Tensor, torch):
         kinds[owner.detach] = "constant"
+        for name in _METADATA_NAMES:
+            value = getattr(owner, name, None)
+            if callable(value):
+                kinds[value] = "constant"
+    for name in _METADATA_PROPERTIES:
+        kinds[getattr(Tensor, name).__get__] = "constant"
     kinds.update(_EINSUM_FAMILY)
     kinds.update(_CONVS)
     return kinds
@@ -173,6 +212,52 @@ def _kind(func: Callable[..., Any]) -> str:
     return "write" if named_in_place(func) else "other"
 
 
+def call_kind(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> str:
+    """:func:`kind` of this call of ``func``: a view as a dtype (``W.view(torch.float64)``),
+    which autograd does not differentiate (even as its own dtype), is a ``"constant"``."""
+    found = kind(func)
+    as_dtype = any(isinstance(a, torch.dtype) for a in (*args[1:], *kwargs.values()))
+    return "constant" if found == "view" and func.__name__ == "view" and as_dtype else found
+
+
+def writes_to(
+    op: str, func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
+) -> Any:
+    """What a call of ``func`` (of kind ``op``) writes to: its first argument for an in-place
+    method (``add_``) or a functional called with ``inplace=True`` (``F.relu(W, inplace=True)``),
+    and ``out=``; None where it writes nothing."""
+    if op == "write" or _inplace(func, args, kwargs):
+        return args[0] if args else kwargs.get("input")
+    return kwargs.get("out")
+
+
+def _inplace(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether ``func`` has an ``inplace`` parameter (``torch.nn.functional``'s activations and
+    dropouts) and this call sets it."""
+    position = inplace_position(func)
+    if position < 0:
+        return False
+    given = kwargs.get("inplace", args[position] if len(args) > position else False)
+    return bool(given)
+
+
+_INPLACE_POSITIONS: dict[Callable[..., Any], int] = {}
+
+
+def _inplace_position(func: Callable[..., Any]) -> int:
+    """The position of ``func``'s ``inplace`` parameter, -1 where it has none (read once per
+    hashable ``func``)."""
+    with contextlib.suppress(KeyError, TypeError):  # TypeError: unhashable, read every time
+        return _INPLACE_POSITIONS[func]
+    found = -1
+    with contextlib.suppress(TypeError, ValueError):  # a builtin without a signature
+        names = list(inspect.signature(func).parameters)
+        found = names.index("inplace") if "inplace" in names else -1
+    with contextlib.suppress(TypeError):
+        _INPLACE_POSITIONS[func] = found
+    return found
+
+
 def named_in_place(func: Callable[..., Any]) -> bool:
     """Whether ``func``'s name says it writes to its first argument (``add_``, ``__iadd__``,
     ``__setitem__``, ``copy_``); a write into ``out=`` is the other kind a caller checks."""
@@ -186,6 +271,11 @@ def named_in_place(func: Callable[..., Any]) -> bool:
 kind: Callable[[Callable[..., Any]], str] = torch.compiler.assume_constant_result(_kind)  # type: ignore[no-untyped-call]
 """:func:`_kind`, which dynamo calls at trace time (a constant of ``func``) instead of tracing
 its table lookups and string tests."""
+
+inplace_position: Callable[[Callable[..., Any]], int] = torch.compiler.assume_constant_result(  # type: ignore[no-untyped-call]
+    _inplace_position
+)
+""":func:`_inplace_position`, a constant of ``func`` for dynamo as :func:`kind`."""
 
 
 # --- arguments of the ops with a sparse rule -----------------------------------------------

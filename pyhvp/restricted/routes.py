@@ -76,11 +76,13 @@ from pyhvp.restricted.ops import (
     PROPERTIES,
     autograd_convention,
     bind,
+    call_kind,
     contracted,
     describe,
     einsum_form,
     kind,
     writes_operand,
+    writes_to,
 )
 
 MIN_COMPONENTS = 8
@@ -280,8 +282,8 @@ class Survey(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        op = kind(func)
-        written = args[0] if op == "write" and args else kwargs.get("out")
+        op = call_kind(func, args, kwargs)
+        written = writes_to(op, func, args, kwargs)
         for value in pytree.tree_leaves(written):  # stop before the write: params stay as given
             source = self._source(value)
             if source is not None:
@@ -342,7 +344,7 @@ class Survey(TorchFunctionMode):
     ) -> bool:
         """Note how each selected tensor in ``direct`` enters ``func``; True for a view that
         follows one (its outputs are then selected tensors, not activations)."""
-        op, name = kind(func), describe(func)
+        op, name = call_kind(func, args, kwargs), describe(func)
         if op == "view" and args and self._source(args[0]) is not None:
             source = self._source(args[0])
             assert source is not None
