@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 
+from pyhvp import _random_state as random_states
 from pyhvp._checks import check_batched_output, fmt_shape, require_floating, require_like
 from pyhvp.backends import Backend
 from pyhvp.taylor.kernel import identity
@@ -217,7 +218,10 @@ def sketch(
     ``(I - Q Q^T)`` first if ``deflate_probes``. No residual probes once Q spans all d
     directions (the estimate is then exact)."""
     sketch_size = samples // 3
-    range_ = products(space.probes("gaussian", sketch_size, generator)).movedim(0, -1)
+    probes = space.probes("gaussian", sketch_size, generator)
+    # both rounds run f from one random state: f's draws (dropout) are one function's
+    state = random_states.save(space.like.device)
+    range_ = products(probes).movedim(0, -1)
     # QR in float32 at least: half and bfloat16 have no QR (geqrf), on the CPU or CUDA
     q = torch.linalg.qr(range_.to(torch.promote_types(range_.dtype, torch.float32))).Q
     q = q.to(range_.dtype)
@@ -226,5 +230,6 @@ def sketch(
     z = space.probes("rademacher", residual, generator).movedim(0, -1)  # (*batch, d, m)
     if deflate_probes:
         z = z - q @ (q.mT @ z)
+    random_states.restore(state)
     pushed = products(torch.cat([q, z], -1).movedim(-1, 0)).movedim(0, -1)
     return Sketch(q, pushed[..., :rank], z, pushed[..., rank:])

@@ -30,7 +30,7 @@ def directional_derivatives(
     backend: str | Backend = "torch",
 ) -> torch.Tensor:
     """``d^k/dt^k f(x + t v)`` at ``t = 0`` for ``k = 0..order``, stacked on a new leading
-    axis: shape ``(order + 1, *batch, *out)``.
+    axis: shape ``(order + 1, *batch, *out)``, in ``x``'s dtype.
 
     Shapes: ``f(x, *args)`` returns ``batch_shape + out_shape`` (``batch_shape =
     x.shape[:-event_dims]``); ``v`` is one direction per instance (``x``'s shape) or one shared
@@ -59,7 +59,8 @@ def directional_derivatives(
                                             "pyhvp.directional_derivatives")  # fmt: skip
     coefficients = taylor_coefficients(est.checked(f, space.batch), x, direction, args, None,
                                        order=order, outputs=tuple(range(order + 1)))  # fmt: skip
-    return torch.stack([coefficients[0], *(c[0] for c in coefficients[1:])])
+    # in x's dtype, as every derivative w.r.t. x (f(x) too: one tensor holds them)
+    return torch.stack([coefficients[0].to(x.dtype), *(c[0] for c in coefficients[1:])])
 
 
 def check_order(order: object, least: int = 1) -> int:

@@ -18,6 +18,7 @@ from typing import TypeVar
 import torch
 from torch.func import vmap
 
+from pyhvp import _random_state as random_states
 from pyhvp._checks import (
     check_batched_output,
     check_event_dims,
@@ -218,8 +219,7 @@ class _Runs:
             for bit in range(max(1, (self.count - 1).bit_length()))
             for side in (0, 1)
         ]
-        self.random_state = torch.random.get_rng_state()
-        self.cuda_state = torch.cuda.get_rng_state(y.device) if y.device.type == "cuda" else None
+        self.random_state = random_states.save(y.device)
         self.y.requires_grad_()
         self.out = check_batched_output(f(self.y, *args), batch_shape)
 
@@ -239,10 +239,9 @@ class _Runs:
             x = x + shift * moved.reshape(
                 *self.batch_shape, *(1,) * (x.ndim - len(self.batch_shape))
             )
-        with torch.random.fork_rng(devices=[x.device] if self.cuda_state is not None else []):
-            torch.random.set_rng_state(self.random_state)
-            if self.cuda_state is not None:
-                torch.cuda.set_rng_state(self.cuda_state, x.device)
+        on_cuda = self.random_state.cuda is not None
+        with torch.random.fork_rng(devices=[x.device] if on_cuda else []):
+            random_states.restore(self.random_state)
             out = self.f(x.requires_grad_(), *self.args)
         return check_batched_output(out, self.batch_shape).detach().reshape(self.count, -1)
 

@@ -103,3 +103,18 @@ def test_a_sum_loss_or_batches_of_one_size_are_not_warned(reduction):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         pyhvp.sub_hessian(loss, p, INDEX, data=data)
+
+
+def test_f_writing_to_x_is_told_to_write_to_a_copy_by_every_operator():
+    """The Taylor engine and the HVP kernels refuse alike (the HVPs with autograd's "leaf
+    Variable" message until 2026-12-04, about an x that did not require grad)."""
+
+    def f(x):
+        x.mul_(2.0)
+        return torch.sin(x).pow(3).sum(-1)
+
+    x = torch.randn(4, 3)
+    for call in (lambda: pyhvp.laplacian(f, x), lambda: pyhvp.hvp(f, x, x),
+                 lambda: pyhvp.laplacian(f, x, method="hutch++", samples=3)):  # fmt: skip
+        with pytest.raises(pyhvp.taylor.InPlaceInputError, match=r"x\.clone\(\)"):
+            call()

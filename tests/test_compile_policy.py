@@ -401,6 +401,17 @@ def test_a_compiled_kernel_that_disagrees_with_eager_never_serves(monkeypatch, c
     assert runs == ["compiled", "eager", "eager", "eager", "eager"]
 
 
+def test_under_autocast_kernels_agree_within_the_autocast_dtypes_rounding():
+    """A float32 result of bfloat16 intermediates: eager and compiled kernels round them
+    differently (1e-2 apart), which is no miscompile -- outside autocast it would be one."""
+    expected = torch.tensor([1.0, -2.0, 3.0])
+    got = expected * (1 + 1e-2)
+    assert compile_policy.disagreement(got, expected) is not None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert compile_policy.disagreement(got, expected) is None
+        assert compile_policy.disagreement(expected * 1.5, expected) is not None
+
+
 class Interrupt(BaseException):
     """Not an Exception: the compile policy neither falls back on it nor swallows it."""
 

@@ -249,6 +249,21 @@ REFERENCES = {
 }
 
 
+def whole_directional_derivatives(f, x):
+    return pyhvp.directional_derivatives(
+        f, x, torch.tensor([1.0, 0.0], dtype=x.dtype), order=3, backend=EAGER
+    )
+
+
+@pytest.mark.parametrize("operator", [*OPERATORS.values(), whole_directional_derivatives],
+                         ids=[*OPERATORS, "directional derivatives, value included"])  # fmt: skip
+def test_results_have_xs_dtype_whatever_f_computes_in(operator):
+    """A derivative w.r.t. ``x`` has ``x``'s dtype (the contract): also where ``f`` computes in
+    float64 from a float32 ``x``, and the value ``f(x)`` stacked with the derivatives."""
+    x = point("cpu", batch=3)[:, :2].float()
+    assert operator(lambda y: (y.double() ** 3).sum(-1), x).dtype == torch.float32
+
+
 @pytest.mark.parametrize("operator", OPERATORS)
 def test_results_are_differentiable_in_parameters_and_x(operator):
     """What a plate PINN's training step needs: the gradient of a loss on the operator in the

@@ -585,6 +585,27 @@ def test_hutch_plus_plus_is_exact_on_low_rank_hessians(device):
     )
 
 
+@pytest.mark.parametrize(("operator", "method"), [("laplacian", "hutch++"),
+                                                  ("hessian_diagonal", "diag++")])  # fmt: skip
+def test_the_sketch_rounds_of_a_random_f_see_one_function(operator, method, device):
+    """Both rounds of Hutch++ / Diag++ run ``f`` from one random state: with ``samples >= 3n``
+    (exact) the estimate of an ``f`` with dropout in training mode is the exact operator's at
+    the same mask (the rounds drew two masks: zeros where either dropped)."""
+    x = torch.randn(6, 3, dtype=torch.float64, device=device)
+    dropout = nn.Dropout(0.5)
+
+    def f(y):
+        return dropout(torch.sin(y)).pow(2).sum(-1)
+
+    results = []
+    for options in ({}, {"method": method, "samples": 9}):
+        torch.manual_seed(1)
+        generator = torch.Generator(device).manual_seed(0)
+        extra = {"generator": generator} if options else {}
+        results.append(getattr(pyhvp, operator)(f, x, **options, **extra))
+    torch.testing.assert_close(results[1], results[0])
+
+
 # --- gradients through the Laplacian ----------------------------------------------------------
 
 
@@ -1110,6 +1131,32 @@ def test_compiled_kernel_backward_that_keeps_its_graph_is_exact(way, device):
         got = second_order(TorchBackend(compile=True))
     for g, e in zip(got, second_order(TorchBackend(compile=False)), strict=True):
         torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("way", ["create_graph", "retain_graph", "plain"])
+def test_compiled_gradients_reach_a_captured_tensor_once_when_x_is_made_from_it(way, device):
+    """``x`` made from a parameter ``f`` also captures: the parameter's gradient is its own part
+    plus ``x``'s, each once (a rerun on the saved inputs themselves added ``x``'s part twice under
+    ``create_graph``: -56.55 where -37.70 is right)."""
+    weight = torch.randn(3, 5, dtype=torch.float64, device=device, requires_grad=True)
+
+    def f(y):
+        return (y**3).sum(-1) * weight.sum()
+
+    def gradient(backend):
+        x = weight.t().clone()
+        lap = pyhvp.laplacian(f, x, backend=backend)
+        options = {"plain": {}, "retain_graph": {"retain_graph": True},
+                   "create_graph": {"create_graph": True}}[way]  # fmt: skip
+        return torch.autograd.grad(lap.sum(), weight, **options)[0]
+
+    x = weight.detach().t()  # nested autograd: the Laplacian in x, then d/d weight through x too
+    expected = 6 * x.sum(-1).sum() + 6 * weight.detach().sum() * torch.ones_like(weight)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a first backward's check may warn
+        for _ in range(3):  # the compiled kernel's first call (checked), then its served ones
+            torch.testing.assert_close(gradient(TorchBackend(compile=True)), expected)
 
 
 @pytest.mark.slow

@@ -150,6 +150,16 @@ largest finite eager value (plus one): rounding and a reordered sum stay far ins
 miscompiled kernel (pytorch#183986 summed every row's writes) lies far outside."""
 
 
+def _agreement(t: torch.Tensor) -> float:
+    """:data:`AGREEMENT` for ``t``'s dtype, or under autocast on its device for the lower
+    precision the kernels' ops ran in (bfloat16 intermediates of a float32 result)."""
+    tolerance = AGREEMENT.get(t.dtype, 0.0)
+    if t.is_floating_point() and torch.is_autocast_enabled(t.device.type):
+        lower = torch.get_autocast_dtype(t.device.type)
+        tolerance = max(tolerance, AGREEMENT.get(lower, 0.0))
+    return tolerance
+
+
 def disagreement(got: object, expected: object) -> str | None:
     """Where a compiled kernel's result and the eager kernel's differ beyond :data:`AGREEMENT`
     (NaN and infinities in the same places), or None."""
@@ -161,7 +171,7 @@ def disagreement(got: object, expected: object) -> str | None:
             return f"shape {tuple(a.shape)} against {tuple(b.shape)}"
         finite = b[torch.isfinite(b)] if b.is_floating_point() else b
         scale = 1.0 + (finite.abs().max().item() if finite.numel() else 0.0)
-        tolerance = AGREEMENT.get(b.dtype, 0.0) * scale
+        tolerance = _agreement(b) * scale
         try:
             torch.testing.assert_close(a, b, rtol=0.0, atol=tolerance, equal_nan=True)
         except AssertionError:

@@ -67,6 +67,7 @@ from torch import fx
 from torch.autograd import forward_ad
 from torch.func import grad, vjp, vmap
 
+from pyhvp import _random_state as random_states
 from pyhvp import restricted, taylor
 from pyhvp._checks import check_output, fmt_shape
 from pyhvp._user_errors import quiet_tracing, stacklevel_outside_pyhvp
@@ -206,6 +207,10 @@ def _grad_and_block_hvps_eager(
     return tuple(g if keep_graph else g.detach() for g in grads), hvs
 
 
+_LEAF_WRITE = "a leaf Variable that requires grad is being used in an in-place operation"
+"""autograd's refusal of a write to a leaf that requires grad (pyhvp's alias of ``x``)."""
+
+
 def _differentiable_alias(y: torch.Tensor) -> torch.Tensor:
     """An alias of ``y`` that requires grad and keeps ``y``'s autograd history and forward-mode
     tangent (forward over reverse, under ``torch.autograd.forward_ad``)."""
@@ -306,15 +311,10 @@ def _needs_autograd(values: Sequence[object]) -> bool:
     )
 
 
-def _inside_transform() -> bool:
-    """Whether a functorch transform (``torch.func.grad``, ``vmap``, ...) is active."""
-    return torch._C._functorch.peek_interpreter_stack() is not None
-
-
 def _plain_autograd() -> bool:
     """No functorch transform and no forward-mode AD level is active: what a compiled kernel's
     autograd supports."""
-    return not _inside_transform() and forward_ad._current_level < 0
+    return not nested.inside_transform() and forward_ad._current_level < 0
 
 
 def _normal(inputs: tuple[object, ...]) -> tuple[object, ...]:
@@ -422,11 +422,16 @@ class _Detour(torch.autograd.Function):
         wanted: list[int],
         differentiable: bool,
     ) -> list[torch.Tensor | None]:
-        """The eager kernel rerun from the saved inputs, and its vector-Jacobian products."""
+        """The eager kernel rerun from the saved inputs, and its vector-Jacobian products. It runs
+        on views of them: they keep the inputs' history (gradients of gradients), and a gradient
+        w.r.t. one is that input's own part, never also what reaches it through another input's
+        history (``x = P.t().clone()`` with ``f`` capturing ``P``: that part returns to ``P``
+        through ``x``'s gradient)."""
         with torch.enable_grad():
-            rerun = ctx.eager(*inputs)
+            aliases = [t.view_as(t) if t.requires_grad else t for t in inputs]
+            rerun = ctx.eager(*aliases)
         results = (rerun,) if ctx.single else rerun
-        return _Detour._grads(results, grads, [inputs[i] for i in wanted], wanted, len(inputs),
+        return _Detour._grads(results, grads, [aliases[i] for i in wanted], wanted, len(inputs),
                               differentiable=differentiable)  # fmt: skip
 
     @staticmethod
@@ -481,8 +486,8 @@ def _detached(out: object) -> object:
 
 
 class CompiledKernelDisagrees(RuntimeError):
-    """A compiled kernel's first result, or its first gradients, differ from the eager
-    kernel's: a compiler bug."""
+    """A compiled kernel's first result (of each graph dynamo traces), or its first gradients,
+    differ from the eager kernel's: a compiler bug."""
 
     def __init__(self, difference: str, where: str = "on its first call") -> None:
         super().__init__(
@@ -491,18 +496,9 @@ class CompiledKernelDisagrees(RuntimeError):
         )
 
 
-def _random_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The CPU generator's state, and the device's on CUDA."""
-    on_cuda = device.type == "cuda"
-    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if on_cuda else None
-
-
-def _restore_random_state(
-    device: torch.device, state: tuple[torch.Tensor, torch.Tensor | None]
-) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1], device)
+def _graphs_traced() -> int:
+    """How many graphs dynamo has traced in this process (its own count, ``unique_graphs``)."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
 KERNELS = {
@@ -567,9 +563,18 @@ class TorchBackend:
         """Per-instance gradients (x's shape) and HVPs ``(k, *x.shape)``: the one-leaf
         ``grad_and_block_hvps`` of ``sum_b f(x)[b]``, reverse-over-reverse."""
         _require_torch_function(f)
-        (g,), (hv,) = self.grad_and_block_hvps(
-            InstanceSum(f, event_dims), (x,), (tangents,), args, chunk_size
-        )
+        try:
+            (g,), (hv,) = self.grad_and_block_hvps(
+                InstanceSum(f, event_dims), (x,), (tangents,), args, chunk_size
+            )
+        except RuntimeError as error:  # x written by f: said as the Taylor engine says it
+            if _LEAF_WRITE not in str(error) or x.requires_grad:
+                raise
+            raise taylor.InPlaceInputError(
+                "f modifies x in place (or a tensor that requires grad, such as a parameter): "
+                "pyhvp differentiates f w.r.t. x, which autograd does not let f write to (write "
+                "to a copy: x.clone())"
+            ) from error
         return g, hv
 
     def grad_and_block_hvps(
@@ -669,7 +674,7 @@ class TorchBackend:
         mode of ``order`` (:mod:`pyhvp.taylor`); ``f`` is recorded once for all chunks, the
         per-direction outputs of the chunks concatenated, the collapsed one summed."""
         mode = taylor.JetMode(order, collapsed, outputs, weights is not None)
-        if _inside_transform():
+        if nested.inside_transform():
             return nested.taylor_coefficients(f, x, directions, args, chunk_size, mode, weights)
         size = chunk_size or len(directions)
         # one chunk: directions themselves (a split costs a few microseconds a call)
@@ -762,7 +767,7 @@ class TorchBackend:
         for good, without a warning: a known limit, not a compiler failure)."""
         if taylor.recording():  # nested in f of a Taylor-engine operator: its ops are f's
             return traced_kernel(f, *static, *inputs)
-        if _inside_transform():
+        if nested.inside_transform():
             # inside a torch.func transform: the torch.func kernel composes with it, where
             # autograd's batched backward (is_grads_batched) leaked its own vmap level
             return traced_kernel(f, *static, *inputs)
@@ -841,6 +846,8 @@ class TorchBackend:
         # until a result was checked: a first run that raised a BaseException (the sparse
         # route's NotSparse, an interrupt) returned nothing to check, so the next run is first
         first_call = not entry.checked
+        random_state = random_states.save(device)
+        graphs = _graphs_traced()
 
         def failed(error: Exception) -> None:  # compile is an optimisation: say so once
             entry.failed = True
@@ -865,7 +872,6 @@ class TorchBackend:
             with quiet_tracing():  # dynamo traces f: a bug of f's is reported by eager below
                 if first_call:
                     later: list[Callable[[float], None]] = []  # the backward runs after this
-                    random_state = _random_state(device)
                     start = compile_policy.clock()
                     cpu = device.type == "cpu"
                     with warnings.catch_warnings():  # torch's deprecations inside inductor
@@ -886,14 +892,20 @@ class TorchBackend:
             result = eager(*inputs)  # not chained to the compiler's
             failed(error)
             return result
-        if first_call:  # a compiled kernel serves only once its first result is eager's
-            _restore_random_state(device, random_state)  # random ops draw the same values
+        # a graph dynamo traced anew in this call (a guard on f's captured state failed: a flag
+        # flipped, a branch taken anew) is checked like a first one: only the first graph was
+        retraced = not first_call and _graphs_traced() != graphs
+        if retraced:
+            entry.backward_checked = False
+        if first_call or retraced:  # a compiled graph serves only once its result is eager's
+            random_states.restore(random_state)  # random ops draw the same values
             with torch.no_grad():
                 expected = eager(*inputs)
             difference = compile_policy.disagreement(out, expected)
             if difference is not None:
-                failed(CompiledKernelDisagrees(difference))
-                _restore_random_state(device, random_state)
+                where = "on a graph traced anew" if retraced else "on its first call"
+                failed(CompiledKernelDisagrees(difference, where))
+                random_states.restore(random_state)
                 return eager(*inputs)  # with autograd history where the call needs it
             entry.checked = True
         return out

@@ -1,0 +1,30 @@
+"""The random state ``f`` draws from, saved and restored: how pyhvp runs ``f`` again with the
+very draws of an earlier run (dropout in train mode), on the CPU and on CUDA."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class RandomState(NamedTuple):
+    """The CPU generator's state, and ``device``'s on CUDA (None elsewhere)."""
+
+    cpu: torch.Tensor
+    cuda: torch.Tensor | None
+    device: torch.device
+
+
+def save(device: torch.device) -> RandomState:
+    """The state the next random draws on the CPU and on ``device`` start from."""
+    on_cuda = device.type == "cuda"
+    return RandomState(torch.get_rng_state(),
+                       torch.cuda.get_rng_state(device) if on_cuda else None, device)  # fmt: skip
+
+
+def restore(state: RandomState) -> None:
+    """Draws start from ``state`` again."""
+    torch.set_rng_state(state.cpu)
+    if state.cuda is not None:
+        torch.cuda.set_rng_state(state.cuda, state.device)
