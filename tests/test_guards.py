@@ -97,6 +97,35 @@ def closed_over_tensor_replaced(device):
     return lambda x: torch.exp(-((x - centre["mu"]) ** 2)).sum(-1), change
 
 
+def forward_hook_registered(device):
+    net = _net(device)
+    return lambda x: net(x).squeeze(-1), lambda: net[0].register_forward_hook(
+        lambda module, inputs, out: 3 * out
+    )
+
+
+def forward_pre_hook_registered(device):
+    net = _net(device)
+    return lambda x: net(x).squeeze(-1), lambda: net[0].register_forward_pre_hook(
+        lambda module, inputs: (2 * inputs[0],)
+    )
+
+
+def class_forward_patched(device):
+    class Cubed(nn.Module):  # a class per call: the patch stays with it
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Linear(3, 1)
+
+        def forward(self, x):
+            return self.inner(torch.tanh(x)).squeeze(-1) ** 3
+
+    def change():
+        Cubed.forward = lambda self, x: torch.sin(self.inner(x).squeeze(-1))
+
+    return Cubed().double().to(device), change
+
+
 CHANGES = {  # f, and a change between calls that its result depends on
     "a parameter updated in place": parameter_updated_in_place,
     "a parameter replaced": parameter_replaced,
@@ -104,6 +133,9 @@ CHANGES = {  # f, and a change between calls that its result depends on
     "an int in Python state changed": python_state_changed,
     "a float in a closure changed": float_in_a_closure_changed,
     "a closed-over tensor replaced": closed_over_tensor_replaced,
+    "a forward hook registered": forward_hook_registered,
+    "a forward pre-hook registered": forward_pre_hook_registered,
+    "a module's class given another forward": class_forward_patched,
 }
 
 
@@ -128,6 +160,22 @@ def test_a_call_whose_guards_hold_is_not_recorded(make, records, device):
     for _ in range(3):
         pyhvp.hessian_diagonal(f, x, backend=GUARDED)
     assert (traced, records[0]) == (2, 2)
+
+
+def test_a_global_module_hook_is_part_of_f(device):
+    """A hook registered for every module applies to f's modules (from the next call on), never
+    to pyhvp's own graphs (it tripled the jet kernel's outputs)."""
+    net = _net(device)
+    f = lambda x: net(x).squeeze(-1)  # noqa: E731
+    x = torch.randn(5, 3, dtype=torch.float64, device=device)
+    pyhvp.laplacian(f, x, backend=GUARDED)
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, out: 3 * out)
+    try:
+        expected = instance_laplacian(f, x)
+        got = pyhvp.laplacian(f, x, backend=GUARDED)
+    finally:
+        handle.remove()
+    torch.testing.assert_close(got, expected)
 
 
 def _item_branch(x):

@@ -179,15 +179,29 @@ def _route_key(f: Callable[..., Tensor]) -> Hashable:
     func = getattr(f, "__func__", f)  # a bound method: its function
     code = cast(Hashable, getattr(func, "__code__", None) or type(f))
     captured = [getattr(f, "__self__", f), *(cell.cell_contents for cell in _cells(func))]
-    modules = tuple(Identity(m) for m in captured if isinstance(m, torch.nn.Module))
-    if not modules:
+    networks = [m for m in captured if isinstance(m, torch.nn.Module)]
+    hooks = _global_hooks()
+    if not networks and not hooks:
         return code
-    key = (code, modules)
+    # what dynamo does not guard: the global module hooks, and the forward of each module's
+    # class (patched after a first call); either changed, the route is another one
+    forwards = tuple(type(m).forward for network in networks for m in network.modules())
+    key = (code, tuple(map(Identity, networks)), hooks, forwards)
     if key not in _ROUTES and sum(isinstance(k, tuple) and k[0] is code for k in _ROUTES) >= (
         ROUTES_PER_CODE
     ):
         return code
     return key
+
+
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks")
+
+
+def _global_hooks() -> tuple[object, ...]:
+    """The forward hooks registered for every module
+    (``torch.nn.modules.module.register_module_forward_hook``, ``..._pre_hook``)."""
+    module = torch.nn.modules.module
+    return tuple(hook for name in _GLOBAL_HOOKS for hook in getattr(module, name, {}).values())
 
 
 def _cells(func: object) -> list[types.CellType]:
@@ -201,6 +215,11 @@ def _cells(func: object) -> list[types.CellType]:
             continue
         filled.append(cell)
     return filled
+
+
+_HOOK_GUARDS = torch._dynamo.config.patch(skip_nnmodule_hook_guards=False)
+"""Dynamo guards modules' hooks too (its default skips them): a forward hook registered after
+a first call changes ``f``, so the graph traced before must not serve."""
 
 
 def _plain_call() -> bool:
@@ -240,7 +259,7 @@ def capture(f: Callable[..., Tensor], variable: Tensor, args: Sequence[object], 
         return None
     _pending.value = None
     try:
-        with recording_state(), quiet_tracing():  # an error of f's is reported by its record
+        with recording_state(), quiet_tracing(), _HOOK_GUARDS:  # an error of f's: its record's
             route.compiled(*parts, variable, *args)
     except _Unchecked:
         pass

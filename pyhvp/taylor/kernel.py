@@ -189,7 +189,9 @@ class JetKernel:
         return self.mode.__name__
 
     def __call__(self, *inputs: Tensor) -> object:
-        return self.graph(*inputs)
+        # forward, not the module's __call__: a global module hook of the user's
+        # (register_module_forward_hook) is no business of pyhvp's own graph
+        return self.graph.forward(*inputs)
 
 
 def build_kernel(

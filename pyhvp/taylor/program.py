@@ -245,7 +245,8 @@ def _functional_graph(recorder: Recorder, output: Hashable, x: Tensor) -> fx.Gra
     inputs = [traceable(t) for t in (x, *recorder.constants)]
 
     def replay(tracing_mode: Literal["real", "fake"]) -> fx.GraphModule:
-        functional = torch.func.functionalize(raw)
+        # forward, not the module's __call__: the user's global module hooks are in the record
+        functional = torch.func.functionalize(lambda *inputs: raw.forward(*inputs))
         with torch.no_grad():
             return make_fx(functional, decomposition_table=decompositions(),
                            tracing_mode=tracing_mode)(*inputs)  # fmt: skip
