@@ -220,7 +220,7 @@ def sketch(
     sketch_size = samples // 3
     probes = space.probes("gaussian", sketch_size, generator)
     # both rounds run f from one random state: f's draws (dropout) are one function's
-    state = random_states.save(space.like.device)
+    start = random_states.save(space.like.device)
     range_ = products(probes).movedim(0, -1)
     # QR in float32 at least: half and bfloat16 have no QR (geqrf), on the CPU or CUDA
     q = torch.linalg.qr(range_.to(torch.promote_types(range_.dtype, torch.float32))).Q
@@ -230,6 +230,8 @@ def sketch(
     z = space.probes("rademacher", residual, generator).movedim(0, -1)  # (*batch, d, m)
     if deflate_probes:
         z = z - q @ (q.mT @ z)
-    random_states.restore(state)
+    after = random_states.save(space.like.device)  # past every probe drawn (generator=None)
+    random_states.restore(start)
     pushed = products(torch.cat([q, z], -1).movedim(-1, 0)).movedim(0, -1)
+    random_states.restore(after)  # the next draws are fresh, not this call's probes again
     return Sketch(q, pushed[..., :rank], z, pushed[..., rank:])

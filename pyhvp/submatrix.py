@@ -74,6 +74,7 @@ from pyhvp.backends import Backend, compile_policy, nested, require_primitive, r
 from pyhvp.backends.torch import TorchBackend, _normal
 from pyhvp.distributed import Fingerprint, check_group, sum_over_ranks
 from pyhvp.restricted import NotSparse, WritesSelected, routes
+from pyhvp.restricted.mode import PADDING_ROW
 from pyhvp.restricted.trial import MODEL, TIMED_RUNS, Trial
 
 if TYPE_CHECKING:
@@ -729,10 +730,7 @@ def _choose_routes(
         raise ValueError(_written(_label(plan, error.source), error.what)) from None
     for i, usage in enumerate(found.usage):
         if usage.refusal is None and _masked(plan, i, usage.masked_entries):
-            usage.refusal = (
-                "has selected entries in a padding_idx row of torch.nn.functional.embedding, "
-                "where autograd's derivative (the seed's loop's) is zero, not the true one"
-            )
+            usage.refusal = PADDING_ROW
     refusals = [
         f"{_label(plan, i)} {usage.refusal}" for i, usage in enumerate(found.usage) if usage.refusal
     ]

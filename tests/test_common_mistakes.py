@@ -118,3 +118,15 @@ def test_f_writing_to_x_is_told_to_write_to_a_copy_by_every_operator():
                  lambda: pyhvp.laplacian(f, x, method="hutch++", samples=3)):  # fmt: skip
         with pytest.raises(pyhvp.taylor.InPlaceInputError, match=r"x\.clone\(\)"):
             call()
+
+
+def test_f_writing_to_a_parameter_gets_autograds_own_error_not_told_to_copy_x():
+    weight = torch.ones(3, requires_grad=True)
+
+    def f(x):
+        weight.mul_(2.0)
+        return (x * weight).sin().sum(-1)
+
+    with pytest.raises(RuntimeError, match="a leaf Variable that requires grad") as raised:
+        pyhvp.hvp(f, torch.randn(4, 3), torch.randn(4, 3))
+    assert not isinstance(raised.value, pyhvp.taylor.InPlaceInputError)

@@ -3,6 +3,8 @@ guards on ``f`` hold, and never once anything ``f``'s result depends on has chan
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 from dense import instance_hessian_diagonal, instance_laplacian
@@ -162,6 +164,16 @@ def test_a_call_whose_guards_hold_is_not_recorded(make, records, device):
     assert (traced, records[0]) == (2, 2)
 
 
+@dataclass
+class Tripled:
+    """A hook that is not hashable (a dataclass with ``eq``): nothing may key on it."""
+
+    factor: float = 3.0
+
+    def __call__(self, module, inputs, out):
+        return self.factor * out
+
+
 def test_a_global_module_hook_is_part_of_f(device):
     """A hook registered for every module applies to f's modules (from the next call on), never
     to pyhvp's own graphs (it tripled the jet kernel's outputs)."""
@@ -169,7 +181,7 @@ def test_a_global_module_hook_is_part_of_f(device):
     f = lambda x: net(x).squeeze(-1)  # noqa: E731
     x = torch.randn(5, 3, dtype=torch.float64, device=device)
     pyhvp.laplacian(f, x, backend=GUARDED)
-    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, out: 3 * out)
+    handle = torch.nn.modules.module.register_module_forward_hook(Tripled())
     try:
         expected = instance_laplacian(f, x)
         got = pyhvp.laplacian(f, x, backend=GUARDED)

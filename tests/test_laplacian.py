@@ -22,6 +22,7 @@ from torch.func import functional_call, grad, hessian, vmap
 
 import pyhvp
 from pyhvp import TorchBackend, taylor
+from pyhvp import _estimators as est
 from pyhvp.backends import torch as torch_backend
 from pyhvp.backends.compile_policy import function_key
 from pyhvp.taylor import program
@@ -604,6 +605,26 @@ def test_the_sketch_rounds_of_a_random_f_see_one_function(operator, method, devi
         extra = {"generator": generator} if options else {}
         results.append(getattr(pyhvp, operator)(f, x, **options, **extra))
     torch.testing.assert_close(results[1], results[0])
+
+
+def test_the_sketch_never_rewinds_the_global_random_state_to_draw_its_probes_again(monkeypatch):
+    """With ``generator=None`` the probes come from torch's global generator: a call's
+    second-round rewind (for ``f``'s draws) must not make the next call draw from where this
+    one's Rademacher probes came from (correlated estimates)."""
+    states = []
+    probes = est.Space.probes
+
+    def logged(self, kind, count, generator):
+        states.append(torch.get_rng_state())
+        return probes(self, kind, count, generator)
+
+    monkeypatch.setattr(est.Space, "probes", logged)
+    x = torch.randn(4, 6, dtype=torch.float64)
+    torch.manual_seed(0)
+    for _ in range(2):
+        pyhvp.laplacian(lambda y: y.sin().pow(2).sum(-1), x, method="hutch++", samples=9)
+    assert len(states) == 4  # per call: Gaussian, then Rademacher probes
+    assert len({bytes(s.numpy()) for s in states}) == 4
 
 
 # --- gradients through the Laplacian ----------------------------------------------------------

@@ -379,12 +379,28 @@ def reads_metadata(p):
 
 def test_reading_a_selected_tensors_metadata_keeps_the_sparse_route(caplog):
     """``W.shape``, ``W.size()``, ``W.numel()``, ``W.new_ones``, ``zeros_like(W)`` and a view as
-    its own dtype use no value of ``W``: a tensor over ``DENSE_LIMIT`` stays sparse."""
+    a dtype (not differentiated, as autograd does not) use no value of ``W`` that is
+    differentiated: a tensor over ``DENSE_LIMIT`` stays sparse."""
     params = torch.randn(70, 60, dtype=torch.float64)
     with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"):
         got = pyhvp.sub_hessian(reads_metadata, params, MANY, method="sparse")
     assert routes_taken(caplog) == ["sparse"]
     expected = pyhvp.sub_hessian(reads_metadata, params, MANY, method="reverse")
+    torch.testing.assert_close(got, expected, **F64)
+
+
+def dropout_outside_training_in_place(p):
+    kept = F.dropout(p, 0.5, training=False, inplace=True)  # writes nothing
+    return (torch.tanh(F.linear(X[:, :8], kept)) ** 2).sum()
+
+
+def test_a_dropout_outside_training_with_inplace_set_is_no_write():
+    """Outside training a dropout returns its input unwritten, ``inplace=True`` or not: not
+    refused as a write to params, under ``no_grad`` either."""
+    index = torch.tensor([0, 9, 63, 9])
+    expected = pyhvp.sub_hessian(dropout_outside_training_in_place, SMALL, index, method="reverse")
+    with torch.no_grad():
+        got = pyhvp.sub_hessian(dropout_outside_training_in_place, SMALL, index, method="sparse")
     torch.testing.assert_close(got, expected, **F64)
 
 

@@ -208,7 +208,17 @@ def _grad_and_block_hvps_eager(
 
 
 _LEAF_WRITE = "a leaf Variable that requires grad is being used in an in-place operation"
-"""autograd's refusal of a write to a leaf that requires grad (pyhvp's alias of ``x``)."""
+"""autograd's refusal of a write to a leaf that requires grad (pyhvp's alias of ``x``, or a
+parameter of ``f``'s)."""
+
+
+def _writes_x(f: Callable[..., torch.Tensor], x: torch.Tensor, args: Sequence[object]) -> bool:
+    """Whether ``f`` writes to its input: run once more on a copy of ``x`` that does not require
+    grad (a write to a parameter that does is refused by autograd again, before any write)."""
+    copy = x.detach().clone()
+    with contextlib.suppress(Exception), torch.enable_grad():
+        f(copy, *args)
+    return copy._version > 0
 
 
 def _differentiable_alias(y: torch.Tensor) -> torch.Tensor:
@@ -568,12 +578,11 @@ class TorchBackend:
                 InstanceSum(f, event_dims), (x,), (tangents,), args, chunk_size
             )
         except RuntimeError as error:  # x written by f: said as the Taylor engine says it
-            if _LEAF_WRITE not in str(error) or x.requires_grad:
+            if _LEAF_WRITE not in str(error) or x.requires_grad or not _writes_x(f, x, args):
                 raise
             raise taylor.InPlaceInputError(
-                "f modifies x in place (or a tensor that requires grad, such as a parameter): "
-                "pyhvp differentiates f w.r.t. x, which autograd does not let f write to (write "
-                "to a copy: x.clone())"
+                "f modifies x in place: pyhvp differentiates f w.r.t. x, which autograd does not "
+                "let f write to (write to a copy: x.clone())"
             ) from error
         return g, hv
 

@@ -278,10 +278,11 @@ PADDING_ROW = (
 
 
 def _refuse_padding_rows(op: str, bound: dict[str, Any], entry: Selected) -> None:
-    """Raise :class:`NotSparse` where an embedding with ``padding_idx`` reads selected entries in
-    that row (the survey routes them to the reverse route; a later batch, or a loss whose
-    captured state changed since, may read them anew). Eagerly: a compiled kernel's graph
-    depends on ``padding_idx``, and a graph traced anew is checked against the eager kernel."""
+    """Raise :class:`NotSparse` where an embedding with ``padding_idx`` has selected entries in
+    that row, whether or not this batch's tokens reach it (the survey routes them to the reverse
+    route; a later batch, or a loss whose captured state changed since, may meet them anew).
+    Eagerly: a compiled kernel's graph depends on ``padding_idx``, and a graph traced anew is
+    checked against the eager kernel."""
     padding = bound.get("padding_idx") if op == "embedding" else None
     if padding is None or torch.compiler.is_compiling():
         return

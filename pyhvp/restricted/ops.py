@@ -233,28 +233,52 @@ def writes_to(
 
 def _inplace(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
     """Whether ``func`` has an ``inplace`` parameter (``torch.nn.functional``'s activations and
-    dropouts) and this call sets it."""
-    position = inplace_position(func)
-    if position < 0:
+    dropouts) and this call sets it, for a dropout in training (outside it, it writes nothing)."""
+    inplace_at, training_at, training_default = inplace_parameters(func)
+    if inplace_at == _ABSENT or not _argument(args, kwargs, "inplace", inplace_at, False):
         return False
-    given = kwargs.get("inplace", args[position] if len(args) > position else False)
-    return bool(given)
+    return training_at == _ABSENT or bool(
+        _argument(args, kwargs, "training", training_at, bool(training_default))
+    )
 
 
-_INPLACE_POSITIONS: dict[Callable[..., Any], int] = {}
+def _argument(
+    args: Sequence[Any], kwargs: dict[str, Any], name: str, position: int, default: object
+) -> object:
+    if name in kwargs:
+        return kwargs[name]
+    return args[position] if 0 <= position < len(args) else default
 
 
-def _inplace_position(func: Callable[..., Any]) -> int:
-    """The position of ``func``'s ``inplace`` parameter, -1 where it has none (read once per
-    hashable ``func``)."""
+_ABSENT, _KEYWORD_ONLY = -1, -2
+_INPLACE_PARAMETERS: dict[Callable[..., Any], tuple[int, int, int]] = {}
+
+
+def _inplace_parameters(func: Callable[..., Any]) -> tuple[int, int, int]:
+    """The position of ``func``'s ``inplace`` parameter, of a dropout's ``training`` one, and
+    that one's default (0 or 1): :data:`_ABSENT` for one it lacks, :data:`_KEYWORD_ONLY` for one
+    passed by keyword alone. Read once per hashable ``func``."""
     with contextlib.suppress(KeyError, TypeError):  # TypeError: unhashable, read every time
-        return _INPLACE_POSITIONS[func]
-    found = -1
+        return _INPLACE_PARAMETERS[func]
+    found = (_ABSENT, _ABSENT, 0)
     with contextlib.suppress(TypeError, ValueError):  # a builtin without a signature
-        names = list(inspect.signature(func).parameters)
-        found = names.index("inplace") if "inplace" in names else -1
+        parameters = list(inspect.signature(func).parameters.values())
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+        def position(name: str) -> int:
+            for i, p in enumerate(parameters):
+                if p.name == name:
+                    return i if p.kind in positional else _KEYWORD_ONLY
+            return _ABSENT
+
+        names = {p.name: p for p in parameters}
+        if "inplace" in names:
+            dropout = "dropout" in getattr(func, "__name__", "") and "training" in names
+            training = position("training") if dropout else _ABSENT
+            default = int(bool(names["training"].default)) if dropout else 0
+            found = (position("inplace"), training, default)
     with contextlib.suppress(TypeError):
-        _INPLACE_POSITIONS[func] = found
+        _INPLACE_PARAMETERS[func] = found
     return found
 
 
@@ -272,10 +296,10 @@ kind: Callable[[Callable[..., Any]], str] = torch.compiler.assume_constant_resul
 """:func:`_kind`, which dynamo calls at trace time (a constant of ``func``) instead of tracing
 its table lookups and string tests."""
 
-inplace_position: Callable[[Callable[..., Any]], int] = torch.compiler.assume_constant_result(  # type: ignore[no-untyped-call]
-    _inplace_position
+inplace_parameters: Callable[[Callable[..., Any]], tuple[int, int, int]] = (
+    torch.compiler.assume_constant_result(_inplace_parameters)  # type: ignore[no-untyped-call]
 )
-""":func:`_inplace_position`, a constant of ``func`` for dynamo as :func:`kind`."""
+""":func:`_inplace_parameters`, a constant of ``func`` for dynamo as :func:`kind`."""
 
 
 # --- arguments of the ops with a sparse rule -----------------------------------------------

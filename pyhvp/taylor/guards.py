@@ -31,7 +31,9 @@ call as before, when:
   call is specialised by dynamo: after these, the record, which lifts such floats into program
   inputs, serves every value with one program).
 
-No route is tried while a functorch transform or forward-mode AD is active, or under dynamo.
+No route is tried while a functorch transform or forward-mode AD is active, under dynamo, or
+while a global module hook is registered (``register_module_forward_hook``: part of ``f``, and
+guarded by dynamo in no way).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from __future__ import annotations
 import functools
 import threading
 import types
+import weakref
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -170,7 +173,9 @@ def _route_key(f: Callable[..., Tensor]) -> Hashable:
     ``functools.partial``) are keyed by what they wrap. Callables of one code over different
     modules (captured, bound, or the module itself) get a route each, up to
     :data:`ROUTES_PER_CODE`: a sweep over several networks through one lambda keeps a graph per
-    network (one route would trace a graph for each and decline after the sixth)."""
+    network (one route would trace a graph for each and decline after the sixth). The forward
+    of each of those modules' classes is part of the key: dynamo does not guard it, and a class
+    patched after a first call is another ``f``."""
     while True:
         inner = f.func if isinstance(f, functools.partial) else getattr(f, "__wrapped__", None)
         if inner is None:
@@ -180,13 +185,12 @@ def _route_key(f: Callable[..., Tensor]) -> Hashable:
     code = cast(Hashable, getattr(func, "__code__", None) or type(f))
     captured = [getattr(f, "__self__", f), *(cell.cell_contents for cell in _cells(func))]
     networks = [m for m in captured if isinstance(m, torch.nn.Module)]
-    hooks = _global_hooks()
-    if not networks and not hooks:
+    if not networks:
         return code
-    # what dynamo does not guard: the global module hooks, and the forward of each module's
-    # class (patched after a first call); either changed, the route is another one
-    forwards = tuple(type(m).forward for network in networks for m in network.modules())
-    key = (code, tuple(map(Identity, networks)), hooks, forwards)
+    # what dynamo does not guard: the forward of each module class (patched after a first
+    # call, the route is another one)
+    forwards = tuple(Identity(c.forward) for network in networks for c in _classes(network))
+    key = (code, tuple(map(Identity, networks)), forwards)
     if key not in _ROUTES and sum(isinstance(k, tuple) and k[0] is code for k in _ROUTES) >= (
         ROUTES_PER_CODE
     ):
@@ -194,14 +198,26 @@ def _route_key(f: Callable[..., Tensor]) -> Hashable:
     return key
 
 
+_CLASSES: weakref.WeakKeyDictionary[torch.nn.Module, tuple[type, ...]] = weakref.WeakKeyDictionary()
+"""The module classes of each network a route captures, found once (its modules may be many;
+their classes are few, and read at every call)."""
+
+
+def _classes(network: torch.nn.Module) -> tuple[type[torch.nn.Module], ...]:
+    found = _CLASSES.get(network)
+    if found is None:
+        found = _CLASSES[network] = tuple(dict.fromkeys(type(m) for m in network.modules()))
+    return found
+
+
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks")
 
 
-def _global_hooks() -> tuple[object, ...]:
-    """The forward hooks registered for every module
+def _global_hooks() -> bool:
+    """Whether a forward hook is registered for every module
     (``torch.nn.modules.module.register_module_forward_hook``, ``..._pre_hook``)."""
     module = torch.nn.modules.module
-    return tuple(hook for name in _GLOBAL_HOOKS for hook in getattr(module, name, {}).values())
+    return any(getattr(module, name, None) for name in _GLOBAL_HOOKS)
 
 
 def _cells(func: object) -> list[types.CellType]:
@@ -217,9 +233,19 @@ def _cells(func: object) -> list[types.CellType]:
     return filled
 
 
-_HOOK_GUARDS = torch._dynamo.config.patch(skip_nnmodule_hook_guards=False)
-"""Dynamo guards modules' hooks too (its default skips them): a forward hook registered after
-a first call changes ``f``, so the graph traced before must not serve."""
+class _HookGuards:
+    """Dynamo guards modules' hooks too (its default skips them): a forward hook registered
+    after a first call changes ``f``, so the graph traced before must not serve. Set and reset
+    by hand: ``torch._dynamo.config.patch`` cost 17 us a call (3% of a small Laplacian)."""
+
+    def __enter__(self) -> None:
+        self.skipped = torch._dynamo.config.skip_nnmodule_hook_guards
+        if self.skipped:
+            torch._dynamo.config.skip_nnmodule_hook_guards = False
+
+    def __exit__(self, *_: object) -> None:
+        if self.skipped:
+            torch._dynamo.config.skip_nnmodule_hook_guards = True
 
 
 def _plain_call() -> bool:
@@ -248,7 +274,7 @@ def capture(f: Callable[..., Tensor], variable: Tensor, args: Sequence[object], 
     first of each graph) ends dynamo's before it replays any, so ``f`` runs once per call.
     Where dynamo raises, ``f`` is recorded here: an error of ``f``'s own is raised by the
     record, as eager code raises it, and declines nothing; any other declines the route."""
-    if not _plain_call():
+    if not _plain_call() or _global_hooks():  # dynamo guards no global hook: record f
         return None
     parts = _parts(f)
     key = _route_key(parts[0])
@@ -259,7 +285,7 @@ def capture(f: Callable[..., Tensor], variable: Tensor, args: Sequence[object], 
         return None
     _pending.value = None
     try:
-        with recording_state(), quiet_tracing(), _HOOK_GUARDS:  # an error of f's: its record's
+        with recording_state(), quiet_tracing(), _HookGuards():  # f's errors: its record's
             route.compiled(*parts, variable, *args)
     except _Unchecked:
         pass
