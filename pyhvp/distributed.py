@@ -71,6 +71,11 @@ def check_group(group: object) -> dist.ProcessGroup | None:
             "group must be None or a torch.distributed ProcessGroup (dist.group.WORLD after "
             f"dist.init_process_group, or dist.new_group(...)), got {type(group).__name__}"
         )
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        raise ValueError(
+            "group must be None inside a torch.func transform (vmap): torch.distributed's "
+            "all_reduce has no batching rule; call the operator with group outside the transform"
+        )
     return group
 
 

@@ -9,15 +9,18 @@ mean averaged over the other modes. Each such covariance ``C_i`` gets the root
 is ``(R_1 ⊗ ... ⊗ R_d) vec(v)`` per system, never formed: each mode of ``v`` is contracted with
 its own ``R_i`` (cost ``O(N sum m_i)`` per system for ``N = prod m_i``, against ``O(N^2)`` dense).
 
-Numerics, so that near-singular covariances give no NaN: the covariances are assembled from the
-stored statistics in float64 and their eigendecompositions run in float64 whatever the input dtype
-(roots are cast back to it); ``abs`` maps the tiny negative eigenvalues of rounding to small
+Numerics: the statistics are kept in float64 whatever the gradients' dtype, and the covariances
+assembled and eigendecomposed in float64 (roots are cast back to the gradients' dtype). A
+covariance is a difference of second moments: kept in float32, a gradient whose mean dwarfs its
+spread (mean 1000, spread 0.1) lost the covariance to rounding (100x off; a constant gradient of
+123.5 with damping 1e-3 gave 22x the damping). So that near-singular covariances give no NaN,
+``abs`` maps the tiny negative eigenvalues of rounding to small
 positive ones and a zero eigenvalue gives a zero root eigenvalue (``power > 0``); roots are
 symmetrised in float64 before the cast, so the operator ``apply`` uses is exactly symmetric per
-system (its computed action is, up to rounding). Gradients
-that are not finite, or so large that their second moments would overflow their dtype (above
-``sqrt(finfo.max / N)``, about 1e18 in float32), are rejected before they can poison the running
-statistics; a diverging sampler then stops with a ValueError rather than NaNs or a failed eigh.
+system (its computed action is, up to rounding). Gradients that are not finite, or so large
+that their second moments would overflow float64 (above ``sqrt(finfo.max / N)``), are rejected
+before they can poison the running statistics; a diverging sampler then stops with a ValueError
+rather than NaNs or a failed eigh.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ class KroneckerHVP:
     ``apply(v)`` takes ``v`` of shape ``(*extra, n, *modes)`` and returns that shape;
     ``kron(grad, v)`` is ``update(grad)`` then ``apply(v)``. ``power=None`` means
     ``1 / len(modes)``. The state (EMA mean, one factor per mode, step count) is created on the
-    first update, on grad's device and in its dtype. Roots are computed on the first ``apply``
+    first update, on grad's device, in float64; ``grad`` and ``v`` keep the first update's dtype,
+    which roots and results have. Roots are computed on the first ``apply``
     after an update and cached; with ``refresh_every=k`` a cached root is reused until ``k``
     updates have happened since it was computed (Shampoo-style amortisation; ``k=1`` is the post).
 
@@ -78,6 +82,7 @@ class KroneckerHVP:
     def reset(self) -> None:
         """Forget all statistics; the next ``update`` starts afresh (any shape, device, dtype)."""
         self._step = 0
+        self._dtype = torch.float64  # the gradients' (roots and results have it)
         self._mean: torch.Tensor | None = None
         self._factors: list[torch.Tensor] = []
         self._roots: list[torch.Tensor] | None = None
@@ -86,8 +91,10 @@ class KroneckerHVP:
     @torch.no_grad()
     def update(self, grad: torch.Tensor) -> None:
         """Fold ``grad`` of shape ``(n, *modes)`` into the EMA statistics (no eigendecomposition)."""
-        grad = self._check_grad(grad).detach()
+        given = self._check_grad(grad)
+        grad = given.detach().double()
         if self._mean is None:
+            self._dtype = given.dtype
             self._mean = torch.zeros_like(grad)
             self._factors = [grad.new_zeros(grad.shape[0], m, m) for m in grad.shape[1:]]
         beta, size = self.beta, grad[0].numel()
@@ -101,7 +108,11 @@ class KroneckerHVP:
 
     @torch.no_grad()
     def roots(self) -> list[torch.Tensor]:
-        """The per-mode roots ``R_i`` of shape ``(n, m_i, m_i)`` (cached; see the class doc)."""
+        """The per-mode roots ``R_i`` of shape ``(n, m_i, m_i)``, in the gradients' dtype (copies
+        of the cache; see the class doc)."""
+        return [root.clone() for root in self._cached_roots()]
+
+    def _cached_roots(self) -> list[torch.Tensor]:
         self._statistics()
         if self._roots is None or self._updates_since_roots >= self.refresh_every:
             self._roots = self._compute_roots()
@@ -110,7 +121,7 @@ class KroneckerHVP:
 
     def apply(self, v: torch.Tensor) -> torch.Tensor:
         """``(R_1 ⊗ ... ⊗ R_d) vec(v)`` per system; ``v``: ``(*extra, n, *modes)``, same shape out."""
-        roots = self.roots()
+        roots = self._cached_roots()
         mean = self._statistics()
         v = require_floating("v", v)
         state_shape = mean.shape
@@ -120,7 +131,7 @@ class KroneckerHVP:
                 f"v must have shape {fmt_shape(('*extra', *state_shape))} (its trailing dims are "
                 f"grad's shape), got {fmt_shape(v.shape)}"
             )
-        require_like("v", v, "grad", mean)
+        require_like("v", v, "grad", roots[0])
         out = v
         for root in roots:  # cycle: the next mode to the end, contract it with its root
             out = out.movedim(lead, -1)
@@ -142,7 +153,8 @@ class KroneckerHVP:
         return self.apply(v)
 
     def state_dict(self) -> dict[str, object]:
-        """Copies of the statistics: ``{"step": t, "mean": Tensor | None, "factors": [...]}``.
+        """Copies of the statistics (float64) and the gradients' dtype: ``{"step": t, "mean":
+        Tensor | None, "factors": [...], "dtype": torch.dtype}``.
 
         The options (beta, damping, power, refresh_every) are the constructor's, not state.
         """
@@ -150,6 +162,7 @@ class KroneckerHVP:
             "step": self._step,
             "mean": None if self._mean is None else self._mean.clone(),
             "factors": [f.clone() for f in self._factors],
+            "dtype": self._dtype,
         }
 
     def load_state_dict(self, state: dict[str, object]) -> None:
@@ -158,10 +171,13 @@ class KroneckerHVP:
         Everything is validated first: a refused state raises ValueError/TypeError naming the
         entry and leaves the current statistics untouched.
         """
-        if not isinstance(state, dict) or set(state) != {"step", "mean", "factors"}:
+        required = {"step", "mean", "factors"}  # and "dtype" (states saved before 2026-12-04:
+        # statistics in the gradients' dtype, which they give)
+        if not isinstance(state, dict) or not required <= set(state) <= {*required, "dtype"}:
             keys = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise ValueError(
-                f"state must be a dict with keys ['factors', 'mean', 'step'], got {keys}"
+                f"state must be a dict with keys ['dtype', 'factors', 'mean', 'step'] ('dtype' "
+                f"optional), got {keys}"
             )
         step = state["step"]
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -188,15 +204,21 @@ class KroneckerHVP:
                 f"(one (n, m_i, m_i) per mode of state['mean']), "
                 f"got {[fmt_shape(f.shape) for f in factors]}"
             )
+        dtype = state.get("dtype", mean.dtype)
+        if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"state['dtype'] must be a floating torch.dtype, got {dtype!r}")
         for name, tensor in [("state['mean']", mean)] + [
             (f"state['factors'][{i}]", f) for i, f in enumerate(factors)
         ]:
             require_like(name, tensor, "state['mean']", mean)
             if not bool(tensor.isfinite().all()):
                 raise ValueError(f"{name} must be finite, got NaN or infinite entries")
+        for i, f in enumerate(factors):  # second moments: symmetric (eigh reads one triangle)
+            if not torch.allclose(f, f.mT, rtol=1e-5, atol=0.0):
+                raise ValueError(f"state['factors'][{i}] must be symmetric, got an asymmetric one")
         self.reset()
-        self._step, self._mean = step, mean.clone()
-        self._factors = [f.clone() for f in factors]
+        self._step, self._mean, self._dtype = step, mean.double(), dtype
+        self._factors = [f.double() for f in factors]
 
     def _check_grad(self, grad: object) -> torch.Tensor:
         grad = require_floating("grad", grad)
@@ -211,13 +233,13 @@ class KroneckerHVP:
                     f"grad must keep the shape of the first update {fmt_shape(self._mean.shape)} "
                     f"(call reset() to start over), got {fmt_shape(grad.shape)}"
                 )
-            require_like("grad", grad, "the first update's grad", self._mean)
-        limit = math.sqrt(torch.finfo(grad.dtype).max / grad[0].numel())
-        largest = grad.abs().amax()
+            require_like("grad", grad, "the first update's grad", self._mean.to(self._dtype))
+        limit = math.sqrt(torch.finfo(torch.float64).max / grad[0].numel())
+        largest = grad.abs().amax().double()  # the limit overflows float32
         if not bool(largest <= limit):  # also rejects NaN
             raise ValueError(
                 f"grad must be finite with |entries| <= {limit:.3g} (so that its second moments "
-                f"fit in {grad.dtype}), got max |grad| = {largest.item():.3g}"
+                f"fit in float64), got max |grad| = {largest.item():.3g}"
             )
         return grad
 
@@ -230,11 +252,11 @@ class KroneckerHVP:
         roots = []
         for i, factor in enumerate(self._factors):
             others = [1 + j for j in range(d) if j != i] + [-1]  # mean(dim=[]) reduces all dims
-            mu = mean.mean(dim=others).double() / correction  # (n, m_i), as exact as factor
-            cov = factor.double() / correction - mu[:, :, None] * mu[:, None, :]
+            mu = mean.mean(dim=others) / correction  # (n, m_i)
+            cov = factor / correction - mu[:, :, None] * mu[:, None, :]
             vals, vecs = torch.linalg.eigh(cov)
             root = (vecs * vals.abs().add(self.damping).pow(power)[:, None, :]) @ vecs.mT
-            roots.append(((root + root.mT) / 2).to(self._mean.dtype))
+            roots.append(((root + root.mT) / 2).to(self._dtype))
         return roots
 
 

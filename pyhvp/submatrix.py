@@ -241,6 +241,7 @@ def _local_sums(
     fingerprint = _compared(group, lambda: {
         "joint": joint,
         "params' names": list(fixed),
+        "index's names, in order": list(flats),  # the blocks travel in this order
         **{f"params[{n!r}] shape, dtype": (tuple(p.shape), str(p.dtype))
            for n, p in fixed.items()},
         **{f"index[{name!r}]": flat.tolist() for name, flat in flats.items()},
@@ -348,11 +349,13 @@ class _ModuleBatchLoss:
     def __call__(self, params: Params, batch: tuple[Any, Any]) -> torch.Tensor:
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
             raise TypeError(
-                f"batch must be a pair (inputs, targets) for a module_loss without data, got "
-                f"{type(batch).__name__}"
+                f"each batch of data must be a pair (inputs, targets) for a module_loss made "
+                f"without inputs, got {type(batch).__name__}"
                 + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
             )
         inputs, targets = batch
+        if isinstance(inputs, list):  # a DataLoader collates a tuple of inputs into a list
+            inputs = tuple(inputs)
         return self.criterion(functional_call(self.module, params, inputs), targets)
 
 

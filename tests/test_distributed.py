@@ -355,9 +355,30 @@ def test_bad_data_or_group_raises_naming_it(kwargs, error, culprit):
         pyhvp.sub_hessian(*SQUARE, **kwargs)
 
 
+class TwoInputs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(3, 2), torch.nn.Linear(4, 2)
+
+    def forward(self, x, z):
+        return self.a(x) + self.b(z)
+
+
+def test_a_data_loaders_list_of_inputs_is_the_tuple_it_collated():
+    """A DataLoader collates a dataset's ``((x, z), target)`` into ``[[x, z], target]``."""
+    torch.manual_seed(0)
+    model, criterion = TwoInputs().double(), torch.nn.CrossEntropyLoss(reduction="sum")
+    x, z, t = torch.randn(6, 3).double(), torch.randn(6, 4).double(), torch.randint(0, 2, (6,))
+    loss, params = pyhvp.module_loss(model, criterion)
+    index = {"a.weight": torch.tensor([0, 5]), "b.weight": torch.tensor([1, 7])}
+    as_lists = pyhvp.sub_hessian(loss, params, index, data=[[[x, z], t]])
+    as_tuples = pyhvp.sub_hessian(loss, params, index, data=[((x, z), t)])
+    assert all(torch.equal(as_lists[name], as_tuples[name]) for name in index)
+
+
 def test_module_loss_batch_form_wants_input_target_pairs():
     loss, params, index, batches, _ = data_set()
-    with pytest.raises(TypeError, match="batch must be a pair"):
+    with pytest.raises(TypeError, match="batch of data must be a pair"):
         pyhvp.sub_hessian(loss, params, index, data=[batches[0][0]])
 
 
@@ -409,6 +430,8 @@ DISAGREEMENTS = {  # scenario: (keywords on the last rank, message must contain)
     "another k": ({"index": {**MODEL_INDEX, "2.bias": [0]}}, "index['2.bias']"),
     "joint on one rank only": ({"joint": False}, "joint"),
     "other params shapes": ({"hidden": 5}, "params['0.weight'] shape"),
+    # the blocks travel in index's order: one rank's first block was added to another's second
+    "index in another order": ({"index": dict(reversed(MODEL_INDEX.items()))}, "in order"),
 }
 
 
@@ -476,6 +499,14 @@ def by_route(method, group):
     return pyhvp.sub_hessian(batch_loss, params, index, data=batches, group=group, method=method)
 
 
+def inside_vmap(group):
+    def sub_hessian_of(scale):
+        return pyhvp.sub_hessian(lambda p: (scale * p**3).sum(), torch.ones(2),
+                                 torch.tensor([0, 1]), group=group)  # fmt: skip
+
+    return torch.func.vmap(sub_hessian_of)(torch.ones(3, 2))
+
+
 PLAYS = {
     "two ranks": SCENARIOS,
     "world of one": {
@@ -485,6 +516,7 @@ PLAYS = {
         "its own error": lambda r, w, g: pyhvp.sub_hessian(
             lambda p: 1 / 0, torch.zeros(2), torch.tensor([0]), group=g
         ),
+        "inside vmap": lambda r, w, g: inside_vmap(g),
         **{
             f"route {method}": lambda r, w, g, method=method: by_route(method, g)
             for method in ROUTES
@@ -580,6 +612,14 @@ def test_blocks_of_two_dtypes_travel_together_and_keep_their_dtypes(alone):
 
 def test_a_world_of_one_reraises_its_own_error(alone):
     assert alone["its own error"].get("error") == "ZeroDivisionError", alone["its own error"]
+
+
+def test_a_group_inside_vmap_is_refused_by_name(alone):
+    """torch.distributed's all_reduce has no batching rule (torch raised its internal error)."""
+    outcome = alone["inside vmap"]
+    assert (
+        outcome.get("error") == "ValueError" and "group must be None inside" in outcome["message"]
+    )
 
 
 @pytest.mark.parametrize("method", ROUTES)

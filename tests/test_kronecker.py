@@ -255,12 +255,52 @@ def test_state_round_trip_continues_identically(device):
     assert all(map(torch.equal, ours, [restored(grad, v) for grad in grads[3:]]))
 
 
-def test_state_follows_the_first_grads_device_and_dtype(device):
+def test_statistics_are_float64_on_the_first_grads_device_roots_in_its_dtype(device):
     kron = KroneckerHVP()
     kron.update(torch.randn(2, 3, 4, device=device, dtype=torch.float32))
     state = kron.state_dict()
-    tensors = [state["mean"], *state["factors"], *kron.roots()]
-    assert {(t.device.type, t.dtype) for t in tensors} == {(device.type, torch.float32)}
+    assert state["dtype"] == torch.float32
+    statistics = {(t.device.type, t.dtype) for t in [state["mean"], *state["factors"]]}
+    assert statistics == {(device.type, torch.float64)}
+    assert {(r.device.type, r.dtype) for r in kron.roots()} == {(device.type, torch.float32)}
+
+
+@pytest.mark.parametrize("mean", [123.456, 1000.0])
+def test_float32_gradients_whose_mean_dwarfs_their_spread_keep_their_covariance(mean, device):
+    """Second moments in float32 cancelled (covariance = E[g g^T] - mu mu^T): a constant
+    gradient of 123.456 gave 22x the damping, mean 1000 with spread 0.1 a root 100x off."""
+    generator = torch.Generator().manual_seed(0)
+    grads = [mean + 0.1 * torch.randn(1, 4, 3, generator=generator) for _ in range(50)]
+    ours, exact = KroneckerHVP(beta=0.9, damping=1e-3), KroneckerHVP(beta=0.9, damping=1e-3)
+    for grad in grads:
+        ours.update(grad.to(device))
+        exact.update(grad.double().to(device))
+    for root, expected in zip(ours.roots(), exact.roots(), strict=True):
+        torch.testing.assert_close(root.double(), expected, rtol=1e-4, atol=1e-6)
+
+
+def test_roots_are_copies_of_the_cache(device):
+    kron = fitted(device)
+    kron.roots()[0].zero_()
+    assert bool(kron.roots()[0].abs().sum() > 0)
+
+
+def test_a_state_saved_with_statistics_in_the_gradients_dtype_still_loads(device):
+    """States saved before 2026-12-04: no ``dtype``, statistics in the gradients' dtype."""
+    state = fitted(device).state_dict()
+    old = {"step": state["step"], "mean": state["mean"].float(),
+           "factors": [f.float() for f in state["factors"]]}  # fmt: skip
+    kron = KroneckerHVP()
+    kron.load_state_dict(old)
+    v = torch.randn(2, 3, 4, device=device)  # up to the float32 statistics' rounding (one update,
+    # no damping: square roots of small eigenvalues)
+    torch.testing.assert_close(kron.apply(v), fitted_like(state).apply(v), rtol=1e-2, atol=1e-3)
+
+
+def fitted_like(state):
+    kron = KroneckerHVP()
+    kron.load_state_dict(state)
+    return kron
 
 
 def test_reset_starts_over_with_any_shape(device):
@@ -291,6 +331,11 @@ def with_factor(device, i, value):
     factors = state_with(device)["factors"]
     factors[i] = factors[i].clone().fill_(value)
     return state_with(device, factors=factors)
+
+
+def asymmetric_factors(device):
+    factors = state_with(device)["factors"]
+    return state_with(device, factors=[f + torch.triu(torch.ones_like(f), 1) for f in factors])
 
 
 BAD_STATES = {
@@ -364,7 +409,7 @@ ERROR_CASES = {
         "grad",
     ),
     "grad-second-moments-overflow": (
-        lambda d: fitted(d).update(torch.full((2, 3, 4), 1e19, device=d)),
+        lambda d: KroneckerHVP().update(torch.full((2, 3, 4), 1e160, dtype=F64, device=d)),
         ValueError,
         "grad",
     ),
@@ -404,10 +449,20 @@ ERROR_CASES = {
     ),
     "state-factor-dtype": (
         lambda d: KroneckerHVP().load_state_dict(
-            state_with(d, factors=[f.double() for f in state_with(d)["factors"]])
+            state_with(d, factors=[f.float() for f in state_with(d)["factors"]])
         ),
         ValueError,
         "factors",
+    ),
+    "state-factor-asymmetric": (
+        lambda d: KroneckerHVP().load_state_dict(asymmetric_factors(d)),
+        ValueError,
+        "symmetric",
+    ),
+    "state-dtype-not-floating": (
+        lambda d: KroneckerHVP().load_state_dict(state_with(d, dtype=torch.int64)),
+        ValueError,
+        "dtype",
     ),
     **{
         f"state-{name}": (lambda d, bad=bad: KroneckerHVP().load_state_dict(bad(d)), *raised)
