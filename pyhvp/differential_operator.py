@@ -75,7 +75,7 @@ def differential_operator(
     if not directions:  # f itself only
         (value,) = taylor_coefficients(checked, x, space.directions(space.basis()[:1]), args,
                                        chunk_size, order=1, outputs=(0,))  # fmt: skip
-        return value * float(value_weight)
+        return (value * float(value_weight)).to(x.dtype)  # as every term's: x's dtype
     vectors = space.directions(_as_tensor(directions, space, len(space.batch)))
     outputs = tuple(sorted({0, *weights} if value_weight else set(weights)))
     coefficients = dict(zip(outputs, taylor_coefficients(
@@ -101,8 +101,9 @@ def _checked_terms(terms: object, n_vars: int) -> dict[int, dict[tuple[int, ...]
         )
     grouped: dict[int, dict[tuple[int, ...], Fraction]] = {}
     for alpha, c in terms.items():
-        if not isinstance(alpha, tuple) or not all(
-            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n_vars for i in alpha
+        if not isinstance(alpha, tuple) or not all(  # numbers.Integral: NumPy's ints too
+            isinstance(i, numbers.Integral) and not isinstance(i, bool) and 0 <= int(i) < n_vars
+            for i in alpha
         ):
             raise ValueError(
                 f"each key of terms must be a tuple of variable indices in [0, {n_vars}) (the "
@@ -111,7 +112,7 @@ def _checked_terms(terms: object, n_vars: int) -> dict[int, dict[tuple[int, ...]
             )
         if isinstance(c, bool) or not isinstance(c, numbers.Real) or not math.isfinite(c):
             raise TypeError(f"the coefficient of {alpha} must be a finite real number, got {c!r}")
-        key = tuple(sorted(alpha))
+        key = tuple(sorted(int(i) for i in alpha))
         group = grouped.setdefault(len(key), {})
         group[key] = group.get(key, Fraction(0)) + Fraction(float(c))
     return grouped

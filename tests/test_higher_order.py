@@ -4,6 +4,7 @@ differential_operator) and of operators nested in one another, against nested
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -218,6 +219,37 @@ def test_differential_operators_match_nested_autograd(name, terms, device):
     torch.testing.assert_close(got.cpu(), expected, **tolerance(6))
 
 
+def _symmetric_of(x):
+    a = x[..., :4].reshape(*x.shape[:-1], 2, 2)
+    return a @ a.mT + 2 * torch.eye(2, dtype=x.dtype, device=x.device)
+
+
+REVERSE_FALLBACK_OPS = {  # ops whose second order the reverse-mode fallback computes
+    "cumprod": lambda x: torch.cumprod(x, -1).sum(-1),
+    "eigvalsh": lambda x: (torch.linalg.eigvalsh(_symmetric_of(x)) ** 2).sum(-1),
+    "cholesky": lambda x: torch.linalg.cholesky(_symmetric_of(x)).sum((-2, -1)),
+}
+
+
+@pytest.mark.parametrize("f", REVERSE_FALLBACK_OPS.values(), ids=REVERSE_FALLBACK_OPS.keys())
+def test_a_weighted_second_order_operator_weighs_the_reverse_fallbacks_terms(f, device):
+    """The fallback summed its interpolation directions unweighted: the mixed partial of
+    ``cumprod`` came out twice the right one, ``eigvalsh``'s arbitrary."""
+    x = point(device)
+    terms = {(0, 1): 1.0, (2, 2): 0.5, (1, 3): -2.0}
+    got = pyhvp.differential_operator(f, x, terms, backend=EAGER)
+    expected = sum(c * nested_mixed_partial(f, x.cpu(), alpha) for alpha, c in terms.items())
+    torch.testing.assert_close(got.cpu(), expected)
+
+
+def test_numpy_integers_index_the_variables_of_terms():
+    x = point("cpu")
+    i, j = np.int64(0), np.int64(1)
+    f = CASES["polynomials and products"]
+    got = pyhvp.differential_operator(f, x, {(i, j): 1.0}, backend=EAGER)
+    torch.testing.assert_close(got, pyhvp.differential_operator(f, x, {(0, 1): 1.0}))
+
+
 def test_the_bilaplacian_is_a_differential_operator(device):
     x = point(device)
     n = x.shape[-1]
@@ -255,8 +287,14 @@ def whole_directional_derivatives(f, x):
     )
 
 
-@pytest.mark.parametrize("operator", [*OPERATORS.values(), whole_directional_derivatives],
-                         ids=[*OPERATORS, "directional derivatives, value included"])  # fmt: skip
+def value_only(f, x):
+    return pyhvp.differential_operator(f, x, {(): 2.0}, backend=EAGER)
+
+
+@pytest.mark.parametrize("operator",
+                         [*OPERATORS.values(), whole_directional_derivatives, value_only],
+                         ids=[*OPERATORS, "directional derivatives, value included",
+                              "a differential operator of f itself"])  # fmt: skip
 def test_results_have_xs_dtype_whatever_f_computes_in(operator):
     """A derivative w.r.t. ``x`` has ``x``'s dtype (the contract): also where ``f`` computes in
     float64 from a float32 ``x``, and the value ``f(x)`` stacked with the derivatives."""

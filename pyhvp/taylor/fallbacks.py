@@ -577,7 +577,7 @@ def _reverse_coefficients(ctx: Context, fn: Callable[..., tuple[Tensor, ...]],
                 left = _where_curved(flat_coefficients(t, i), h.ne(0).any(0).any(1))
                 right = _where_curved(flat_coefficients(u, j), h.ne(0).any(0).any(0))
                 quad = torch.einsum("ka,oab,kb->ko", left, h, right)
-                s = s + (quad.sum(0, keepdim=True) if ctx.collapsed else quad)
+                s = s + ctx.summed(quad)  # weighted: a differential operator's terms
         first.append(
             cast(Tensor, f).reshape(cast(Tensor, f).shape[0], *value.shape).to(value.dtype)
         )
