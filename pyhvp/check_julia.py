@@ -323,6 +323,17 @@ def check_here() -> int:
     return run_checks(runner, on=devices(), write=functools.partial(print, flush=True))
 
 
+def _seconds(text: str) -> float:
+    """``--timeout``: a finite number of seconds above 0 (argparse exits with 2 otherwise)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, got {text!r}")
+    return value
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m pyhvp.check_julia",
@@ -337,7 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--timeout",
-        type=float,
+        type=_seconds,
         default=TIMEOUT_S,
         metavar="SECONDS",
         help=f"stop the whole check after this long (default {TIMEOUT_S:.0f})",

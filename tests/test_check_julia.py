@@ -18,6 +18,7 @@ from pyhvp.check_julia import (
     child_env,
     format_row,
     gaussian,
+    main,
     run_checks,
     supervise,
 )
@@ -208,3 +209,10 @@ def test_supervise_passes_on_the_checks_codes_and_stops_what_hangs(
     got = supervise([sys.executable, "-c", code], {}, timeout_s=2)
     printed = capsys.readouterr().out.strip()
     assert (got, printed.startswith(says) if says else printed == "") == (exit_code, True)
+
+
+@pytest.mark.parametrize("timeout", ["-5", "0", "nan", "soon"])
+def test_a_timeout_that_is_no_number_of_seconds_is_a_bad_argument(timeout, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["--timeout", timeout])
+    assert exited.value.code == 2 and "--timeout" in capsys.readouterr().err

@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -49,15 +50,58 @@ except pyhvp.BackendUnavailableError as e:
 """
 
 
+ENVIRONMENTS = {  # what the unavailable path is taken under (never a download)
+    "offline-set": {"PYTHON_JULIAPKG_OFFLINE": "yes"},
+    "offline-unset": {},
+    # the availability probe is skipped: juliapkg's bare Exception came through as it was
+    "auto-install, offline": {"PYHVP_JULIA_AUTOINSTALL": "yes", "PYTHON_JULIAPKG_OFFLINE": "yes"},
+}
+
+
 @pytest.mark.skipif(JULIA, reason="Julia can start here: the unavailable path cannot be shown")
-@pytest.mark.parametrize("offline", ["yes", None], ids=["offline-set", "offline-unset"])
-def test_unavailable_julia_raises_with_install_help_without_hanging(offline):
-    env = {k: v for k, v in os.environ.items() if k != "PYTHON_JULIAPKG_OFFLINE"}
-    env.update({"PYTHON_JULIAPKG_OFFLINE": offline} if offline else {})
+@pytest.mark.parametrize("settings", ENVIRONMENTS.values(), ids=ENVIRONMENTS.keys())
+def test_unavailable_julia_raises_with_install_help_without_hanging(settings):
+    unset = ("PYTHON_JULIAPKG_OFFLINE", "PYHVP_JULIA_AUTOINSTALL")
+    env = {k: v for k, v in os.environ.items() if k not in unset} | settings
     done = subprocess.run(
         [sys.executable, "-c", UNAVAILABLE], env=env, capture_output=True, text=True, timeout=120
     )
-    assert done.stdout.startswith("RAISED True"), done.stdout + done.stderr
+    assert "RAISED True" in done.stdout.splitlines(), done.stdout + done.stderr
+
+
+HANGING_JULIA = """#!/bin/sh
+echo $$ > "$(dirname "$0")/pid"
+exec sleep 600
+"""
+
+
+def test_a_probe_that_times_out_stops_the_julia_it_started(tmp_path):
+    """The probe's Python was stopped, the Julia it had started (here a script that hangs) was
+    left running."""
+    julia = tmp_path / "julia"
+    julia.write_text(HANGING_JULIA)
+    julia.chmod(0o755)
+    settings = {"PYTHON_JULIAPKG_EXE": str(julia), "PYTHON_JULIAPKG_PROJECT": str(tmp_path)}
+    old = {k: os.environ.get(k) for k in settings}
+    os.environ.update(settings)
+    try:
+        ok, reason = probe_julia(timeout_s=8)
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    assert not ok and "longer than" in reason, reason
+    pid = int((tmp_path / "pid").read_text())
+    time.sleep(0.5)
+    assert not _running(pid)
+
+
+def _running(pid):
+    """Whether ``pid`` runs (a zombie, killed and waiting for a reaper, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")
 
 
 @pytest.mark.skipif(JULIA, reason="Julia can start here")

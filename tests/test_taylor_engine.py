@@ -300,6 +300,35 @@ def test_register_jet_rule_refuses_what_is_not_an_op_and_a_rule_with_a_flag():
         pyhvp.register_jet_rule(softsign, lambda *a: None, linear=True)
 
 
+def test_register_jet_rule_refuses_a_rule_that_is_not_callable():
+    with pytest.raises(TypeError, match="rule must be a function"):
+        pyhvp.register_jet_rule(softsign, 3)
+
+
+SQUARE = torch.library.custom_op(
+    "pyhvp_test::square", lambda t: t * t, mutates_args=(), schema="(Tensor t) -> Tensor"
+)
+SQUARE.register_fake(lambda t: torch.empty_like(t))
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_a_rule_registered_again_replaces_the_one_traced_before(compiled):
+    """Kernels traced with the first rule were used again (a diagonal of 3 where the corrected
+    rule says 2, while the Laplacian, traced afresh, had 2)."""
+    backend = pyhvp.TorchBackend(compile=compiled)
+    x = torch.randn(5, 4, dtype=torch.float64)
+
+    def f(y):
+        return SQUARE(y).sum(-1)
+
+    for second in (3.0, 2.0):  # a wrong second derivative first, then the right one
+        pyhvp.register_jet_rule(SQUARE, lambda ctx, out, u, c=second: chain(
+            ctx, out, u, 2 * u.value, torch.full_like(u.value, c)))  # fmt: skip
+        for _ in range(2):
+            diagonal = pyhvp.hessian_diagonal(f, x, backend=backend)
+            torch.testing.assert_close(diagonal, torch.full_like(x, second))
+
+
 def _cube_rule(ctx, out, u):
     return chain(ctx, out, u, 3 * u.value**2, 6 * u.value, torch.full_like(u.value, 6.0))
 

@@ -24,6 +24,7 @@ import contextlib
 import importlib.util
 import math
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -52,7 +53,8 @@ BUNDLED_PACKAGE = Path(__file__).resolve().parents[1] / "julia" / "src" / "PyHVP
 """The bundled Julia package, loaded with ``include`` (no juliapkg ``path`` entry to clash)."""
 
 INSTALL_HELP = (
-    "The julia backend needs juliacall, a Julia (1.10.3 or newer) and the Julia packages in "
+    "The julia backend needs juliacall, a Julia of 1.10.3 or newer in the range juliacall "
+    "accepts, and the Julia packages in "
     "pyhvp/juliapkg.json (Enzyme, CUDA, DLPack, ForwardDiff, StaticArrays). Install with "
     "internet: `pip install 'pyhvp[julia]'`, then once `python -c \"import juliapkg; "
     'juliapkg.resolve()"` (downloads Julia and the packages, then precompiles), or set '
@@ -123,21 +125,25 @@ def probe_julia(timeout_s: float = PROBE_TIMEOUT_S) -> tuple[bool, str]:
     if importlib.util.find_spec("juliacall") is None:
         return False, "juliacall is not installed"
     env = {**os.environ, **JULIACALL_DEFAULTS, "PYTHON_JULIAPKG_OFFLINE": "yes"}
-    try:
-        done = subprocess.run(
-            [sys.executable, "-c", _PROBE, str(BUNDLED_PACKAGE)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
-        return False, f"starting Julia offline took longer than {timeout_s:.0f} s"
-    if done.returncode != 0:
-        lines = (done.stderr or done.stdout).strip().splitlines()
+    # a session of its own: on a timeout the Julia it started goes too, not only the Python
+    with subprocess.Popen(
+        [sys.executable, "-c", _PROBE, str(BUNDLED_PACKAGE)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            return False, f"starting Julia offline took longer than {timeout_s:.0f} s"
+    if process.returncode != 0:
+        lines = (stderr or stdout).strip().splitlines()
         return False, "offline start failed: " + (lines[-1] if lines else "no output")
-    return True, "Julia " + done.stdout.strip()
+    return True, "Julia " + stdout.strip()
 
 
 def julia_available() -> bool:
@@ -160,8 +166,12 @@ def _start_julia() -> Any:
     if offline_was is None and not _auto_install():
         os.environ["PYTHON_JULIAPKG_OFFLINE"] = "yes"
     try:
-        import juliacall
-
+        try:
+            import juliacall
+        except Exception as error:  # juliapkg's bare Exception: no Julia it may use
+            raise BackendUnavailableError(
+                f"the julia backend cannot start ({type(error).__name__}: {error}). {INSTALL_HELP}"
+            ) from error
         main = juliacall.Main
         call_julia("loading the bundled PyHVP package", main.include, str(BUNDLED_PACKAGE))
     finally:

@@ -60,7 +60,7 @@ from pyhvp.taylor.recorder import (
     argument_kinds,
     record,
 )
-from pyhvp.taylor.registry import RULES, ZERO_DERIVATIVE
+from pyhvp.taylor.registry import RULES, ZERO_DERIVATIVE, rules_generation
 
 aten = torch.ops.aten
 Tensor = torch.Tensor
@@ -159,7 +159,8 @@ class Program:
         collapsed second-order one along the basis of x's event keeps x's coefficient
         diagonal."""
         event = basis_event(x, directions) if _keeps_diagonal(mode) else None
-        key = (mode, _meta(directions), event, None if weights is None else _meta(weights))
+        key = (mode, _meta(directions), event, None if weights is None else _meta(weights),
+               rules_generation())  # a rule registered since: traced anew  # fmt: skip
         if key not in self.kernels:
             self.kernels[key] = build_kernel(self.graph, mode, x, directions, weights, constants,
                                              event)  # fmt: skip

@@ -211,8 +211,9 @@ def register_jet_rule(
     coefficient of size 1 along a dim where it varies, cannot be told from a correct rule:
     test a rule against autograd on a small problem.
 
-    Without ``rule`` or a flag it returns a decorator. Registration replaces an earlier rule
-    and clears nothing that was cached: register before the first call that uses ``op``.
+    Without ``rule`` or a flag it returns a decorator. Registration replaces an earlier rule;
+    jet kernels traced with the earlier one are not used again (each is traced anew, and
+    compiled anew where it was).
 
     >>> import torch, pyhvp
     >>> @torch.library.custom_op("example::cube", mutates_args=())
@@ -229,19 +230,39 @@ def register_jet_rule(
     """
     if sum((rule is not None, linear, indexing)) > 1:
         raise ValueError("register_jet_rule takes one of rule=, linear=True and indexing=True")
+    if rule is not None and not callable(rule):
+        raise TypeError(
+            f"rule must be a function (ctx, out, *args, **kwargs) -> jet, got {type(rule).__name__}"
+        )
     ops = _overloads(op)
     if rule is None and not (linear or indexing):
 
         def register(fn: Rule) -> Rule:
-            for overload in ops:
-                RULES[overload] = _checked(overload, fn)
+            _register(ops, _checked, fn)
             return fn
 
         return register
-    for overload in ops:
-        RULES[overload] = (_checked(overload, rule) if rule is not None
-                           else linear_rule(overload, indexing))  # fmt: skip
+    if rule is not None:
+        _register(ops, _checked, rule)
+    else:
+        _register(ops, lambda overload, _: linear_rule(overload, indexing), None)
     return rule
+
+
+_generation = 0
+"""How many registrations have happened: part of a jet kernel's cache key, so that kernels
+traced with an earlier rule are not used again."""
+
+
+def rules_generation() -> int:
+    return _generation
+
+
+def _register(ops: list[Any], make: Callable[[Any, Any], Rule], rule: Any) -> None:
+    global _generation
+    for overload in ops:
+        RULES[overload] = make(overload, rule)
+    _generation += 1
 
 
 def _checked(op: object, rule: Rule) -> Rule:
