@@ -757,13 +757,16 @@ def test_compiled_jet_kernels_do_not_crash_the_process_on_cpu():
     cannot be caught."""
     program = (
         "import torch, pyhvp\n"
+        "torch.manual_seed(0)\n"
         "w = torch.randn(3, 3)\n"
         "compiled, eager = pyhvp.TorchBackend(compile=True), pyhvp.TorchBackend(compile=False)\n"
         "for _ in range(3):\n"
         "    x = torch.randn(4, 3)\n"
         "    for op in (pyhvp.hessian_diagonal, pyhvp.laplacian):\n"
         "        out = op(lambda x: torch.tanh(x @ w) * x, x, backend=compiled)\n"
-        "        assert torch.allclose(out, op(lambda x: torch.tanh(x @ w) * x, x, backend=eager))\n"
+        "        expected = op(lambda x: torch.tanh(x @ w) * x, x, backend=eager)\n"
+        # float32, fused by inductor: rounding apart (an entry near 0 failed allclose's 1e-8)
+        "        assert torch.allclose(out, expected, rtol=1e-4, atol=1e-5)\n"
         "print('done')\n"
     )
     done = subprocess.run(
