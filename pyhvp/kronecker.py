@@ -217,8 +217,8 @@ class KroneckerHVP:
             if not torch.allclose(f, f.mT, rtol=1e-5, atol=0.0):
                 raise ValueError(f"state['factors'][{i}] must be symmetric, got an asymmetric one")
         self.reset()
-        self._step, self._mean, self._dtype = step, mean.double(), dtype
-        self._factors = [f.double() for f in factors]
+        self._step, self._mean, self._dtype = step, mean.to(torch.float64, copy=True), dtype
+        self._factors = [f.to(torch.float64, copy=True) for f in factors]
 
     def _check_grad(self, grad: object) -> torch.Tensor:
         grad = require_floating("grad", grad)
@@ -233,7 +233,8 @@ class KroneckerHVP:
                     f"grad must keep the shape of the first update {fmt_shape(self._mean.shape)} "
                     f"(call reset() to start over), got {fmt_shape(grad.shape)}"
                 )
-            require_like("grad", grad, "the first update's grad", self._mean.to(self._dtype))
+            like = self._mean.new_empty(0, dtype=self._dtype)  # the first grad's device, dtype
+            require_like("grad", grad, "the first update's grad", like)
         limit = math.sqrt(torch.finfo(torch.float64).max / grad[0].numel())
         largest = grad.abs().amax().double()  # the limit overflows float32
         if not bool(largest <= limit):  # also rejects NaN

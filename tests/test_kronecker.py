@@ -297,6 +297,15 @@ def test_a_state_saved_with_statistics_in_the_gradients_dtype_still_loads(device
     torch.testing.assert_close(kron.apply(v), fitted_like(state).apply(v), rtol=1e-2, atol=1e-3)
 
 
+def test_a_loaded_state_is_copied_not_shared(device):
+    """Float64 statistics were taken as they were: the next update wrote into the caller's."""
+    state = fitted(device).state_dict()
+    before = state["mean"].clone()
+    kron = fitted_like(state)
+    kron.update(torch.randn(2, 3, 4, device=device))
+    assert torch.equal(state["mean"], before)
+
+
 def fitted_like(state):
     kron = KroneckerHVP()
     kron.load_state_dict(state)
