@@ -230,8 +230,7 @@ def sketch(
     z = space.probes("rademacher", residual, generator).movedim(0, -1)  # (*batch, d, m)
     if deflate_probes:
         z = z - q @ (q.mT @ z)
-    after = random_states.save(space.like.device)  # past every probe drawn (generator=None)
-    random_states.restore(start)
-    pushed = products(torch.cat([q, z], -1).movedim(-1, 0)).movedim(0, -1)
-    random_states.restore(after)  # the next draws are fresh, not this call's probes again
+    # after it, draws go on past the probes (generator=None): fresh, not this call's again
+    with random_states.replaying(start):
+        pushed = products(torch.cat([q, z], -1).movedim(-1, 0)).movedim(0, -1)
     return Sketch(q, pushed[..., :rank], z, pushed[..., rank:])

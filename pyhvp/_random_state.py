@@ -3,6 +3,8 @@ very draws of an earlier run (dropout in train mode), on the CPU and on CUDA."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
@@ -28,3 +30,14 @@ def restore(state: RandomState) -> None:
     torch.set_rng_state(state.cpu)
     if state.cuda is not None:
         torch.cuda.set_rng_state(state.cuda, state.device)
+
+
+@contextmanager
+def replaying(state: RandomState) -> Iterator[None]:
+    """Draws inside start from ``state``; after, they go on from where they were before."""
+    now = save(state.device)
+    restore(state)
+    try:
+        yield
+    finally:
+        restore(now)

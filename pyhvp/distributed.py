@@ -42,6 +42,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from pyhvp.backends import nested
+
 Fingerprint = Mapping[str, Any]
 """What every rank must agree on, by name (e.g. ``{"index['w']": [0, 4]}``); values compare with
 ``==`` and are shown in error messages."""
@@ -71,7 +73,7 @@ def check_group(group: object) -> dist.ProcessGroup | None:
             "group must be None or a torch.distributed ProcessGroup (dist.group.WORLD after "
             f"dist.init_process_group, or dist.new_group(...)), got {type(group).__name__}"
         )
-    if torch._C._functorch.peek_interpreter_stack() is not None:
+    if nested.inside_transform():
         raise ValueError(
             "group must be None inside a torch.func transform (vmap): torch.distributed's "
             "all_reduce has no batching rule; call the operator with group outside the transform"

@@ -239,9 +239,7 @@ class _Runs:
             x = x + shift * moved.reshape(
                 *self.batch_shape, *(1,) * (x.ndim - len(self.batch_shape))
             )
-        on_cuda = self.random_state.cuda is not None
-        with torch.random.fork_rng(devices=[x.device] if on_cuda else []):
-            random_states.restore(self.random_state)
+        with random_states.replaying(self.random_state):
             out = self.f(x.requires_grad_(), *self.args)
         return check_batched_output(out, self.batch_shape).detach().reshape(self.count, -1)
 

@@ -676,8 +676,11 @@ BY_LOOP = "by the seed's loop of one backward per component"
 
 def _loops(plan: _Plan, chosen: routes.Routes, backend: Backend) -> bool:
     """Whether the reverse route of ``chosen`` runs the seed's loop (the cost model's choice, or
-    :func:`_by_loop`)."""
-    return bool(chosen.reverse) and (chosen.loop or _by_loop(plan, chosen.reverse, backend))
+    :func:`_by_loop`): never inside a ``torch.func`` transform, where autograd's loop cannot run
+    (a cached choice may have been made outside one)."""
+    if not chosen.reverse or nested.inside_transform():
+        return False
+    return chosen.loop or _by_loop(plan, chosen.reverse, backend)
 
 
 def _by_loop(plan: _Plan, members: Iterable[int], backend: Backend) -> bool:
@@ -1010,15 +1013,30 @@ def _add_group(group: Sequence[int], block: torch.Tensor, offsets: Sequence[int]
     """A sparse group's joint block added to ``blocks`` (its members' diagonal blocks), or
     ``total`` (one matrix whose tensor ``i`` spans ``offsets[i]:offsets[i + 1]``) with it added
     (out of place: under ``vmap`` the block is batched, ``total`` not)."""
-    starts = list(accumulate([0, *(offsets[i + 1] - offsets[i] for i in group)]))
     if total is None:
+        starts = list(accumulate([0, *(offsets[i + 1] - offsets[i] for i in group)]))
         for a, i in enumerate(group):
             _add(blocks, i, block[starts[a] : starts[a + 1], starts[a] : starts[a + 1]])
         return None
-    # the group's entries in ``total``: tensor i's at offsets[i]..., in the group's order
-    where = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in group])
-    where = where.to(total.device)
-    return total.index_put((where[:, None], where[None, :]), block, accumulate=True)
+    where = _positions(offsets, group, total.device)
+    return _accumulated(total, (where[:, None], where[None, :]), block)
+
+
+def _accumulated(total: torch.Tensor, index: tuple[torch.Tensor, ...], values: torch.Tensor
+                 ) -> torch.Tensor:  # fmt: skip
+    """``total`` with ``values`` added at ``index``: in place, but out of place inside a
+    ``torch.func`` transform (under ``vmap`` the values are batched, ``total`` is not)."""
+    if nested.inside_transform():
+        return total.index_put(index, values, accumulate=True)
+    return total.index_put_(index, values, accumulate=True)
+
+
+def _positions(offsets: Sequence[int], members: Iterable[int], device: torch.device
+               ) -> torch.Tensor:  # fmt: skip
+    """The rows of one matrix over every selected tensor (tensor ``i`` spans ``offsets[i]:
+    offsets[i + 1]``) that the tensors ``members`` hold, in their order."""
+    ranges = [torch.arange(offsets[i], offsets[i + 1], device=device) for i in members]
+    return torch.cat(ranges) if ranges else torch.zeros(0, dtype=torch.long, device=device)
 
 
 def _add(blocks: list[torch.Tensor | None], i: int, value: torch.Tensor) -> None:
@@ -1117,7 +1135,7 @@ def _reverse_blocks(
     # one vector of every selected tensor (or params itself): rows of the members' entries
     sizes = [len(flat) for flat in plan.flats]
     offsets = list(accumulate([0, *sizes]))
-    mine = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in members])
+    mine = _positions(offsets, members, torch.device("cpu"))
     index = plan.leaf_flats[0]
     loss = dataclasses.replace(plan.reverse, batch_spec=spec)
     (row_block,) = _reverse_rows(
@@ -1133,12 +1151,10 @@ def _reverse_blocks(
         loop,
     )
     mine = mine.to(total.device)
-    total = total.index_put((mine,), row_block, accumulate=True)
-    rest = torch.ones(offsets[-1], dtype=torch.bool, device=total.device)
-    rest[mine] = False
-    elsewhere = rest.nonzero()[:, 0]
-    return total.index_put((elsewhere[:, None], mine[None, :]), row_block[:, elsewhere].mT,
-                           accumulate=True)  # fmt: skip
+    total = _accumulated(total, (mine,), row_block)
+    elsewhere = _positions(offsets, (i for i in range(len(sizes)) if i not in members),
+                           total.device)  # fmt: skip
+    return _accumulated(total, (elsewhere[:, None], mine[None, :]), row_block[:, elsewhere].mT)
 
 
 def _reverse_rows(

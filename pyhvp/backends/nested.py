@@ -45,7 +45,7 @@ def taylor_coefficients(
     is refused by the transforms."""
 
     def value(y: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        with _Elementary(mode.order):
+        with _Elementary():
             return (f(y, *args),)
 
     def derivatives(u: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -99,10 +99,6 @@ class _Elementary(TorchFunctionMode):
     """``f`` with ``layer_norm``, ``group_norm`` and ``instance_norm`` (of the input's own
     statistics) written out in elementary ops (whose nested reverse-mode derivatives torch gets
     right), and a determinant refused where it is differentiated more than twice."""
-
-    def __init__(self, order: int) -> None:
-        super().__init__()
-        self.order = order
 
     def __torch_function__(
         self, func: Callable[..., Any], types: Any, args: Sequence[Any] = (),

@@ -719,8 +719,8 @@ class TorchBackend:
         ``f``'s ops on parameters that require grad would)."""
         _require_torch_function(f)
         with torch.inference_mode(False):
-            return taylor.capture(f, x.clone() if x.is_inference() else x, _normal(tuple(args)),
-                                  guarded)  # fmt: skip
+            y, *rest = _normal((x, *args))
+            return taylor.capture(f, cast(torch.Tensor, y), rest, guarded)
 
     def _jets(
         self,

@@ -216,8 +216,10 @@ def call_kind(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, A
     """:func:`kind` of this call of ``func``: a view as a dtype (``W.view(torch.float64)``),
     which autograd does not differentiate (even as its own dtype), is a ``"constant"``."""
     found = kind(func)
+    if found != "view" or func.__name__ != "view":
+        return found
     as_dtype = any(isinstance(a, torch.dtype) for a in (*args[1:], *kwargs.values()))
-    return "constant" if found == "view" and func.__name__ == "view" and as_dtype else found
+    return "constant" if as_dtype else found
 
 
 def writes_to(
@@ -258,8 +260,12 @@ def _inplace_parameters(func: Callable[..., Any]) -> tuple[int, int, int]:
     """The position of ``func``'s ``inplace`` parameter, of a dropout's ``training`` one, and
     that one's default (0 or 1): :data:`_ABSENT` for one it lacks, :data:`_KEYWORD_ONLY` for one
     passed by keyword alone. Read once per hashable ``func``."""
-    with contextlib.suppress(KeyError, TypeError):  # TypeError: unhashable, read every time
-        return _INPLACE_PARAMETERS[func]
+    try:
+        known = _INPLACE_PARAMETERS.get(func)
+    except TypeError:  # unhashable: read every time
+        known = None
+    if known is not None:
+        return known
     found = (_ABSENT, _ABSENT, 0)
     with contextlib.suppress(TypeError, ValueError):  # a builtin without a signature
         parameters = list(inspect.signature(func).parameters.values())

@@ -310,7 +310,7 @@ class Survey(TorchFunctionMode):
             self.usage[source].tail.add(cost)
             self.usage[source].widest = max(self.usage[source].widest, widest)
         if direct:
-            followed = self._classify(func, args, kwargs, direct, out, cost, taint)
+            followed = self._classify(op, func, args, kwargs, direct, out, cost, taint)
             if followed:
                 return out  # views of a selected tensor: selected tensors themselves
             taint |= sum(1 << source for source in direct)
@@ -334,6 +334,7 @@ class Survey(TorchFunctionMode):
 
     def _classify(
         self,
+        op: str,
         func: Callable[..., Any],
         args: Sequence[Any],
         kwargs: dict[str, Any],
@@ -344,7 +345,7 @@ class Survey(TorchFunctionMode):
     ) -> bool:
         """Note how each selected tensor in ``direct`` enters ``func``; True for a view that
         follows one (its outputs are then selected tensors, not activations)."""
-        op, name = call_kind(func, args, kwargs), describe(func)
+        name = describe(func)
         if op == "view" and args and self._source(args[0]) is not None:
             source = self._source(args[0])
             assert source is not None

@@ -247,6 +247,7 @@ def _functional_graph(recorder: Recorder, output: Hashable, x: Tensor) -> fx.Gra
 
     def replay(tracing_mode: Literal["real", "fake"]) -> fx.GraphModule:
         # forward, not the module's __call__: the user's global module hooks are in the record
+        # (a lambda: make_fx counts a bound method's self among the inputs)
         functional = torch.func.functionalize(lambda *inputs: raw.forward(*inputs))
         with torch.no_grad():
             return make_fx(functional, decomposition_table=decompositions(),

@@ -238,14 +238,14 @@ def register_jet_rule(
     if rule is None and not (linear or indexing):
 
         def register(fn: Rule) -> Rule:
-            _register(ops, _checked, fn)
+            _register(ops, lambda overload: _checked(overload, fn))
             return fn
 
         return register
     if rule is not None:
-        _register(ops, _checked, rule)
+        _register(ops, lambda overload: _checked(overload, rule))
     else:
-        _register(ops, lambda overload, _: linear_rule(overload, indexing), None)
+        _register(ops, lambda overload: linear_rule(overload, indexing))
     return rule
 
 
@@ -258,10 +258,10 @@ def rules_generation() -> int:
     return _generation
 
 
-def _register(ops: list[Any], make: Callable[[Any, Any], Rule], rule: Any) -> None:
+def _register(ops: list[Any], make: Callable[[Any], Rule]) -> None:
     global _generation
     for overload in ops:
-        RULES[overload] = make(overload, rule)
+        RULES[overload] = make(overload)
     _generation += 1
 
 
