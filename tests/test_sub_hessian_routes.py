@@ -389,6 +389,20 @@ def test_reading_a_selected_tensors_metadata_keeps_the_sparse_route(caplog):
     torch.testing.assert_close(got, expected, **F64)
 
 
+def pulled_to_its_own_mean(p):
+    """A penalty towards ``p``'s current mean, held constant through ``p.data``."""
+    return (torch.tanh(F.linear(WIDE, p)) ** 2).sum() + 0.5 * ((p - p.data.mean()) ** 2).sum()
+
+
+def test_a_selected_tensors_data_is_a_constant_as_autograd_has_it():
+    """``W.data`` has no derivative (autograd's, the seed's loop's): the sparse route once
+    shifted it with ``W``, adding the penalty's ``-1 / numel`` coupling to every entry."""
+    params = torch.randn(70, 60, dtype=torch.float64)
+    got = pyhvp.sub_hessian(pulled_to_its_own_mean, params, MANY, method="sparse")
+    expected = pyhvp.sub_hessian(pulled_to_its_own_mean, params, MANY, method="reverse")
+    torch.testing.assert_close(got, expected, **F64)
+
+
 def dropout_outside_training_in_place(p):
     kept = F.dropout(p, 0.5, training=False, inplace=True)  # writes nothing
     return (torch.tanh(F.linear(X[:, :8], kept)) ** 2).sum()

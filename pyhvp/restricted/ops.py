@@ -7,7 +7,7 @@ Kinds (:func:`kind`):
   (:mod:`pyhvp.restricted.contributions`) for the operands listed in :data:`CONTRACTED`;
 * ``"view"``: a rearrangement or slice of a selected tensor (``W.T``, ``W.view(...)``, ``W[2:]``,
   ``W.chunk(3)``): its result is followed as a selected tensor of its own;
-* ``"constant"``: ``detach``, and what reads a selected tensor's metadata alone (``W.shape``,
+* ``"constant"``: ``detach`` and ``W.data``, and what reads a selected tensor's metadata alone (``W.shape``,
   ``W.size()``, ``W.dtype``, ``torch.zeros_like(W)``, ``W.new_ones(...)``): the result has no
   derivative, as in autograd;
 * ``"cheap"``: elementwise arithmetic, reductions and normalisations, whose derivative in an
@@ -187,6 +187,7 @@ def _table() -> dict[Callable[..., Any], str]:
             kinds[getattr(F, name)] = "cheap"
     for name in _TRACED_PROPERTIES:
         kinds[getattr(torch.ops.aten, name)] = "view"
+    kinds[Tensor.data.__get__] = "constant"  # a detached alias, as autograd sees it
     for owner in (Tensor, torch):
         kinds[owner.detach] = "constant"
         for name in _METADATA_NAMES:
