@@ -17,12 +17,12 @@ import torch
 
 from pyhvp import _estimators as est
 from pyhvp._checks import check_args, check_chunk_size, check_event_dims, require_floating
-from pyhvp._user_errors import user_errors
+from pyhvp._public import public_operator
 from pyhvp.backends import Backend, require_primitive, resolve_backend
 from pyhvp.interpolation import biharmonic
 
 
-@user_errors
+@public_operator
 def bilaplacian(
     f: Callable[..., torch.Tensor],
     x: torch.Tensor,

@@ -15,11 +15,11 @@ import torch
 
 from pyhvp import _estimators as est
 from pyhvp._checks import check_args, check_event_dims, fmt_shape, require_floating, require_like
-from pyhvp._user_errors import user_errors
+from pyhvp._public import public_operator
 from pyhvp.backends import Backend, require_primitive, resolve_backend
 
 
-@user_errors
+@public_operator
 def directional_derivatives(
     f: Callable[..., torch.Tensor],
     x: torch.Tensor,

@@ -19,13 +19,13 @@ from pyhvp._checks import (
     check_tangents,
     require_floating,
 )
-from pyhvp._user_errors import user_errors
+from pyhvp._public import public_operator
 from pyhvp.backends import Backend, resolve_backend
 
 BatchedFunction = Callable[..., torch.Tensor]
 
 
-@user_errors
+@public_operator
 def grad_and_hvp(
     f: BatchedFunction,
     x: torch.Tensor,

@@ -26,7 +26,7 @@ from pyhvp._checks import (
     per_arg_event_dims,
     require_floating,
 )
-from pyhvp._user_errors import user_errors
+from pyhvp._public import public_operator
 
 Out = TypeVar("Out")
 """What a per-instance function returns (a tensor or a tuple of tensors); batched alike."""
@@ -134,7 +134,7 @@ class InstanceCouplingError(ValueError):
     """``f``'s value for one instance depends on another instance's variables."""
 
 
-@user_errors
+@public_operator
 def check_instances(
     f: Callable[..., torch.Tensor],
     x: torch.Tensor,

@@ -21,7 +21,7 @@ import torch
 
 from pyhvp import _estimators as est
 from pyhvp._checks import check_args, check_chunk_size, check_event_dims, require_floating
-from pyhvp._user_errors import user_errors
+from pyhvp._public import public_operator
 from pyhvp.backends import Backend, require_primitive, resolve_backend
 
 SKETCHED = "hutch++"
@@ -36,7 +36,7 @@ class GradAndLaplacian(NamedTuple):
     laplacian: torch.Tensor
 
 
-@user_errors
+@public_operator
 def laplacian(
     f: Callable[..., torch.Tensor],
     x: torch.Tensor,
@@ -109,7 +109,7 @@ def laplacian(
     return second if count == 1 else second / count
 
 
-@user_errors
+@public_operator
 def grad_and_laplacian(
     f: Callable[..., torch.Tensor],
     x: torch.Tensor,

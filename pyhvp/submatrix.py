@@ -69,7 +69,8 @@ from pyhvp._checks import (
     require_tensor,
 )
 from pyhvp._progress import progress_bar
-from pyhvp._user_errors import PACKAGE, stacklevel_outside_pyhvp, user_errors
+from pyhvp._public import public_operator
+from pyhvp._user_errors import PACKAGE, stacklevel_outside_pyhvp
 from pyhvp.backends import Backend, compile_policy, nested, require_primitive, resolve_backend
 from pyhvp.backends.torch import TorchBackend, _normal
 from pyhvp.distributed import Fingerprint, check_group, sum_over_ranks
@@ -133,7 +134,7 @@ def sub_hessian(
 ) -> torch.Tensor: ...
 
 
-@user_errors
+@public_operator
 def sub_hessian(
     loss: Callable[..., torch.Tensor],
     params: torch.Tensor | Mapping[str, torch.Tensor],

@@ -549,3 +549,57 @@ def test_compile_true_compiles_without_an_announcement(monkeypatch, caplog):
     x = torch.randn(4, 3)
     pyhvp.hvp(lambda x: (x**3).sum(-1), x, x, backend=pyhvp.TorchBackend(compile=True))
     assert caplog.records == []
+
+
+def tanh_network():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(2, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1), torch.nn.Flatten(0)
+    ).double()
+
+
+def dense_laplacian_loss(net, x):
+    """``mean(laplacian(net)(x) ** 2)`` as a function of net's parameters, by dense Hessians."""
+    names = [name for name, _ in net.named_parameters()]
+
+    def loss(*values):
+        def single(y):
+            return torch.func.functional_call(
+                net, dict(zip(names, values, strict=True)), (y[None],)
+            )[0]
+
+        traces = torch.func.vmap(torch.func.hessian(single))(x).diagonal(0, -2, -1).sum(-1)
+        return (traces**2).mean()
+
+    return loss
+
+
+OPERATORS_IN_A_COMPILED_STEP = {
+    "laplacian": lambda net, x, backend: pyhvp.laplacian(net, x, backend=backend),
+    "hessian_diagonal": lambda net, x, backend: pyhvp.hessian_diagonal(net, x, backend=backend).sum(
+        -1
+    ),
+}
+
+
+@pytest.mark.parametrize("compile_setting", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("operator", OPERATORS_IN_A_COMPILED_STEP.values(),
+                         ids=OPERATORS_IN_A_COMPILED_STEP.keys())  # fmt: skip
+def test_an_operator_inside_the_users_torch_compile_is_a_graph_break(operator, compile_setting):
+    """A PINN step compiled by its user (``torch.compile`` around the loss) runs the operator
+    eagerly, its own kernels as ``TorchBackend(compile=...)`` says, and its parameter gradients
+    are the dense ones at every step, the parameters updated in place between steps: dynamo
+    traced the operator before, and its second step crashed."""
+    net, x = tanh_network(), torch.rand(6, 2, dtype=torch.float64)
+    backend = pyhvp.TorchBackend(compile=compile_setting)
+    step = torch.compile(lambda x: operator(net, x, backend).pow(2).mean())
+    for _ in range(3):
+        params = list(net.parameters())
+        got = torch.autograd.grad(step(x), params, allow_unused=True, materialize_grads=True)
+        expected = torch.func.grad(dense_laplacian_loss(net, x), tuple(range(len(params))))(
+            *(p.detach() for p in params)
+        )
+        torch.testing.assert_close(got, expected)
+        with torch.no_grad():
+            for p in params:
+                p.mul_(0.9)

@@ -187,14 +187,13 @@ def _table() -> dict[Callable[..., Any], str]:
             kinds[getattr(F, name)] = "cheap"
     for name in _TRACED_PROPERTIES:
         kinds[getattr(torch.ops.aten, name)] = "view"
-    kinds[Tensor.data.__get__] = "constant"  # a detached alias, as autograd sees it
     for owner in (Tensor, torch):
         kinds[owner.detach] = "constant"
         for name in _METADATA_NAMES:
             value = getattr(owner, name, None)
             if callable(value):
                 kinds[value] = "constant"
-    for name in _METADATA_PROPERTIES:
+    for name in (*_METADATA_PROPERTIES, "data"):  # W.data: a detached alias, as autograd has it
         kinds[getattr(Tensor, name).__get__] = "constant"
     kinds.update(_EINSUM_FAMILY)
     kinds.update(_CONVS)
