@@ -452,6 +452,22 @@ def test_a_float32_x_promoted_by_a_float64_constant_has_x_s_dtype_derivatives(de
     torch.testing.assert_close(lap.double(), instance_laplacian(f, x), rtol=1e-6, atol=1e-6)
 
 
+SLOPED = {
+    "leaky_relu(u, 0.2)": (lambda u: F.leaky_relu(u, 0.2), 0.2),
+    "leaky_relu(u)": (F.leaky_relu, 0.01),
+    "rrelu(u, 0.1, 0.3) in evaluation": (lambda u: F.rrelu(u, 0.1, 0.3, training=False), 0.2),
+}
+
+
+@pytest.mark.parametrize(("activation", "slope"), SLOPED.values(), ids=SLOPED.keys())
+def test_a_float64_leaky_slope_is_not_rounded_to_float32(activation, slope, device):
+    """``leaky_relu(u, s) ** 2 = s^2 u^2`` for u < 0: its Hessian diagonal is ``2 s^2`` to float64
+    rounding (the slope was made a float32 tensor first: 1e-8 relative off)."""
+    x = -torch.tensor([[1.0, 2.0]], dtype=torch.float64, device=device)
+    got = pyhvp.hessian_diagonal(lambda y: activation(y).pow(2).sum(-1), x)
+    torch.testing.assert_close(got, torch.full_like(x, 2 * slope**2), rtol=1e-15, atol=0)
+
+
 # --- what the engine cannot carry is refused, naming the op ------------------------------------
 
 

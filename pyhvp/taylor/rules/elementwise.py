@@ -337,7 +337,7 @@ UNARY: dict[torch._ops.OpOverload, Derivatives] = {
     aten.gelu.default: _gelu,
     aten.softplus.default: _softplus,
     aten.leaky_relu.default: _piecewise_linear(
-        lambda u, slope=0.01: torch.where(u > 0, 1.0, slope).to(u)
+        lambda u, slope=0.01: torch.where(u > 0, u.new_ones(()), u.new_full((), slope))
     ),
     aten.elu.default: _elu,
     aten.hardtanh.default: _piecewise_linear(
