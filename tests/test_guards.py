@@ -164,6 +164,24 @@ def test_a_call_whose_guards_hold_is_not_recorded(make, records, device):
     assert (traced, records[0]) == (2, 2)
 
 
+def test_a_class_swapped_in_after_a_first_call_then_patched_is_seen(device):
+    """The classes whose forward is part of the route's key are read again once a submodule of
+    a new class is swapped in (the stale list kept serving tanh's program after a patch)."""
+
+    class Activation(nn.Module):  # a class per call: the patch stays with it
+        def forward(self, h):
+            return torch.tanh(h)
+
+    net = _net(device)
+    f = lambda x: net(x).squeeze(-1)  # noqa: E731
+    x = torch.randn(5, 3, dtype=torch.float64, device=device)
+    pyhvp.laplacian(f, x, backend=GUARDED)
+    net[1] = Activation()
+    pyhvp.laplacian(f, x, backend=GUARDED)
+    Activation.forward = lambda self, h: torch.sin(h)
+    torch.testing.assert_close(pyhvp.laplacian(f, x, backend=GUARDED), instance_laplacian(f, x))
+
+
 @dataclass
 class Tripled:
     """A hook that is not hashable (a dataclass with ``eq``): nothing may key on it."""

@@ -122,6 +122,7 @@ class _Route:
         self, module: fx.GraphModule, example_inputs: Sequence[object]
     ) -> Callable[..., tuple[object]]:
         self.graphs += 1
+        _CLASSES.clear()  # a graph traced anew: a module may have been swapped in (a new class)
         if self.graphs >= min(GRAPHS_PER_ROUTE, _dynamo_limit() - 1):
             self.declined = f"{self.graphs} graphs"  # from the next call on
         (outputs,) = next(node.args for node in module.graph.nodes if node.op == "output")
@@ -200,7 +201,8 @@ def _route_key(f: Callable[..., Tensor]) -> Hashable:
 
 _CLASSES: weakref.WeakKeyDictionary[torch.nn.Module, tuple[type, ...]] = weakref.WeakKeyDictionary()
 """The module classes of each network a route captures, found once (its modules may be many;
-their classes are few, and read at every call)."""
+their classes are few, and read at every call), and again after dynamo traced a new graph: a
+submodule swapped in (which dynamo's guards see) may be of a class the network did not have."""
 
 
 def _classes(network: torch.nn.Module) -> tuple[type[torch.nn.Module], ...]:
