@@ -403,6 +403,72 @@ def test_a_selected_tensors_data_is_a_constant_as_autograd_has_it():
     torch.testing.assert_close(got, expected, **F64)
 
 
+MADE_UNDER_NO_GRAD = {  # what a loss reads of its selected tensor under no_grad
+    "a clone": lambda p: p.clone(),
+    "a view": lambda p: p.view(p.shape),
+    "a transpose of a transpose": lambda p: p.T.T,
+    "a slice": lambda p: p[:, :],
+}
+
+
+@pytest.mark.parametrize("made", MADE_UNDER_NO_GRAD.values(), ids=MADE_UNDER_NO_GRAD.keys())
+def test_a_view_or_copy_made_under_no_grad_is_a_constant(made):
+    """Autograd differentiates nothing made under ``no_grad``: ``W * s`` with ``s`` such a view
+    or copy of ``W`` is linear in ``W`` (the sparse route followed it as ``W`` itself: 7.3 off)."""
+
+    def scaled_by_itself(p):
+        with torch.no_grad():
+            s = made(p)
+        return (torch.tanh(F.linear(WIDE, p * s)) ** 2).sum()
+
+    params = torch.randn(70, 60, dtype=torch.float64)
+    got = pyhvp.sub_hessian(scaled_by_itself, params, MANY, method="sparse")
+    expected = pyhvp.sub_hessian(scaled_by_itself, params, MANY, method="reverse")
+    torch.testing.assert_close(got, expected, **F64)
+
+
+def pruned(p):
+    """A magnitude mask from a copy of ``p``, written in place under no_grad (pruning)."""
+    with torch.no_grad():
+        mask = p.clone()
+        mask[mask.abs() < 0.5] = 0
+        mask[mask != 0] = 1
+    return (torch.tanh(F.linear(WIDE, p * mask)) ** 2).sum()
+
+
+def test_a_write_under_no_grad_to_a_copy_of_params_is_no_write_to_params():
+    """``mask = W.clone()`` then written under no_grad leaves params as they are: not refused
+    as a write to them (it raised 'params is written by ...')."""
+    params = torch.randn(70, 60, dtype=torch.float64)
+    before = params.clone()
+    got = pyhvp.sub_hessian(pruned, params, MANY)
+    expected = pyhvp.sub_hessian(pruned, params, MANY, method="reverse")
+    torch.testing.assert_close(got, expected, **F64)
+    assert torch.equal(params, before)
+
+
+ALIAS_WRITERS = {
+    "through W.data": lambda p: p.data.mul_(1.5),
+    "through W.detach()": lambda p: p.detach().mul_(1.5),
+}
+
+
+@pytest.mark.parametrize("write", ALIAS_WRITERS.values(), ids=ALIAS_WRITERS.keys())
+def test_a_write_to_params_through_an_alias_is_refused_before_it_runs(write):
+    """A write to params' memory that autograd does not see is refused by the survey before it
+    runs, params unchanged (the survey and the kernel each ran it: params came back scaled by
+    2.25)."""
+
+    def scaling(p):
+        write(p)
+        return (torch.tanh(F.linear(X[:, :8], p)) ** 2).sum()
+
+    params = SMALL.clone()
+    with pytest.raises(ValueError, match=r"is written by Tensor\.mul_ through an alias"):
+        pyhvp.sub_hessian(scaling, params, torch.arange(20))  # enough to survey the loss
+    assert torch.equal(params, SMALL)
+
+
 def dropout_outside_training_in_place(p):
     kept = F.dropout(p, 0.5, training=False, inplace=True)  # writes nothing
     return (torch.tanh(F.linear(X[:, :8], kept)) ** 2).sum()

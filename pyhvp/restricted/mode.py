@@ -183,6 +183,8 @@ class Injection(TorchFunctionMode):
         if any(self._find(v) is not None for v in pytree.tree_leaves(written)):
             raise NotSparse(f"{describe(func)} writes to a selected tensor")
         if op == "view":
+            if not torch.is_grad_enabled():  # autograd's constant: not followed
+                return func(*args, **kwargs)
             out = self._view(func, args, kwargs)
             if out is not None:
                 return out

@@ -59,7 +59,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -247,6 +247,11 @@ def _entries_of_row(tensor: torch.Tensor, view: torch.Tensor, row: int) -> list[
     return positions.flatten().tolist()
 
 
+def _memory(t: torch.Tensor) -> int:
+    """Where ``t``'s storage starts: equal for a tensor and its views and aliases."""
+    return t.untyped_storage().data_ptr()
+
+
 class Survey(TorchFunctionMode):
     """Runs the loss once, recording every selected tensor's :class:`Usage` and the forward's
     cost (see the module docstring)."""
@@ -260,6 +265,8 @@ class Survey(TorchFunctionMode):
         self._sources = {id(t): (t, i) for i, t in enumerate(tensors)}
         # id -> (tensor, bit mask of the selected tensors it depends on): the activations
         self._taint: dict[int, tuple[torch.Tensor, int]] = {}
+        # id -> (tensor, which selected tensor): memory aliases without its derivative
+        self._aliases: dict[int, tuple[torch.Tensor, int]] = {}
         self._first = 0
 
     def _source(self, value: object) -> int | None:
@@ -283,20 +290,20 @@ class Survey(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         op = call_kind(func, args, kwargs)
+        grad = torch.is_grad_enabled()
         written = writes_to(op, func, args, kwargs)
         for value in pytree.tree_leaves(written):  # stop before the write: params stay as given
-            source = self._source(value)
-            if source is not None:
-                if not torch.is_grad_enabled():  # the reverse route would make it (autograd may)
-                    raise WritesSelected(source, f"is written by {describe(func)} under no_grad")
-                self._note(source, f"{describe(func)} (a write)", f"is written by {describe(func)}")
-                raise NotSparse(f"{describe(func)} writes to a selected tensor")
+            self._refuse_writes_to_params(value, func, grad)
         self._refuse_hidden_writes(op, args, kwargs)
         out = func(*args, **kwargs)
         leaves = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
         outs = [v for v in pytree.tree_leaves(out) if isinstance(v, torch.Tensor)]
         cost = _cost(func, args, kwargs, leaves, outs)
         self.forward.add(cost)
+        if not grad or op == "constant":  # no derivative: what shares a selected tensor's memory
+            self._note_aliases(leaves, outs)
+        if not grad:  # autograd's constants, views of a selected tensor too
+            return out
         taint, direct = 0, dict[int, torch.Tensor]()
         for value in leaves:
             source = self._source(value)
@@ -318,6 +325,39 @@ class Survey(TorchFunctionMode):
             for value in outs:
                 self._taint[id(value)] = (value, taint)
         return out
+
+    def _alias(self, value: object) -> int | None:
+        """Which selected tensor ``value`` shares memory with without carrying its derivative
+        (``W.detach()``, ``W.data``, a view made under ``no_grad``), if any."""
+        found = self._aliases.get(id(value))
+        return found[1] if found is not None and found[0] is value else None
+
+    def _note_aliases(self, leaves: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> None:
+        for value in leaves:
+            source = self._source(value)
+            source = self._alias(value) if source is None else source
+            if source is None:
+                continue
+            memory = _memory(self._tensors[source])
+            for out in outs:
+                if _memory(out) == memory:
+                    self._aliases[id(out)] = (out, source)
+
+    def _refuse_writes_to_params(self, value: object, func: Callable[..., Any], grad: bool) -> None:
+        """Before a write to ``value``: raise :class:`WritesSelected` where it would write to a
+        selected tensor's memory that autograd does not guard (under ``no_grad``, or through an
+        alias), :class:`NotSparse` where it writes to a selected tensor or a copy of one that
+        the sparse route follows (the reverse route then runs what autograd runs)."""
+        alias, source = self._alias(value), self._source(value)
+        if alias is not None:
+            raise WritesSelected(alias, f"is written by {describe(func)} through an alias "
+                                 "(W.detach(), W.data, a view made under no_grad)")  # fmt: skip
+        if source is None:
+            return
+        if not grad and _memory(cast(torch.Tensor, value)) == _memory(self._tensors[source]):
+            raise WritesSelected(source, f"is written by {describe(func)} under no_grad")
+        self._note(source, f"{describe(func)} (a write)", f"is written by {describe(func)}")
+        raise NotSparse(f"{describe(func)} writes to a selected tensor")
 
     def _refuse_hidden_writes(self, op: str, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
         """An op that writes to a selected tensor under ``no_grad``, inside it (an embedding's
