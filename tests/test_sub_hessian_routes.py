@@ -3,6 +3,7 @@ model that splits the selected tensors between them: every split equals dense fl
 and the choice is observable on the ``pyhvp.sub_hessian`` logger (never inferred from timing).
 The injections op by op are ``test_sub_hessian_sparse_ops``'s."""
 
+import contextlib
 import logging
 import warnings
 from dataclasses import dataclass
@@ -290,9 +291,19 @@ class ChoiceCase:
     route: str
 
 
-def test_a_big_tensor_in_an_op_without_a_sparse_rule_takes_the_reverse_route(caplog):
+CALLERS_GRAD_MODES = {
+    "grad on": contextlib.nullcontext,
+    "under no_grad": torch.no_grad,
+    "under inference_mode": torch.inference_mode,
+}
+
+
+@pytest.mark.parametrize("grad_mode", CALLERS_GRAD_MODES.values(), ids=CALLERS_GRAD_MODES.keys())
+def test_a_big_tensor_in_an_op_without_a_sparse_rule_takes_the_reverse_route(grad_mode, caplog):
+    """In any grad mode of the caller: the survey runs the loss with grad on, as the routes
+    differentiate it (under no_grad it saw no use at all and chose the sparse route)."""
     index = torch.tensor([0, 9, 63, 9, 1, 2, 3, 17, 4159])
-    with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"):
+    with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"), grad_mode():
         got = pyhvp.sub_hessian(big_cumsum, BIG, index)
     (message,) = [r.getMessage() for r in caplog.records if r.name == "pyhvp.sub_hessian"]
     assert "reverse route for params (enters torch.cumsum, which has no sparse rule" in message

@@ -588,13 +588,14 @@ def _macs(
 def survey(
     loss: Callable[..., torch.Tensor], tensors: Sequence[torch.Tensor], args: Sequence[Any]
 ) -> Survey:
-    """``loss(*tensors, *args)`` run once under :class:`Survey`."""
+    """``loss(*tensors, *args)`` run once under :class:`Survey`, with grad on as the routes
+    differentiate it (a caller's ``no_grad`` would make every use a constant)."""
     mode = Survey(tensors)
     devices = sorted({t.device for t in tensors if t.device.type == "cuda"}, key=str)
     # the loss's random draws, if any, are the kernels' to make: the survey leaves the state as is
     with torch.random.fork_rng(devices=devices):
         try:
-            with mode:
+            with torch.enable_grad(), mode:
                 loss(*tensors, *args)
         except NotSparse:  # a write to a selected tensor: the survey stops before it
             for usage in mode.usage:
