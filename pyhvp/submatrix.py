@@ -59,6 +59,7 @@ import torch
 from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
+from pyhvp import _random_state as random_states
 from pyhvp import restricted
 from pyhvp._checks import (
     check_chunk_size,
@@ -885,6 +886,9 @@ def _sums(
         # the result carries no graph: batch tensors are data, never differentiated through
         batch_values = [v.detach() if isinstance(v, torch.Tensor) else v for v in batch_values]
         timed, name, start, loop = False, MODEL, 0.0, False
+        # every kernel of the batch draws what its first drew (a dropout's mask), as the seed's
+        # one forward does; the generator then goes on from one forward's draws
+        draws = random_states.save(device)
         try:
             if refusal is None:
                 assert isinstance(backend, TorchBackend)  # _static_refusal's condition
@@ -897,15 +901,16 @@ def _sums(
                 start = _clock(device) if timed else 0.0
                 try:
                     parts = _sparse_parts(
-                        plan, chosen, coords, batch_values, spec, chunk_size, backend
+                        plan, chosen, coords, batch_values, spec, chunk_size, backend, draws
                     )
                 except NotSparse as error:  # this batch uses a tensor differently
                     if method == "sparse":
                         raise ValueError(f"method='sparse' does not apply: {error}") from None
                     trial = _choose_routes(plan, backend, batch_values, spec, method, fresh=True)
                     name, chosen, timed = MODEL, trial.model, False
+                    random_states.restore(draws)
                     parts = _sparse_parts(
-                        plan, chosen, coords, batch_values, spec, chunk_size, backend
+                        plan, chosen, coords, batch_values, spec, chunk_size, backend, draws
                     )
                 reverse, inner = chosen.reverse, None if chunk_size else chosen.chunk
                 loop = _loops(plan, chosen, backend)
@@ -918,6 +923,8 @@ def _sums(
             # the reverse route adds its rows once all are computed, the sparse groups after it:
             # a failure adds nothing of this batch
             if reverse:
+                if parts:
+                    random_states.restore(draws)
                 total = _reverse_blocks(plan, reverse, batch_values, spec, chunk_size, backend,
                                         total, blocks, inner, loop)  # fmt: skip
             for group, block in parts:
@@ -938,6 +945,7 @@ def _sums(
                        name if refusal is None else "the reverse route", type(error).__name__,
                        error)  # fmt: skip
             timed = False
+            random_states.restore(draws)
             # a loss that fails by itself (a torch error in its own frame) raises it here
             total = _reverse_blocks(plan, every, batch_values, spec, chunk_size, backend, total,
                                     blocks, None, True)  # fmt: skip
@@ -1054,13 +1062,17 @@ def _sparse_parts(
     spec: Any,
     chunk_size: int | None,
     backend: TorchBackend,
+    draws: random_states.RandomState,
 ) -> list[tuple[Sequence[int], torch.Tensor]]:
-    """Each sparse group of ``chosen`` with its block from :func:`_sparse_pass`."""
-    return [
-        (group, _sparse_pass(plan, group, coords, batch_values, spec, chunk_size or chosen.chunk,
-                             backend, chosen.eager_only))
-        for group in chosen.groups
-    ]  # fmt: skip
+    """Each sparse group of ``chosen`` with its block from :func:`_sparse_pass`, each kernel
+    drawing from ``draws``."""
+    parts: list[tuple[Sequence[int], torch.Tensor]] = []
+    for group in chosen.groups:
+        if parts:
+            random_states.restore(draws)
+        parts.append((group, _sparse_pass(plan, group, coords, batch_values, spec,
+                                          chunk_size or chosen.chunk, backend, chosen.eager_only)))  # fmt: skip
+    return parts
 
 
 def _sparse_pass(

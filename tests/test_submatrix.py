@@ -230,6 +230,27 @@ VMAP_INDEX = {"a few (the seed's loop outside vmap)": [0, 7, 3], "many": list(ra
 
 
 @pytest.mark.parametrize("method", ["auto", "sparse", "reverse"])
+def test_with_dropout_in_training_every_block_is_of_one_draw(method):
+    """As the seed's one forward: the sparse kernels and the reverse route of a call draw the
+    same dropout mask (the last layer's blocks were of another draw), and the generator goes
+    on from one forward's draws."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(784, 32), nn.Tanh(), nn.Dropout(0.5), nn.Linear(32, 10))
+    model = model.train()
+    X, y = torch.rand(64, 784), torch.randint(0, 10, (64,))
+    index = {n: torch.arange(0, p.numel(), max(1, p.numel() // 16))[:16]
+             for n, p in model.named_parameters()}  # fmt: skip
+    torch.manual_seed(7)
+    expected = loop_sub_hessians(model, nn.CrossEntropyLoss(), X, y, index)
+    next_draw = torch.rand(1)
+    torch.manual_seed(7)
+    got = pyhvp.sub_hessian(*pyhvp.module_loss(model, nn.CrossEntropyLoss(), X, y), index,
+                            method=method)  # fmt: skip
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
+    assert torch.equal(torch.rand(1), next_draw)
+
+
+@pytest.mark.parametrize("method", ["auto", "sparse", "reverse"])
 @pytest.mark.parametrize("index", VMAP_INDEX.values(), ids=VMAP_INDEX.keys())
 def test_vmap_over_data_the_loss_captures_gives_each_samples_sub_hessian(method, index, device):
     weight = torch.randn(4, 5, dtype=torch.float64, device=device)
