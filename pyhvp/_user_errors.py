@@ -92,10 +92,13 @@ def _in_package(frame: types.FrameType) -> bool:
 
 def stacklevel_outside_pyhvp() -> int:
     """The ``warnings.warn`` stacklevel, for the caller of this function, that names the first
-    frame outside the pyhvp package: the user's call."""
+    frame outside the pyhvp package and torch's :data:`PLUMBING` (the ``torch.compiler.disable``
+    wrapper around every public operator): the user's call."""
     frame: types.FrameType | None = sys._getframe(1)
     level = 1
-    while frame is not None and _in_package(frame):
+    while frame is not None and (
+        _in_package(frame) or frame.f_code.co_filename.endswith(PLUMBING)
+    ):
         frame, level = frame.f_back, level + 1
     return level
 
