@@ -96,9 +96,7 @@ def stacklevel_outside_pyhvp() -> int:
     wrapper around every public operator): the user's call."""
     frame: types.FrameType | None = sys._getframe(1)
     level = 1
-    while frame is not None and (
-        _in_package(frame) or frame.f_code.co_filename.endswith(PLUMBING)
-    ):
+    while frame is not None and (_in_package(frame) or frame.f_code.co_filename.endswith(PLUMBING)):
         frame, level = frame.f_back, level + 1
     return level
 

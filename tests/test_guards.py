@@ -165,8 +165,9 @@ def test_a_call_whose_guards_hold_is_not_recorded(make, records, device):
 
 
 def test_a_class_swapped_in_after_a_first_call_then_patched_is_seen(device):
-    """The classes whose forward is part of the route's key are read again once a submodule of
-    a new class is swapped in (the stale list kept serving tanh's program after a patch)."""
+    """The classes whose forward is part of the route's key are read again once a submodule is
+    swapped (the stale list kept serving tanh's program after a patch, also when dynamo's cached
+    graph for the swapped-in module served without a new trace)."""
 
     class Activation(nn.Module):  # a class per call: the patch stays with it
         def forward(self, h):
@@ -175,11 +176,41 @@ def test_a_class_swapped_in_after_a_first_call_then_patched_is_seen(device):
     net = _net(device)
     f = lambda x: net(x).squeeze(-1)  # noqa: E731
     x = torch.randn(5, 3, dtype=torch.float64, device=device)
-    pyhvp.laplacian(f, x, backend=GUARDED)
-    net[1] = Activation()
-    pyhvp.laplacian(f, x, backend=GUARDED)
+    tanh, activation = net[1], Activation()
+    for module in (tanh, activation, tanh, activation):
+        net[1] = module
+        pyhvp.laplacian(f, x, backend=GUARDED)
     Activation.forward = lambda self, h: torch.sin(h)
     torch.testing.assert_close(pyhvp.laplacian(f, x, backend=GUARDED), instance_laplacian(f, x))
+
+
+class GlobalActivation(nn.Module):
+    def forward(self, h):
+        return torch.tanh(h)
+
+
+GLOBAL_NETWORK = nn.Sequential(nn.Linear(3, 8), GlobalActivation(), nn.Linear(8, 1)).double()
+
+
+def through_the_global_network(x):
+    return GLOBAL_NETWORK(x).squeeze(-1)
+
+
+def test_a_class_patched_in_a_network_read_from_a_global_is_seen(device):
+    """A network f reads from a global variable (not a closure) has its classes' forwards in the
+    route's key too (a patched class kept serving the earlier program)."""
+    GLOBAL_NETWORK.to(device)
+    x = torch.randn(5, 3, dtype=torch.float64, device=device)
+    for _ in range(2):
+        pyhvp.laplacian(through_the_global_network, x, backend=GUARDED)
+    original = GlobalActivation.forward
+    GlobalActivation.forward = lambda self, h: torch.sin(h)
+    try:
+        got = pyhvp.laplacian(through_the_global_network, x, backend=GUARDED)
+        expected = instance_laplacian(through_the_global_network, x)
+    finally:
+        GlobalActivation.forward = original
+    torch.testing.assert_close(got, expected)
 
 
 @dataclass

@@ -438,6 +438,46 @@ def test_a_view_or_copy_made_under_no_grad_is_a_constant(made):
     torch.testing.assert_close(got, expected, **F64)
 
 
+RETURNED_AS_IT_IS = {  # under no_grad, eager torch returns p itself: autograd differentiates it
+    "p.to(p.dtype)": lambda p: p.to(p.dtype),
+    "p.double() of a float64 p": lambda p: p.double(),
+    "p.contiguous() of a contiguous p": lambda p: p.contiguous(),
+}
+
+
+@pytest.mark.parametrize("made", RETURNED_AS_IT_IS.values(), ids=RETURNED_AS_IT_IS.keys())
+def test_a_cast_that_returns_the_tensor_itself_under_no_grad_is_the_tensor(made):
+    """``W.to(W.dtype)`` under no_grad is ``W`` itself, which autograd differentiates: not a
+    constant (the sparse route took it for one: 100% off)."""
+
+    def scaled_by_itself(p):
+        with torch.no_grad():
+            s = made(p)
+        return (torch.tanh(F.linear(WIDE, p * s)) ** 2).sum()
+
+    params = torch.randn(70, 60, dtype=torch.float64)
+    got = pyhvp.sub_hessian(scaled_by_itself, params, MANY, method="sparse")
+    expected = pyhvp.sub_hessian(scaled_by_itself, params, MANY, method="reverse")
+    torch.testing.assert_close(got, expected, **F64)
+
+
+def test_vmap_over_params_of_a_loss_reading_them_under_no_grad():
+    """The survey's alias check reads no storage of vmap's batched tensors (it raised
+    'Cannot access storage of BatchedTensorImpl')."""
+
+    def normalised(w):
+        with torch.no_grad():
+            scale = w.abs().mean() + torch.zeros_like(w).sum()
+        return (torch.tanh(F.linear(X[:, :8], w / scale)) ** 2).sum()
+
+    stacked = torch.randn(3, 8, 8, dtype=torch.float64)
+    index = torch.arange(12)
+    got = torch.func.vmap(lambda w: pyhvp.sub_hessian(normalised, w, index))(stacked)
+    expected = torch.stack([pyhvp.sub_hessian(normalised, w, index, method="reverse")
+                            for w in stacked])  # fmt: skip
+    torch.testing.assert_close(got, expected, **F64)
+
+
 def pruned(p):
     """A magnitude mask from a copy of ``p``, written in place under no_grad (pruning)."""
     with torch.no_grad():
@@ -461,6 +501,8 @@ def test_a_write_under_no_grad_to_a_copy_of_params_is_no_write_to_params():
 ALIAS_WRITERS = {
     "through W.data": lambda p: p.data.mul_(1.5),
     "through W.detach()": lambda p: p.detach().mul_(1.5),
+    "through a row of W.data": lambda p: p.data[0].mul_(1.5),
+    "through a transpose of W.detach()": lambda p: p.detach().T.mul_(1.5),
 }
 
 

@@ -124,6 +124,24 @@ def view_positions(
     return positions
 
 
+def _returns_its_input(
+    func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], out: object
+) -> bool:
+    """Whether eager torch returns ``args[0]`` itself for this call, which autograd then
+    differentiates even under ``no_grad``: a cast to its own dtype, device and layout
+    (``W.to(W.dtype)``, ``W.double()`` of a float64 ``W``; not ``copy=True``), ``contiguous``
+    of a contiguous tensor."""
+    name = getattr(func, "__name__", "")
+    if name not in (*_CASTS, "contiguous") or kwargs.get("copy") or not args:
+        return False
+    x = args[0]
+    return (
+        isinstance(out, torch.Tensor)
+        and isinstance(x, torch.Tensor)
+        and (out.dtype, out.device, out.shape, out.stride()) == (x.dtype, x.device, x.shape, x.stride())
+    )  # fmt: skip
+
+
 class Injection(TorchFunctionMode):
     """Shifts the selected entries of ``tensors`` by ``z`` wherever the loss uses them;
     ``batch``: how many directions a Hessian pass pushes at once (chooses how tangents enter)."""
@@ -183,9 +201,12 @@ class Injection(TorchFunctionMode):
         if any(self._find(v) is not None for v in pytree.tree_leaves(written)):
             raise NotSparse(f"{describe(func)} writes to a selected tensor")
         if op == "view":
-            if not torch.is_grad_enabled():  # autograd's constant: not followed
-                return func(*args, **kwargs)
-            out = self._view(func, args, kwargs)
+            out = None
+            if not torch.is_grad_enabled():  # autograd's constant, but for W itself
+                out = func(*args, **kwargs)
+                if not _returns_its_input(func, args, kwargs, out):
+                    return out
+            out = self._view(func, args, kwargs, out)
             if out is not None:
                 return out
         elif op == "constant":
@@ -199,14 +220,17 @@ class Injection(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _view(
-        self, func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
-    ) -> object | None:
-        """The view of a selected tensor, its outputs followed as selected tensors; None where it
-        is not a view of ``args[0]`` (then the caller enters it densely)."""
+        self, func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
+        out: object = None,
+    ) -> object | None:  # fmt: skip
+        """The view of a selected tensor (``out``, where the caller made it), its outputs
+        followed as selected tensors; None where it is not a view of ``args[0]`` (then the
+        caller enters it densely)."""
         entry = self._find(args[0]) if args else None
         if entry is None:
             return None
-        out: object = func(*args, **kwargs)
+        if out is None:
+            out = func(*args, **kwargs)
         positions = view_positions(func, args, kwargs, out)
         if positions is None:
             return None

@@ -247,9 +247,13 @@ def _entries_of_row(tensor: torch.Tensor, view: torch.Tensor, row: int) -> list[
     return positions.flatten().tolist()
 
 
-def _memory(t: torch.Tensor) -> int:
-    """Where ``t``'s storage starts: equal for a tensor and its views and aliases."""
-    return t.untyped_storage().data_ptr()
+def _memory(t: torch.Tensor) -> int | None:
+    """Where ``t``'s storage starts: equal for a tensor and its views and aliases; None where it
+    cannot be read (a ``vmap`` batched tensor, a sparse one)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (NotImplementedError, RuntimeError):
+        return None
 
 
 class Survey(TorchFunctionMode):
@@ -300,8 +304,8 @@ class Survey(TorchFunctionMode):
         outs = [v for v in pytree.tree_leaves(out) if isinstance(v, torch.Tensor)]
         cost = _cost(func, args, kwargs, leaves, outs)
         self.forward.add(cost)
-        if not grad or op == "constant":  # no derivative: what shares a selected tensor's memory
-            self._note_aliases(leaves, outs)
+        if not grad or op == "constant" or any(self._alias(v) is not None for v in leaves):
+            self._note_aliases(leaves, outs)  # no derivative: what shares a selected's memory
         if not grad:  # autograd's constants, views of a selected tensor too
             return out
         taint, direct = 0, dict[int, torch.Tensor]()
@@ -340,7 +344,7 @@ class Survey(TorchFunctionMode):
                 continue
             memory = _memory(self._tensors[source])
             for out in outs:
-                if _memory(out) == memory:
+                if memory is not None and _memory(out) == memory and self._source(out) is None:
                     self._aliases[id(out)] = (out, source)
 
     def _refuse_writes_to_params(self, value: object, func: Callable[..., Any], grad: bool) -> None:
@@ -349,14 +353,17 @@ class Survey(TorchFunctionMode):
         alias), :class:`NotSparse` where it writes to a selected tensor or a copy of one that
         the sparse route follows (the reverse route then runs what autograd runs)."""
         alias, source = self._alias(value), self._source(value)
-        if alias is not None:
+        if source is None and alias is not None:
             raise WritesSelected(alias, f"is written by {describe(func)} through an alias "
                                  "(W.detach(), W.data, a view made under no_grad)")  # fmt: skip
         if source is None:
             return
-        if not grad and _memory(cast(torch.Tensor, value)) == _memory(self._tensors[source]):
+        memory = _memory(cast(torch.Tensor, value)), _memory(self._tensors[source])
+        shared = None in memory or memory[0] == memory[1]  # unknown: taken as shared
+        if not grad and shared:
             raise WritesSelected(source, f"is written by {describe(func)} under no_grad")
-        self._note(source, f"{describe(func)} (a write)", f"is written by {describe(func)}")
+        what = "is written" if shared else "has a copy (that the sparse route follows) written"
+        self._note(source, f"{describe(func)} (a write)", f"{what} by {describe(func)}")
         raise NotSparse(f"{describe(func)} writes to a selected tensor")
 
     def _refuse_hidden_writes(self, op: str, args: Sequence[Any], kwargs: dict[str, Any]) -> None:

@@ -122,7 +122,6 @@ class _Route:
         self, module: fx.GraphModule, example_inputs: Sequence[object]
     ) -> Callable[..., tuple[object]]:
         self.graphs += 1
-        _CLASSES.clear()  # a graph traced anew: a module may have been swapped in (a new class)
         if self.graphs >= min(GRAPHS_PER_ROUTE, _dynamo_limit() - 1):
             self.declined = f"{self.graphs} graphs"  # from the next call on
         (outputs,) = next(node.args for node in module.graph.nodes if node.op == "output")
@@ -176,7 +175,8 @@ def _route_key(f: Callable[..., Tensor]) -> Hashable:
     :data:`ROUTES_PER_CODE`: a sweep over several networks through one lambda keeps a graph per
     network (one route would trace a graph for each and decline after the sixth). The forward
     of each of those modules' classes is part of the key: dynamo does not guard it, and a class
-    patched after a first call is another ``f``."""
+    patched after a first call is another ``f``; a network read from a global variable counts as
+    captured."""
     while True:
         inner = f.func if isinstance(f, functools.partial) else getattr(f, "__wrapped__", None)
         if inner is None:
@@ -184,7 +184,8 @@ def _route_key(f: Callable[..., Tensor]) -> Hashable:
         f = inner
     func = getattr(f, "__func__", f)  # a bound method: its function
     code = cast(Hashable, getattr(func, "__code__", None) or type(f))
-    captured = [getattr(f, "__self__", f), *(cell.cell_contents for cell in _cells(func))]
+    captured = [getattr(f, "__self__", f), *(cell.cell_contents for cell in _cells(func)),
+                *_globals_read(func)]  # fmt: skip
     networks = [m for m in captured if isinstance(m, torch.nn.Module)]
     if not networks:
         return code
@@ -201,8 +202,18 @@ def _route_key(f: Callable[..., Tensor]) -> Hashable:
 
 _CLASSES: weakref.WeakKeyDictionary[torch.nn.Module, tuple[type, ...]] = weakref.WeakKeyDictionary()
 """The module classes of each network a route captures, found once (its modules may be many;
-their classes are few, and read at every call), and again after dynamo traced a new graph: a
-submodule swapped in (which dynamo's guards see) may be of a class the network did not have."""
+their classes are few, and read at every call), and again after any module registers a
+submodule (:func:`_forget_classes`): one swapped in may be of a class the network did not
+have."""
+
+
+def _forget_classes(*_: object) -> None:
+    """A module registration hook for every module (torch calls it on ``module.name = child``
+    and ``sequential[i] = child``): the classes found so far may be stale."""
+    _CLASSES.clear()
+
+
+torch.nn.modules.module.register_module_module_registration_hook(_forget_classes)
 
 
 def _classes(network: torch.nn.Module) -> tuple[type[torch.nn.Module], ...]:
@@ -220,6 +231,15 @@ def _global_hooks() -> bool:
     (``torch.nn.modules.module.register_module_forward_hook``, ``..._pre_hook``)."""
     module = torch.nn.modules.module
     return any(getattr(module, name, None) for name in _GLOBAL_HOOKS)
+
+
+def _globals_read(func: object) -> list[object]:
+    """The global variables a Python function's code reads by name (a module-level network
+    a lambda calls), as they are now."""
+    code, namespace = getattr(func, "__code__", None), getattr(func, "__globals__", None)
+    if code is None or not isinstance(namespace, dict):
+        return []
+    return [namespace[name] for name in code.co_names if name in namespace]
 
 
 def _cells(func: object) -> list[types.CellType]:
