@@ -1197,7 +1197,10 @@ def _reverse_rows(
                                         for t, c in zip(leaves, column_flats, strict=True)]  # fmt: skip
     most = max(len(flat) for flat in row_flats)
     step = chunk_size or most
+    draws = random_states.save(leaves[0].device)  # every chunk's forward draws the same
     for start in range(0, most, step):
+        if start:
+            random_states.restore(draws)
         # one chunk of one-hot tangents per leaf: memory O(chunk_size * P), not O(k * P)
         chunks = [flat[start : start + step] for flat in row_flats]
         tangents = [_one_hot(chunk, t) for chunk, t in zip(chunks, leaves, strict=True)]

@@ -229,11 +229,12 @@ EAGER = pyhvp.TorchBackend(compile=False)
 VMAP_INDEX = {"a few (the seed's loop outside vmap)": [0, 7, 3], "many": list(range(12))}
 
 
+@pytest.mark.parametrize("chunk_size", [None, 4], ids=["one pass", "chunks of 4"])
 @pytest.mark.parametrize("method", ["auto", "sparse", "reverse"])
-def test_with_dropout_in_training_every_block_is_of_one_draw(method):
-    """As the seed's one forward: the sparse kernels and the reverse route of a call draw the
-    same dropout mask (the last layer's blocks were of another draw), and the generator goes
-    on from one forward's draws."""
+def test_with_dropout_in_training_every_block_is_of_one_draw(method, chunk_size):
+    """As the seed's one forward: the sparse kernels and the reverse route of a call, and each
+    chunk of a pass, draw the same dropout mask (the last layer's blocks, and the reverse
+    route's chunks, were of other draws), and the generator goes on from one forward's draws."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(784, 32), nn.Tanh(), nn.Dropout(0.5), nn.Linear(32, 10))
     model = model.train()
@@ -245,7 +246,7 @@ def test_with_dropout_in_training_every_block_is_of_one_draw(method):
     next_draw = torch.rand(1)
     torch.manual_seed(7)
     got = pyhvp.sub_hessian(*pyhvp.module_loss(model, nn.CrossEntropyLoss(), X, y), index,
-                            method=method)  # fmt: skip
+                            method=method, chunk_size=chunk_size)  # fmt: skip
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
     assert torch.equal(torch.rand(1), next_draw)
 
