@@ -222,8 +222,11 @@ def sketch(
     # both rounds run f from one random state: f's draws (dropout) are one function's
     start = random_states.save(space.like.device)
     range_ = products(probes).movedim(0, -1)
-    # QR in float32 at least: half and bfloat16 have no QR (geqrf), on the CPU or CUDA
-    q = torch.linalg.qr(range_.to(torch.promote_types(range_.dtype, torch.float32))).Q
+    # QR in float32 at least: half and bfloat16 have no QR (geqrf), on the CPU or CUDA. Q is
+    # not differentiated: with Q held, the estimate is unbiased at every x, so its gradient is
+    # an unbiased one; QR's backward divides by R's diagonal, which a Hessian of rank below the
+    # sketch makes 0 (NaN gradients where the value was exact)
+    q = torch.linalg.qr(range_.detach().to(torch.promote_types(range_.dtype, torch.float32))).Q
     q = q.to(range_.dtype)
     rank = q.shape[-1]  # min(sketch_size, d)
     residual = samples - sketch_size - rank if rank < space.dim else 0

@@ -261,13 +261,16 @@ def _leak_through_derivatives(run: _Runs) -> str | None:
         return gradient.reshape(run.count, -1).abs().amax(-1)
 
     sizes = [leak_sizes(receivers) for receivers in run.sides]
+    # an instance whose own derivative is infinite gets 0 * inf = NaN from a zero cotangent: no
+    # leak, and none can be read there
+    unreadable = ~leak_sizes(torch.zeros_like(run.sides[0])).isfinite()
     # rounding scale from the finite sizes; a non-finite size outside the receivers leaks
     finite = [size[size.isfinite()] for size in sizes]
     largest = max((float(size.max()) for size in finite if size.numel()), default=0.0)
     threshold = 64 * torch.finfo(run.y.dtype).eps * largest
     leakers = torch.zeros(run.count, dtype=torch.bool, device=run.y.device)
     for receivers, size in zip(run.sides, sizes, strict=True):
-        leakers |= ~(size <= threshold) & ~receivers
+        leakers |= ~(size <= threshold) & ~receivers & ~unreadable
     if not bool(leakers.any()):
         return None
     source = int(torch.nonzero(leakers)[0])

@@ -89,6 +89,7 @@ class KroneckerHVP:
         self._updates_since_roots = 0
 
     @torch.no_grad()
+    @torch.inference_mode(False)  # statistics a later call outside inference mode may update
     def update(self, grad: torch.Tensor) -> None:
         """Fold ``grad`` of shape ``(n, *modes)`` into the EMA statistics (no eigendecomposition)."""
         given = self._check_grad(grad)
@@ -115,7 +116,8 @@ class KroneckerHVP:
     def _cached_roots(self) -> list[torch.Tensor]:
         self._statistics()
         if self._roots is None or self._updates_since_roots >= self.refresh_every:
-            self._roots = self._compute_roots()
+            with torch.inference_mode(False):  # roots autograd may save outside inference mode
+                self._roots = self._compute_roots()
             self._updates_since_roots = 0
         return self._roots
 
@@ -148,7 +150,14 @@ class KroneckerHVP:
         return self._mean
 
     def __call__(self, grad: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``update(grad)`` then ``apply(v)``: the post's ``batch_hvp_fn`` given the gradient."""
+        """``update(grad)`` then ``apply(v)``: the post's ``batch_hvp_fn`` given the gradient
+        (``v`` checked first: a call that raises folds nothing in)."""
+        v = require_floating("v", v)
+        if tuple(v.shape[v.ndim - grad.ndim :]) != tuple(grad.shape):
+            raise ValueError(
+                f"v must have shape {fmt_shape(('*extra', *grad.shape))} (its trailing dims are "
+                f"grad's shape), got {fmt_shape(v.shape)}"
+            )
         self.update(grad)
         return self.apply(v)
 
@@ -213,8 +222,9 @@ class KroneckerHVP:
             require_like(name, tensor, "state['mean']", mean)
             if not bool(tensor.isfinite().all()):
                 raise ValueError(f"{name} must be finite, got NaN or infinite entries")
-        for i, f in enumerate(factors):  # second moments: symmetric (eigh reads one triangle)
-            if not torch.allclose(f, f.mT, rtol=1e-5, atol=0.0):
+        for i, f in enumerate(factors):  # second moments: symmetric (eigh reads one triangle),
+            # up to the rounding of U U^T products, relative to the factor's largest entry
+            if f.numel() and float((f - f.mT).abs().max()) > 1e-5 * float(f.abs().max()):
                 raise ValueError(f"state['factors'][{i}] must be symmetric, got an asymmetric one")
         self.reset()
         self._step, self._mean, self._dtype = step, mean.to(torch.float64, copy=True), dtype

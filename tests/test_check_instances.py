@@ -47,6 +47,11 @@ INDEPENDENT = {
     "event_dims=2": (lambda x: (x @ x.mT).sum((-2, -1)), torch.randn(4, 2, 3), ()),
     "constant": (lambda x: torch.ones(x.shape[:-1]), X, ()),
     "one instance": (lambda x: x.sum(-1) * x.sum(), X[:1], ()),
+    "one instance at sqrt's infinite derivative (0 * inf is no leak)": (
+        lambda x: torch.sqrt(x.abs()).sum(-1),
+        torch.cat([torch.zeros(1, 3, dtype=torch.float64), X[1:]]),
+        (),
+    ),
     "dropout in training mode (each run draws from one state)": (
         lambda x: nn.functional.dropout(x, 0.5).sum(-1),
         X,

@@ -494,3 +494,25 @@ ERRORS = [
 def test_bad_input_raises_naming_the_argument(name, call, error, text):
     with pytest.raises(error, match=re.escape(text)):
         call()
+
+
+def linear_in_time(x):
+    """sin(x_0) x_1^2 + x_2: each instance's Hessian has rank 2 of 3."""
+    return torch.sin(x[..., 0]) * x[..., 1] ** 2 + x[..., 2]
+
+
+SKETCHED = {
+    "diag++": lambda x, **kw: pyhvp.hessian_diagonal(linear_in_time, x, method="diag++", **kw),
+    "hutch++": lambda x, **kw: pyhvp.laplacian(linear_in_time, x, method="hutch++", **kw),
+}
+
+
+@pytest.mark.parametrize("estimate", SKETCHED.values(), ids=SKETCHED.keys())
+def test_an_exact_sketch_of_a_rank_deficient_hessian_has_the_exact_gradient(estimate):
+    """With samples >= 3n the sketched estimates are exact, and so are their gradients in x
+    (QR's backward divided by R's zero diagonal: NaN)."""
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    got = estimate(x, samples=9, generator=torch.Generator().manual_seed(0))
+    (gradient,) = torch.autograd.grad(got.sum(), x)
+    (expected,) = torch.autograd.grad(pyhvp.hessian_diagonal(linear_in_time, x).sum(), x)
+    torch.testing.assert_close(gradient, expected)

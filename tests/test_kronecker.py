@@ -485,3 +485,43 @@ def test_bad_input_raises_naming_the_argument(case, device):
     action, error, name = case
     with pytest.raises(error, match=name):
         action(device)
+
+
+def test_statistics_begun_in_inference_mode_serve_calls_outside_it():
+    """A sampler's warm-up under inference_mode, then updates and a differentiable apply
+    outside it (the statistics and roots were inference tensors: 'Inplace update to inference
+    tensor outside InferenceMode')."""
+    kron = KroneckerHVP(damping=1e-3)
+    grads = torch.randn(3, 2, 3, 4, dtype=torch.float64)
+    with torch.inference_mode():
+        kron.update(grads[0])
+        kron.apply(grads[0])
+    kron.update(grads[1])
+    v = grads[2].clone().requires_grad_()
+    (gradient,) = torch.autograd.grad(kron.apply(v).sum(), v)
+    expected = KroneckerHVP(damping=1e-3)
+    for g in grads[:2]:
+        expected.update(g)
+    torch.testing.assert_close(gradient, expected.apply(torch.ones_like(v)))
+
+
+def test_a_state_whose_factors_are_symmetric_to_rounding_loads():
+    """Near-zero off-diagonal moments (orthonormal gradient rows) are symmetric only to
+    rounding: its own state_dict loads (an exact comparison refused it)."""
+    torch.manual_seed(0)
+    kron = KroneckerHVP(beta=0.9)
+    for _ in range(3):
+        rows = torch.linalg.qr(torch.randn(300, 64, dtype=torch.float64)).Q
+        kron.update(rows.T.reshape(1, 64, 300))
+    loaded = KroneckerHVP(beta=0.9)
+    loaded.load_state_dict(kron.state_dict())
+    v = torch.randn(1, 64, 300, dtype=torch.float64)
+    torch.testing.assert_close(loaded.apply(v), kron.apply(v))
+
+
+def test_a_call_refused_for_its_v_folds_nothing_in():
+    kron = KroneckerHVP(beta=0.9)
+    grad = torch.randn(2, 3, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="v must have shape"):
+        kron(grad, torch.randn(2, 4, 3, dtype=torch.float64))
+    assert kron.state_dict()["step"] == 0
