@@ -414,42 +414,22 @@ def test_a_selected_tensors_data_is_a_constant_as_autograd_has_it():
     torch.testing.assert_close(got, expected, **F64)
 
 
-MADE_UNDER_NO_GRAD = {  # what a loss reads of its selected tensor under no_grad
+MADE_UNDER_NO_GRAD = {  # what a loss makes of its selected tensor under no_grad
+    # autograd differentiates nothing made there: W * s is linear in W (the sparse route
+    # followed these as W itself: 7.3 off)
     "a clone": lambda p: p.clone(),
     "a view": lambda p: p.view(p.shape),
     "a transpose of a transpose": lambda p: p.T.T,
     "a slice": lambda p: p[:, :],
+    # eager torch returns p itself, which autograd differentiates (once taken for a constant)
+    "p.to(p.dtype), p itself": lambda p: p.to(p.dtype),
+    "p.double() of a float64 p, p itself": lambda p: p.double(),
+    "p.contiguous() of a contiguous p, p itself": lambda p: p.contiguous(),
 }
 
 
 @pytest.mark.parametrize("made", MADE_UNDER_NO_GRAD.values(), ids=MADE_UNDER_NO_GRAD.keys())
-def test_a_view_or_copy_made_under_no_grad_is_a_constant(made):
-    """Autograd differentiates nothing made under ``no_grad``: ``W * s`` with ``s`` such a view
-    or copy of ``W`` is linear in ``W`` (the sparse route followed it as ``W`` itself: 7.3 off)."""
-
-    def scaled_by_itself(p):
-        with torch.no_grad():
-            s = made(p)
-        return (torch.tanh(F.linear(WIDE, p * s)) ** 2).sum()
-
-    params = torch.randn(70, 60, dtype=torch.float64)
-    got = pyhvp.sub_hessian(scaled_by_itself, params, MANY, method="sparse")
-    expected = pyhvp.sub_hessian(scaled_by_itself, params, MANY, method="reverse")
-    torch.testing.assert_close(got, expected, **F64)
-
-
-RETURNED_AS_IT_IS = {  # under no_grad, eager torch returns p itself: autograd differentiates it
-    "p.to(p.dtype)": lambda p: p.to(p.dtype),
-    "p.double() of a float64 p": lambda p: p.double(),
-    "p.contiguous() of a contiguous p": lambda p: p.contiguous(),
-}
-
-
-@pytest.mark.parametrize("made", RETURNED_AS_IT_IS.values(), ids=RETURNED_AS_IT_IS.keys())
-def test_a_cast_that_returns_the_tensor_itself_under_no_grad_is_the_tensor(made):
-    """``W.to(W.dtype)`` under no_grad is ``W`` itself, which autograd differentiates: not a
-    constant (the sparse route took it for one: 100% off)."""
-
+def test_what_the_loss_makes_under_no_grad_is_differentiated_as_autograd_does(made):
     def scaled_by_itself(p):
         with torch.no_grad():
             s = made(p)
