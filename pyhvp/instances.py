@@ -125,7 +125,8 @@ def vmap_batch_dims(fn_single: Callable[..., Out], n_batch: int) -> Callable[...
             a[0] if isinstance(a, torch.Tensor) and d is None else a
             for a, d in zip(args, in_dims[1:], strict=True)
         )
-        return vmap(inner, in_dims=tuple(in_dims))(x, *args)
+        # each instance draws its own random numbers (dropout), as a batched network does
+        return vmap(inner, in_dims=tuple(in_dims), randomness="different")(x, *args)
 
     return over_leading_dim
 

@@ -371,3 +371,22 @@ def test_per_instance_wrappers_of_one_function_are_equal():
 def test_per_instance_handles_an_empty_batch_with_a_shared_arg():
     f = pyhvp.per_instance(gaussian_single)
     assert f(torch.zeros(0, 3), torch.zeros(1, 3)).shape == (0,)
+
+
+def test_a_per_instance_function_with_dropout_in_training_is_differentiated_at_its_draw():
+    """Each instance draws its own mask (vmap's randomness="different", as a batched network
+    draws one per row), and the gradient and HVP are autograd's at f's own draw (vmap's
+    default refused any random op: 'randomness error mode')."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1)
+    ).double()
+    f = pyhvp.per_instance(lambda x: net(x)[0])
+    x, v = torch.randn(2, 4, 3, dtype=torch.float64)
+    torch.manual_seed(5)
+    gradient, product = pyhvp.grad_and_hvp(f, x, v, backend=TorchBackend(compile=False))
+    torch.manual_seed(5)
+    y = x.clone().requires_grad_()
+    (expected_gradient,) = torch.autograd.grad(f(y).sum(), y, create_graph=True)
+    (expected_product,) = torch.autograd.grad((expected_gradient * v).sum(), y)
+    torch.testing.assert_close((gradient, product), (expected_gradient, expected_product))
