@@ -41,3 +41,17 @@ def replaying(state: RandomState) -> Iterator[None]:
         yield
     finally:
         restore(now)
+
+
+class Repeated:
+    """Runs of ``f`` that each draw what the first drew (a dropout's mask), as one run of ``f``
+    would: :meth:`begin` before each run; the generator then goes on from one run's draws."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.state = save(device)
+        self.begun = False
+
+    def begin(self) -> None:
+        if self.begun:
+            restore(self.state)
+        self.begun = True

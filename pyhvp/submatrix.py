@@ -886,9 +886,8 @@ def _sums(
         # the result carries no graph: batch tensors are data, never differentiated through
         batch_values = [v.detach() if isinstance(v, torch.Tensor) else v for v in batch_values]
         timed, name, start, loop = False, MODEL, 0.0, False
-        # every kernel of the batch draws what its first drew (a dropout's mask), as the seed's
-        # one forward does; the generator then goes on from one forward's draws
-        draws = random_states.save(device)
+        # every kernel of the batch draws what its first drew, as the seed's one forward does
+        draws = random_states.Repeated(device)
         try:
             if refusal is None:
                 assert isinstance(backend, TorchBackend)  # _static_refusal's condition
@@ -908,7 +907,6 @@ def _sums(
                         raise ValueError(f"method='sparse' does not apply: {error}") from None
                     trial = _choose_routes(plan, backend, batch_values, spec, method, fresh=True)
                     name, chosen, timed = MODEL, trial.model, False
-                    random_states.restore(draws)
                     parts = _sparse_parts(
                         plan, chosen, coords, batch_values, spec, chunk_size, backend, draws
                     )
@@ -923,8 +921,7 @@ def _sums(
             # the reverse route adds its rows once all are computed, the sparse groups after it:
             # a failure adds nothing of this batch
             if reverse:
-                if parts:
-                    random_states.restore(draws)
+                draws.begin()
                 total = _reverse_blocks(plan, reverse, batch_values, spec, chunk_size, backend,
                                         total, blocks, inner, loop)  # fmt: skip
             for group, block in parts:
@@ -945,7 +942,7 @@ def _sums(
                        name if refusal is None else "the reverse route", type(error).__name__,
                        error)  # fmt: skip
             timed = False
-            random_states.restore(draws)
+            draws.begin()
             # a loss that fails by itself (a torch error in its own frame) raises it here
             total = _reverse_blocks(plan, every, batch_values, spec, chunk_size, backend, total,
                                     blocks, None, True)  # fmt: skip
@@ -1062,14 +1059,13 @@ def _sparse_parts(
     spec: Any,
     chunk_size: int | None,
     backend: TorchBackend,
-    draws: random_states.RandomState,
+    draws: random_states.Repeated,
 ) -> list[tuple[Sequence[int], torch.Tensor]]:
     """Each sparse group of ``chosen`` with its block from :func:`_sparse_pass`, each kernel
-    drawing from ``draws``."""
+    one run of ``draws``."""
     parts: list[tuple[Sequence[int], torch.Tensor]] = []
     for group in chosen.groups:
-        if parts:
-            random_states.restore(draws)
+        draws.begin()
         parts.append((group, _sparse_pass(plan, group, coords, batch_values, spec,
                                           chunk_size or chosen.chunk, backend, chosen.eager_only)))  # fmt: skip
     return parts
@@ -1197,10 +1193,9 @@ def _reverse_rows(
                                         for t, c in zip(leaves, column_flats, strict=True)]  # fmt: skip
     most = max(len(flat) for flat in row_flats)
     step = chunk_size or most
-    draws = random_states.save(leaves[0].device)  # every chunk's forward draws the same
+    draws = random_states.Repeated(leaves[0].device)  # every chunk's forward draws the same
     for start in range(0, most, step):
-        if start:
-            random_states.restore(draws)
+        draws.begin()
         # one chunk of one-hot tangents per leaf: memory O(chunk_size * P), not O(k * P)
         chunks = [flat[start : start + step] for flat in row_flats]
         tangents = [_one_hot(chunk, t) for chunk, t in zip(chunks, leaves, strict=True)]
