@@ -256,6 +256,13 @@ def _memory(t: torch.Tensor) -> int | None:
         return None
 
 
+def _held(table: dict[int, tuple[torch.Tensor, int]], value: object) -> int | None:
+    """The selected tensor ``table`` holds ``value`` for, if any (by ``id``, and the very
+    object: an id may be reused once its tensor died)."""
+    found = table.get(id(value))
+    return found[1] if found is not None and found[0] is value else None
+
+
 class Survey(TorchFunctionMode):
     """Runs the loss once, recording every selected tensor's :class:`Usage` and the forward's
     cost (see the module docstring)."""
@@ -271,11 +278,11 @@ class Survey(TorchFunctionMode):
         self._taint: dict[int, tuple[torch.Tensor, int]] = {}
         # id -> (tensor, which selected tensor): memory aliases without its derivative
         self._aliases: dict[int, tuple[torch.Tensor, int]] = {}
+        self._memories = [_memory(t) for t in tensors]
         self._first = 0
 
     def _source(self, value: object) -> int | None:
-        found = self._sources.get(id(value))
-        return found[1] if found is not None and found[0] is value else None
+        return _held(self._sources, value)
 
     def _note(self, source: int, use: str, refusal: str | None = None) -> None:
         usage = self.usage[source]
@@ -333,8 +340,7 @@ class Survey(TorchFunctionMode):
     def _alias(self, value: object) -> int | None:
         """Which selected tensor ``value`` shares memory with without carrying its derivative
         (``W.detach()``, ``W.data``, a view made under ``no_grad``), if any."""
-        found = self._aliases.get(id(value))
-        return found[1] if found is not None and found[0] is value else None
+        return _held(self._aliases, value)
 
     def _note_aliases(self, leaves: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> None:
         for value in leaves:
@@ -342,7 +348,7 @@ class Survey(TorchFunctionMode):
             source = self._alias(value) if source is None else source
             if source is None:
                 continue
-            memory = _memory(self._tensors[source])
+            memory = self._memories[source]
             for out in outs:
                 if memory is not None and _memory(out) == memory and self._source(out) is None:
                     self._aliases[id(out)] = (out, source)
@@ -358,7 +364,7 @@ class Survey(TorchFunctionMode):
                                  "(W.detach(), W.data, a view made under no_grad)")  # fmt: skip
         if source is None:
             return
-        memory = _memory(cast(torch.Tensor, value)), _memory(self._tensors[source])
+        memory = _memory(cast(torch.Tensor, value)), self._memories[source]
         shared = None in memory or memory[0] == memory[1]  # unknown: taken as shared
         if not grad and shared:
             raise WritesSelected(source, f"is written by {describe(func)} under no_grad")
