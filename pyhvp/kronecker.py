@@ -125,14 +125,8 @@ class KroneckerHVP:
         """``(R_1 ⊗ ... ⊗ R_d) vec(v)`` per system; ``v``: ``(*extra, n, *modes)``, same shape out."""
         roots = self._cached_roots()
         mean = self._statistics()
-        v = require_floating("v", v)
-        state_shape = mean.shape
-        lead = v.ndim - len(state_shape) + 1  # position of the first mode dim in v
-        if lead < 1 or v.shape[lead - 1 :] != state_shape:
-            raise ValueError(
-                f"v must have shape {fmt_shape(('*extra', *state_shape))} (its trailing dims are "
-                f"grad's shape), got {fmt_shape(v.shape)}"
-            )
+        v = _checked_v(v, mean.shape)
+        lead = v.ndim - mean.ndim + 1  # position of the first mode dim in v
         require_like("v", v, "grad", roots[0])
         out = v
         for root in roots:  # cycle: the next mode to the end, contract it with its root
@@ -152,12 +146,7 @@ class KroneckerHVP:
     def __call__(self, grad: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``update(grad)`` then ``apply(v)``: the post's ``batch_hvp_fn`` given the gradient
         (``v`` checked first: a call that raises folds nothing in)."""
-        v = require_floating("v", v)
-        if tuple(v.shape[v.ndim - grad.ndim :]) != tuple(grad.shape):
-            raise ValueError(
-                f"v must have shape {fmt_shape(('*extra', *grad.shape))} (its trailing dims are "
-                f"grad's shape), got {fmt_shape(v.shape)}"
-            )
+        _checked_v(v, require_floating("grad", grad).shape)
         self.update(grad)
         return self.apply(v)
 
@@ -285,3 +274,14 @@ def _real_option(name: str, value: object, expected: str, ok: Callable[[float], 
     ):
         raise ValueError(f"{name} must be {expected}, got {value!r}")
     return float(value)
+
+
+def _checked_v(v: object, shape: torch.Size) -> torch.Tensor:
+    """``v`` of shape ``(*extra, *shape)`` (``shape``: grad's), else ValueError naming both."""
+    v = require_floating("v", v)
+    if v.ndim < len(shape) or v.shape[v.ndim - len(shape) :] != shape:
+        raise ValueError(
+            f"v must have shape {fmt_shape(('*extra', *shape))} (its trailing dims are grad's "
+            f"shape), got {fmt_shape(v.shape)}"
+        )
+    return v
