@@ -235,18 +235,15 @@ def register_jet_rule(
             f"rule must be a function (ctx, out, *args, **kwargs) -> jet, got {type(rule).__name__}"
         )
     ops = _overloads(op)
-    if rule is None and not (linear or indexing):
 
-        def register(fn: Rule) -> Rule:
-            _register(ops, lambda overload: _checked(overload, fn))
-            return fn
+    def register(fn: Rule) -> Rule:
+        _register(ops, lambda overload: _checked(overload, fn))
+        return fn
 
-        return register
-    if rule is not None:
-        _register(ops, lambda overload: _checked(overload, rule))
-    else:
+    if linear or indexing:
         _register(ops, lambda overload: linear_rule(overload, indexing))
-    return rule
+        return None
+    return register if rule is None else register(rule)
 
 
 _generation = 0
