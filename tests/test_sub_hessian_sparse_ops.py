@@ -507,6 +507,40 @@ autograd allows (every route ran it, and params changed silently): refused on ev
 before the write where the loss is surveyed."""
 
 
+SPARSE_GRADIENT_CALLS = {
+    "sparse": ("sparse", [12, 0, 25, 12, 27]),
+    "auto, surveyed": ("auto", [12, 0, 25, 12, 27, 5, 6, 1, 2]),
+    "auto, 2 components (the seed's loop)": ("auto", [25, 12]),
+    "reverse": ("reverse", [12, 0, 25, 12, 27]),
+}  # fmt: skip
+"""``embedding(sparse=True)`` makes autograd's gradient of the table a sparse tensor, with the
+values of ``sparse=False``: the sparse rule, the reverse route and the seed's loop (which
+``torch.func`` cannot run it through) give the same matrix."""
+
+
+@pytest.mark.parametrize("call", SPARSE_GRADIENT_CALLS.values(), ids=SPARSE_GRADIENT_CALLS.keys())
+def test_an_embedding_with_sparse_gradients_has_the_sub_hessian_of_a_dense_one(call):
+    method, entries = call
+
+    def loss(sparse):
+        return on(TOKENS, lambda t, p: squash(F.embedding(t, p["e"], sparse=sparse).mean(1)))
+
+    (table,) = tensors((7, 4), seed=2)
+    index = {"e": torch.tensor(entries)}
+    got = pyhvp.sub_hessian(loss(True), {"e": table}, index, joint=True, method=method)
+    torch.testing.assert_close(got, dense_sub_hessian(loss(False), {"e": table}, index), **F64)
+
+
+def test_a_forced_sparse_route_that_no_kernel_nor_the_loop_can_run_is_refused_by_name():
+    """``embedding_bag`` has no double backward: neither the sparse kernel nor the seed's loop
+    runs it, and ``method="sparse"`` says so, naming both failures."""
+    bags = torch.tensor([0, 2])
+    loss = on(TOKENS, lambda t, p: squash(F.embedding_bag(t.reshape(-1), p["e"], bags)))
+    (table,) = tensors((7, 4), seed=2)
+    with pytest.raises(ValueError, match=r"does not apply: its kernels .* nor can the seed's loop"):
+        pyhvp.sub_hessian(loss, {"e": table}, {"e": torch.tensor([0, 5])}, method="sparse")
+
+
 @pytest.mark.parametrize("call", MAX_NORM_CALLS.values(), ids=MAX_NORM_CALLS.keys())
 def test_embedding_with_max_norm_is_refused_as_a_write_to_params(call):
     method, index, before_the_write = call

@@ -385,9 +385,10 @@ def contracted(op: str, bound: dict[str, Any]) -> list[tuple[str | int, Any]]:
 
 def autograd_convention(op: str, bound: dict[str, Any]) -> bool:
     """Whether autograd's derivative of this call is a convention rather than the op's own
-    (an embedding that scales gradients by frequency, or makes them sparse): then a selected
-    operand enters densely, as autograd differentiates it."""
-    return op == "embedding" and bool(bound.get("scale_grad_by_freq") or bound.get("sparse"))
+    (an embedding that scales gradients by frequency): then a selected operand enters densely,
+    as autograd differentiates it. (``sparse=True`` changes the gradient's layout, not its
+    values: the sparse rule takes it.)"""
+    return op == "embedding" and bool(bound.get("scale_grad_by_freq"))
 
 
 def writes_operand(op: str, bound: dict[str, Any]) -> bool:
