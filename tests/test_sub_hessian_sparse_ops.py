@@ -414,18 +414,12 @@ class ModelCase:
     model: object
     inputs: object
     low: int = 0  # the smallest flat index selected (above an embedding's padding row)
-    symmetric: bool = True  # autograd's Hessian is (see the joint spec)
 
 
 MODELS = [
     ModelCase("small LeNet", lenet, lambda: torch.rand(6, 1, 12, 12, dtype=torch.float64)),
     ModelCase("embedding classifier", Text, lambda: torch.randint(0, 9, (6, 5)), low=4),
-    ModelCase(
-        "attention block",
-        Attention,
-        lambda: torch.randn(3, 5, 4, dtype=torch.float64),
-        symmetric=False,
-    ),
+    ModelCase("attention block", Attention, lambda: torch.randn(3, 5, 4, dtype=torch.float64)),
 ]
 
 
@@ -462,15 +456,7 @@ def test_models_joint_over_batches_equal_the_dense_sub_hessian(case, device):
     got = pyhvp.sub_hessian(
         loss, params, index, data=batches, joint=True, method="sparse", progress=True
     )
-    if case.symmetric:
-        expected = sum(dense_sub_hessian(lambda p, b=b: loss(p, b), params, index) for b in batches)
-    else:  # torch 2.13's double backward of layer_norm's weight gradient in its input is not
-        # its derivative (finite differences): autograd's Hessian of the attention block is not
-        # symmetric, and the seed's loop, both routes and torch.func.hessian inherit it; the
-        # reference is then autograd's own reverse-over-reverse, which the seed's loop computes
-        expected = pyhvp.sub_hessian(
-            loss, params, index, data=batches, joint=True, method="reverse"
-        )
+    expected = sum(dense_sub_hessian(lambda p, b=b: loss(p, b), params, index) for b in batches)
     torch.testing.assert_close(got, expected, **F64)
 
 
