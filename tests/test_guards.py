@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import torch.nn.functional as F
 from dense import instance_hessian_diagonal, instance_laplacian
 from torch import nn
 
@@ -284,6 +285,23 @@ def test_a_tensor_read_into_python_is_read_anew_at_every_call(device):
         pyhvp.laplacian(f, x, backend=GUARDED)
     temperature.fill_(4.0)
     torch.testing.assert_close(pyhvp.laplacian(f, x, backend=GUARDED), instance_laplacian(f, x))
+
+
+def test_running_statistics_f_updates_are_updated_once_per_call_as_f_updates_them(device):
+    """``F.batch_norm`` in training mode writes its running statistics by an op whose schema does
+    not say so (``native_batch_norm``): the route ran ``f`` twice on its first call (two momentum
+    steps) and never after (none)."""
+    mean = torch.zeros(4, dtype=torch.float64, device=device)
+    variance = torch.ones(4, dtype=torch.float64, device=device)
+
+    def f(x):
+        return torch.tanh(F.batch_norm(x, mean, variance, training=True)).pow(2).sum(-1)
+
+    x = torch.randn(5, 4, dtype=torch.float64, device=device)
+    for _ in range(3):
+        mean.zero_()
+        pyhvp.laplacian(f, x, backend=GUARDED)
+        torch.testing.assert_close(mean, 0.1 * x.mean(0))  # one step of momentum 0.1 from 0
 
 
 @pytest.mark.parametrize("f", DECLINED.values(), ids=DECLINED.keys())

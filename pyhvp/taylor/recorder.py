@@ -143,6 +143,24 @@ def _traits(func: torch._ops.OpOverload) -> tuple[bool, bool]:
     return torch.Tag.nondeterministic_seeded in func.tags, func._schema.is_mutable
 
 
+UNDECLARED_WRITES = frozenset({
+    aten.native_batch_norm.default, aten.cudnn_batch_norm.default, aten.miopen_batch_norm.default,
+})  # fmt: skip
+"""Ops that write arguments their schema does not mark as written: in training, the running
+statistics (``F.batch_norm(x, mean, var, training=True)`` on the CPU and with cuDNN)."""
+
+
+def _writes_running_statistics(
+    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> bool:
+    """Whether this call of an :data:`UNDECLARED_WRITES` op writes its running statistics."""
+    if func not in UNDECLARED_WRITES:
+        return False
+    training = args[5] if len(args) > 5 else kwargs.get("training", False)
+    statistics = [*args[3:5], kwargs.get("running_mean"), kwargs.get("running_var")]
+    return bool(training) and any(t is not None for t in statistics)
+
+
 @functools.cache
 def argument_kinds(func: torch._ops.OpOverload) -> tuple[tuple[str, ...], dict[str, str]]:
     """Per schema argument: ``"write"`` (mutated), ``"alias"`` (a view's base) or ``"read"``."""
@@ -202,7 +220,7 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's _
             self.saw_backward = True  # (in case f swallows the exception)
             raise BackwardInside
         draws, mutable = _traits(func)
-        self.wrote |= mutable
+        self.wrote |= mutable or _writes_running_statistics(func, args, kwargs)
         if draws:
             return self._drawn(func, types, args, kwargs, mutable)
         if func is SCALAR_TENSOR and type(args[0]) is float:  # where(c, y, 0.5): lifted
