@@ -1272,13 +1272,8 @@ class _DenseEmbeddingGradients(TorchFunctionMode):
     gradient of the table, which autograd differentiates again (its sparse one it cannot, in
     general: "reshape is not implemented for sparse tensors")."""
 
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: Sequence[Any] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: Sequence[Any] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:  # fmt: skip
         kwargs = dict(kwargs or {})
         if func is F.embedding:
             if len(args) > SPARSE_ARGUMENT:
