@@ -25,7 +25,8 @@ def dense_hessian(f, x, *args):
 
     Shape ``out_shape + x.shape + x.shape``. Attention on its math path: from torch 2.14 the CPU
     one runs a fused kernel (``_scaled_dot_product_flash_attention_for_cpu``) that autograd
-    cannot differentiate twice.
+    cannot differentiate twice. Not a reference where ``x`` enters ``layer_norm``'s weight:
+    torch.func's second derivative there is wrong (see :func:`dense_sub_hessian`).
     """
     with sdpa_kernel(SDPBackend.MATH):
         return hessian(lambda y: f(y, *map(to64, args)))(x.double())
