@@ -63,6 +63,7 @@ from torch.utils import _pytree as pytree
 
 from pyhvp import _random_state as random_states
 from pyhvp import restricted
+from pyhvp._attention import math_attention
 from pyhvp._checks import (
     check_chunk_size,
     check_output,
@@ -1240,7 +1241,7 @@ def _loop_rows(
     columns. At a few components per tensor this costs less than any batched pass (no one-hot
     tangents, no ``vmap`` nor compile-cache lookup): on the benchmark's models at k = 2 per
     tensor the reverse route's fixed cost made it 1.05-1.3x this loop."""
-    with torch.inference_mode(False), torch.enable_grad():
+    with torch.inference_mode(False), torch.enable_grad(), math_attention():
         ys = [cast(torch.Tensor, t).detach().requires_grad_() for t in _normal(tuple(leaves))]
         with _DenseEmbeddingGradients():  # 12 us on the seed's 1 ms call
             total = loss(*ys, *_normal(args))

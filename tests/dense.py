@@ -74,12 +74,13 @@ def dense_sub_hessian(loss, params, index):
         return loss({**params, **dict(zip(names, values, strict=True))})
 
     selected = tuple(params[n] for n in names)
-    try:  # one batched backward per tensor ...
-        pairs = torch.autograd.functional.hessian(of_selected, selected, vectorize=True)
-    except (
-        RuntimeError
-    ):  # ... where vmap runs the double backward (not group_norm's): one per entry
-        pairs = torch.autograd.functional.hessian(of_selected, selected)
+    # one batched backward per tensor, or one per entry where vmap cannot run the double
+    # backward (group_norm's); attention on its math path, as in dense_hessian
+    with sdpa_kernel(SDPBackend.MATH):
+        try:
+            pairs = torch.autograd.functional.hessian(of_selected, selected, vectorize=True)
+        except RuntimeError:
+            pairs = torch.autograd.functional.hessian(of_selected, selected)
     full = {a: dict(zip(names, row, strict=True)) for a, row in zip(names, pairs, strict=True)}
     return torch.cat(
         [

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+import torch.nn.functional as F
 from dense import instance_hvp
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -32,6 +33,14 @@ def matrix_instance(x, w):
     return (torch.tanh(x @ w) ** 2).sum((-2, -1))
 
 
+def attention(x, w):
+    """event_dims=2: each instance a (3, 4) sequence through 2 heads of
+    scaled_dot_product_attention, a fused kernel on the CPU (flash) with no second derivative;
+    w (3, 4, 4) projects q, k, v."""
+    q, k, v = ((x @ w[i]).unflatten(-1, (2, 2)).transpose(-3, -2) for i in range(3))
+    return F.scaled_dot_product_attention(q, k, v).pow(2).sum((-3, -2, -1))
+
+
 @dataclass
 class Case:
     name: str
@@ -56,6 +65,7 @@ CASES = [
     Case("unbatched", coupled, (3,)),
     Case("event_dims=2", matrix_instance, (4, 2, 3), ((3, 3),), event_dims=2),
     Case("affine: zero Hessian", lambda x: 2 * x.sum(-1) + 1, (4, 3)),
+    Case("attention (a fused kernel)", attention, (4, 3, 4), ((3, 4, 4),), event_dims=2),
 ]
 TANGENTS = {"one tangent": None, "k=3 tangents": 3, "k=5 chunked by 2": (5, 2)}
 DTYPES = {"float32": torch.float32, "float64": torch.float64}

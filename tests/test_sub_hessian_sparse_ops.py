@@ -517,6 +517,26 @@ def test_an_embedding_with_sparse_gradients_has_the_sub_hessian_of_a_dense_one(c
     torch.testing.assert_close(got, dense_sub_hessian(loss(False), {"e": table}, index), **F64)
 
 
+@pytest.mark.parametrize(
+    ("method", "entries"),
+    [("sparse", [0, 7, 35, 7]), ("reverse", [0, 7, 35, 7]), ("auto", [3, 20])],
+    ids=["sparse", "reverse", "auto, 2 components (the seed's loop)"],
+)
+def test_a_loss_through_fused_attention_has_its_dense_sub_hessian(method, entries):
+    """``scaled_dot_product_attention`` runs a fused kernel on the CPU (flash), which has no
+    second derivative: every route takes its math path, the same values."""
+
+    def heads(t):
+        return t.unflatten(-1, (2, 3)).transpose(-3, -2)
+
+    loss = on(X3, lambda x, p: F.scaled_dot_product_attention(
+        heads(x @ p["q"]), heads(x @ p["k"]), heads(x)).pow(2).sum())  # fmt: skip
+    params = dict(zip("qk", tensors((6, 6), (6, 6), seed=2), strict=True))
+    index = {"q": torch.tensor(entries), "k": torch.tensor(entries[::-1])}
+    got = pyhvp.sub_hessian(loss, params, index, joint=True, method=method)
+    torch.testing.assert_close(got, dense_sub_hessian(loss, params, index), **F64)
+
+
 def test_a_forced_sparse_route_that_no_kernel_nor_the_loop_can_run_is_refused_by_name():
     """``embedding_bag`` has no double backward: neither the sparse kernel nor the seed's loop
     runs it, and ``method="sparse"`` says so, naming both failures."""

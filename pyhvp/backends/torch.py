@@ -69,6 +69,7 @@ from torch.func import grad, vjp, vmap
 
 from pyhvp import _random_state as random_states
 from pyhvp import restricted, taylor
+from pyhvp._attention import math_attention
 from pyhvp._checks import check_output, fmt_shape
 from pyhvp._user_errors import quiet_tracing, stacklevel_outside_pyhvp
 from pyhvp.backends import Blocks, compile_policy, inductor, nested
@@ -755,6 +756,7 @@ class TorchBackend:
             parts.append(out)
         return parts
 
+    @math_attention()  # fused attention kernels have no second derivative
     def _run(
         self,
         eager_kernel: Callable[..., Result],

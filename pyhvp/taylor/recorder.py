@@ -30,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from pyhvp._attention import math_attention
 from pyhvp._keys import Identity, value_key
 from pyhvp.taylor.custom_ops import DET_BY_SVD, det_needs_svd
 from pyhvp.taylor.fallbacks import UnsupportedOpError
@@ -447,31 +448,6 @@ class _NoAutogradInside(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-_ATTENTION_PATHS: tuple[tuple[Callable[[], bool], Callable[[bool], None], bool], ...] = tuple(
-    (getattr(torch.backends.cuda, f"{name}_sdp_enabled"),
-     getattr(torch.backends.cuda, f"enable_{name}_sdp"), name == "math")
-    for name in ("flash", "mem_efficient", "cudnn", "math")
-    if hasattr(torch.backends.cuda, f"enable_{name}_sdp")
-)  # fmt: skip
-"""``scaled_dot_product_attention``'s switches (global, the CPU's flash kernel too): whether
-one is on, to turn it on or off, and whether it is on while ``f`` is recorded (math alone)."""
-
-
-class _MathAttention:
-    """``scaled_dot_product_attention`` on its math path, as ``sdpa_kernel([SDPBackend.MATH])``
-    has it on the CPU and CUDA, through the switches alone: 1.6 us against ``sdpa_kernel``'s 10
-    us, paid at every call."""
-
-    def __enter__(self) -> None:
-        self.states = [(enabled(), enable) for enabled, enable, _ in _ATTENTION_PATHS]
-        for _, enable, on in _ATTENTION_PATHS:
-            enable(on)
-
-    def __exit__(self, *exc: object) -> None:
-        for state, enable in self.states:
-            enable(state)
-
-
 class BackwardInside(BaseException):
     """Autograd's engine ran inside ``f``: ``torch.func.grad`` (fine) or ``torch.autograd.grad``
     (refused). Only a ``TorchFunctionMode`` tells them apart, and it costs every torch call, so
@@ -490,7 +466,7 @@ def recording_state() -> Iterator[None]:
     try:
         if mha is not None:
             mha.set_fastpath_enabled(False)
-        with torch.enable_grad(), _MathAttention():
+        with torch.enable_grad(), math_attention():
             yield
     finally:
         if mha is not None:

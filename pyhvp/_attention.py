@@ -1,0 +1,36 @@
+"""``scaled_dot_product_attention`` on its math path while pyhvp differentiates ``f`` twice or
+more: its fused kernels (flash, memory-efficient and cuDNN on CUDA; flash on the CPU) have no
+second derivative and no decomposition, so an HVP, a sub-Hessian or a jet through them would
+raise ("derivative for aten::_scaled_dot_product_flash_attention_for_cpu_backward is not
+implemented"). The math path computes the same values."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+_SWITCHES: tuple[tuple[Callable[[], bool], Callable[[bool], None], bool], ...] = tuple(
+    (getattr(torch.backends.cuda, f"{name}_sdp_enabled"),
+     getattr(torch.backends.cuda, f"enable_{name}_sdp"), name == "math")
+    for name in ("flash", "mem_efficient", "cudnn", "math")
+    if hasattr(torch.backends.cuda, f"enable_{name}_sdp")
+)  # fmt: skip
+"""``scaled_dot_product_attention``'s switches (global, the CPU's flash kernel too): whether
+one is on, to turn it on or off, and whether it is on on the math path (math alone)."""
+
+
+@contextmanager
+def math_attention() -> Iterator[None]:
+    """Inside, ``scaled_dot_product_attention`` takes its math path, as ``sdpa_kernel(
+    [SDPBackend.MATH])`` has it on the CPU and CUDA, through the switches alone (1.6 us against
+    ``sdpa_kernel``'s 10, paid at every call); after, the switches are as they were."""
+    states = [(enabled(), enable) for enabled, enable, _ in _SWITCHES]
+    for _, enable, on in _SWITCHES:
+        enable(on)
+    try:
+        yield
+    finally:
+        for state, enable in states:
+            enable(state)
