@@ -6,6 +6,7 @@ implemented"). The math path computes the same values."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -21,16 +22,30 @@ _SWITCHES: tuple[tuple[Callable[[], bool], Callable[[bool], None], bool], ...] =
 one is on, to turn it on or off, and whether it is on on the math path (math alone)."""
 
 
+_LOCK = threading.Lock()
+_held = 0  # pyhvp calls inside, over all threads
+_saved: list[tuple[bool, Callable[[bool], None]]] = []  # the switches before the first
+
+
 @contextmanager
 def math_attention() -> Iterator[None]:
     """Inside, ``scaled_dot_product_attention`` takes its math path, as ``sdpa_kernel(
     [SDPBackend.MATH])`` has it on the CPU and CUDA, through the switches alone (1.6 us against
-    ``sdpa_kernel``'s 10, paid at every call); after, the switches are as they were."""
-    states = [(enabled(), enable) for enabled, enable, _ in _SWITCHES]
-    for _, enable, on in _SWITCHES:
-        enable(on)
+    ``sdpa_kernel``'s 10, paid at every call). The switches are global, as ``sdpa_kernel``'s
+    are: the first call to enter (over all threads) saves them, the last to leave restores them,
+    and other threads' attention takes the math path meanwhile."""
+    global _held
+    with _LOCK:
+        if _held == 0:
+            _saved[:] = [(enabled(), enable) for enabled, enable, _ in _SWITCHES]
+            for _, enable, on in _SWITCHES:
+                enable(on)
+        _held += 1
     try:
         yield
     finally:
-        for state, enable in states:
-            enable(state)
+        with _LOCK:
+            _held -= 1
+            if _held == 0:
+                for state, enable in _saved:
+                    enable(state)

@@ -990,13 +990,17 @@ def _kernel_failure(error: Exception, in_backward: bool = False) -> bool:
     what the loss runs), which the seed's loop may serve: raised in torch's or pyhvp's code, or a
     ``RuntimeError`` of a torch call in the loss (an op implemented in C++ raises in the loss's
     own frame). A ``raise`` statement of the loss's own code is its own error, raised as it is.
-    ``in_backward``: and raised inside ``torch.autograd.grad`` (not by the loss's forward)."""
+    ``in_backward``: and raised inside a ``torch.autograd.grad`` of :func:`_loop_rows` (not by
+    the loss, whose own ``torch.autograd.grad`` may fail)."""
     traceback = error.__traceback__
     if traceback is None:
         return False
-    backward = False
+    backward = False  # raised in a torch.autograd.grad that the seed's loop itself called
     while traceback.tb_next is not None:
-        backward = backward or traceback.tb_frame.f_code is torch.autograd.grad.__code__
+        backward = backward or (
+            traceback.tb_frame.f_code in _LOOP_CODE
+            and traceback.tb_next.tb_frame.f_code is torch.autograd.grad.__code__
+        )
         traceback = traceback.tb_next
     if in_backward and not backward:
         return False
@@ -1276,16 +1280,26 @@ class _DenseEmbeddingGradients(TorchFunctionMode):
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: Sequence[Any] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:  # fmt: skip
         kwargs = dict(kwargs or {})
-        if func is F.embedding:
-            if len(args) > SPARSE_ARGUMENT:
-                args = (*args[:SPARSE_ARGUMENT], False, *args[SPARSE_ARGUMENT + 1 :])
+        position = SPARSE_ARGUMENT.get(func)
+        if position is not None:
+            if len(args) > position:
+                args = (*args[:position], False, *args[position + 1 :])
             else:
                 kwargs["sparse"] = False
         return func(*args, **kwargs)
 
 
-SPARSE_ARGUMENT = 6
-"""Position of ``sparse`` among ``F.embedding``'s arguments (``nn.Embedding`` passes it so)."""
+SPARSE_ARGUMENT = {F.embedding: 6, torch.embedding: 4}
+"""Position of ``sparse`` among each embedding function's arguments (``nn.Embedding`` passes
+it so to ``F.embedding``, which calls ``torch.embedding`` with the mode off)."""
+
+
+_LOOP_CODE = frozenset(
+    [_loop_rows.__code__,
+     *(c for c in _loop_rows.__code__.co_consts if isinstance(c, types.CodeType))]
+)  # fmt: skip
+"""The seed's loop's code and its comprehensions' (their own frames), whose calls of
+``torch.autograd.grad`` are its backward passes."""
 
 
 def _one_hot(entries: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Specification of grad_and_hvp / hvp / per_instance against dense float64 Hessians."""
 
+import threading
 import warnings
 from dataclasses import dataclass, field
 
@@ -364,6 +365,25 @@ def test_bad_input_raises_a_clear_error(call, error, fragments):
 
 def test_available_backends_always_lists_torch():
     assert pyhvp.available_backends()[0] == "torch"
+
+
+def test_attention_switches_are_the_users_again_after_calls_from_several_threads():
+    """pyhvp puts scaled_dot_product_attention on its math path (global switches) while it
+    differentiates: concurrent calls restored each other's saved switches, and the user's
+    choice (here: flash only) was lost."""
+    x, v = torch.randn(4, 3), torch.randn(4, 3)
+    before = torch.backends.cuda.math_sdp_enabled()
+    torch.backends.cuda.enable_math_sdp(False)
+    try:
+        threads = [threading.Thread(target=lambda: [pyhvp.hvp(coupled, x, v) for _ in range(100)])
+                   for _ in range(4)]  # fmt: skip
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not torch.backends.cuda.math_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_math_sdp(before)
 
 
 def test_float32_result_keeps_dtype_and_device(device):

@@ -967,6 +967,22 @@ def test_a_torch_error_of_the_losss_own_bug_is_raised_as_it_is(method):
                           method=method)  # fmt: skip
 
 
+@pytest.mark.parametrize("method", ["sparse", "auto"])
+def test_a_failing_autograd_call_of_the_losss_own_is_raised_as_it_is(method):
+    """The loss's own ``torch.autograd.grad`` fails (a tensor that does not require grad): its
+    error, not "method='sparse' does not apply", though it is raised by autograd's backward
+    as what the seed's loop cannot differentiate is."""
+    data = torch.randn(3, dtype=torch.float64)
+
+    def loss(w):
+        (g,) = torch.autograd.grad((w * data).sum(), data)
+        return (g * w).sum()
+
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        pyhvp.sub_hessian(loss, torch.randn(3, dtype=torch.float64), torch.tensor([0, 2]),
+                          method=method)  # fmt: skip
+
+
 def test_a_write_to_a_tensor_of_params_that_is_not_selected_is_refused_naming_it():
     """The loss renormalises ``params['e']`` (an embedding's ``max_norm``) while ``w`` alone is
     selected: refused after the run (nothing else surveys ``e``), naming ``e``."""

@@ -504,12 +504,26 @@ values of ``sparse=False``: the sparse rule, the reverse route and the seed's lo
 ``torch.func`` cannot run it through) give the same matrix."""
 
 
-@pytest.mark.parametrize("call", SPARSE_GRADIENT_CALLS.values(), ids=SPARSE_GRADIENT_CALLS.keys())
-def test_an_embedding_with_sparse_gradients_has_the_sub_hessian_of_a_dense_one(call):
+SPARSE_EMBEDDINGS = {
+    "F.embedding (as nn.Embedding calls it)": lambda t, e, sparse: F.embedding(t, e, sparse=sparse),
+    "torch.embedding, positional": lambda t, e, sparse: torch.embedding(e, t, -1, False, sparse),
+}  # fmt: skip
+"""``torch.embedding`` has no sparse rule (``method="sparse"`` refuses it, as any op without
+one): the other routes take it."""
+
+
+@pytest.mark.parametrize(
+    ("call", "embedding"),
+    [(call, SPARSE_EMBEDDINGS[form]) for call in SPARSE_GRADIENT_CALLS.values()
+     for form in SPARSE_EMBEDDINGS if call[0] != "sparse" or form.startswith("F.")],
+    ids=[f"{name}, {form}" for name, call in SPARSE_GRADIENT_CALLS.items()
+         for form in SPARSE_EMBEDDINGS if call[0] != "sparse" or form.startswith("F.")],
+)  # fmt: skip
+def test_an_embedding_with_sparse_gradients_has_the_sub_hessian_of_a_dense_one(call, embedding):
     method, entries = call
 
     def loss(sparse):
-        return on(TOKENS, lambda t, p: squash(F.embedding(t, p["e"], sparse=sparse).mean(1)))
+        return on(TOKENS, lambda t, p: squash(embedding(t, p["e"], sparse).mean(1)))
 
     (table,) = tensors((7, 4), seed=2)
     index = {"e": torch.tensor(entries)}
