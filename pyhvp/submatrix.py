@@ -947,24 +947,21 @@ def _sums(
             timed = False
             draws.begin()
             # a loss that fails by itself (a torch error in its own frame) raises it here
+            refused = (f"method='sparse' does not apply: its kernels cannot run this loss "
+                       f"({type(error).__name__}: {error})")  # fmt: skip
             try:
                 total = _reverse_blocks(plan, every, batch_values, spec, chunk_size, backend,
                                         total, blocks, None, True)  # fmt: skip
             except Exception as loop_error:
                 # the loop's forward raises the loss's bugs as they are; its backward, what
                 # autograd cannot differentiate (embedding_bag), is refused by name
-                if method != "sparse" or not _kernel_failure(loop_error, in_backward=True):
+                if not (method == "sparse" and _in_loop_backward(loop_error)
+                        and _kernel_failure(loop_error)):  # fmt: skip
                     raise
-                raise ValueError(
-                    f"method='sparse' does not apply: its kernels cannot run this loss "
-                    f"({type(error).__name__}: {error}), nor can the seed's loop "
-                    f"({type(loop_error).__name__}: {loop_error})"
-                ) from loop_error
+                raise ValueError(f"{refused}, nor can the seed's loop "
+                                 f"({type(loop_error).__name__}: {loop_error})") from loop_error  # fmt: skip
             if method == "sparse":
-                raise ValueError(
-                    f"method='sparse' does not apply: its kernels cannot run this loss "
-                    f"({type(error).__name__}: {error}); method='auto' takes the seed's loop"
-                ) from error
+                raise ValueError(f"{refused}; method='auto' takes the seed's loop") from error
         for t, version, label in zip(watched, versions, labels, strict=True):
             if _version(t) != version:  # under no_grad, which autograd allows: found after it
                 raise ValueError(_written(label, "was written by the loss under no_grad (it now "
@@ -985,25 +982,16 @@ TORCH_PACKAGE = os.path.dirname(torch.__file__) + os.sep
 _RAISES = frozenset({"RAISE_VARARGS", "RERAISE"})  # the opcodes of a raise statement
 
 
-def _kernel_failure(error: Exception, in_backward: bool = False) -> bool:
+def _kernel_failure(error: Exception) -> bool:
     """Whether ``error`` came from torch or pyhvp (a transform or a batched backward refusing
     what the loss runs), which the seed's loop may serve: raised in torch's or pyhvp's code, or a
     ``RuntimeError`` of a torch call in the loss (an op implemented in C++ raises in the loss's
-    own frame). A ``raise`` statement of the loss's own code is its own error, raised as it is.
-    ``in_backward``: and raised inside a ``torch.autograd.grad`` of :func:`_loop_rows` (not by
-    the loss, whose own ``torch.autograd.grad`` may fail)."""
+    own frame). A ``raise`` statement of the loss's own code is its own error, raised as it is."""
     traceback = error.__traceback__
     if traceback is None:
         return False
-    backward = False  # raised in a torch.autograd.grad that the seed's loop itself called
     while traceback.tb_next is not None:
-        backward = backward or (
-            traceback.tb_frame.f_code in _LOOP_CODE
-            and traceback.tb_next.tb_frame.f_code is torch.autograd.grad.__code__
-        )
         traceback = traceback.tb_next
-    if in_backward and not backward:
-        return False
     code = traceback.tb_frame.f_code
     if code.co_filename.startswith((TORCH_PACKAGE, PACKAGE)):
         return True
@@ -1011,6 +999,19 @@ def _kernel_failure(error: Exception, in_backward: bool = False) -> bool:
         instruction.offset == traceback.tb_lasti and instruction.opname in _RAISES
         for instruction in dis.get_instructions(code)
     )
+
+
+def _in_loop_backward(error: Exception) -> bool:
+    """Whether ``error`` was raised inside a ``torch.autograd.grad`` that :func:`_loop_rows`
+    itself called (one of its backward passes), not by the loss (whose own
+    ``torch.autograd.grad`` may fail)."""
+    traceback = error.__traceback__
+    while traceback is not None and traceback.tb_next is not None:
+        if (traceback.tb_frame.f_code is _loop_rows.__code__
+                and traceback.tb_next.tb_frame.f_code is torch.autograd.grad.__code__):  # fmt: skip
+            return True
+        traceback = traceback.tb_next
+    return False
 
 
 def _version(t: torch.Tensor) -> int | None:
@@ -1245,7 +1246,7 @@ def _loop_rows(
     columns. At a few components per tensor this costs less than any batched pass (no one-hot
     tangents, no ``vmap`` nor compile-cache lookup): on the benchmark's models at k = 2 per
     tensor the reverse route's fixed cost made it 1.05-1.3x this loop."""
-    with torch.inference_mode(False), torch.enable_grad(), math_attention():
+    with torch.inference_mode(False), torch.enable_grad(), math_attention:
         ys = [cast(torch.Tensor, t).detach().requires_grad_() for t in _normal(tuple(leaves))]
         with _DenseEmbeddingGradients():  # 12 us on the seed's 1 ms call
             total = loss(*ys, *_normal(args))
@@ -1261,13 +1262,12 @@ def _loop_rows(
             if not (g.requires_grad and len(rows)):  # f affine in y, or no rows
                 blocks.append(y.new_zeros(len(rows), len(columns)))
                 continue
-            entries = g.reshape(-1)
-            full = [
-                torch.autograd.grad(
+            entries, full = g.reshape(-1), []
+            for j in rows.tolist():  # a loop, not a comprehension: _in_loop_backward reads frames
+                (row,) = torch.autograd.grad(
                     entries[j], y, retain_graph=True, allow_unused=True, materialize_grads=True
-                )[0].reshape(-1)
-                for j in rows.tolist()
-            ]
+                )
+                full.append(row.reshape(-1))
             blocks.append(torch.stack(full).index_select(1, columns.to(y.device)))
     return blocks
 
@@ -1292,14 +1292,6 @@ class _DenseEmbeddingGradients(TorchFunctionMode):
 SPARSE_ARGUMENT = {F.embedding: 6, torch.embedding: 4}
 """Position of ``sparse`` among each embedding function's arguments (``nn.Embedding`` passes
 it so to ``F.embedding``, which calls ``torch.embedding`` with the mode off)."""
-
-
-_LOOP_CODE = frozenset(
-    [_loop_rows.__code__,
-     *(c for c in _loop_rows.__code__.co_consts if isinstance(c, types.CodeType))]
-)  # fmt: skip
-"""The seed's loop's code and its comprehensions' (their own frames), whose calls of
-``torch.autograd.grad`` are its backward passes."""
 
 
 def _one_hot(entries: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:

@@ -756,7 +756,7 @@ class TorchBackend:
             parts.append(out)
         return parts
 
-    @math_attention()  # fused attention kernels have no second derivative
+    @math_attention  # fused attention kernels have no second derivative
     def _run(
         self,
         eager_kernel: Callable[..., Result],

@@ -466,7 +466,7 @@ def recording_state() -> Iterator[None]:
     try:
         if mha is not None:
             mha.set_fastpath_enabled(False)
-        with torch.enable_grad(), math_attention():
+        with torch.enable_grad(), math_attention:
             yield
     finally:
         if mha is not None:
