@@ -17,7 +17,8 @@ k = 2, 16, 128 random components per tensor (all of a tensor that has fewer). Ev
 the loss anew per call, as the seed's user writes it (``sub_hessian(*module_loss(...), index)``).
 Methods: pyhvp's ``method="auto"`` (the cost model's choice), ``"sparse"`` and ``"reverse"``,
 each eager (``compile=False``: what the default ``compile="auto"`` runs for its first calls) and
-compiled (``compile=True``: its steady state in a loop of many calls); the seed's loop (one
+compiled (``compile=True``: its steady state in a loop of many calls), and ``"forward"`` (eager
+always: it compiles nothing); the seed's loop (one
 reverse pass per component, per tensor) and the answer the seed received (autograd's
 ``is_grads_batched``, one shared first backward, then one batched pass per tensor). Results are
 checked against each other first. Ratios are against the seed's loop. One thread
@@ -175,6 +176,7 @@ METHODS = {
     "sparse compiled": with_backend(COMPILED, "sparse"),
     "reverse eager": with_backend(EAGER, "reverse"),
     "reverse compiled": with_backend(COMPILED, "reverse"),
+    "forward": with_backend(EAGER, "forward"),
     "seed loop": baseline(seed_loop),
     "is_grads_batched": baseline(is_grads_batched),
 }
@@ -236,8 +238,8 @@ def main(device: str, only: list[str]) -> None:
             report.point(f"sub-Hessians, {model_name}", "k components per tensor", k, rows)
             summary.append((model_name, k, times))
     report.text(
-        "\npyhvp auto, time / the seed loop's, and / the faster of sparse and reverse "
-        "(same compile setting)"
+        "\npyhvp auto, time / the seed loop's, and / the fastest of sparse, reverse (same "
+        "compile setting) and forward (eager)"
     )
     report.text(
         f"  {'model':28} | {'k':>4} | {'compiled':>8} | {'eager':>8} | {'vs best, c':>10} "
@@ -246,7 +248,8 @@ def main(device: str, only: list[str]) -> None:
     for model_name, k, t in summary:
         loop = t["seed loop"]
         best = {
-            mode: min(t[f"sparse {mode}"], t[f"reverse {mode}"]) for mode in ("compiled", "eager")
+            mode: min(t[f"sparse {mode}"], t[f"reverse {mode}"], t["forward"])
+            for mode in ("compiled", "eager")
         }
         report.text(
             f"  {model_name:28} | {k:4d} | {t['auto compiled'] / loop:8.2f} "

@@ -1,6 +1,6 @@
 """Sub-Hessians: the Hessian of a scalar loss restricted to selected parameter components.
 
-Two routes, taken per selected tensor by a cost model:
+Three routes: two taken per selected tensor by a cost model, the third for every tensor at once:
 
 * **sparse** (:mod:`pyhvp.restricted`): the loss as a function of the k selected entries only,
   whose one-hot directions enter each op that consumes a selected tensor linearly -- ``F.linear``,
@@ -14,6 +14,12 @@ Two routes, taken per selected tensor by a cost model:
   of the route, then per tensor a batched second pass that differentiates towards that tensor
   only, of whose columns ``H e_j`` only the selected rows are kept. Cost: one full Hessian-vector
   product per selected component; ``joint=True`` pushes all selected tensors as one vector.
+* **forward** (:mod:`pyhvp.restricted.forward`): every selected entry's tangent pushed forward
+  through the loss (entering a contraction by its sparse rule), one reverse pass for every
+  activation's adjoint, and per nonlinear op its second-order term between the tangents -- a
+  weighted Gram matrix at ``tanh`` or ``gelu``. A direction costs a forward push, never a reverse
+  pass; the pairwise terms cost ``k^2`` per op. It runs eagerly, takes every component at once
+  and holds every activation's tangents (``k`` times the activations).
 
 Cost model (``method="auto"``, :mod:`pyhvp.restricted.routes`): one survey of the loss (cached
 per call signature) learns how each selected tensor enters each op, the work downstream of it
@@ -26,7 +32,8 @@ the seed's loop itself (one backward per component: no one-hot tangents, no batc
 which the cost model also weighs on every other ``"auto"`` call. With ``joint=True`` the reverse route's
 rows fill the cross blocks of its tensors. An equal call made again (no ``data``;
 ``compile`` False or True) measures: the model's routes against the seed's loop and, unless
-compiling, the sparse and the reverse route alone, up to two timed runs each, then the fastest
+compiling, the sparse and the reverse route alone, and the forward route (within
+``routes.FORWARD_TANGENTS``), up to two timed runs each, then the fastest
 (:mod:`pyhvp.restricted.trial`). The choice is logged on the ``pyhvp.sub_hessian`` logger at
 DEBUG level. Both routes' kernels compile under the torch backend's compile policy.
 
@@ -79,6 +86,7 @@ from pyhvp.backends import Backend, compile_policy, nested, require_primitive, r
 from pyhvp.backends.torch import TorchBackend, _normal
 from pyhvp.distributed import Fingerprint, check_group, sum_over_ranks
 from pyhvp.restricted import NotSparse, WritesSelected, routes
+from pyhvp.restricted.forward import forward_hessian
 from pyhvp.restricted.mode import PADDING_ROW
 from pyhvp.restricted.trial import MODEL, TIMED_RUNS, Trial
 
@@ -86,7 +94,11 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 Params = dict[str, torch.Tensor]
-METHODS = ("auto", "sparse", "reverse")
+Method = Literal["auto", "sparse", "reverse", "forward"]
+METHODS = ("auto", "sparse", "reverse", "forward")
+FORCED = ("sparse", "forward")
+"""Methods that raise ``ValueError`` with the reason where they do not apply."""
+FORWARD = "the forward-tangent route"
 _log = logging.getLogger("pyhvp.sub_hessian")
 
 
@@ -102,7 +114,7 @@ def sub_hessian(
     chunk_size: int | None = None,
     backend: str | Backend = "torch",
     progress: bool = False,
-    method: Literal["auto", "sparse", "reverse"] = "auto",
+    method: Method = "auto",
 ) -> torch.Tensor: ...
 
 
@@ -118,7 +130,7 @@ def sub_hessian(
     chunk_size: int | None = None,
     backend: str | Backend = "torch",
     progress: bool = False,
-    method: Literal["auto", "sparse", "reverse"] = "auto",
+    method: Method = "auto",
 ) -> Params: ...
 
 
@@ -134,7 +146,7 @@ def sub_hessian(
     chunk_size: int | None = None,
     backend: str | Backend = "torch",
     progress: bool = False,
-    method: Literal["auto", "sparse", "reverse"] = "auto",
+    method: Method = "auto",
 ) -> torch.Tensor: ...
 
 
@@ -150,7 +162,7 @@ def sub_hessian(
     chunk_size: int | None = None,
     backend: str | Backend = "torch",
     progress: bool = False,
-    method: Literal["auto", "sparse", "reverse"] = "auto",
+    method: Method = "auto",
 ) -> torch.Tensor | Params:
     """Hessian of the scalar ``loss(params)`` over the components ``index`` selects.
 
@@ -171,8 +183,8 @@ def sub_hessian(
     not modified. ``chunk_size`` bounds how many components of each tensor are pushed per pass.
     ``joint=True`` pushes all selected tensors as one vector, whose tensors must then share one
     dtype and device. ``method`` picks the route: ``"auto"`` (default: the cost model in the
-    module docstring), ``"sparse"`` (raises ``ValueError`` with the reason where it does not
-    apply) or ``"reverse"``; both give the same matrix. ``progress=True`` shows a tqdm bar over ``data``'s batches on stderr
+    module docstring), ``"sparse"`` or ``"forward"`` (each raises ``ValueError`` with the reason
+    where it does not apply) or ``"reverse"``; all give the same matrix. ``progress=True`` shows a tqdm bar over ``data``'s batches on stderr
     (batches done, rate, and time left when ``data`` has a length); with several
     ``torch.distributed`` ranks only rank 0 draws it.
 
@@ -761,11 +773,15 @@ def _choose_routes(
     auto = method == "auto"
     chosen = routes.choose(found, sizes, joint, compiled, method != "sparse", together, auto)
     plans = [(MODEL, chosen)]
+    if method == "forward":
+        plans = [(FORWARD, routes.forward_alone(chosen, len(sizes)))]
     # compile="auto" compiles a plan's kernels once its eager time pays for that: a trial settled
     # on eager times would keep the loop where the compiled routes would beat it later
     if auto and backend.compile != "auto":
         numels = [t.numel() for t in plan.tensors]
         plans += _alternatives(found, sizes, numels, joint, compiled, together, chosen)
+        if together(range(len(sizes))) and routes.forward_fits(found, sizes, joint):
+            plans.append((FORWARD, routes.forward_alone(chosen, len(sizes))))
     trial = Trial(tuple(plans))
     if key is not None:
         _ROUTES[key] = trial
@@ -827,6 +843,12 @@ def _log_routes(plan: _Plan, chosen: routes.Routes, backend: Backend) -> None:
     """The routes of this batch, on the ``pyhvp.sub_hessian`` logger (DEBUG)."""
     if not _log.isEnabledFor(logging.DEBUG):
         return
+    if chosen.forward:
+        groups = [[_label(plan, i) for i in group] for group in chosen.groups]
+        _log.debug("sub_hessian: %s for %s (one pass, eagerly)", FORWARD,
+                   " and ".join(f"[{', '.join(g)}]" for g in groups),
+                   extra={"sparse": [], "reverse": [], "forward": groups})  # fmt: skip
+        return
     by_loop = f" {BY_LOOP}" if _loops(plan, chosen, backend) else ""
     compiling = isinstance(backend, TorchBackend) and backend.compile is not False
     groups = [[_label(plan, i) for i in group] for group in chosen.groups]
@@ -866,8 +888,13 @@ def _sums(
     seed's loop -- for good, where the model's routes failed -- unless ``method="sparse"``
     (refused by name); an error of the loss's own code is raised as it is."""
     refusal = "method='reverse'" if method == "reverse" else _static_refusal(plan, backend, method)
-    if method == "sparse" and refusal is not None:
-        raise ValueError(f"method='sparse' does not apply: {refusal}")
+    if method == "forward" and refusal is None and not _forward_applies(chunk_size):
+        refusal = (
+            "it takes every component at once (no chunk_size: its pairwise terms need "
+            "them all) and autograd's reverse pass (not inside a torch.func transform)"
+        )
+    if method in FORCED and refusal is not None:
+        raise ValueError(f"method={method!r} does not apply: {refusal}")
     if not any(len(flat) for flat in plan.flats):  # nothing selected: (0, 0) blocks
         batches = []
     sizes = [len(flat) for flat in plan.flats]
@@ -900,6 +927,8 @@ def _sums(
                 name, chosen, timed = (
                     trial.next() if batches is None else (MODEL, trial.model, False)
                 )
+                if chosen.forward and method != "forward" and not _forward_applies(chunk_size):
+                    name, chosen, timed = MODEL, trial.model, False  # a trial of another call
                 start = _clock(device) if timed else 0.0
                 try:
                     parts = _sparse_parts(
@@ -947,7 +976,7 @@ def _sums(
             timed = False
             draws.begin()
             # a loss that fails by itself (a torch error in its own frame) raises it here
-            refused = (f"method='sparse' does not apply: its kernels cannot run this loss "
+            refused = (f"method={method!r} does not apply: its kernels cannot run this loss "
                        f"({type(error).__name__}: {error})")  # fmt: skip
             try:
                 total = _reverse_blocks(plan, every, batch_values, spec, chunk_size, backend,
@@ -955,12 +984,12 @@ def _sums(
             except Exception as loop_error:
                 # the loop's forward raises the loss's bugs as they are; its backward, what
                 # autograd cannot differentiate (embedding_bag), is refused by name
-                if not (method == "sparse" and _in_loop_backward(loop_error)
+                if not (method in FORCED and _in_loop_backward(loop_error)
                         and _kernel_failure(loop_error)):  # fmt: skip
                     raise
                 raise ValueError(f"{refused}, nor can the seed's loop "
                                  f"({type(loop_error).__name__}: {loop_error})") from loop_error  # fmt: skip
-            if method == "sparse":
+            if method in FORCED:
                 raise ValueError(f"{refused}; method='auto' takes the seed's loop") from error
         for t, version, label in zip(watched, versions, labels, strict=True):
             if _version(t) != version:  # under no_grad, which autograd allows: found after it
@@ -1088,11 +1117,48 @@ def _sparse_parts(
     """Each sparse group of ``chosen`` with its block from :func:`_sparse_pass`, each kernel
     one run of ``draws``."""
     parts: list[tuple[Sequence[int], torch.Tensor]] = []
+    if chosen.forward:
+        for group in chosen.groups:
+            draws.begin()
+            parts.append((group, _forward_pass(plan, group, batch_values, spec)))
+        return parts
     for group in chosen.groups:
         draws.begin()
         parts.append((group, _sparse_pass(plan, group, coords, batch_values, spec,
                                           chunk_size or chosen.chunk, backend, chosen.eager_only)))  # fmt: skip
     return parts
+
+
+def _forward_pass(
+    plan: _Plan, group: Sequence[int], batch_values: list[Any], spec: Any
+) -> torch.Tensor:
+    """One batch's ``(K_g, K_g)`` over the selected entries of the tensors of ``group``, by the
+    forward-tangent route (joint where the result is one matrix; else its diagonal blocks)."""
+    tensors = [plan.tensors[i] for i in group]
+    loss, others = _group_loss(plan, group, spec)
+    flats = [plan.flats[i] for i in group]
+    joint = plan.one_block and len(group) > 1
+    return forward_hessian(loss, tensors, flats, joint, *others, *batch_values)
+
+
+def _group_loss(
+    plan: _Plan, group: Sequence[int], spec: Any
+) -> tuple[_Selection, list[torch.Tensor]]:
+    """The loss as a function of the selected tensors ``group`` (then the other params, then
+    the batch), and those other params, held constant."""
+    loss = dataclasses.replace(plan.sparse, batch_spec=spec)
+    if not plan.sparse.names:
+        return loss, []
+    names = tuple(plan.sparse.selected[i] for i in group)
+    by_name = _by_name(plan)
+    others = [by_name[name] for name in plan.sparse.names if name not in names]
+    return dataclasses.replace(loss, selected=names), others
+
+
+def _forward_applies(chunk_size: int | None) -> bool:
+    """Whether the forward-tangent route may run this call: all components at once (no
+    ``chunk_size``), outside ``torch.func`` transforms (its reverse pass is autograd's)."""
+    return chunk_size is None and not nested.inside_transform()
 
 
 def _sparse_pass(
@@ -1116,13 +1182,7 @@ def _sparse_pass(
                 plan.tensors[i], plan.flats[i].to(plan.tensors[i].device)
             )
     tensors = [plan.tensors[i] for i in group]
-    if plan.sparse.names:
-        names = tuple(plan.sparse.selected[i] for i in group)
-        loss = dataclasses.replace(plan.sparse, selected=names, batch_spec=spec)
-        by_name = _by_name(plan)
-        others = [by_name[name] for name in plan.sparse.names if name not in names]
-    else:
-        loss, others = dataclasses.replace(plan.sparse, batch_spec=spec), []
+    loss, others = _group_loss(plan, group, spec)
     block, _ = backend.restricted_hessian(
         loss,
         tensors,
@@ -1151,13 +1211,8 @@ def _reverse_blocks(
     route's); ``inner``: how many tangents each batched second pass takes (None: all);
     ``loop``: by the seed's loop."""
     if total is None:  # per tensor, the others held constant
-        names = tuple(plan.sparse.selected[i] for i in members)
-        by_name = _by_name(plan)
-        loss = dataclasses.replace(plan.sparse, selected=names, batch_spec=spec)
-        if not plan.sparse.names:
-            loss = dataclasses.replace(plan.sparse, batch_spec=spec)
+        loss, others = _group_loss(plan, members, spec)
         leaves = [plan.tensors[i] for i in members]
-        others = [by_name[name] for name in plan.sparse.names if name not in names]
         flats = [plan.flats[i] for i in members]
         rows = _reverse_rows(
             loss, leaves, flats, flats, others, batch_values, chunk_size, backend, inner, loop

@@ -95,6 +95,9 @@ def routes_taken(caplog):
         if record.name != "pyhvp.sub_hessian" or hasattr(record, "settled"):
             continue
         sparse, reverse = getattr(record, "sparse", []), getattr(record, "reverse", ["all"])
+        if getattr(record, "forward", None):
+            taken.append("forward")
+            continue
         taken.append("mixed" if sparse and reverse else "sparse" if sparse else "reverse")
     return taken
 
@@ -559,7 +562,7 @@ def test_tensors_of_two_dtypes_never_share_a_sparse_pass(caplog):
 
 def test_method_must_be_a_route_name():
     with pytest.raises(ValueError, match="method must be one of"):
-        pyhvp.sub_hessian(big_cumsum, BIG, torch.tensor([0]), method="forward")
+        pyhvp.sub_hessian(big_cumsum, BIG, torch.tensor([0]), method="backward")
 
 
 EAGER = pyhvp.TorchBackend(compile=False)
@@ -1030,23 +1033,29 @@ def slow(function, clock, seconds):
 @pytest.mark.parametrize(
     ("seconds", "kept"),
     [
-        ({"_loop_rows": 3, "_sparse_pass": 1, "_one_hot": 2}, "the cost model's routes"),
-        ({"_loop_rows": 1, "_sparse_pass": 2, "_one_hot": 3}, "the seed's loop"),
-        ({"_loop_rows": 3, "_sparse_pass": 2, "_one_hot": 1}, "the reverse route alone"),
+        ({"_loop_rows": 3, "_sparse_pass": 1, "_one_hot": 2, "_forward_pass": 4},
+         "the cost model's routes"),
+        ({"_loop_rows": 1, "_sparse_pass": 2, "_one_hot": 3, "_forward_pass": 4},
+         "the seed's loop"),
+        ({"_loop_rows": 3, "_sparse_pass": 2, "_one_hot": 1, "_forward_pass": 4},
+         "the reverse route alone"),
+        ({"_loop_rows": 3, "_sparse_pass": 2, "_one_hot": 4, "_forward_pass": 1},
+         "the forward-tangent route"),
     ],
-    ids=["model", "loop", "reverse"],
-)
+    ids=["model", "loop", "reverse", "forward"],
+)  # fmt: skip
 def test_repeated_calls_keep_whichever_plan_ran_fastest(seconds, kept, monkeypatch, caplog):
     """The cost model sends ``seed_like`` to the sparse route; on a fake clock where the seed's
-    loop, a sparse pass and a batched reverse pass (its one-hot tangents) take the given
-    seconds, the trial keeps the fastest plan, and every call's matrix is the dense one."""
+    loop, a sparse pass, a batched reverse pass (its one-hot tangents) and a forward-tangent
+    pass take the given seconds, the trial keeps the fastest plan, and every call's matrix is
+    the dense one."""
     clock = [0.0]
     monkeypatch.setattr(pyhvp.backends.compile_policy, "clock", lambda: clock[0])
     for name, spent in seconds.items():
         monkeypatch.setattr(submatrix, name, slow(getattr(submatrix, name), clock, spent))
     expected = dense_sub_hessian(seed_like, MEDIUM, MANY)
     with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"):
-        for _ in range(2 + 3 * TIMED_RUNS):  # a warm-up, three plans' timed runs, one kept
+        for _ in range(2 + 4 * TIMED_RUNS):  # a warm-up, four plans' timed runs, one kept
             got = pyhvp.sub_hessian(seed_like, MEDIUM, MANY, backend=EAGER)
             torch.testing.assert_close(got, expected, **F64)
     (settled,) = [r.settled for r in caplog.records if hasattr(r, "settled")]
@@ -1067,11 +1076,11 @@ def test_every_plan_of_a_trial_gives_the_dense_sub_hessian(joint, caplog):
     else:
         expected = {name: dense_sub_hessian(loss, params, {name: i}) for name, i in index.items()}
     with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"):
-        for _ in range(2 + 4 * TIMED_RUNS):
+        for _ in range(2 + 5 * TIMED_RUNS):
             got = pyhvp.sub_hessian(loss, params, index, joint=joint, backend=EAGER)
             torch.testing.assert_close(got, expected, **F64)
     ran = {r.getMessage().split(" (modelled")[0] for r in caplog.records if hasattr(r, "reverse")}
-    assert len(ran) >= 3  # the model's routes, the loop and the reverse route alone at least
+    assert len(ran) >= 4  # the model's routes, the loop, the reverse and forward routes alone
 
 
 @pytest.mark.parametrize(("bound", "tried"), [(10**9, True), (0, False)], ids=["within", "over"])

@@ -286,7 +286,7 @@ class Injection(TorchFunctionMode):
             return result
         entry = chosen[1]
         _refuse_padding_rows(op, bound, entry)
-        contribution = _contribution(op, bound, chosen[0], entry.coords)
+        contribution = contribution_of(op, bound, chosen[0], entry.coords)
         if isinstance(contribution, str):
             return None
         out = _call(op, func, bound)
@@ -333,7 +333,7 @@ def _call(op: str, func: Callable[..., Any], bound: dict[str, Any]) -> Any:
     return func(*args, **rest)
 
 
-def _contribution(
+def contribution_of(
     op: str, bound: dict[str, Any], chosen: str | int, coords: torch.Tensor
 ) -> rules.Contribution | str:
     """The chosen operand's entries' tangents of the op's output, or why there are none."""

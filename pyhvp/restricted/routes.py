@@ -641,6 +641,9 @@ class Routes:
     loop: bool = False
     """The tensors of the reverse route by the seed's loop of one eager backward per component
     (beside the sparse groups, if any)."""
+    forward: bool = False
+    """The groups by the forward-tangent route (:mod:`pyhvp.restricted.forward`) instead: one
+    pass over all their tensors."""
 
 
 def choose(
@@ -677,6 +680,28 @@ def reverse_alone(
         fixed, per_tensor = _reverse_costs(found, sizes, joint, False, loop=True)
         cost = fixed + sum(per_tensor)
     return dataclasses.replace(every_tensor_reverse(model, len(sizes), loop), cost=cost)
+
+
+FORWARD_TANGENTS = 1 << 26
+"""Most elements of forward tangents (per selected tensor, its components times the widest
+output downstream of it; joint, all components times the widest) for which a trial tries the
+forward-tangent route: it holds every activation's tangents at once (LeNet-5 at k = 128 per
+tensor: 4.3e7 by this count, 1.1 GB at its peak)."""
+
+
+def forward_alone(model: Routes, count: int) -> Routes:
+    """Every one of the ``count`` selected tensors by the forward-tangent route, in one pass."""
+    return dataclasses.replace(
+        model, groups=(tuple(range(count)),), reverse=(), eager_only=frozenset(), chunk=None,
+        loop=False, forward=True)  # fmt: skip
+
+
+def forward_fits(found: Survey, sizes: Sequence[int], joint: bool) -> bool:
+    """Whether the forward-tangent route's tangents fit :data:`FORWARD_TANGENTS`."""
+    if joint:
+        widest = max((u.widest for u in found.usage), default=0)
+        return sum(sizes) * widest <= FORWARD_TANGENTS
+    return sum(k * u.widest for k, u in zip(sizes, found.usage, strict=True)) <= FORWARD_TANGENTS
 
 
 def every_tensor_reverse(model: Routes, count: int, loop: bool) -> Routes:

@@ -1,0 +1,529 @@
+"""Sub-Hessians by forward tangents: every selected entry's one-hot direction pushed forward
+through the loss, one reverse pass for the adjoint of every activation, and the Hessian as the
+sum, over the ops the tangents reach, of each op's second-order term between them.
+
+For ``L = loss(params)``, an op ``y = f(x_1, ..., x_n)`` of it, ``t_i(x)`` the tangent of ``x``
+along the ``i``-th selected entry's direction and ``d(y) = dL/dy`` the adjoint of ``y``::
+
+    H_ij = sum over ops f of  d(y) . f''(x)[t_i(x), t_j(x)]
+
+exactly (the chain rule's second-order terms; the first-order ones cancel into the adjoints). An
+op linear in the inputs that carry tangents (a view, a sum, a convolution with a constant input,
+``F.linear`` with a constant weight, a ReLU or a max-pool, piecewise) has no term; a pointwise one
+(``tanh``, ``gelu``) has ``sum_x t_i w t_j`` with ``w = d f''(x)``, one weighted Gram matrix; any
+other op ``jvp(grad(d . f))`` along each tangent, as a Hessian-vector product of that op alone.
+A direction thus costs its tangent's forward push, never a reverse pass through the network: on
+LeNet-5's tanh layers about half the seed's loop (``benchmarks/bench_sub_hessian.py``). The price
+is the pairwise terms, ``k^2`` per op, which outgrow the push at many components, and memory: every
+activation's tangents are held until the end (``k`` times the activations).
+
+Tangents travel in *streams*: the rows of the groups (selected tensors, or with ``joint=True``
+one group over all) that reach a value, stacked, so an op pushes every group that enters it the
+same way in one ``vmap(jvp)`` call. Only a tensor's own block is needed apart from ``joint``, so
+groups never meet in a pairwise term: a stream's Gram keeps only its groups' diagonal blocks.
+
+:class:`Tangents` sees every torch function the loss calls, as autograd does: a use under
+``no_grad`` or of ``W.detach()`` carries no tangent; an op that writes to a value carrying
+tangents, a random op (``vmap``'s ``randomness="error"``) and a batch norm updating its running
+statistics are refused (:class:`NotForward`) before they run. Then the loss's tangents are
+checked against autograd's gradient at the selected entries: a use of a selected tensor that
+the mode did not see (where the first derivatives differ) is refused rather than answered.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+from pyhvp._attention import math_attention
+from pyhvp.restricted import contributions as rules
+from pyhvp.restricted import selected_entries
+from pyhvp.restricted.mode import contribution_of
+from pyhvp.restricted.ops import (
+    BIASES,
+    CONTRACTED,
+    EINSUM_FAMILY,
+    autograd_convention,
+    bind,
+    call_kind,
+    contracted,
+    describe,
+    writes_operand,
+    writes_to,
+)
+
+Tensor = torch.Tensor
+
+
+class NotForward(Exception):
+    """The forward-tangent route cannot run this loss (the reason is the message); the other
+    routes (or the seed's loop) serve it."""
+
+
+def _functions(owners: Sequence[object], names: Sequence[str]) -> frozenset[Callable[..., Any]]:
+    return frozenset(
+        getattr(owner, name) for owner in owners for name in names if hasattr(owner, name)
+    )
+
+
+ADDITIVE = _functions(
+    (torch, Tensor),
+    ("add", "sub", "subtract", "neg", "negative", "sum", "mean", "cat", "concat", "concatenate",
+     "stack", "__add__", "__radd__", "__sub__", "__rsub__", "__neg__", "__pos__"),
+) | _functions(
+    (F,),
+    ("avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
+     "adaptive_avg_pool3d", "max_pool1d", "max_pool2d", "max_pool3d", "adaptive_max_pool1d",
+     "adaptive_max_pool2d", "adaptive_max_pool3d", "relu", "pad", "dropout"),
+) | _functions((torch,), ("relu",)) | _functions((Tensor,), ("relu",))  # fmt: skip
+"""Functions linear in all their tensor arguments together (sums, concatenations, averages; a
+ReLU and a max-pool piecewise, with no second derivative, as autograd has it; a dropout outside
+training, the identity): no second-order term."""
+
+PRODUCTS = _functions((torch, Tensor), ("mul", "multiply", "__mul__", "__rmul__"))
+"""Functions linear in each tensor argument alone: a term only where two of them carry tangents."""
+
+QUOTIENTS = _functions((torch, Tensor), ("div", "divide", "true_divide", "__truediv__"))
+"""Functions linear in their first argument alone: a term unless only it carries tangents."""
+
+POINTWISE = _functions(
+    (torch, Tensor),
+    ("tanh", "sigmoid", "exp", "expm1", "log", "log1p", "sin", "cos", "sqrt", "rsqrt", "square",
+     "reciprocal", "erf", "__pow__", "pow"),
+) | _functions(
+    (F,), ("tanh", "sigmoid", "gelu", "silu", "mish", "softplus", "elu", "selu", "celu",
+           "logsigmoid", "leaky_relu", "hardtanh"),
+)  # fmt: skip
+"""Elementwise functions of one tensor (where it is their only tensor argument and the output has
+its shape): their second-order term is one Gram matrix of the tangents weighted by
+``d f''(x)``."""
+
+_STATEFUL = _functions((F,), ("batch_norm", "instance_norm"))
+
+_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-3}
+"""How far the loss's tangents may stray from autograd's gradient (relative to the gradient's
+largest entry) before the route refuses: rounding, not a missed use (bfloat16 and half: 0.1)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Stream:
+    """Tangents of one value: the rows of ``groups`` (each :attr:`Tangents.sizes` rows, in this
+    order) stacked, each row the value's shape."""
+
+    groups: tuple[int, ...]
+    tangents: Tensor
+
+
+@dataclasses.dataclass
+class Seed:
+    """A selected tensor: its group and its selected entries (``coords``: one row per dim), with
+    its one-hot stream made on its first use without a sparse rule."""
+
+    tensor: Tensor
+    group: int
+    rows: int
+    flat: Tensor
+    coords: Tensor
+    offset: int = 0
+    """Where its entries' rows start in its group (``joint``: after the earlier tensors')."""
+    stream: Stream | None = None
+
+    def one_hot(self) -> Stream:
+        if self.stream is None:
+            tangents = self.tensor.new_zeros(self.rows, self.tensor.numel())
+            count = len(self.flat)
+            tangents[torch.arange(count, device=self.flat.device) + self.offset, self.flat] = 1
+            self.stream = Stream((self.group,), tangents.view(-1, *self.tensor.shape))
+        return self.stream
+
+
+@dataclasses.dataclass(frozen=True)
+class _Node:
+    """An op with a second-order term: the op as a function of the inputs that carry ``groups``'
+    tangents, at ``primals``, with those ``tangents``, and its floating outputs."""
+
+    function: Callable[..., tuple[Tensor, ...]]
+    primals: tuple[Tensor, ...]
+    tangents: tuple[Tensor, ...]
+    groups: tuple[int, ...]
+    pointwise: bool
+    outputs: tuple[Tensor, ...]
+
+
+def _floating(value: object) -> bool:
+    return isinstance(value, Tensor) and value.is_floating_point()
+
+
+_RULES = ("linear", "matmul", "rmatmul", "einsum", "conv", "conv_transpose", "embedding")
+"""Kinds whose sparse rules (:mod:`pyhvp.restricted.contributions`) give a selected tensor's
+tangents of the op's output directly, with no product of a one-hot tensor."""
+
+
+class Tangents(TorchFunctionMode):
+    """Pushes the streams of every value the loss computes from the :class:`Seed` s (by ``id``,
+    the very object), recording the ops with a second-order term (:class:`_Node`)."""
+
+    def __init__(self, seeds: Sequence[Seed], sizes: Sequence[int]) -> None:
+        super().__init__()
+        self.seeds = {id(seed.tensor): seed for seed in seeds}
+        self.streams: dict[int, tuple[Tensor, list[Stream]]] = {}
+        self.sizes = list(sizes)
+        self.nodes: list[_Node] = []
+
+    def _seed(self, value: object) -> Seed | None:
+        seed = self.seeds.get(id(value))
+        return seed if seed is not None and seed.tensor is value else None
+
+    def of(self, value: object) -> list[Stream]:
+        seed = self._seed(value)
+        if seed is not None:
+            return [seed.one_hot()]
+        found = self.streams.get(id(value))
+        return found[1] if found is not None and found[0] is value else []
+
+    def _carries(self, value: object) -> bool:
+        return self._seed(value) is not None or bool(self.of(value))
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        carrying = [i for i, v in enumerate(leaves) if self._carries(v)]
+        op = call_kind(func, args, kwargs)
+        written = [v for v in pytree.tree_leaves(writes_to(op, func, args, kwargs))
+                   if isinstance(v, Tensor)]  # fmt: skip
+        if carrying and written:
+            raise NotForward(f"{describe(func)} writes in place to or from a value that "
+                             "depends on a selected tensor")  # fmt: skip
+        if carrying:
+            _refuse(func, op, args, kwargs)
+            self._refuse_padding_rows(op, args, kwargs)
+        out = func(*args, **kwargs)
+        if not carrying or op == "constant" or not torch.is_grad_enabled():
+            return out  # no derivative, as autograd has it
+        outputs = [v for v in pytree.tree_leaves(out) if _floating(v)]
+        if not outputs:
+            return out
+        pushed: list[list[Stream]] = [[] for _ in outputs]
+        for groups, positions in self._buckets(leaves, carrying).items():
+            by_rule = self._by_rule(op, args, kwargs, leaves, positions, outputs)
+            if by_rule is not None:  # linear in the one selected tensor: no term
+                pushed[0].append(Stream(groups, by_rule))
+                continue
+            node, tangents = self._push(func, leaves, spec, groups, positions)
+            for streams, rows in zip(pushed, tangents, strict=True):
+                streams.append(Stream(groups, rows))
+            if not _linear(func, op, args, kwargs, leaves, positions):
+                pointwise = _pointwise(func, leaves, positions, outputs)
+                self.nodes.append(dataclasses.replace(node, outputs=tuple(outputs),
+                                                      pointwise=pointwise))  # fmt: skip
+        for value, streams in zip(outputs, pushed, strict=True):
+            self.streams[id(value)] = (value, streams)
+        return out
+
+    def _refuse_padding_rows(self, op: str, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        """Raise :class:`NotForward` where a table that carries tangents enters an embedding with
+        them in its ``padding_idx`` row, whose derivative autograd takes as zero."""
+        bound = bind(op, args, kwargs) if op == "embedding" else None
+        if bound is None or bound.get("padding_idx") is None:
+            return
+        table = bound["weight"]
+        row = bound["padding_idx"] % table.shape[0]
+        seed = self._seed(table)
+        if seed is not None:
+            hit = bool((seed.coords[0] == row).any())
+        else:
+            hit = any(bool(s.tangents[:, row].any()) for s in self.of(table))
+        if hit:
+            raise NotForward("a selected entry reaches an embedding's padding_idx row, where "
+                             "autograd's derivative is zero, not the true one")  # fmt: skip
+
+    def _buckets(
+        self, leaves: Sequence[Any], carrying: Sequence[int]
+    ) -> dict[tuple[int, ...], tuple[int, ...]]:
+        """The groups reaching this op, bucketed by which arguments carry them."""
+        where: dict[int, list[int]] = {}
+        for i in carrying:
+            seed = self._seed(leaves[i])
+            groups = (seed.group,) if seed is not None else (
+                g for stream in self.of(leaves[i]) for g in stream.groups)  # fmt: skip
+            for group in groups:
+                where.setdefault(group, []).append(i)
+        buckets: dict[tuple[int, ...], list[int]] = {}
+        for group in sorted(where):
+            buckets.setdefault(tuple(where[group]), []).append(group)
+        return {tuple(groups): positions for positions, groups in buckets.items()}
+
+    def _by_rule(
+        self,
+        op: str,
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        leaves: Sequence[Any],
+        positions: Sequence[int],
+        outputs: Sequence[Tensor],
+    ) -> Tensor | None:
+        """A selected tensor's tangents of this contraction's output by its sparse rule, where it
+        alone carries tangents into it (not ``joint``: its rows are its own); else None."""
+        seed = self._seed(leaves[positions[0]]) if len(positions) == 1 else None
+        if seed is None or op not in _RULES or len(outputs) != 1 or len(self.sizes) == 1:
+            return None
+        bound = bind(op, args, kwargs)
+        key = None if bound is None else next(
+            (k for k, v in contracted(op, bound) if v is seed.tensor), None)  # fmt: skip
+        if bound is None or key is None or autograd_convention(op, bound):
+            return None
+        found = contribution_of(op, bound, key, seed.coords)
+        if isinstance(found, str):
+            return None
+        return _dense(found, outputs[0], seed.rows)
+
+    def _rows(self, value: Any, groups: tuple[int, ...]) -> Tensor:
+        """``value``'s tangents of ``groups``, stacked in that order."""
+        streams = self.of(value)
+        for stream in streams:
+            if stream.groups == groups:
+                return stream.tangents
+        parts = []
+        for group in groups:
+            for stream in streams:
+                if group in stream.groups:
+                    start = sum(self.sizes[g] for g in stream.groups[: stream.groups.index(group)])
+                    parts.append(stream.tangents[start : start + self.sizes[group]])
+        return torch.cat(parts)
+
+    def _push(
+        self,
+        func: Callable[..., Any],
+        leaves: Sequence[Any],
+        spec: pytree.TreeSpec,
+        groups: tuple[int, ...],
+        positions: tuple[int, ...],
+    ) -> tuple[_Node, tuple[Tensor, ...]]:
+        """The op as a node of ``groups`` (its outputs still to be filled in) and its outputs'
+        tangents along their rows, by one ``vmap(jvp)`` over the arguments at ``positions``."""
+
+        def function(*values: Tensor) -> tuple[Tensor, ...]:
+            given = list(leaves)
+            for i, value in zip(positions, values, strict=True):
+                given[i] = value
+            args, kwargs = pytree.tree_unflatten(given, spec)
+            return tuple(v for v in pytree.tree_leaves(func(*args, **kwargs)) if _floating(v))
+
+        primals = tuple(leaves[i].detach() for i in positions)
+        tangents = tuple(self._rows(leaves[i], groups) for i in positions)
+        with torch.no_grad():
+            pushed = torch.func.vmap(lambda *rows: torch.func.jvp(function, primals, rows)[1])(
+                *tangents
+            )
+        return _Node(function, primals, tangents, groups, False, ()), tuple(pushed)
+
+
+def _dense(found: rules.Contribution, out: Tensor, rows: int) -> Tensor:
+    """A :class:`~pyhvp.restricted.contributions.Contribution`'s tangents, ``(rows, *out.shape)``
+    (``rows``: its entries')."""
+    values = found.values.detach().to(out.dtype)
+    if found.entries is not None:
+        assert found.positions is not None
+        dense = out.new_zeros(rows, out.numel())
+        dense.index_put_((found.entries, found.positions), values, accumulate=True)
+        return dense.view(rows, *out.shape)
+    if found.dim is None:
+        return values
+    assert found.positions is not None
+    dense = out.new_zeros(rows, *out.shape)
+    dense.movedim(1 + found.dim, 1)[torch.arange(rows, device=out.device), found.positions] = values
+    return dense
+
+
+def _refuse(func: Callable[..., Any], op: str, args: Sequence[Any], kwargs: dict[str, Any]
+            ) -> None:  # fmt: skip
+    """Raise :class:`NotForward` for a call that carries tangents where the route cannot follow
+    autograd, before it runs: running statistics updated (the route would run the op twice), an
+    embedding whose derivative autograd scales by frequency or that writes to its table."""
+    if func in _STATEFUL and _updates_statistics(func, args, kwargs):
+        raise NotForward(f"{describe(func)} updates its running statistics in training")
+    bound = bind(op, args, kwargs) if op == "embedding" else None
+    if bound is not None and (autograd_convention(op, bound) or writes_operand(op, bound)):
+        raise NotForward(f"{describe(func)} with scale_grad_by_freq or max_norm: autograd's "
+                         "derivative there is not the op's own")  # fmt: skip
+
+
+def _updates_statistics(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
+                        ) -> bool:  # fmt: skip
+    """Whether this ``F.batch_norm`` / ``F.instance_norm`` call writes running statistics."""
+    names = ("running_mean", "running_var")
+    statistics = [*args[1:3], *(kwargs.get(n) for n in names)]
+    if func is F.batch_norm:
+        training = args[5] if len(args) > 5 else kwargs.get("training", False)
+    else:
+        training = args[5] if len(args) > 5 else kwargs.get("use_input_stats", True)
+    return bool(training) and any(t is not None for t in statistics)
+
+
+def _linear(
+    func: Callable[..., Any],
+    op: str,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    leaves: Sequence[Any],
+    positions: Sequence[int],
+) -> bool:
+    """Whether ``func`` is linear in the arguments at ``positions`` together (no term)."""
+    if op == "view" or func in ADDITIVE:
+        return True
+    if func in PRODUCTS:
+        return len(positions) == 1
+    if func in QUOTIENTS:
+        return tuple(positions) == (0,)
+    if op in CONTRACTED or op in EINSUM_FAMILY or op in ("conv", "conv_transpose", "embedding"):
+        bound = bind(op, args, kwargs)
+        if bound is None:
+            return False
+        biases = [bound[b] for b in BIASES.get(op, ()) if b in bound]
+        factors = [i for i in positions if not any(leaves[i] is b for b in biases)]
+        return len(factors) <= 1
+    return False
+
+
+def _pointwise(
+    func: Callable[..., Any],
+    leaves: Sequence[Any],
+    positions: Sequence[int],
+    outputs: Sequence[Tensor],
+) -> bool:
+    """Whether ``func`` acts elementwise on its one tensor argument here."""
+    tensors = [v for v in leaves if isinstance(v, Tensor)]
+    return (
+        func in POINTWISE
+        and len(tensors) == 1
+        and len(positions) == 1
+        and len(outputs) == 1
+        and outputs[0].shape == leaves[positions[0]].shape
+    )
+
+
+@math_attention  # fused attention kernels have no forward derivative
+def forward_hessian(
+    loss: Callable[..., Tensor],
+    tensors: Sequence[Tensor],
+    flats: Sequence[Tensor],
+    joint: bool,
+    *args: Any,
+) -> Tensor:
+    """``(K, K)`` Hessian of ``loss(*tensors, *args)`` over the entries ``flats`` of ``tensors``
+    (``K`` in all, unsymmetrised): joint, or (``joint=False``) its diagonal blocks, one per
+    tensor, and zeros between them. Raises :class:`NotForward` where the route does not apply.
+    The tensors share one dtype and device."""
+    sizes = [len(flat) for flat in flats]
+    total = sum(sizes)
+    dtype = tensors[0].dtype
+    if any(t.dtype != dtype or t.device != tensors[0].device for t in tensors):
+        raise NotForward("the selected tensors differ in dtype or device")
+    leaves = [t.detach().requires_grad_() for t in tensors]
+    seeds, offset = [], 0
+    for i, (leaf, flat) in enumerate(zip(leaves, flats, strict=True)):
+        flat = flat.to(leaf.device)
+        coords = selected_entries(leaf, flat)
+        if joint:
+            seeds.append(Seed(leaf, 0, total, flat, coords, offset))
+        else:
+            seeds.append(Seed(leaf, i, sizes[i], flat, coords))
+        offset += sizes[i]
+    mode = Tangents(seeds, [total] if joint else sizes)
+    with torch.enable_grad():
+        with mode:
+            value = loss(*leaves, *args)
+        hessian = leaves[0].new_zeros(total, total).detach()
+        if not value.requires_grad:  # no selected tensor reaches the loss
+            return hessian
+        # the adjoint of every output of the nodes, by one reverse pass (None: unused)
+        outputs = [o for node in mode.nodes for o in node.outputs if o.requires_grad]
+        found = torch.autograd.grad(value, [*outputs, *leaves], allow_unused=True)
+    _check_first_order(mode.of(value), found[len(outputs) :], leaves, flats, joint, sizes)
+    adjoint = {id(o): a for o, a in zip(outputs, found, strict=False)}
+    starts = [0, *torch.tensor(sizes).cumsum(0).tolist()]
+    for node in mode.nodes:
+        weights = [adjoint.get(id(o)) for o in node.outputs]
+        if all(w is None for w in weights):
+            continue
+        for group, block in zip(node.groups, _second_order(node, weights, mode.sizes), strict=True):
+            start = 0 if joint else starts[group]
+            hessian[start : start + len(block), start : start + len(block)] += block
+    return hessian
+
+
+def _second_order(
+    node: _Node, adjoints: Sequence[Tensor | None], sizes: Sequence[int]
+) -> list[Tensor]:
+    """The node's term between the tangents of each of its groups (``sizes``: rows per group):
+    one ``(rows, rows)`` block per group."""
+    weights = [
+        (torch.zeros_like(o) if w is None else w.detach())
+        for o, w in zip(node.outputs, adjoints, strict=True)
+    ]
+
+    def weighted(*values: Tensor) -> Tensor:
+        outputs = node.function(*values)
+        return torch.stack([(w * o).sum() for w, o in zip(weights, outputs, strict=True)]).sum()
+
+    gradient = torch.func.grad(weighted, argnums=tuple(range(len(node.primals))))
+    if node.pointwise:  # d f''(x), elementwise: weighted Gram matrices
+        (primal,), (tangents,) = node.primals, node.tangents
+        curvature = torch.func.jvp(gradient, (primal,), (torch.ones_like(primal),))[1][0]
+        flat = tangents.reshape(len(tangents), -1)
+        products, factors = [flat * curvature.reshape(-1)], [flat]
+    else:  # jvp(grad(d . f)) along every tangent: the op's own Hessian-vector products
+        products = torch.func.vmap(lambda *rows: torch.func.jvp(gradient, node.primals, rows)[1])(
+            *node.tangents
+        )
+        products = [u.reshape(len(u), -1) for u in products]
+        factors = [t.reshape(len(t), -1) for t in node.tangents]
+    blocks, start = [], 0
+    for group in node.groups:
+        own = slice(start, start + sizes[group])
+        blocks.append(sum(u[own] @ t[own].mT for u, t in zip(products, factors, strict=True)))
+        start += sizes[group]
+    return blocks
+
+
+def _check_first_order(
+    streams: Sequence[Stream],
+    gradients: Sequence[Tensor | None],
+    leaves: Sequence[Tensor],
+    flats: Sequence[Tensor],
+    joint: bool,
+    sizes: Sequence[int],
+) -> None:
+    """Raise :class:`NotForward` where the loss's tangents (its first derivatives along the
+    selected entries, pushed forward) differ from autograd's gradient there: a use of a selected
+    tensor the mode did not see."""
+    expected = torch.cat([
+        (torch.zeros_like(leaf) if g is None else g).reshape(-1)[flat.to(leaf.device)]
+        for g, leaf, flat in zip(gradients, leaves, flats, strict=True)
+    ]).detach()  # fmt: skip
+    got = torch.zeros_like(expected)
+    starts = [0, *torch.tensor(sizes).cumsum(0).tolist()]
+    for stream in streams:
+        rows = 0
+        for group in stream.groups:
+            start, size = (0, len(expected)) if joint else (starts[group], sizes[group])
+            got[start : start + size] += stream.tangents[rows : rows + size].reshape(size)
+            rows += size
+    tolerance = _TOLERANCE.get(expected.dtype, 0.1)
+    scale = max(expected.abs().max().item(), got.abs().max().item()) if len(expected) else 0.0
+    if (got - expected).abs().max().item() > tolerance * scale if len(expected) else False:
+        raise NotForward("the loss's first derivatives along the selected entries, pushed "
+                         "forward, differ from autograd's gradient: a use of a selected "
+                         "tensor pyhvp's mode does not see")  # fmt: skip

@@ -1,0 +1,256 @@
+"""Specification of sub_hessian's forward-tangent route (``method="forward"``): every op the
+sparse route's specs cover, and the networks below, give the dense float64 sub-Hessian, joint and
+per tensor, on every device; what it cannot follow as autograd does is refused by name when
+forced, and served by the other routes under ``"auto"``."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dense import dense_sub_hessian
+from test_sub_hessian_sparse_ops import CASES as OP_CASES
+from test_sub_hessian_sparse_ops import reference, squash
+from torch import nn
+
+import pyhvp
+from pyhvp import submatrix
+from pyhvp.restricted import routes
+
+F64 = {"rtol": 1e-9, "atol": 1e-11}
+EAGER = pyhvp.TorchBackend(compile=False)
+
+
+def per_tensor(expected, index):
+    """The diagonal blocks of a joint matrix, by name."""
+    blocks, start = {}, 0
+    for name, flat in index.items():
+        blocks[name] = expected[start : start + len(flat), start : start + len(flat)]
+        start += len(flat)
+    return blocks
+
+
+CONVENTIONS = {"embedding, scale_grad_by_freq (autograd's derivative, taken densely)"}
+"""Op cases whose reference is autograd's convention, not the op's derivative: refused (below)."""
+
+
+@pytest.mark.parametrize(
+    "case", [c for c in OP_CASES if c.name not in CONVENTIONS], ids=lambda c: c.name
+)
+def test_each_op_equals_the_dense_sub_hessian_joint_and_per_tensor(case, device):
+    loss, params, index = case.make(device)
+    expected = reference(case, loss, params, index)
+    joint = pyhvp.sub_hessian(loss, params, index, joint=True, method="forward")
+    blocks = pyhvp.sub_hessian(loss, params, index, method="forward")
+    torch.testing.assert_close(joint, expected, **F64)
+    torch.testing.assert_close(blocks, per_tensor(expected, index), **F64)
+
+
+class LeNet(nn.Module):
+    """LeNet-5's shape at a small size: conv, tanh, max-pool, conv, tanh, max-pool, linear,
+    tanh, linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(1, 3, 3), nn.Conv2d(3, 4, 3, padding=1)
+        self.fc1, self.fc2 = nn.Linear(16, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        x = F.max_pool2d(torch.tanh(self.conv1(x)), 2)
+        x = F.max_pool2d(torch.tanh(self.conv2(x)), 2)
+        return self.fc2(torch.tanh(self.fc1(x.flatten(1))))
+
+
+class Block(nn.Module):
+    """A transformer block: attention by ``scaled_dot_product_attention``, LayerNorms, a GELU
+    MLP, a mean over tokens and a linear head."""
+
+    def __init__(self, d=8, heads=2):
+        super().__init__()
+        self.heads, self.qkv, self.out = heads, nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        attended = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, d)
+        x = self.norm1(x + self.out(attended))
+        return self.head(self.norm2(x + self.mlp(x)).mean(1))
+
+
+class Classifier(nn.Module):
+    """An embedding, a mean over tokens, a SiLU MLP."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(20, 4)
+        self.mlp = nn.Sequential(nn.Linear(4, 5), nn.SiLU(), nn.Linear(5, 3))
+
+    def forward(self, tokens):
+        return self.mlp(self.embedding(tokens).mean(1))
+
+
+NETWORKS = {
+    "LeNet": (LeNet, lambda g: torch.rand(4, 1, 10, 10, generator=g, dtype=torch.float64)),
+    "transformer block": (Block, lambda g: torch.randn(2, 5, 8, generator=g, dtype=torch.float64)),
+    "embedding classifier": (Classifier, lambda g: torch.randint(0, 20, (4, 6), generator=g)),
+}  # fmt: skip
+
+
+def network(name, device, count=4):
+    """``module_loss`` of a network, cross-entropy, with ``count`` entries of every tensor
+    selected: its last, first and middle ones, that one repeated, then the first few again."""
+    make, inputs = NETWORKS[name]
+    generator = torch.Generator().manual_seed(5)
+    model = make().double().to(device)
+    data = inputs(generator).to(device)
+    targets = torch.randint(0, 3, (data.shape[0],), generator=generator).to(device)
+    loss, params = pyhvp.module_loss(model, nn.CrossEntropyLoss(), data, targets)
+    index = {
+        name: torch.tensor([p.numel() - 1, 0, p.numel() // 2, p.numel() // 2, *range(1, 10)]
+                           [:count], device=device) % p.numel()
+        for name, p in params.items()
+    }  # fmt: skip
+    return loss, params, index
+
+
+@pytest.mark.parametrize("name", NETWORKS)
+def test_networks_equal_the_dense_sub_hessian_joint_and_per_tensor(name, device):
+    loss, params, index = network(name, device)
+    expected = dense_sub_hessian(loss, params, index)
+    joint = pyhvp.sub_hessian(loss, params, index, joint=True, method="forward")
+    blocks = pyhvp.sub_hessian(loss, params, index, method="forward")
+    torch.testing.assert_close(joint, expected, **F64)
+    torch.testing.assert_close(blocks, per_tensor(expected, index), **F64)
+
+
+W = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+V = torch.randn(4, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+PRODUCTS = {  # two selected tensors meeting in one op: its cross terms are second-order
+    "W @ V": lambda p: squash(p["w"] @ p["v"]),
+    "W * W": lambda p: squash(p["w"] * p["w"]),
+    "a quotient by a selected tensor": lambda p: squash(p["w"][:, :2] / (2 + p["v"][:3])),
+    "a power of a selected tensor": lambda p: squash((1 + p["w"][:, :2] ** 2) ** p["v"][:3]),
+    "F.linear of a selected input": lambda p: squash(F.linear(p["v"].T, p["w"])),
+}
+
+
+@pytest.mark.parametrize("loss", PRODUCTS.values(), ids=PRODUCTS.keys())
+def test_ops_where_two_selected_tensors_meet_keep_their_cross_terms(loss):
+    params, index = {"w": W, "v": V}, {"w": torch.tensor([0, 11, 5, 0]), "v": torch.arange(8)}
+    expected = dense_sub_hessian(loss, params, index)
+    joint = pyhvp.sub_hessian(loss, params, index, joint=True, method="forward")
+    torch.testing.assert_close(joint, expected, **F64)
+
+
+class StraightThrough(torch.autograd.Function):
+    """Rounds forward, passes the gradient through unchanged: autograd's derivative is not the
+    forward's (zero)."""
+
+    @staticmethod
+    def forward(x):
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def training_dropout(p):
+    return squash(F.dropout(p["w"] @ V, 0.5, training=True))
+
+
+def running_statistics(p):
+    mean, variance = torch.zeros(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64)
+    return squash(F.batch_norm(p["w"] @ V, mean, variance, training=True))
+
+
+def padded_embedding(p):
+    tokens = torch.tensor([[0, 1], [2, 1]])
+    return squash(F.embedding(tokens, p["w"], padding_idx=1).sum(1))
+
+
+def scaled_embedding(p):
+    tokens = torch.tensor([[0, 1], [2, 1]])
+    return squash(F.embedding(tokens, p["w"], scale_grad_by_freq=True).sum(1))
+
+
+def writes_an_activation(p):
+    y = p["w"] @ V
+    y.mul_(2)
+    return squash(y)
+
+
+REFUSED = {  # a loss the route cannot follow as autograd does, and what the refusal names
+    "a straight-through estimator": (
+        lambda p: squash(StraightThrough.apply(p["w"]) @ V), "differ from autograd's gradient"),
+    "a dropout in training": (training_dropout, "randomness"),
+    "a batch norm updating its running statistics": (running_statistics, "running statistics"),
+    "an entry in an embedding's padding row": (padded_embedding, "padding_idx"),
+    "an embedding scaling gradients by frequency": (scaled_embedding, "scale_grad_by_freq"),
+    "an in-place write to an activation": (writes_an_activation, "writes in place"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("loss", "named"), REFUSED.values(), ids=REFUSED.keys())
+def test_what_it_cannot_follow_is_refused_by_name_and_auto_serves_it(loss, named):
+    index = {"w": torch.tensor([0, 5, 11, 5, 1, 2, 3, 4])}
+    with pytest.raises(ValueError, match=f"method='forward' does not apply.*{named}"):
+        pyhvp.sub_hessian(loss, {"w": W}, index, method="forward")
+    torch.manual_seed(0)
+    expected = pyhvp.sub_hessian(loss, {"w": W}, index, method="reverse")
+    for _ in range(12):  # past the trial, in which the forward route fails and leaves
+        torch.manual_seed(0)
+        got = pyhvp.sub_hessian(loss, {"w": W}, index, backend=EAGER)
+        torch.testing.assert_close(got, expected, **F64)
+
+
+def test_chunk_size_and_an_enclosing_vmap_are_refused_by_name():
+    loss = PRODUCTS["W @ V"]
+    params, index = {"w": W, "v": V}, {"w": torch.tensor([0, 11]), "v": torch.arange(3)}
+    with pytest.raises(ValueError, match="does not apply: it takes every component at once"):
+        pyhvp.sub_hessian(loss, params, index, method="forward", chunk_size=1)
+    with pytest.raises(ValueError, match="does not apply: it takes every component at once"):
+        torch.func.vmap(lambda w: pyhvp.sub_hessian(
+            loss, {"w": w, "v": V}, index, method="forward")["w"])(W.expand(2, 3, 4))  # fmt: skip
+
+
+def test_data_batches_sum():
+    batches = [torch.rand(3, 1, 10, 10, dtype=torch.float64) for _ in range(2)]
+    targets = [torch.tensor([0, 2, 1]), torch.tensor([1, 1, 0])]
+    model, criterion = LeNet().double(), nn.CrossEntropyLoss(reduction="sum")
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    index = {"conv1.weight": torch.tensor([0, 26, 3]), "fc2.bias": torch.tensor([2, 0])}
+
+    def loss(p, batch):
+        return criterion(torch.func.functional_call(model, p, (batch[0],)), batch[1])
+
+    data = list(zip(batches, targets, strict=True))
+    expected = sum(dense_sub_hessian(lambda p, b=b: loss(p, b), params, index) for b in data)
+    got = pyhvp.sub_hessian(loss, params, index, data=data, joint=True, method="forward")
+    torch.testing.assert_close(got, expected, **F64)
+
+
+@pytest.mark.parametrize(("bound", "tried"), [(10**9, True), (0, False)], ids=["within", "over"])
+def test_a_trial_tries_the_forward_route_only_within_its_memory_bound(bound, tried, monkeypatch):
+    """It holds every activation's tangents at once: tried under ``"auto"`` only where they fit
+    ``FORWARD_TANGENTS``, and then logged when it runs."""
+    monkeypatch.setattr(routes, "FORWARD_TANGENTS", bound)
+    loss, params, index = network("LeNet", "cpu", count=8)
+    pyhvp.sub_hessian(loss, params, index, backend=EAGER)
+    (trial,) = submatrix._ROUTES.values()
+    assert (submatrix.FORWARD in dict(trial.plans)) == tried
+
+
+def test_the_route_is_logged(caplog):
+    loss, params, index = network("LeNet", "cpu")
+    with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"):
+        pyhvp.sub_hessian(loss, params, index, method="forward")
+    (record,) = [r for r in caplog.records if hasattr(r, "forward")]
+    assert record.forward == [[f"params[{name!r}]" for name in index]]
