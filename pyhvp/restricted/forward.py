@@ -216,18 +216,33 @@ class Tangents(TorchFunctionMode):
         if not outputs:
             return out
         pushed: list[list[Stream]] = [[] for _ in outputs]
-        for groups, positions in self._buckets(leaves, carrying).items():
+        made: dict[tuple[int, ...], _Node] = {}  # the op as a function of each argument set
+        pointwise = _pointwise(func, leaves, carrying, outputs)
+        slope = None  # a pointwise op's derivative, f'(x)
+        for groups, positions in self._buckets(leaves, carrying, pointwise).items():
             by_rule = self._by_rule(op, args, kwargs, leaves, positions, outputs)
             if by_rule is not None:  # linear in the one selected tensor: no term
                 pushed[0].append(Stream(groups, by_rule))
                 continue
-            node, tangents = self._push(func, leaves, spec, groups, positions)
-            for streams, rows in zip(pushed, tangents, strict=True):
-                streams.append(Stream(groups, rows))
+            if positions not in made:
+                made[positions] = _node(func, leaves, spec, positions, tuple(outputs), pointwise)
+            node = made[positions]
+            rows = tuple(self._rows(leaves[i], groups) for i in positions)
+            if pointwise:
+                if slope is None:
+                    with torch.no_grad():
+                        ones = (torch.ones_like(node.primals[0]),)
+                        slope = torch.func.jvp(node.function, node.primals, ones)[1][0]
+                tangents: tuple[Tensor, ...] = (rows[0] * slope,)
+            else:
+                with torch.no_grad():
+                    tangents = torch.func.vmap(
+                        lambda *r, n=node: torch.func.jvp(n.function, n.primals, r)[1]
+                    )(*rows)
+            for streams, tangent in zip(pushed, tangents, strict=True):
+                streams.append(Stream(groups, tangent))
             if not _linear(func, op, args, kwargs, leaves, positions):
-                pointwise = _pointwise(func, leaves, positions, outputs)
-                self.nodes.append(dataclasses.replace(node, outputs=tuple(outputs),
-                                                      pointwise=pointwise))  # fmt: skip
+                self.nodes.append(dataclasses.replace(node, tangents=rows, groups=groups))
         for value, streams in zip(outputs, pushed, strict=True):
             self.streams[id(value)] = (value, streams)
         return out
@@ -250,9 +265,10 @@ class Tangents(TorchFunctionMode):
                              "autograd's derivative is zero, not the true one")  # fmt: skip
 
     def _buckets(
-        self, leaves: Sequence[Any], carrying: Sequence[int]
+        self, leaves: Sequence[Any], carrying: Sequence[int], apart: bool
     ) -> dict[tuple[int, ...], tuple[int, ...]]:
-        """The groups reaching this op, bucketed by which arguments carry them."""
+        """The groups reaching this op, bucketed by which arguments carry them; ``apart``: and
+        by stream (a pointwise op pushes each as it is, with no copy to join them)."""
         where: dict[int, list[int]] = {}
         for i in carrying:
             seed = self._seed(leaves[i])
@@ -260,10 +276,16 @@ class Tangents(TorchFunctionMode):
                 g for stream in self.of(leaves[i]) for g in stream.groups)  # fmt: skip
             for group in groups:
                 where.setdefault(group, []).append(i)
-        buckets: dict[tuple[int, ...], list[int]] = {}
+        buckets: dict[tuple[tuple[int, ...], int], list[int]] = {}
         for group in sorted(where):
-            buckets.setdefault(tuple(where[group]), []).append(group)
-        return {tuple(groups): positions for positions, groups in buckets.items()}
+            positions = tuple(where[group])
+            alone = self._stream_index(leaves[positions[0]], group) if apart else -1
+            buckets.setdefault((positions, alone), []).append(group)
+        return {tuple(groups): key[0] for key, groups in buckets.items()}
+
+    def _stream_index(self, value: object, group: int) -> int:
+        """Which of ``value``'s streams carries ``group``."""
+        return next(i for i, s in enumerate(self.of(value)) if group in s.groups)
 
     def _by_rule(
         self,
@@ -303,31 +325,27 @@ class Tangents(TorchFunctionMode):
                     parts.append(stream.tangents[start : start + self.sizes[group]])
         return torch.cat(parts)
 
-    def _push(
-        self,
-        func: Callable[..., Any],
-        leaves: Sequence[Any],
-        spec: pytree.TreeSpec,
-        groups: tuple[int, ...],
-        positions: tuple[int, ...],
-    ) -> tuple[_Node, tuple[Tensor, ...]]:
-        """The op as a node of ``groups`` (its outputs still to be filled in) and its outputs'
-        tangents along their rows, by one ``vmap(jvp)`` over the arguments at ``positions``."""
 
-        def function(*values: Tensor) -> tuple[Tensor, ...]:
-            given = list(leaves)
-            for i, value in zip(positions, values, strict=True):
-                given[i] = value
-            args, kwargs = pytree.tree_unflatten(given, spec)
-            return tuple(v for v in pytree.tree_leaves(func(*args, **kwargs)) if _floating(v))
+def _node(
+    func: Callable[..., Any],
+    leaves: Sequence[Any],
+    spec: pytree.TreeSpec,
+    positions: tuple[int, ...],
+    outputs: tuple[Tensor, ...],
+    pointwise: bool,
+) -> _Node:
+    """``func`` as a function of its arguments at ``positions`` (the others as called), returning
+    its floating outputs, at the values called with (its tangents and groups to be filled in)."""
 
-        primals = tuple(leaves[i].detach() for i in positions)
-        tangents = tuple(self._rows(leaves[i], groups) for i in positions)
-        with torch.no_grad():
-            pushed = torch.func.vmap(lambda *rows: torch.func.jvp(function, primals, rows)[1])(
-                *tangents
-            )
-        return _Node(function, primals, tangents, groups, False, ()), tuple(pushed)
+    def function(*values: Tensor) -> tuple[Tensor, ...]:
+        given = list(leaves)
+        for i, value in zip(positions, values, strict=True):
+            given[i] = value
+        args, kwargs = pytree.tree_unflatten(given, spec)
+        return tuple(v for v in pytree.tree_leaves(func(*args, **kwargs)) if _floating(v))
+
+    primals = tuple(leaves[i].detach() for i in positions)
+    return _Node(function, primals, (), (), pointwise, outputs)
 
 
 def _dense(found: rules.Contribution, out: Tensor, rows: int) -> Tensor:
@@ -449,26 +467,33 @@ def forward_hessian(
         if not value.requires_grad:  # no selected tensor reaches the loss
             return hessian
         # the adjoint of every output of the nodes, by one reverse pass (None: unused)
-        outputs = [o for node in mode.nodes for o in node.outputs if o.requires_grad]
+        unique = {id(o): o for node in mode.nodes for o in node.outputs if o.requires_grad}
+        outputs = list(unique.values())
         found = torch.autograd.grad(value, [*outputs, *leaves], allow_unused=True)
     _check_first_order(mode.of(value), found[len(outputs) :], leaves, flats, joint, sizes)
     adjoint = {id(o): a for o, a in zip(outputs, found, strict=False)}
     starts = [0, *torch.tensor(sizes).cumsum(0).tolist()]
+    curvatures: dict[int, Tensor] = {}  # per pointwise op (its nodes share their primals)
     for node in mode.nodes:
         weights = [adjoint.get(id(o)) for o in node.outputs]
         if all(w is None for w in weights):
             continue
-        for group, block in zip(node.groups, _second_order(node, weights, mode.sizes), strict=True):
+        terms = _second_order(node, weights, mode.sizes, curvatures)
+        for group, block in zip(node.groups, terms, strict=True):
             start = 0 if joint else starts[group]
             hessian[start : start + len(block), start : start + len(block)] += block
     return hessian
 
 
 def _second_order(
-    node: _Node, adjoints: Sequence[Tensor | None], sizes: Sequence[int]
+    node: _Node,
+    adjoints: Sequence[Tensor | None],
+    sizes: Sequence[int],
+    curvatures: dict[int, Tensor],
 ) -> list[Tensor]:
     """The node's term between the tangents of each of its groups (``sizes``: rows per group):
-    one ``(rows, rows)`` block per group."""
+    one ``(rows, rows)`` block per group. ``curvatures``: ``d f''(x)`` of the pointwise ops
+    met so far, by their primals' ``id``."""
     weights = [
         (torch.zeros_like(o) if w is None else w.detach())
         for o, w in zip(node.outputs, adjoints, strict=True)
@@ -481,7 +506,10 @@ def _second_order(
     gradient = torch.func.grad(weighted, argnums=tuple(range(len(node.primals))))
     if node.pointwise:  # d f''(x), elementwise: weighted Gram matrices
         (primal,), (tangents,) = node.primals, node.tangents
-        curvature = torch.func.jvp(gradient, (primal,), (torch.ones_like(primal),))[1][0]
+        if id(node.primals) not in curvatures:
+            ones = (torch.ones_like(primal),)
+            curvatures[id(node.primals)] = torch.func.jvp(gradient, (primal,), ones)[1][0]
+        curvature = curvatures[id(node.primals)]
         flat = tangents.reshape(len(tangents), -1)
         products, factors = [flat * curvature.reshape(-1)], [flat]
     else:  # jvp(grad(d . f)) along every tangent: the op's own Hessian-vector products
