@@ -521,7 +521,8 @@ def _second_order(
     blocks, start = [], 0
     for group in node.groups:
         own = slice(start, start + sizes[group])
-        blocks.append(sum(u[own] @ t[own].mT for u, t in zip(products, factors, strict=True)))
+        pairs = [u[own] @ t[own].mT for u, t in zip(products, factors, strict=True)]
+        blocks.append(torch.stack(pairs).sum(0) if len(pairs) > 1 else pairs[0])
         start += sizes[group]
     return blocks
 
