@@ -68,6 +68,7 @@ from torch.utils import _pytree as pytree
 
 from pyhvp.restricted import compiles_property_views
 from pyhvp.restricted import contributions as rules
+from pyhvp.restricted.forward import linear_in, pointwise_in
 from pyhvp.restricted.mode import DENSE_LIMIT, NotSparse, WritesSelected, view_positions
 from pyhvp.restricted.ops import (
     BIASES,
@@ -228,6 +229,12 @@ class Usage:
     """Per op it enters sparsely: the elements of one entry's tangent there, the size of the
     output dims that place it (see :func:`_injection_ns`), and a bit mask of the selected
     tensors the op's other operands depend on."""
+    pairs: float = 0.0
+    """Elements of the pointwise ops downstream of it with a second-order term (``tanh``,
+    ``gelu``): on the forward route, its ``k^2`` weighted Gram matrices there."""
+    curved: Work = dataclasses.field(default_factory=lambda: Work())
+    """The other ops downstream of it with a second-order term: on the forward route, one
+    Hessian-vector product of the op per direction."""
     masked_entries: set[int] = dataclasses.field(default_factory=set)
     """Flat entries whose derivative autograd masks (an embedding's ``padding_idx`` row, read
     through the view the table is): the sparse rule gives the true derivative there, the seed's
@@ -327,6 +334,8 @@ class Survey(TorchFunctionMode):
         for source in _bits(taint):
             self.usage[source].tail.add(cost)
             self.usage[source].widest = max(self.usage[source].widest, widest)
+        if taint or direct:
+            self._note_curvature(func, op, args, kwargs, outs, cost)
         if direct:
             followed = self._classify(op, func, args, kwargs, direct, out, cost, taint)
             if followed:
@@ -336,6 +345,35 @@ class Survey(TorchFunctionMode):
             for value in outs:
                 self._taint[id(value)] = (value, taint)
         return out
+
+    def _note_curvature(
+        self,
+        func: Callable[..., Any],
+        op: str,
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        outs: Sequence[torch.Tensor],
+        cost: Work,
+    ) -> None:
+        """Per selected tensor reaching this op: its second-order term on the forward route
+        (:attr:`Usage.pairs`, :attr:`Usage.curved`), as :mod:`~pyhvp.restricted.forward` finds
+        it."""
+        leaves = pytree.tree_leaves((args, kwargs))
+        reached: dict[int, list[int]] = {}
+        for i, value in enumerate(leaves):
+            found = self._taint.get(id(value))
+            bits = found[1] if found is not None and found[0] is value else 0
+            source = self._source(value)
+            for bit in _bits(bits | (0 if source is None else 1 << source)):
+                reached.setdefault(bit, []).append(i)
+        floating = [v for v in outs if v.is_floating_point()]
+        for source, positions in reached.items():
+            if linear_in(func, op, args, kwargs, leaves, positions):
+                continue
+            if pointwise_in(func, leaves, positions, floating):
+                self.usage[source].pairs += sum(v.numel() for v in floating)
+            else:
+                self.usage[source].curved.add(cost)
 
     def _alias(self, value: object) -> int | None:
         """Which selected tensor ``value`` shares memory with without carrying its derivative
