@@ -722,12 +722,14 @@ def _choose_routes(
     batch_values: list[Any],
     spec: Any,
     method: str,
+    forward: bool,
     fresh: bool = False,
 ) -> Trial:
     """The cost model's split of the selected tensors between sparse groups and the reverse
-    route, from a survey of the loss on this batch (:mod:`pyhvp.restricted.routes`), or as
-    chosen before for an equal call (``fresh``: survey anew); under ``"auto"``, on trial against
-    the other plans (:func:`_alternatives`)."""
+    route, or the forward route for all (``forward``: where it may run this call), from a survey
+    of the loss on this batch (:mod:`pyhvp.restricted.routes`), or as chosen before for an equal
+    call (``fresh``: survey anew); under ``"auto"``, on trial against the other plans
+    (:func:`_alternatives`)."""
     loss = dataclasses.replace(plan.sparse, batch_spec=spec)
     compiled = backend.compile is True and restricted.compiles()
     joint = plan.one_block and bool(plan.sparse.names)
@@ -735,7 +737,7 @@ def _choose_routes(
     inputs = (*plan.tensors, *plan.others, *batch_values)
     try:
         key: Hashable = compile_policy.signature(
-            "sub_hessian routes", loss, (sizes, joint, method, compiled), inputs
+            "sub_hessian routes", loss, (sizes, joint, method, compiled, forward), inputs
         )
         hash(key)
     except TypeError:  # an unhashable loss: survey every call
@@ -771,7 +773,11 @@ def _choose_routes(
         )
 
     auto = method == "auto"
-    chosen = routes.choose(found, sizes, joint, compiled, method != "sparse", together, auto)
+    # where the forward route would refuse an entry in a padding row, it is not chosen
+    forward = forward and PADDING_ROW not in (u.refusal for u in found.usage)
+    chosen = routes.choose(
+        found, sizes, joint, compiled, method != "sparse", together, auto, auto and forward
+    )
     plans = [(MODEL, chosen)]
     if method == "forward":
         plans = [(FORWARD, routes.forward_alone(chosen, len(sizes)))]
@@ -780,7 +786,8 @@ def _choose_routes(
     if auto and backend.compile != "auto":
         numels = [t.numel() for t in plan.tensors]
         plans += _alternatives(found, sizes, numels, joint, compiled, together, chosen)
-        if together(range(len(sizes))) and routes.forward_fits(found, sizes, joint):
+        fits = together(range(len(sizes))) and routes.forward_fits(found, sizes, joint)
+        if forward and fits and not chosen.forward:
             plans.append((FORWARD, routes.forward_alone(chosen, len(sizes))))
     trial = Trial(tuple(plans))
     if key is not None:
@@ -888,7 +895,8 @@ def _sums(
     seed's loop -- for good, where the model's routes failed -- unless ``method="sparse"``
     (refused by name); an error of the loss's own code is raised as it is."""
     refusal = "method='reverse'" if method == "reverse" else _static_refusal(plan, backend, method)
-    if method == "forward" and refusal is None and not _forward_applies(chunk_size):
+    forward = _forward_applies(chunk_size)
+    if method == "forward" and refusal is None and not forward:
         refusal = (
             "it takes every component at once (no chunk_size: its pairwise terms need "
             "them all) and autograd's reverse pass (not inside a torch.func transform)"
@@ -922,13 +930,11 @@ def _sums(
             if refusal is None:
                 assert isinstance(backend, TorchBackend)  # _static_refusal's condition
                 if trial is None:
-                    trial = _choose_routes(plan, backend, batch_values, spec, method)
+                    trial = _choose_routes(plan, backend, batch_values, spec, method, forward)
                 # a trial compares calls of one batch; a data set's batches may differ in size
                 name, chosen, timed = (
                     trial.next() if batches is None else (MODEL, trial.model, False)
                 )
-                if chosen.forward and method != "forward" and not _forward_applies(chunk_size):
-                    name, chosen, timed = MODEL, trial.model, False  # a trial of another call
                 start = _clock(device) if timed else 0.0
                 try:
                     parts = _sparse_parts(
@@ -937,7 +943,7 @@ def _sums(
                 except NotSparse as error:  # this batch uses a tensor differently
                     if method == "sparse":
                         raise ValueError(f"method='sparse' does not apply: {error}") from None
-                    trial = _choose_routes(plan, backend, batch_values, spec, method, fresh=True)
+                    trial = _choose_routes(plan, backend, batch_values, spec, method, forward, True)
                     name, chosen, timed = MODEL, trial.model, False
                     parts = _sparse_parts(
                         plan, chosen, coords, batch_values, spec, chunk_size, backend, draws

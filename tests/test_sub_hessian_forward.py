@@ -254,3 +254,47 @@ def test_the_route_is_logged(caplog):
         pyhvp.sub_hessian(loss, params, index, method="forward")
     (record,) = [r for r in caplog.records if hasattr(r, "forward")]
     assert record.forward == [[f"params[{name!r}]" for name in index]]
+
+
+def tanh_stack(p):
+    """Three tanh layers over 64 samples: long tails of cheap pointwise ops, the forward route's
+    case (a direction's tail pushed once, where the sparse route's jacrev takes 4.8 tails)."""
+    x = torch.tanh(F.linear(WIDE_INPUT, p["w1"]))
+    x = torch.tanh(F.linear(x, p["w2"]))
+    return (torch.tanh(F.linear(x, p["w3"])) ** 2).sum()
+
+
+WIDE_INPUT = torch.rand(64, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+STACK = {name: torch.randn(32, 32, dtype=torch.float64) / 6 for name in ("w1", "w2", "w3")}
+STACK_INDEX = {name: torch.arange(0, 1024, 37) for name in STACK}
+
+
+def test_the_cost_model_takes_the_forward_route_where_it_models_it_cheaper(caplog):
+    """Under the default compile policy (no trial), the survey's model alone decides; the
+    forward route then serves the call, equal to the dense sub-Hessian."""
+    with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"):
+        got = pyhvp.sub_hessian(tanh_stack, STACK, STACK_INDEX)
+    assert [r.forward for r in caplog.records if hasattr(r, "forward")] == [
+        [[f"params[{name!r}]" for name in STACK]]
+    ]
+    expected = {name: dense_sub_hessian(tanh_stack, STACK, {name: i})
+                for name, i in STACK_INDEX.items()}  # fmt: skip
+    torch.testing.assert_close(got, expected, **F64)
+
+
+def straight_through_stack(p):
+    return tanh_stack({**p, "w1": StraightThrough.apply(p["w1"])})
+
+
+def test_where_the_models_forward_route_fails_the_routes_it_chose_otherwise_serve(caplog):
+    """The model's forward route refuses a straight-through estimator (its first derivatives
+    differ from autograd's): the seed's loop serves that call, and the model's other routes
+    every equal call after it, not the loop for good."""
+    with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"):
+        for _ in range(3):
+            got = pyhvp.sub_hessian(straight_through_stack, STACK, STACK_INDEX)
+    messages = [r.getMessage() for r in caplog.records if r.name == "pyhvp.sub_hessian"]
+    assert len(messages) == 3 and "the cost model's routes failed (NotForward" in messages[0]
+    assert all("(modelled" in m and "seed's loop" not in m for m in messages[1:])
+    expected = pyhvp.sub_hessian(straight_through_stack, STACK, STACK_INDEX, method="reverse")
+    torch.testing.assert_close(got, expected, **F64)

@@ -682,6 +682,9 @@ class Routes:
     forward: bool = False
     """The groups by the forward-tangent route (:mod:`pyhvp.restricted.forward`) instead: one
     pass over all their tensors."""
+    instead: Routes | None = None
+    """For the cost model's forward route, the routes it chose otherwise: they serve where the
+    forward route fails on this loss."""
 
 
 def choose(
@@ -692,19 +695,25 @@ def choose(
     reverse: bool = True,
     together: Callable[[Sequence[int]], bool] = lambda members: True,
     loop: bool = False,
+    forward: bool = False,
 ) -> Routes:
     """The cheapest split of the selected tensors (``sizes``: selected components of each)
     between sparse groups and the reverse route (see the module docstring). ``reverse=False``:
     the sparse route for every tensor (none may be refused); ``together(members)``: whether
     those tensors may share one sparse kernel (one dtype and device); ``loop``: whether the
-    seed's loop may take the reverse route's tensors instead, where the split costs less so."""
+    seed's loop may take the reverse route's tensors instead, where the split costs less so;
+    ``forward``: whether the forward route may take every tensor instead (one dtype and device,
+    within :data:`FORWARD_TANGENTS`), where it costs less."""
     best = _split(found, sizes, joint, compiled, reverse, together)
-    if not loop:
-        return best
-    by_loop = _split(found, sizes, joint, compiled, reverse, together, loop=True)
-    if by_loop.cost >= best.cost:
-        return best
-    return dataclasses.replace(by_loop, reverse_only_cost=best.reverse_only_cost)
+    if loop:
+        by_loop = _split(found, sizes, joint, compiled, reverse, together, loop=True)
+        if by_loop.cost < best.cost:
+            best = dataclasses.replace(by_loop, reverse_only_cost=best.reverse_only_cost)
+    if forward and together(range(len(sizes))) and forward_fits(found, sizes, joint):
+        cost = forward_cost(found, sizes, joint)
+        if cost < best.cost:
+            return dataclasses.replace(forward_alone(best, len(sizes)), cost=cost, instead=best)
+    return best
 
 
 def reverse_alone(
@@ -727,11 +736,51 @@ forward-tangent route: it holds every activation's tangents at once (LeNet-5 at 
 tensor: 4.3e7 by this count, 1.1 GB at its peak)."""
 
 
+FORWARD_SETUP = 2_300_000.0
+"""Fixed nanoseconds of the forward route (its mode's setup, the first-order check)."""
+
+FORWARD_PER_TENSOR = 860_000.0
+"""Nanoseconds per selected tensor on the forward route (the ops its streams add)."""
+
+FORWARD_PASSES = 7.0
+"""The forward route's forward and reverse pass, in forwards of the loss (its mode's dispatch
+and the saved activations included)."""
+
+FORWARD_TAIL = 1.4
+FORWARD_CURVED = 11.0
+"""A forward direction's cost in units of its tail's modelled time (its tangent pushed), and of
+the modelled time of the ops downstream with a second-order term other than a pointwise one
+(:attr:`Usage.curved`: their Hessian-vector products by a batched double backward)."""
+
+PAIR_NS = 0.015
+"""Nanoseconds per pair of directions and element of a pointwise op with a second-order term
+(:attr:`Usage.pairs`: its weighted Gram matrix).
+
+With :data:`FORWARD_SETUP`, :data:`FORWARD_PER_TENSOR`, :data:`FORWARD_PASSES` and the
+tensors entering through a view paying their dense product per direction, a least-squares fit
+(relative errors) of the forward route's time over the benchmark's models at k = 2, 16 and 128
+per tensor (``bench_sub_hessian.py``, eagerly, one thread): within 15% but for the text
+classifier at k = 128 (0.6x) and the seed's model at k = 128 (0.65x)."""
+
+
+def forward_cost(found: Survey, sizes: Sequence[int], joint: bool) -> float:
+    """Modelled nanoseconds of the forward route over every selected tensor (eagerly: it
+    compiles nothing); joint, every direction reaches what the first tensor reaches."""
+    usage = found.usage
+    cost = FORWARD_SETUP + FORWARD_PER_TENSOR * len(sizes) + FORWARD_PASSES * _ns(found.forward)
+    rows = [sum(sizes)] * len(sizes) if joint else list(sizes)
+    for k, u in zip(rows, usage, strict=True):
+        dense = any("(a view" in use for use in u.uses)
+        per_direction = FORWARD_TAIL * _ns(u.tail) + FORWARD_CURVED * _ns(u.curved)
+        cost += k * (per_direction + (_ns(u.product) if dense else 0.0)) + k * k * u.pairs * PAIR_NS
+    return cost
+
+
 def forward_alone(model: Routes, count: int) -> Routes:
     """Every one of the ``count`` selected tensors by the forward-tangent route, in one pass."""
     return dataclasses.replace(
         model, groups=(tuple(range(count)),), reverse=(), eager_only=frozenset(), chunk=None,
-        loop=False, forward=True)  # fmt: skip
+        loop=False, forward=True, instead=None)  # fmt: skip
 
 
 def forward_fits(found: Survey, sizes: Sequence[int], joint: bool) -> bool:
@@ -752,6 +801,8 @@ def every_tensor_reverse(model: Routes, count: int, loop: bool) -> Routes:
         eager_only=frozenset(),
         chunk=None if loop else model.chunk,
         loop=loop,
+        forward=False,
+        instead=None,
     )
 
 

@@ -83,8 +83,14 @@ class Trial:
 
     def drop(self, name: str, loop: Routes) -> None:
         """Plan ``name`` failed (a kernel that cannot run this loss): out of the trial. Where it
-        was the model's routes, the trial is over and ``loop`` (the seed's loop, which runs
-        what autograd runs) serves every equal call."""
+        was the model's forward route, the routes the model chose otherwise take its place;
+        where it was the model's other routes, the trial is over and ``loop`` (the seed's loop,
+        which runs what autograd runs) serves every equal call."""
+        instead = self.model.instead
+        if name == self.plans[0][0] and instead is not None:
+            self.plans = ((name, instead), *self.plans[1:])
+            self.seconds.pop(name, None)
+            return
         if name == self.plans[0][0]:
             self.plans, self.settled = ((LOOP_FALLBACK, loop),), LOOP_FALLBACK
             return
