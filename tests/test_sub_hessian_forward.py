@@ -15,7 +15,7 @@ from torch import nn
 
 import pyhvp
 from pyhvp import submatrix
-from pyhvp.restricted import routes
+from pyhvp.restricted import forward, routes
 
 F64 = {"rtol": 1e-9, "atol": 1e-11}
 EAGER = pyhvp.TorchBackend(compile=False)
@@ -134,7 +134,11 @@ PRODUCTS = {  # two selected tensors meeting in one op: its cross terms are seco
     "a quotient by a selected tensor": lambda p: squash(p["w"][:, :2] / (2 + p["v"][:3])),
     "a power of a selected tensor": lambda p: squash((1 + p["w"][:, :2] ** 2) ** p["v"][:3]),
     "F.linear of a selected input": lambda p: squash(F.linear(p["v"].T, p["w"])),
-}
+    "a bias that is also the input (one object)": lambda p: squash(
+        (lambda h: F.linear(h, p["w"][:, :3], h))(p["v"][:3, 0])),
+    "addmm's added matrix, also a factor (one object)": lambda p: squash(
+        (lambda a: torch.addmm(a, a, p["w"][:, 1:].T))(p["w"][:, :3])),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("loss", PRODUCTS.values(), ids=PRODUCTS.keys())
@@ -143,6 +147,28 @@ def test_ops_where_two_selected_tensors_meet_keep_their_cross_terms(loss):
     expected = dense_sub_hessian(loss, params, index)
     joint = pyhvp.sub_hessian(loss, params, index, joint=True, method="forward")
     torch.testing.assert_close(joint, expected, **F64)
+
+
+EDGES = {  # loss, index: selections and points where a route may trip
+    "one tensor without selected entries": (
+        lambda p: squash(p["w"] @ p["v"]), {"w": [], "v": [1, 2, 5]}),
+    "a pointwise op of an expanded view": (
+        lambda p: squash(p["w"][:, None].expand(3, 2, 4).pow(3)), {"w": [0, 5, 11]}),
+    "an exact minimum (a zero gradient)": (
+        lambda p: F.binary_cross_entropy_with_logits(X3 @ p["w"][:, :3],
+                                                     torch.sigmoid(X3 @ W[:, :3])),
+        {"w": [0, 1, 4, 4]}),
+}  # fmt: skip
+X3 = torch.randn(5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize(("loss", "index"), EDGES.values(), ids=EDGES.keys())
+def test_edge_selections_and_points_equal_the_dense_sub_hessian(loss, index):
+    params = {"w": W, "v": V}
+    index = {name: torch.tensor(i, dtype=torch.long) for name, i in index.items()}
+    expected = {name: dense_sub_hessian(loss, params, {name: i}) for name, i in index.items()}
+    got = pyhvp.sub_hessian(loss, params, index, method="forward")
+    torch.testing.assert_close(got, expected, **F64)
 
 
 class StraightThrough(torch.autograd.Function):
@@ -160,6 +186,48 @@ class StraightThrough(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad
+
+
+class Square(torch.autograd.Function):
+    """``x * x`` with its own, correct backward: autograd differentiates through it, the
+    forward route's mode does not see inside it (its forward runs under ``no_grad``)."""
+
+    @staticmethod
+    def forward(x):
+        return x * x
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return 2 * x * grad
+
+
+def hooked(p):
+    y = p["w"] @ V
+    if y.requires_grad:  # (in pyhvp's survey of the loss it does not)
+        y.register_hook(lambda grad: 2 * grad)
+    return squash(y)
+
+
+def custom_penalty_at_its_minimum(p):
+    """A penalty through an op the mode does not see, at its minimum: its gradient is zero,
+    so the first derivatives agree, and only autograd's graph shows the use."""
+    return squash(p["w"] @ V) + Square.apply(p["w"] - W).sum()
+
+
+def complex_penalty_at_its_minimum(p):
+    spectrum = torch.fft.rfft(p["w"] - W)
+    return squash(p["w"] @ V) + (spectrum * spectrum.conj()).real.sum()
+
+
+def scatter_prod(p):
+    target = torch.ones(3, 2, dtype=torch.float64)
+    index = torch.tensor([[0, 0, 1, 1]] * 3)
+    return squash(target.scatter_reduce(1, index, p["w"], "prod"))
 
 
 def training_dropout(p):
@@ -189,7 +257,10 @@ def writes_an_activation(p):
 
 REFUSED = {  # a loss the route cannot follow as autograd does, and what the refusal names
     "a straight-through estimator": (
-        lambda p: squash(StraightThrough.apply(p["w"]) @ V), "differ from autograd's gradient"),
+        lambda p: squash(StraightThrough.apply(p["w"]) @ V), "did not see"),
+    "a custom autograd.Function at its minimum": (custom_penalty_at_its_minimum, "did not see"),
+    "a complex intermediate at its minimum": (complex_penalty_at_its_minimum, "complex"),
+    "scatter_reduce with reduce='prod'": (scatter_prod, "forward derivative"),
     "a dropout in training": (training_dropout, "randomness"),
     "a batch norm updating its running statistics": (running_statistics, "running statistics"),
     "an entry in an embedding's padding row": (padded_embedding, "padding_idx"),
@@ -209,6 +280,20 @@ def test_what_it_cannot_follow_is_refused_by_name_and_auto_serves_it(loss, named
         torch.manual_seed(0)
         got = pyhvp.sub_hessian(loss, {"w": W}, index, backend=EAGER)
         torch.testing.assert_close(got, expected, **F64)
+
+
+def test_a_gradient_hook_is_refused_by_name():
+    """A hook that changes a gradient makes autograd's derivative differ from the op's."""
+    with pytest.raises(ValueError, match="a gradient hook on a value"):
+        pyhvp.sub_hessian(hooked, {"w": W}, {"w": torch.arange(12)}, method="forward")
+
+
+def test_a_wrong_forward_derivative_pyhvp_does_not_know_fails_the_first_order_check(monkeypatch):
+    """torch's forward derivative of ``scatter_reduce(reduce="prod")`` is wrong (2.13): with
+    pyhvp's table of such ops emptied, the loss's tangents differ from autograd's gradient."""
+    monkeypatch.setattr(forward, "_WRONG_FORWARD_DERIVATIVES", frozenset())
+    with pytest.raises(ValueError, match="differ from autograd's gradient"):
+        pyhvp.sub_hessian(scatter_prod, {"w": W}, {"w": torch.arange(12)}, method="forward")
 
 
 def test_chunk_size_and_an_enclosing_vmap_are_refused_by_name():

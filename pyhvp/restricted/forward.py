@@ -44,7 +44,7 @@ from torch.utils import _pytree as pytree
 from pyhvp._attention import math_attention
 from pyhvp.restricted import contributions as rules
 from pyhvp.restricted import selected_entries
-from pyhvp.restricted.mode import contribution_of
+from pyhvp.restricted.mode import contribution_of, view_positions
 from pyhvp.restricted.ops import (
     BIASES,
     CONTRACTED,
@@ -106,6 +106,10 @@ its shape): their second-order term is one Gram matrix of the tangents weighted 
 
 _STATEFUL = _functions((F,), ("batch_norm", "instance_norm"))
 
+_WRONG_FORWARD_DERIVATIVES = _functions((torch, Tensor), ("scatter_reduce",))
+_HOOKS = _functions((Tensor,), ("register_hook", "register_post_accumulate_grad_hook"))
+"""Ops whose forward derivative torch computes wrongly in some mode (``reduce="prod"``)."""
+
 _TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-3}
 """How far the loss's tangents may stray from autograd's gradient (relative to the gradient's
 largest entry) before the route refuses: rounding, not a missed use (bfloat16 and half: 0.1)."""
@@ -122,8 +126,9 @@ class Stream:
 
 @dataclasses.dataclass
 class Seed:
-    """A selected tensor: its group and its selected entries (``coords``: one row per dim), with
-    its one-hot stream made on its first use without a sparse rule."""
+    """A selected tensor, or a view of one (``W.T``, ``W[1:]``): its group and the position of
+    each selected entry in it (``flat``, and ``coords`` one row per dim), with its one-hot
+    stream made on its first use without a sparse rule."""
 
     tensor: Tensor
     group: int
@@ -132,15 +137,40 @@ class Seed:
     coords: Tensor
     offset: int = 0
     """Where its entries' rows start in its group (``joint``: after the earlier tensors')."""
+    held: Tensor | None = None
+    """Which entries a view holds (``W[1:]`` lacks row 0's; None: all)."""
     stream: Stream | None = None
 
     def one_hot(self) -> Stream:
         if self.stream is None:
             tangents = self.tensor.new_zeros(self.rows, self.tensor.numel())
-            count = len(self.flat)
-            tangents[torch.arange(count, device=self.flat.device) + self.offset, self.flat] = 1
+            rows = torch.arange(len(self.flat), device=self.flat.device) + self.offset
+            if self.held is None:
+                tangents[rows, self.flat] = 1
+            else:
+                tangents[rows[self.held], self.flat[self.held]] = 1
             self.stream = Stream((self.group,), tangents.view(-1, *self.tensor.shape))
         return self.stream
+
+    def dense(self, found: rules.Contribution, out: Tensor) -> Tensor:
+        """A :class:`~pyhvp.restricted.contributions.Contribution` of its entries to ``out``,
+        as their tangents of it, ``(rows, *out.shape)``."""
+        dense = out.new_zeros(self.rows, *out.shape)
+        own = dense[self.offset : self.offset + len(self.flat)]
+        values = found.values.detach().to(out.dtype)
+        if found.entries is not None:
+            assert found.positions is not None
+            own.view(len(own), -1).index_put_((found.entries, found.positions), values,
+                                              accumulate=True)  # fmt: skip
+        elif found.dim is None:
+            own.copy_(values)
+        else:
+            assert found.positions is not None
+            where = torch.arange(len(own), device=out.device)
+            own.movedim(1 + found.dim, 1)[where, found.positions] = values
+        if self.held is not None:
+            own[~self.held] = 0
+        return dense
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +202,8 @@ class Tangents(TorchFunctionMode):
     def __init__(self, seeds: Sequence[Seed], sizes: Sequence[int]) -> None:
         super().__init__()
         self.seeds = {id(seed.tensor): seed for seed in seeds}
+        self.leaves = {id(seed.tensor) for seed in seeds}
+        self._reaches: dict[object, bool] = {}  # autograd nodes: whether a seed lies behind
         self.streams: dict[int, tuple[Tensor, list[Stream]]] = {}
         self.sizes = list(sizes)
         self.nodes: list[_Node] = []
@@ -210,8 +242,14 @@ class Tangents(TorchFunctionMode):
             _refuse(func, op, args, kwargs)
             self._refuse_padding_rows(op, args, kwargs)
         out = func(*args, **kwargs)
-        if not carrying or op == "constant" or not torch.is_grad_enabled():
+        if op == "constant" or not torch.is_grad_enabled():
             return out  # no derivative, as autograd has it
+        self._refuse_unseen(func, leaves, carrying)
+        if not carrying or (op == "view" and self._follow_view(func, args, kwargs, out)):
+            return out
+        if any(isinstance(v, Tensor) and v.is_complex() for v in pytree.tree_leaves(out)):
+            raise NotForward(f"{describe(func)} makes a complex value of one that depends on a "
+                             "selected tensor (the route pushes real tangents only)")  # fmt: skip
         outputs = [v for v in pytree.tree_leaves(out) if _floating(v)]
         if not outputs:
             return out
@@ -246,6 +284,61 @@ class Tangents(TorchFunctionMode):
         for value, streams in zip(outputs, pushed, strict=True):
             self.streams[id(value)] = (value, streams)
         return out
+
+    def _refuse_unseen(
+        self, func: Callable[..., Any], leaves: Sequence[Any], carrying: Sequence[int]
+    ) -> None:
+        """Raise :class:`NotForward` where an argument without tangents depends on a selected
+        tensor in autograd's graph: it came from an op the mode did not see (a custom
+        ``autograd.Function``, TorchScript, a complex intermediate), whose derivatives the
+        route would miss. (The check of the first derivatives cannot see such a use where its
+        gradient is zero, at a minimum.)"""
+        for i, value in enumerate(leaves):
+            if i in carrying or not isinstance(value, Tensor) or value.grad_fn is None:
+                continue
+            if self.reaches_a_seed(value.grad_fn):
+                raise NotForward(f"{describe(func)} takes a value that depends on a selected "
+                                 "tensor through an op pyhvp's mode did not see (a custom "
+                                 "autograd.Function, TorchScript, a complex value)")  # fmt: skip
+
+    def reaches_a_seed(self, node: Any) -> bool:
+        """Whether autograd's graph behind ``node`` holds a selected tensor (memoised)."""
+        stack, order = [node], []
+        while stack:
+            current = stack.pop()
+            if current is None or current in self._reaches:
+                continue
+            self._reaches[current] = False  # provisional: a graph has no cycles
+            order.append(current)
+            stack.extend(n for n, _ in current.next_functions)
+        for current in reversed(order):  # every node after the ones behind it
+            variable = getattr(current, "variable", None)
+            self._reaches[current] = (variable is not None and id(variable) in self.leaves) or any(
+                n is not None and self._reaches.get(n, False) for n, _ in current.next_functions
+            )
+        return self._reaches[node]
+
+    def _follow_view(
+        self, func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], out: Any
+    ) -> bool:
+        """Whether ``out`` is a view of a :class:`Seed` (``W.T``, ``W[1:]``, ``W.chunk(2)``),
+        now followed as seeds of their own; else its tangents are pushed as any op's."""
+        seed = self._seed(args[0]) if args else None
+        positions = None if seed is None else view_positions(func, args, kwargs, out)
+        if seed is None or positions is None:
+            return False
+        outs = out if isinstance(out, (tuple, list)) else [out]
+        for result, where in zip(outs, positions, strict=True):
+            if where is None:
+                continue
+            inverse = seed.flat.new_full((seed.tensor.numel(),), -1)
+            inverse[where.reshape(-1)] = torch.arange(where.numel(), device=where.device)
+            position = inverse[seed.flat]
+            held = position >= 0 if seed.held is None else (position >= 0) & seed.held
+            flat = position.clamp(min=0)
+            self.seeds[id(result)] = Seed(result, seed.group, seed.rows, flat,
+                                          selected_entries(result, flat), seed.offset, held)  # fmt: skip
+        return True
 
     def _refuse_padding_rows(self, op: str, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
         """Raise :class:`NotForward` where a table that carries tangents enters an embedding with
@@ -297,9 +390,9 @@ class Tangents(TorchFunctionMode):
         outputs: Sequence[Tensor],
     ) -> Tensor | None:
         """A selected tensor's tangents of this contraction's output by its sparse rule, where it
-        alone carries tangents into it (not ``joint``: its rows are its own); else None."""
+        alone carries its group's tangents into it; else None."""
         seed = self._seed(leaves[positions[0]]) if len(positions) == 1 else None
-        if seed is None or op not in _RULES or len(outputs) != 1 or len(self.sizes) == 1:
+        if seed is None or op not in _RULES or len(outputs) != 1:
             return None
         bound = bind(op, args, kwargs)
         key = None if bound is None else next(
@@ -309,7 +402,7 @@ class Tangents(TorchFunctionMode):
         found = contribution_of(op, bound, key, seed.coords)
         if isinstance(found, str):
             return None
-        return _dense(found, outputs[0], seed.rows)
+        return seed.dense(found, outputs[0])
 
     def _rows(self, value: Any, groups: tuple[int, ...]) -> Tensor:
         """``value``'s tangents of ``groups``, stacked in that order."""
@@ -344,34 +437,34 @@ def _node(
         args, kwargs = pytree.tree_unflatten(given, spec)
         return tuple(v for v in pytree.tree_leaves(func(*args, **kwargs)) if _floating(v))
 
-    primals = tuple(leaves[i].detach() for i in positions)
+    # a primal whose entries share memory (expanded) cannot be made dual: its copy can
+    primals = tuple(_dualisable(leaves[i].detach()) for i in positions)
     return _Node(function, primals, (), (), pointwise, outputs)
 
 
-def _dense(found: rules.Contribution, out: Tensor, rows: int) -> Tensor:
-    """A :class:`~pyhvp.restricted.contributions.Contribution`'s tangents, ``(rows, *out.shape)``
-    (``rows``: its entries')."""
-    values = found.values.detach().to(out.dtype)
-    if found.entries is not None:
-        assert found.positions is not None
-        dense = out.new_zeros(rows, out.numel())
-        dense.index_put_((found.entries, found.positions), values, accumulate=True)
-        return dense.view(rows, *out.shape)
-    if found.dim is None:
-        return values
-    assert found.positions is not None
-    dense = out.new_zeros(rows, *out.shape)
-    dense.movedim(1 + found.dim, 1)[torch.arange(rows, device=out.device), found.positions] = values
-    return dense
+def _dualisable(tensor: Tensor) -> Tensor:
+    """``tensor``, copied where entries share memory (a stride 0: ``expand``), which forward
+    AD cannot make dual."""
+    shared = tensor.numel() > 1 and any(
+        stride == 0 and size > 1 for stride, size in zip(tensor.stride(), tensor.shape, strict=True)
+    )
+    return tensor.clone() if shared else tensor
 
 
 def _refuse(func: Callable[..., Any], op: str, args: Sequence[Any], kwargs: dict[str, Any]
             ) -> None:  # fmt: skip
     """Raise :class:`NotForward` for a call that carries tangents where the route cannot follow
-    autograd, before it runs: running statistics updated (the route would run the op twice), an
-    embedding whose derivative autograd scales by frequency or that writes to its table."""
+    autograd, before it runs: running statistics updated (the route would run the op twice), a
+    gradient hook, an op whose forward derivative torch gets wrong, an embedding whose
+    derivative autograd scales by frequency or that writes to its table."""
     if func in _STATEFUL and _updates_statistics(func, args, kwargs):
         raise NotForward(f"{describe(func)} updates its running statistics in training")
+    if func in _HOOKS:
+        raise NotForward(f"{describe(func)}: a gradient hook on a value that depends on a "
+                         "selected tensor changes autograd's derivative, not the op's")  # fmt: skip
+    if func in _WRONG_FORWARD_DERIVATIVES and "prod" in (*args[4:5], kwargs.get("reduce")):
+        raise NotForward(f"{describe(func)} with reduce='prod': torch's forward derivative "
+                         "of it is wrong (torch 2.13)")  # fmt: skip
     bound = bind(op, args, kwargs) if op == "embedding" else None
     if bound is not None and (autograd_convention(op, bound) or writes_operand(op, bound)):
         raise NotForward(f"{describe(func)} with scale_grad_by_freq or max_norm: autograd's "
@@ -409,6 +502,8 @@ def linear_in(
         bound = bind(op, args, kwargs)
         if bound is None:
             return False
+        if len({id(leaves[i]) for i in positions}) < len(positions):
+            return False  # one tensor in two arguments (F.linear(h, W, h)): a factor, maybe
         biases = [bound[b] for b in BIASES.get(op, ()) if b in bound]
         factors = [i for i in positions if not any(leaves[i] is b for b in biases)]
         return len(factors) <= 1
@@ -456,7 +551,7 @@ def forward_hessian(
         coords = selected_entries(leaf, flat)
         if joint:
             seeds.append(Seed(leaf, 0, total, flat, coords, offset))
-        else:
+        elif sizes[i]:  # a tensor without selected entries carries no tangents
             seeds.append(Seed(leaf, i, sizes[i], flat, coords))
         offset += sizes[i]
     mode = Tangents(seeds, [total] if joint else sizes)
@@ -470,7 +565,12 @@ def forward_hessian(
         unique = {id(o): o for node in mode.nodes for o in node.outputs if o.requires_grad}
         outputs = list(unique.values())
         found = torch.autograd.grad(value, [*outputs, *leaves], allow_unused=True)
-    _check_first_order(mode.of(value), found[len(outputs) :], leaves, flats, joint, sizes)
+    if not mode.of(value) and value.grad_fn is not None and mode.reaches_a_seed(value.grad_fn):
+        raise NotForward("the loss is made by an op pyhvp's mode did not see (a custom "
+                         "autograd.Function, TorchScript) from a selected tensor")  # fmt: skip
+    _check_first_order(
+        value.item(), mode.of(value), found[len(outputs) :], leaves, flats, joint, sizes
+    )
     adjoint = {id(o): a for o, a in zip(outputs, found, strict=False)}
     starts = [0, *torch.tensor(sizes).cumsum(0).tolist()]
     curvatures: dict[int, Tensor] = {}  # per pointwise op (its nodes share their primals)
@@ -547,6 +647,7 @@ def _hessian_products(
 
 
 def _check_first_order(
+    value: float,
     streams: Sequence[Stream],
     gradients: Sequence[Tensor | None],
     leaves: Sequence[Tensor],
@@ -569,9 +670,12 @@ def _check_first_order(
             start, size = (0, len(expected)) if joint else (starts[group], sizes[group])
             got[start : start + size] += stream.tangents[rows : rows + size].reshape(size)
             rows += size
+    if not len(expected):
+        return
     tolerance = _TOLERANCE.get(expected.dtype, 0.1)
-    scale = max(expected.abs().max().item(), got.abs().max().item()) if len(expected) else 0.0
-    if (got - expected).abs().max().item() > tolerance * scale if len(expected) else False:
+    scale = max(expected.abs().max().item(), got.abs().max().item())
+    floor = 1e3 * torch.finfo(expected.dtype).eps * max(1.0, abs(value))  # rounding at a minimum
+    if (got - expected).abs().max().item() > max(tolerance * scale, floor):
         raise NotForward("the loss's first derivatives along the selected entries, pushed "
                          "forward, differ from autograd's gradient: a use of a selected "
                          "tensor pyhvp's mode does not see")  # fmt: skip
