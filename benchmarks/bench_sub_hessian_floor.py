@@ -17,8 +17,10 @@ loop and pyhvp's ``method="auto"``:
   ``sum_b t_a^T (diag(s) - s s^T) t_b``. Exact (checked against the seed's loop first); no
   tangent travels backwards.
 
-The second row is a baseline for a future route, not something pyhvp runs. One thread, one
-pinned core. Usage: python benchmarks/bench_sub_hessian_floor.py
+The second row was the baseline for pyhvp's forward-tangent route (``method="forward"``,
+:mod:`pyhvp.restricted.forward`), the generic algorithm it became, timed beside it: it finds the
+same terms for any loss, op by op. One thread, one pinned core. Usage: python
+benchmarks/bench_sub_hessian_floor.py
 """
 
 from __future__ import annotations
@@ -163,6 +165,7 @@ def main() -> None:
                 with_backend(pyhvp.TorchBackend(compile=True), "auto"), make, X, labels, idxs
             ),
             "forward tangents by hand": partial(by_forward_tangents, p, X, labels, idxs),
+            "pyhvp forward": partial(with_backend(EAGER, "forward"), make, X, labels, idxs),
         }
         for site, names in enumerate(SITES):
             count = sum(len(idxs[name]) for name in names)

@@ -99,6 +99,7 @@ METHODS = ("auto", "sparse", "reverse", "forward")
 FORCED = ("sparse", "forward")
 """Methods that raise ``ValueError`` with the reason where they do not apply."""
 FORWARD = "the forward-tangent route"
+MODEL_INSTEAD = "the split the cost model's forward route replaced"
 _log = logging.getLogger("pyhvp.sub_hessian")
 
 
@@ -789,6 +790,9 @@ def _choose_routes(
         fits = together(range(len(sizes))) and routes.forward_fits(found, sizes, joint)
         if forward and fits and not chosen.forward:
             plans.append((FORWARD, routes.forward_alone(chosen, len(sizes))))
+        instead = chosen.instead  # the model's forward route, against what it replaced
+        if instead is not None and not any(_same(instead, plan) for _, plan in plans):
+            plans.append((MODEL_INSTEAD, instead))
     trial = Trial(tuple(plans))
     if key is not None:
         _ROUTES[key] = trial
@@ -831,10 +835,12 @@ def _alternatives(
         plans.append(("the reverse route alone",
                       routes.reverse_alone(found, sizes, joint, model, loop=False)))  # fmt: skip
 
-    def same(a: routes.Routes, b: routes.Routes) -> bool:
-        return (a.groups, a.reverse, a.loop) == (b.groups, b.reverse, b.loop)
+    return [(name, plan) for name, plan in plans if not _same(plan, model)]
 
-    return [(name, plan) for name, plan in plans if not same(plan, model)]
+
+def _same(a: routes.Routes, b: routes.Routes) -> bool:
+    """Whether two plans run the same kernels."""
+    return (a.groups, a.reverse, a.loop, a.forward) == (b.groups, b.reverse, b.loop, b.forward)
 
 
 def _masked(plan: _Plan, i: int, entries: Iterable[int]) -> bool:

@@ -383,3 +383,28 @@ def test_where_the_models_forward_route_fails_the_routes_it_chose_otherwise_serv
     assert all("(modelled" in m and "seed's loop" not in m for m in messages[1:])
     expected = pyhvp.sub_hessian(straight_through_stack, STACK, STACK_INDEX, method="reverse")
     torch.testing.assert_close(got, expected, **F64)
+
+
+def test_a_trial_measures_the_models_forward_route_against_the_split_it_replaced(caplog):
+    """Where the model takes the forward route, the split it would have taken otherwise is on
+    trial too (compiled, the trial has no other route alone to find it); every plan's matrix
+    is the dense one."""
+    expected = {name: dense_sub_hessian(tanh_stack, STACK, {name: i})
+                for name, i in STACK_INDEX.items()}  # fmt: skip
+    for _ in range(12):
+        got = pyhvp.sub_hessian(tanh_stack, STACK, STACK_INDEX, backend=EAGER)
+        torch.testing.assert_close(got, expected, **F64)
+    (trial,) = submatrix._ROUTES.values()
+    model, others = trial.plans[0][1], [plan for _, plan in trial.plans[1:]]
+    assert model.forward and any(submatrix._same(model.instead, plan) for plan in others)
+    assert set(trial.seconds) == {name for name, _ in trial.plans}  # every plan ran, timed
+
+
+def test_compiled_the_split_the_forward_route_replaced_is_on_trial():
+    """Compiled, a trial tries no route alone, so the replaced split is a plan of its own (the
+    first call runs the forward route eagerly: nothing compiles here)."""
+    pyhvp.sub_hessian(tanh_stack, STACK, STACK_INDEX, backend=pyhvp.TorchBackend(compile=True))
+    (trial,) = submatrix._ROUTES.values()
+    assert [name for name, _ in trial.plans] == [
+        "the cost model's routes", "the seed's loop", submatrix.MODEL_INSTEAD
+    ]  # fmt: skip

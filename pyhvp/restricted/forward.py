@@ -11,23 +11,29 @@ exactly (the chain rule's second-order terms; the first-order ones cancel into t
 op linear in the inputs that carry tangents (a view, a sum, a convolution with a constant input,
 ``F.linear`` with a constant weight, a ReLU or a max-pool, piecewise) has no term; a pointwise one
 (``tanh``, ``gelu``) has ``sum_x t_i w t_j`` with ``w = d f''(x)``, one weighted Gram matrix; any
-other op ``jvp(grad(d . f))`` along each tangent, as a Hessian-vector product of that op alone.
-A direction thus costs its tangent's forward push, never a reverse pass through the network: on
-LeNet-5's tanh layers about half the seed's loop (``benchmarks/bench_sub_hessian.py``). The price
-is the pairwise terms, ``k^2`` per op, which outgrow the push at many components, and memory: every
+other op the Hessian-vector products of ``d . f`` alone along its tangents (autograd's batched
+double backward). A selected tensor, or a view of it (``W.T``), entering a contraction gives
+its entries' tangents by the sparse route's rule (:mod:`pyhvp.restricted.contributions`: a
+shifted input slice, an input column), never a product with a one-hot tensor. A direction thus
+costs its tangent's forward push, never a reverse pass through the network: LeNet-5 at k = 16
+per tensor, 0.3x the seed's loop (``benchmarks/bench_sub_hessian.py``). The price is the
+pairwise terms, ``k^2`` per op, which outgrow the push at many components, and memory: every
 activation's tangents are held until the end (``k`` times the activations).
 
 Tangents travel in *streams*: the rows of the groups (selected tensors, or with ``joint=True``
 one group over all) that reach a value, stacked, so an op pushes every group that enters it the
-same way in one ``vmap(jvp)`` call. Only a tensor's own block is needed apart from ``joint``, so
-groups never meet in a pairwise term: a stream's Gram keeps only its groups' diagonal blocks.
+same way in one ``vmap(jvp)`` call (a pointwise op: each stream times ``f'(x)``, computed once).
+Only a tensor's own block is needed apart from ``joint``, so groups never meet in a pairwise
+term: a stream's Gram keeps only its groups' diagonal blocks.
 
 :class:`Tangents` sees every torch function the loss calls, as autograd does: a use under
-``no_grad`` or of ``W.detach()`` carries no tangent; an op that writes to a value carrying
-tangents, a random op (``vmap``'s ``randomness="error"``) and a batch norm updating its running
-statistics are refused (:class:`NotForward`) before they run. Then the loss's tangents are
-checked against autograd's gradient at the selected entries: a use of a selected tensor that
-the mode did not see (where the first derivatives differ) is refused rather than answered.
+``no_grad`` or of ``W.detach()`` carries no tangent. Refused (:class:`NotForward`) before they
+run: an op that writes to a value carrying tangents, a random op on one (``vmap``'s
+``randomness="error"``), a batch norm updating its running statistics, a gradient hook, a
+complex result, an op whose forward derivative torch gets wrong, and an argument without
+tangents that autograd's graph shows depends on a selected tensor -- made by an op the mode did
+not see (a custom ``autograd.Function``, TorchScript). Last, the loss's tangents are checked
+against autograd's gradient at the selected entries.
 """
 
 from __future__ import annotations
@@ -107,8 +113,9 @@ its shape): their second-order term is one Gram matrix of the tangents weighted 
 _STATEFUL = _functions((F,), ("batch_norm", "instance_norm"))
 
 _WRONG_FORWARD_DERIVATIVES = _functions((torch, Tensor), ("scatter_reduce",))
-_HOOKS = _functions((Tensor,), ("register_hook", "register_post_accumulate_grad_hook"))
 """Ops whose forward derivative torch computes wrongly in some mode (``reduce="prod"``)."""
+
+_HOOKS = _functions((Tensor,), ("register_hook", "register_post_accumulate_grad_hook"))
 
 _TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-3}
 """How far the loss's tangents may stray from autograd's gradient (relative to the gradient's

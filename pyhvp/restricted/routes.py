@@ -1,5 +1,6 @@
-"""Which selected tensors take the sparse route, in which groups, and which the reverse route:
-the sub-Hessian's cost model, from one survey of the loss.
+"""Which selected tensors take the sparse route, in which groups, and which the reverse route --
+or whether the forward route takes them all: the sub-Hessian's cost model, from one survey of
+the loss.
 
 **The survey** (:func:`survey`) runs the loss once under :class:`Survey`, a ``TorchFunctionMode``
 that sees every op. Per selected tensor it learns how each use enters (sparsely, densely, or
@@ -12,7 +13,11 @@ of the other ops):
   attention's products at their own size;
 * ``product``: what a *dense* one-hot direction pays in the ops it enters and the sparse rule does
   not -- the op's product with it and the weight gradient (twice the contraction), or for an
-  embedding a gradient the size of the whole table.
+  embedding a gradient the size of the whole table;
+* ``pairs`` and ``curved``: the elements of the pointwise ops downstream of it with a
+  second-order term (``tanh``, ``gelu``), and the work of the others (a softmax, a product of two
+  activations), which the forward route (:mod:`pyhvp.restricted.forward`) pays as Gram matrices
+  (``k^2`` per element) and as the ops' own Hessian-vector products (per direction).
 
 **The model** (:func:`choose`), in nanoseconds of one CPU core, measured on LeNet-5, a
 transformer block, an embedding classifier and the seed's model (``benchmarks/
@@ -40,7 +45,11 @@ derivatives take many passes). Then
 REVERSE_TAIL``), so a tensor goes sparse where its product outweighs that: the seed's
 ``Linear(784, 10)`` (a product of 784 * 10 per sample against a tail of 10), embeddings, a
 convolution whose output is smaller than its product; not a transformer's projections, whose
-tails (attention, LayerNorm, GELU) dwarf their products. The choice minimises the sum over the
+tails (attention, LayerNorm, GELU) dwarf their products. The forward route for every tensor (:func:`forward_cost`) costs a fixed
+:data:`FORWARD_SETUP`, :data:`FORWARD_PER_TENSOR` per tensor and :data:`FORWARD_PASSES`
+forwards, and per direction :data:`FORWARD_TAIL` times its tail and :data:`FORWARD_CURVED` times
+its ``curved`` work, plus :data:`PAIR_NS` per pair of directions and element of its ``pairs``:
+it replaces the split where it costs less. The choice minimises the sum over the
 tensors: those the sparse route refuses take the reverse route; the others are split into groups
 of consecutive tensors (in the order the loss first uses them) and the reverse route, by dynamic
 programming over that order. With ``joint=True`` the sparse tensors form one group (cross blocks
