@@ -49,7 +49,7 @@ tails (attention, LayerNorm, GELU) dwarf their products. The forward route for e
 :data:`FORWARD_SETUP`, :data:`FORWARD_PER_TENSOR` per tensor and :data:`FORWARD_PASSES`
 forwards, and per direction :data:`FORWARD_TAIL` times its tail and :data:`FORWARD_CURVED` times
 its ``curved`` work, plus :data:`PAIR_NS` per pair of directions and element of its ``pairs``:
-it replaces the split where it costs less. The choice minimises the sum over the
+it replaces the split where it costs under :data:`FORWARD_MARGIN` of it. The choice minimises the sum over the
 tensors: those the sparse route refuses take the reverse route; the others are split into groups
 of consecutive tensors (in the order the loss first uses them) and the reverse route, by dynamic
 programming over that order. With ``joint=True`` the sparse tensors form one group (cross blocks
@@ -712,7 +712,7 @@ def choose(
     those tensors may share one sparse kernel (one dtype and device); ``loop``: whether the
     seed's loop may take the reverse route's tensors instead, where the split costs less so;
     ``forward``: whether the forward route may take every tensor instead (one dtype and device,
-    within :data:`FORWARD_TANGENTS`), where it costs less."""
+    within :data:`FORWARD_TANGENTS`), where it costs less by :data:`FORWARD_MARGIN`."""
     best = _split(found, sizes, joint, compiled, reverse, together)
     if loop:
         by_loop = _split(found, sizes, joint, compiled, reverse, together, loop=True)
@@ -720,7 +720,7 @@ def choose(
             best = dataclasses.replace(by_loop, reverse_only_cost=best.reverse_only_cost)
     if forward and together(range(len(sizes))) and forward_fits(found, sizes, joint):
         cost = forward_cost(found, sizes, joint)
-        if cost < best.cost:
+        if cost < FORWARD_MARGIN * best.cost:
             return dataclasses.replace(forward_alone(best, len(sizes)), cost=cost, instead=best)
     return best
 
@@ -770,6 +770,14 @@ tensors entering through a view paying their dense product per direction, a leas
 (relative errors) of the forward route's time over the benchmark's models at k = 2, 16 and 128
 per tensor (``bench_sub_hessian.py``, eagerly, one thread): within 15% but for the text
 classifier at k = 128 (0.6x) and the seed's model at k = 128 (0.65x)."""
+
+
+FORWARD_MARGIN = 0.6
+"""The forward route replaces the split where it is modelled at under this fraction of the
+split's cost: its time depends on the allocator more than the other routes' (it holds every
+activation's tangents: LeNet-5 at k = 128 per tensor, 0.69 s with glibc's default malloc against
+0.34 s with its thresholds raised) and its model errs most where its pairwise terms are small
+(the transformer block at k = 16: modelled at 0.78x the split, measured at 1.8x eagerly)."""
 
 
 def forward_cost(found: Survey, sizes: Sequence[int], joint: bool) -> float:
