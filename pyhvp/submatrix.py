@@ -94,7 +94,6 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 Params = dict[str, torch.Tensor]
-Method = Literal["auto", "sparse", "reverse", "forward"]
 METHODS = ("auto", "sparse", "reverse", "forward")
 FORCED = ("sparse", "forward")
 """Methods that raise ``ValueError`` with the reason where they do not apply."""
@@ -115,7 +114,7 @@ def sub_hessian(
     chunk_size: int | None = None,
     backend: str | Backend = "torch",
     progress: bool = False,
-    method: Method = "auto",
+    method: Literal["auto", "sparse", "reverse", "forward"] = "auto",
 ) -> torch.Tensor: ...
 
 
@@ -131,7 +130,7 @@ def sub_hessian(
     chunk_size: int | None = None,
     backend: str | Backend = "torch",
     progress: bool = False,
-    method: Method = "auto",
+    method: Literal["auto", "sparse", "reverse", "forward"] = "auto",
 ) -> Params: ...
 
 
@@ -147,7 +146,7 @@ def sub_hessian(
     chunk_size: int | None = None,
     backend: str | Backend = "torch",
     progress: bool = False,
-    method: Method = "auto",
+    method: Literal["auto", "sparse", "reverse", "forward"] = "auto",
 ) -> torch.Tensor: ...
 
 
@@ -163,7 +162,7 @@ def sub_hessian(
     chunk_size: int | None = None,
     backend: str | Backend = "torch",
     progress: bool = False,
-    method: Method = "auto",
+    method: Literal["auto", "sparse", "reverse", "forward"] = "auto",
 ) -> torch.Tensor | Params:
     """Hessian of the scalar ``loss(params)`` over the components ``index`` selects.
 
