@@ -775,8 +775,9 @@ def _choose_routes(
     auto = method == "auto"
     # where the forward route would refuse an entry in a padding row, it is not chosen
     forward = forward and PADDING_ROW not in (u.refusal for u in found.usage)
+    later = backend.compile == "auto"  # compiled once its eager time pays for that
     chosen = routes.choose(
-        found, sizes, joint, compiled, method != "sparse", together, auto, auto and forward
+        found, sizes, joint, compiled, method != "sparse", together, auto, auto and forward, later
     )
     plans = [(MODEL, chosen)]
     if method == "forward":

@@ -411,3 +411,26 @@ def test_compiled_the_split_the_forward_route_replaced_is_on_trial():
     assert [name for name, _ in trial.plans] == [
         "the cost model's routes", "the seed's loop", submatrix.MODEL_INSTEAD
     ]  # fmt: skip
+
+
+def rectified_in_place_stack(p):
+    """``tanh_stack`` with a ReLU in place on each layer's pre-activation: autograd allows the
+    write (``F.linear`` saves no output), the forward route refuses it."""
+    x = WIDE_INPUT
+    for weight in p.values():
+        x = torch.tanh(F.relu(F.linear(x, weight), inplace=True))
+    return (x**2).sum()
+
+
+def test_a_loss_the_survey_sees_the_forward_route_refuse_never_takes_it(caplog):
+    """The survey asks the forward route's refusals of every op an activation enters: such a
+    loss is neither given the forward route by the model nor tried, so no call pays for a
+    failed attempt."""
+    with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"):
+        for _ in range(8):
+            got = pyhvp.sub_hessian(rectified_in_place_stack, STACK, STACK_INDEX, backend=EAGER)
+    (trial,) = submatrix._ROUTES.values()
+    assert submatrix.FORWARD not in dict(trial.plans) and not trial.model.forward
+    assert not any(hasattr(r, "forward") or "failed" in r.getMessage() for r in caplog.records)
+    expected = pyhvp.sub_hessian(rectified_in_place_stack, STACK, STACK_INDEX, method="reverse")
+    torch.testing.assert_close(got, expected, **F64)

@@ -55,6 +55,7 @@ from pyhvp.restricted.ops import (
     BIASES,
     CONTRACTED,
     EINSUM_FAMILY,
+    argument,
     autograd_convention,
     bind,
     call_kind,
@@ -116,6 +117,11 @@ _WRONG_FORWARD_DERIVATIVES = _functions((torch, Tensor), ("scatter_reduce",))
 """Ops whose forward derivative torch computes wrongly in some mode (``reduce="prod"``)."""
 
 _HOOKS = _functions((Tensor,), ("register_hook", "register_post_accumulate_grad_hook"))
+
+_DROPOUTS = _functions(
+    (F,), ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
+           "feature_alpha_dropout"),
+)  # fmt: skip
 
 _TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-3}
 """How far the loss's tangents may stray from autograd's gradient (relative to the gradient's
@@ -246,7 +252,9 @@ class Tangents(TorchFunctionMode):
             raise NotForward(f"{describe(func)} writes in place to or from a value that "
                              "depends on a selected tensor")  # fmt: skip
         if carrying:
-            _refuse(func, op, args, kwargs)
+            reason = refusal(func, op, args, kwargs)
+            if reason is not None:
+                raise NotForward(reason)
             self._refuse_padding_rows(op, args, kwargs)
         out = func(*args, **kwargs)
         if op == "constant" or not torch.is_grad_enabled():
@@ -458,24 +466,27 @@ def _dualisable(tensor: Tensor) -> Tensor:
     return tensor.clone() if shared else tensor
 
 
-def _refuse(func: Callable[..., Any], op: str, args: Sequence[Any], kwargs: dict[str, Any]
-            ) -> None:  # fmt: skip
-    """Raise :class:`NotForward` for a call that carries tangents where the route cannot follow
-    autograd, before it runs: running statistics updated (the route would run the op twice), a
-    gradient hook, an op whose forward derivative torch gets wrong, an embedding whose
-    derivative autograd scales by frequency or that writes to its table."""
+def refusal(func: Callable[..., Any], op: str, args: Sequence[Any], kwargs: dict[str, Any]
+            ) -> str | None:  # fmt: skip
+    """Why the route cannot follow autograd through this call of an op that takes tangents,
+    known before it runs (None: it can): running statistics updated (the route would run the op
+    twice), a random op, a gradient hook, an op whose forward derivative torch gets wrong, an
+    embedding whose derivative autograd scales by frequency or that writes to its table. (The
+    survey asks too, so that the cost model does not choose the route for such a loss.)"""
     if func in _STATEFUL and _updates_statistics(func, args, kwargs):
-        raise NotForward(f"{describe(func)} updates its running statistics in training")
+        return f"{describe(func)} updates its running statistics in training"
+    if func in _DROPOUTS and argument(args, kwargs, "training", 2, True):
+        return f"{describe(func)} in training draws a random mask (randomness)"
     if func in _HOOKS:
-        raise NotForward(f"{describe(func)}: a gradient hook on a value that depends on a "
-                         "selected tensor changes autograd's derivative, not the op's")  # fmt: skip
+        return (f"{describe(func)}: a gradient hook on a value that depends on a selected "
+                "tensor changes autograd's derivative, not the op's")  # fmt: skip
     if func in _WRONG_FORWARD_DERIVATIVES and "prod" in (*args[4:5], kwargs.get("reduce")):
-        raise NotForward(f"{describe(func)} with reduce='prod': torch's forward derivative "
-                         "of it is wrong (torch 2.13)")  # fmt: skip
+        return f"{describe(func)} with reduce='prod': torch's forward derivative of it is wrong"
     bound = bind(op, args, kwargs) if op == "embedding" else None
     if bound is not None and (autograd_convention(op, bound) or writes_operand(op, bound)):
-        raise NotForward(f"{describe(func)} with scale_grad_by_freq or max_norm: autograd's "
-                         "derivative there is not the op's own")  # fmt: skip
+        return (f"{describe(func)} with scale_grad_by_freq or max_norm: autograd's derivative "
+                "there is not the op's own")  # fmt: skip
+    return None
 
 
 def _updates_statistics(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]

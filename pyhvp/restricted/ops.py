@@ -237,14 +237,14 @@ def _inplace(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, An
     """Whether ``func`` has an ``inplace`` parameter (``torch.nn.functional``'s activations and
     dropouts) and this call sets it, for a dropout in training (outside it, it writes nothing)."""
     inplace_at, training_at, training_default = inplace_parameters(func)
-    if inplace_at == _ABSENT or not _argument(args, kwargs, "inplace", inplace_at, False):
+    if inplace_at == _ABSENT or not argument(args, kwargs, "inplace", inplace_at, False):
         return False
     return training_at == _ABSENT or bool(
-        _argument(args, kwargs, "training", training_at, bool(training_default))
+        argument(args, kwargs, "training", training_at, bool(training_default))
     )
 
 
-def _argument(
+def argument(
     args: Sequence[Any], kwargs: dict[str, Any], name: str, position: int, default: object
 ) -> object:
     if name in kwargs:

@@ -77,7 +77,7 @@ from torch.utils import _pytree as pytree
 
 from pyhvp.restricted import compiles_property_views
 from pyhvp.restricted import contributions as rules
-from pyhvp.restricted.forward import linear_in, pointwise_in
+from pyhvp.restricted.forward import linear_in, pointwise_in, refusal
 from pyhvp.restricted.mode import DENSE_LIMIT, NotSparse, WritesSelected, view_positions
 from pyhvp.restricted.ops import (
     BIASES,
@@ -241,6 +241,9 @@ class Usage:
     pairs: float = 0.0
     """Elements of the pointwise ops downstream of it with a second-order term (``tanh``,
     ``gelu``): on the forward route, its ``k^2`` weighted Gram matrices there."""
+    held: int = 0
+    """Elements of the outputs downstream of it: what the forward route holds per direction
+    (every activation's tangents, at once)."""
     curved: Work = dataclasses.field(default_factory=lambda: Work())
     """The other ops downstream of it with a second-order term: on the forward route, one
     Hessian-vector product of the op per direction."""
@@ -287,6 +290,10 @@ class Survey(TorchFunctionMode):
         super().__init__()
         self.usage = [Usage() for _ in tensors]
         self.forward = Work()
+        self.forward_refusal: str | None = None
+        """Why the forward route would refuse this loss, where the survey sees it (a write to
+        or a random op on an activation of a selected tensor; :func:`~pyhvp.restricted.
+        forward.refusal`)."""
         # id -> (tensor, which selected tensor): the selected tensors and the views of them
         self._tensors = list(tensors)
         self._sources = {id(t): (t, i) for i, t in enumerate(tensors)}
@@ -340,11 +347,18 @@ class Survey(TorchFunctionMode):
             if found is not None and found[0] is value:
                 taint |= found[1]
         widest = max((v.numel() for v in outs), default=0)
+        held = sum(v.numel() for v in outs)
         for source in _bits(taint):
             self.usage[source].tail.add(cost)
             self.usage[source].widest = max(self.usage[source].widest, widest)
+            self.usage[source].held += held
         if taint or direct:
             self._note_curvature(func, op, args, kwargs, outs, cost)
+            reason = refusal(func, op, args, kwargs)
+            written_values = [v for v in pytree.tree_leaves(written) if isinstance(v, torch.Tensor)]
+            if any(self._taint.get(id(v), (None,))[0] is v for v in written_values):
+                reason = f"{describe(func)} writes in place to an activation of a selected tensor"
+            self.forward_refusal = self.forward_refusal or reason
         if direct:
             followed = self._classify(op, func, args, kwargs, direct, out, cost, taint)
             if followed:
@@ -705,6 +719,7 @@ def choose(
     together: Callable[[Sequence[int]], bool] = lambda members: True,
     loop: bool = False,
     forward: bool = False,
+    compiles_later: bool = False,
 ) -> Routes:
     """The cheapest split of the selected tensors (``sizes``: selected components of each)
     between sparse groups and the reverse route (see the module docstring). ``reverse=False``:
@@ -712,7 +727,9 @@ def choose(
     those tensors may share one sparse kernel (one dtype and device); ``loop``: whether the
     seed's loop may take the reverse route's tensors instead, where the split costs less so;
     ``forward``: whether the forward route may take every tensor instead (one dtype and device,
-    within :data:`FORWARD_TANGENTS`), where it costs less by :data:`FORWARD_MARGIN`."""
+    within :data:`FORWARD_TANGENTS`), where it costs less by :data:`FORWARD_MARGIN`; against the
+    split compiled where the backend compiles it later (``compiles_later``: ``compile="auto"``,
+    whose steady state is compiled, where the forward route runs eagerly for good)."""
     best = _split(found, sizes, joint, compiled, reverse, together)
     if loop:
         by_loop = _split(found, sizes, joint, compiled, reverse, together, loop=True)
@@ -720,7 +737,10 @@ def choose(
             best = dataclasses.replace(by_loop, reverse_only_cost=best.reverse_only_cost)
     if forward and together(range(len(sizes))) and forward_fits(found, sizes, joint):
         cost = forward_cost(found, sizes, joint)
-        if cost < FORWARD_MARGIN * best.cost:
+        rival = best.cost
+        if compiles_later and not compiled:
+            rival = min(rival, _split(found, sizes, joint, True, reverse, together, loop).cost)
+        if cost < FORWARD_MARGIN * rival:
             return dataclasses.replace(forward_alone(best, len(sizes)), cost=cost, instead=best)
     return best
 
@@ -738,11 +758,12 @@ def reverse_alone(
     return dataclasses.replace(every_tensor_reverse(model, len(sizes), loop), cost=cost)
 
 
-FORWARD_TANGENTS = 1 << 26
-"""Most elements of forward tangents (per selected tensor, its components times the widest
-output downstream of it; joint, all components times the widest) for which a trial tries the
-forward-tangent route: it holds every activation's tangents at once (LeNet-5 at k = 128 per
-tensor: 4.3e7 by this count, 1.1 GB at its peak)."""
+FORWARD_TANGENTS = 1 << 27
+"""Most elements of forward tangents (per selected tensor, its components times the elements of
+every output downstream of it, :attr:`Usage.held`; joint, all components times the most any
+tensor holds) for which the forward route is chosen or tried: it holds every activation's
+tangents at once (LeNet-5 at k = 128 per tensor: 1.2e8 by this count, 1.1 GB at its peak; a
+deep MLP's count grows with its depth, where the widest output alone would not)."""
 
 
 FORWARD_SETUP = 2_300_000.0
@@ -801,11 +822,14 @@ def forward_alone(model: Routes, count: int) -> Routes:
 
 
 def forward_fits(found: Survey, sizes: Sequence[int], joint: bool) -> bool:
-    """Whether the forward-tangent route's tangents fit :data:`FORWARD_TANGENTS`."""
+    """Whether the forward-tangent route's tangents fit :data:`FORWARD_TANGENTS`, and the
+    survey saw nothing it would refuse."""
+    if found.forward_refusal is not None:
+        return False
     if joint:
-        widest = max((u.widest for u in found.usage), default=0)
-        return sum(sizes) * widest <= FORWARD_TANGENTS
-    return sum(k * u.widest for k, u in zip(sizes, found.usage, strict=True)) <= FORWARD_TANGENTS
+        held = max((u.held for u in found.usage), default=0)
+        return sum(sizes) * held <= FORWARD_TANGENTS
+    return sum(k * u.held for k, u in zip(sizes, found.usage, strict=True)) <= FORWARD_TANGENTS
 
 
 def every_tensor_reverse(model: Routes, count: int, loop: bool) -> Routes:
