@@ -755,7 +755,8 @@ def _choose_routes(
         raise ValueError(_written(_label(plan, error.source), error.what)) from None
     for i, usage in enumerate(found.usage):
         if usage.refusal is None and _masked(plan, i, usage.masked_entries):
-            usage.refusal = PADDING_ROW
+            usage.refusal = PADDING_ROW  # the forward route would refuse it too
+            found.forward_refusal = found.forward_refusal or f"an entry {PADDING_ROW}"
     refusals = [
         f"{_label(plan, i)} {usage.refusal}" for i, usage in enumerate(found.usage) if usage.refusal
     ]
@@ -773,8 +774,6 @@ def _choose_routes(
         )
 
     auto = method == "auto"
-    # where the forward route would refuse an entry in a padding row, it is not chosen
-    forward = forward and PADDING_ROW not in (u.refusal for u in found.usage)
     later = backend.compile == "auto"  # compiled once its eager time pays for that
     chosen = routes.choose(
         found, sizes, joint, compiled, method != "sparse", together, auto, auto and forward, later
@@ -786,13 +785,7 @@ def _choose_routes(
     # on eager times would keep the loop where the compiled routes would beat it later
     if auto and backend.compile != "auto":
         numels = [t.numel() for t in plan.tensors]
-        plans += _alternatives(found, sizes, numels, joint, compiled, together, chosen)
-        fits = together(range(len(sizes))) and routes.forward_fits(found, sizes, joint)
-        if forward and fits and not chosen.forward:
-            plans.append((FORWARD, routes.forward_alone(chosen, len(sizes))))
-        instead = chosen.instead  # the model's forward route, against what it replaced
-        if instead is not None and not any(_same(instead, plan) for _, plan in plans):
-            plans.append((MODEL_INSTEAD, instead))
+        plans += _alternatives(found, sizes, numels, joint, compiled, together, chosen, forward)
     trial = Trial(tuple(plans))
     if key is not None:
         _ROUTES[key] = trial
@@ -816,11 +809,14 @@ def _alternatives(
     compiled: bool,
     together: Callable[[Sequence[int]], bool],
     model: routes.Routes,
+    forward: bool,
 ) -> list[tuple[str, routes.Routes]]:
     """The plans a trial measures against the ``model``'s routes (:mod:`pyhvp.restricted.
-    trial`): the seed's loop, and unless compiling, the sparse route alone (where it refuses no
-    tensor) and the reverse route alone (within :data:`TRIAL_TANGENTS`); none equal to the
-    model's. ``numels``: entries of each selected tensor."""
+    trial`): the seed's loop, unless compiling the sparse route alone (where it refuses no
+    tensor) and the reverse route alone (within :data:`TRIAL_TANGENTS`), the forward route
+    (``forward``: where it may run this call and :func:`~pyhvp.restricted.routes.forward_fits`),
+    and the split the model's forward route replaced; each once, none equal to the model's.
+    ``numels``: entries of each selected tensor."""
     # joint, a reverse pass's tangents span every selected tensor
     tangents = sum(
         k * (sum(numels) if joint else numels[i])
@@ -834,8 +830,15 @@ def _alternatives(
     if not compiled and tangents <= TRIAL_TANGENTS:
         plans.append(("the reverse route alone",
                       routes.reverse_alone(found, sizes, joint, model, loop=False)))  # fmt: skip
-
-    return [(name, plan) for name, plan in plans if not _same(plan, model)]
+    if forward and routes.forward_fits(found, sizes, joint, together):
+        plans.append((FORWARD, routes.forward_alone(model, len(sizes))))
+    if model.instead is not None:  # the model's forward route, against what it replaced
+        plans.append((MODEL_INSTEAD, model.instead))
+    kept = [(MODEL, model)]
+    for name, plan in plans:
+        if not any(_same(plan, other) for _, other in kept):
+            kept.append((name, plan))
+    return kept[1:]
 
 
 def _same(a: routes.Routes, b: routes.Routes) -> bool:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -215,11 +216,15 @@ class Tangents(TorchFunctionMode):
     def __init__(self, seeds: Sequence[Seed], sizes: Sequence[int]) -> None:
         super().__init__()
         self.seeds = {id(seed.tensor): seed for seed in seeds}
-        self.leaves = {id(seed.tensor) for seed in seeds}
         self._reaches: dict[object, bool] = {}  # autograd nodes: whether a seed lies behind
         self.streams: dict[int, tuple[Tensor, list[Stream]]] = {}
         self.sizes = list(sizes)
+        self.starts = list(accumulate(sizes, initial=0))
         self.nodes: list[_Node] = []
+
+    def span(self, group: int) -> slice:
+        """The rows (and columns) of ``group``'s entries in the ``(K, K)`` result."""
+        return slice(self.starts[group], self.starts[group + 1])
 
     def _seed(self, value: object) -> Seed | None:
         seed = self.seeds.get(id(value))
@@ -328,7 +333,7 @@ class Tangents(TorchFunctionMode):
             stack.extend(n for n, _ in current.next_functions)
         for current in reversed(order):  # every node after the ones behind it
             variable = getattr(current, "variable", None)
-            self._reaches[current] = (variable is not None and id(variable) in self.leaves) or any(
+            self._reaches[current] = (variable is not None and id(variable) in self.seeds) or any(
                 n is not None and self._reaches.get(n, False) for n, _ in current.next_functions
             )
         return self._reaches[node]
@@ -586,11 +591,8 @@ def forward_hessian(
     if not mode.of(value) and value.grad_fn is not None and mode.reaches_a_seed(value.grad_fn):
         raise NotForward("the loss is made by an op pyhvp's mode did not see (a custom "
                          "autograd.Function, TorchScript) from a selected tensor")  # fmt: skip
-    _check_first_order(
-        value.item(), mode.of(value), found[len(outputs) :], leaves, flats, joint, sizes
-    )
+    _check_first_order(mode, value, found[len(outputs) :], leaves, flats)
     adjoint = {id(o): a for o, a in zip(outputs, found, strict=False)}
-    starts = [0, *torch.tensor(sizes).cumsum(0).tolist()]
     curvatures: dict[int, Tensor] = {}  # per pointwise op (its nodes share their primals)
     for node in mode.nodes:
         weights = [adjoint.get(id(o)) for o in node.outputs]
@@ -598,8 +600,7 @@ def forward_hessian(
             continue
         terms = _second_order(node, weights, mode.sizes, curvatures)
         for group, block in zip(node.groups, terms, strict=True):
-            start = 0 if joint else starts[group]
-            hessian[start : start + len(block), start : start + len(block)] += block
+            hessian[mode.span(group), mode.span(group)] += block
     return hessian
 
 
@@ -665,13 +666,11 @@ def _hessian_products(
 
 
 def _check_first_order(
-    value: float,
-    streams: Sequence[Stream],
+    mode: Tangents,
+    loss: Tensor,
     gradients: Sequence[Tensor | None],
     leaves: Sequence[Tensor],
     flats: Sequence[Tensor],
-    joint: bool,
-    sizes: Sequence[int],
 ) -> None:
     """Raise :class:`NotForward` where the loss's tangents (its first derivatives along the
     selected entries, pushed forward) differ from autograd's gradient there: a use of a selected
@@ -681,18 +680,17 @@ def _check_first_order(
         for g, leaf, flat in zip(gradients, leaves, flats, strict=True)
     ]).detach()  # fmt: skip
     got = torch.zeros_like(expected)
-    starts = [0, *torch.tensor(sizes).cumsum(0).tolist()]
-    for stream in streams:
+    for stream in mode.of(loss):
         rows = 0
         for group in stream.groups:
-            start, size = (0, len(expected)) if joint else (starts[group], sizes[group])
-            got[start : start + size] += stream.tangents[rows : rows + size].reshape(size)
+            size = mode.sizes[group]
+            got[mode.span(group)] += stream.tangents[rows : rows + size].reshape(size)
             rows += size
     if not len(expected):
         return
     tolerance = _TOLERANCE.get(expected.dtype, 0.1)
     scale = max(expected.abs().max().item(), got.abs().max().item())
-    floor = 1e3 * torch.finfo(expected.dtype).eps * max(1.0, abs(value))  # rounding at a minimum
+    floor = 1e3 * torch.finfo(expected.dtype).eps * max(1.0, abs(loss.item()))  # at a minimum
     if (got - expected).abs().max().item() > max(tolerance * scale, floor):
         raise NotForward("the loss's first derivatives along the selected entries, pushed "
                          "forward, differ from autograd's gradient: a use of a selected "

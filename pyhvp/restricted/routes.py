@@ -354,11 +354,8 @@ class Survey(TorchFunctionMode):
             self.usage[source].held += held
         if taint or direct:
             self._note_curvature(func, op, args, kwargs, outs, cost)
-            reason = refusal(func, op, args, kwargs)
-            written_values = [v for v in pytree.tree_leaves(written) if isinstance(v, torch.Tensor)]
-            if any(self._taint.get(id(v), (None,))[0] is v for v in written_values):
-                reason = f"{describe(func)} writes in place to an activation of a selected tensor"
-            self.forward_refusal = self.forward_refusal or reason
+            if self.forward_refusal is None:  # the first one found is reason enough
+                self.forward_refusal = self._forward_refusal(func, op, args, kwargs, written)
         if direct:
             followed = self._classify(op, func, args, kwargs, direct, out, cost, taint)
             if followed:
@@ -368,6 +365,21 @@ class Survey(TorchFunctionMode):
             for value in outs:
                 self._taint[id(value)] = (value, taint)
         return out
+
+    def _forward_refusal(
+        self,
+        func: Callable[..., Any],
+        op: str,
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        written: Any,
+    ) -> str | None:
+        """Why the forward route would refuse this call of an op a selected tensor reaches."""
+        for value in pytree.tree_leaves(written):
+            found = self._taint.get(id(value))
+            if found is not None and found[0] is value:
+                return f"{describe(func)} writes in place to an activation of a selected tensor"
+        return refusal(func, op, args, kwargs)
 
     def _note_curvature(
         self,
@@ -735,7 +747,7 @@ def choose(
         by_loop = _split(found, sizes, joint, compiled, reverse, together, loop=True)
         if by_loop.cost < best.cost:
             best = dataclasses.replace(by_loop, reverse_only_cost=best.reverse_only_cost)
-    if forward and together(range(len(sizes))) and forward_fits(found, sizes, joint):
+    if forward and forward_fits(found, sizes, joint, together):
         cost = forward_cost(found, sizes, joint)
         rival = best.cost
         if compiles_later and not compiled:
@@ -821,10 +833,16 @@ def forward_alone(model: Routes, count: int) -> Routes:
         loop=False, forward=True, instead=None)  # fmt: skip
 
 
-def forward_fits(found: Survey, sizes: Sequence[int], joint: bool) -> bool:
-    """Whether the forward-tangent route's tangents fit :data:`FORWARD_TANGENTS`, and the
-    survey saw nothing it would refuse."""
-    if found.forward_refusal is not None:
+def forward_fits(
+    found: Survey,
+    sizes: Sequence[int],
+    joint: bool,
+    together: Callable[[Sequence[int]], bool] = lambda members: True,
+) -> bool:
+    """Whether the forward-tangent route may take every selected tensor: they may share one
+    pass (``together``), its tangents fit :data:`FORWARD_TANGENTS`, and the survey saw nothing
+    it would refuse."""
+    if found.forward_refusal is not None or not together(range(len(sizes))):
         return False
     if joint:
         held = max((u.held for u in found.usage), default=0)
