@@ -751,7 +751,7 @@ def choose(
         cost = forward_cost(found, sizes, joint)
         rival = best.cost
         if compiles_later and not compiled:
-            rival = min(rival, _split(found, sizes, joint, True, reverse, together, loop).cost)
+            rival = min(rival, choose(found, sizes, joint, True, reverse, together, loop).cost)
         if cost < FORWARD_MARGIN * rival:
             return dataclasses.replace(forward_alone(best, len(sizes)), cost=cost, instead=best)
     return best
