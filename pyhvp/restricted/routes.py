@@ -353,9 +353,7 @@ class Survey(TorchFunctionMode):
             self.usage[source].widest = max(self.usage[source].widest, widest)
             self.usage[source].held += held
         if taint or direct:
-            self._note_curvature(func, op, args, kwargs, outs, cost)
-            if self.forward_refusal is None:  # the first one found is reason enough
-                self.forward_refusal = self._forward_refusal(func, op, args, kwargs, written)
+            self._note_forward(func, op, args, kwargs, outs, cost, written)
         if direct:
             followed = self._classify(op, func, args, kwargs, direct, out, cost, taint)
             if followed:
@@ -366,22 +364,7 @@ class Survey(TorchFunctionMode):
                 self._taint[id(value)] = (value, taint)
         return out
 
-    def _forward_refusal(
-        self,
-        func: Callable[..., Any],
-        op: str,
-        args: Sequence[Any],
-        kwargs: dict[str, Any],
-        written: Any,
-    ) -> str | None:
-        """Why the forward route would refuse this call of an op a selected tensor reaches."""
-        for value in pytree.tree_leaves(written):
-            found = self._taint.get(id(value))
-            if found is not None and found[0] is value:
-                return f"{describe(func)} writes in place to an activation of a selected tensor"
-        return refusal(func, op, args, kwargs)
-
-    def _note_curvature(
+    def _note_forward(
         self,
         func: Callable[..., Any],
         op: str,
@@ -389,15 +372,22 @@ class Survey(TorchFunctionMode):
         kwargs: dict[str, Any],
         outs: Sequence[torch.Tensor],
         cost: Work,
+        written: Any,
     ) -> None:
-        """Per selected tensor reaching this op: its second-order term on the forward route
-        (:attr:`Usage.pairs`, :attr:`Usage.curved`), as :mod:`~pyhvp.restricted.forward` finds
-        it."""
+        """What the forward route (:mod:`~pyhvp.restricted.forward`) would make of this op, which
+        a selected tensor reaches: per such tensor, its second-order term here
+        (:attr:`Usage.pairs`, :attr:`Usage.curved`); and the first reason to refuse the loss
+        (:attr:`forward_refusal`)."""
+        if self.forward_refusal is None:
+            if any(_held(self._taint, v) is not None for v in pytree.tree_leaves(written)):
+                self.forward_refusal = (f"{describe(func)} writes in place to an activation of "
+                                        "a selected tensor")  # fmt: skip
+            else:
+                self.forward_refusal = refusal(func, op, args, kwargs)
         leaves = pytree.tree_leaves((args, kwargs))
         reached: dict[int, list[int]] = {}
         for i, value in enumerate(leaves):
-            found = self._taint.get(id(value))
-            bits = found[1] if found is not None and found[0] is value else 0
+            bits = _held(self._taint, value) or 0
             source = self._source(value)
             for bit in _bits(bits | (0 if source is None else 1 << source)):
                 reached.setdefault(bit, []).append(i)
