@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from dense import dense_sub_hessian
 from test_sub_hessian_sparse_ops import CASES as OP_CASES
-from test_sub_hessian_sparse_ops import reference, squash
+from test_sub_hessian_sparse_ops import lenet, reference, squash
 from torch import nn
 
 import pyhvp
@@ -46,21 +46,6 @@ def test_each_op_equals_the_dense_sub_hessian_joint_and_per_tensor(case, device)
     torch.testing.assert_close(blocks, per_tensor(expected, index), **F64)
 
 
-class LeNet(nn.Module):
-    """LeNet-5's shape at a small size: conv, tanh, max-pool, conv, tanh, max-pool, linear,
-    tanh, linear."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv1, self.conv2 = nn.Conv2d(1, 3, 3), nn.Conv2d(3, 4, 3, padding=1)
-        self.fc1, self.fc2 = nn.Linear(16, 6), nn.Linear(6, 3)
-
-    def forward(self, x):
-        x = F.max_pool2d(torch.tanh(self.conv1(x)), 2)
-        x = F.max_pool2d(torch.tanh(self.conv2(x)), 2)
-        return self.fc2(torch.tanh(self.fc1(x.flatten(1))))
-
-
 class Block(nn.Module):
     """A transformer block: attention by ``scaled_dot_product_attention``, LayerNorms, a GELU
     MLP, a mean over tokens and a linear head."""
@@ -93,7 +78,7 @@ class Classifier(nn.Module):
 
 
 NETWORKS = {
-    "LeNet": (LeNet, lambda g: torch.rand(4, 1, 10, 10, generator=g, dtype=torch.float64)),
+    "LeNet": (lenet, lambda g: torch.rand(4, 1, 12, 12, generator=g, dtype=torch.float64)),
     "transformer block": (Block, lambda g: torch.randn(2, 5, 8, generator=g, dtype=torch.float64)),
     "embedding classifier": (Classifier, lambda g: torch.randint(0, 20, (4, 6), generator=g)),
 }  # fmt: skip
@@ -307,11 +292,11 @@ def test_chunk_size_and_an_enclosing_vmap_are_refused_by_name():
 
 
 def test_data_batches_sum():
-    batches = [torch.rand(3, 1, 10, 10, dtype=torch.float64) for _ in range(2)]
+    batches = [torch.rand(3, 1, 12, 12, dtype=torch.float64) for _ in range(2)]
     targets = [torch.tensor([0, 2, 1]), torch.tensor([1, 1, 0])]
-    model, criterion = LeNet().double(), nn.CrossEntropyLoss(reduction="sum")
+    model, criterion = lenet().double(), nn.CrossEntropyLoss(reduction="sum")
     params = {name: p.detach() for name, p in model.named_parameters()}
-    index = {"conv1.weight": torch.tensor([0, 26, 3]), "fc2.bias": torch.tensor([2, 0])}
+    index = {"0.weight": torch.tensor([0, 26, 3]), "9.bias": torch.tensor([2, 0])}
 
     def loss(p, batch):
         return criterion(torch.func.functional_call(model, p, (batch[0],)), batch[1])
