@@ -134,6 +134,43 @@ def test_ops_where_two_selected_tensors_meet_keep_their_cross_terms(loss):
     torch.testing.assert_close(joint, expected, **F64)
 
 
+C = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+B = torch.randn(3, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+
+
+def hidden(p):
+    """An activation that carries tangents of both tensors, as an op's input: ``(3, 4)``."""
+    return torch.tanh(p["w"] + p["v"].T.repeat(2, 1)[:3] / 2)
+
+
+PUSHES = {  # ops that push tangents without jvp: linear ones as the op with constant terms zero
+    "1 - h": lambda p: squash(1.0 - hidden(p)),
+    "h + a constant tensor": lambda p: squash(hidden(p) + C),
+    "add(c, h, alpha=2)": lambda p: squash(torch.add(C, hidden(p), alpha=2)),
+    "sub(h, c)": lambda p: squash(torch.sub(hidden(p), C)),
+    "cat and stack with constants": lambda p: squash(
+        torch.stack([C, torch.cat([hidden(p)[:, :2], C[:, 2:]], dim=1)])),
+    "F.linear with a constant weight and bias": lambda p: squash(F.linear(hidden(p), C, B)),
+    "addmm with a constant matrix": lambda p: squash(torch.addmm(B[:, None], hidden(p), C.T)),
+    "conv1d with a constant kernel and bias": lambda p: squash(
+        F.conv1d(hidden(p)[None], C.T[:, :, None], C[0], padding=1)),
+    "quotient and product by constants": lambda p: squash(2 * (hidden(p) / (2 + C)) * C),
+    "mean, sum, negation, average pool": lambda p: squash(
+        -F.avg_pool1d(hidden(p)[None], 2).mean(0) + hidden(p).sum(1, keepdim=True)),
+    "ReLUs (by their slope)": lambda p: squash(F.relu(hidden(p) - 0.2) + torch.relu(-hidden(p))),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("loss", PUSHES.values(), ids=PUSHES.keys())
+def test_ops_pushed_without_jvp_equal_the_dense_sub_hessian(loss):
+    params, index = {"w": W, "v": V}, {"w": torch.tensor([0, 11, 5, 0]), "v": torch.arange(8)}
+    expected = dense_sub_hessian(loss, params, index)
+    joint = pyhvp.sub_hessian(loss, params, index, joint=True, method="forward")
+    blocks = pyhvp.sub_hessian(loss, params, index, method="forward")
+    torch.testing.assert_close(joint, expected, **F64)
+    torch.testing.assert_close(blocks, per_tensor(expected, index), **F64)
+
+
 EDGES = {  # loss, index: selections and points where a route may trip
     "one tensor without selected entries": (
         lambda p: squash(p["w"] @ p["v"]), {"w": [], "v": [1, 2, 5]}),
