@@ -158,6 +158,8 @@ PUSHES = {  # ops that push tangents without jvp: linear ones as the op with con
     "mean, sum, negation, average pool": lambda p: squash(
         -F.avg_pool1d(hidden(p)[None], 2).mean(0) + hidden(p).sum(1, keepdim=True)),
     "ReLUs (by their slope)": lambda p: squash(F.relu(hidden(p) - 0.2) + torch.relu(-hidden(p))),
+    "a view shaped like a value carrying other tangents": lambda p: squash(
+        (2 * p["w"]).reshape(-1)[:8].view_as(p["v"] ** 2).to(p["v"] * 3) * p["v"]),
 }  # fmt: skip
 
 

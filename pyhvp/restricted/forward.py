@@ -520,16 +520,18 @@ def _constant_terms(
     only other arguments add (a bias, the other operand of a sum), the leaves holding those:
     with them zero, the op itself pushes tangents, as ``vmap`` of it (a tenth of ``vmap(jvp)``'s
     cost on a small layer); None where it is not known to be (``jvp`` pushes them)."""
-    if op == "view" or func in HOMOGENEOUS:
-        return ()
+    first = tuple(positions) == (0,) and bool(args) and args[0] is leaves[0]
+    if op == "view" or func in HOMOGENEOUS:  # others' arguments: shapes, dtypes (x.view_as(y))
+        return () if first else None
     if func in PRODUCTS and len(positions) == 1:
         return ()
-    if func in QUOTIENTS and tuple(positions) == (0,):
+    if func in QUOTIENTS and first:
         return () if argument(args, kwargs, "rounding_mode", 2, None) is None else None
-    if func in SUMS and len(args) >= 2:  # the operands are leaves 0 and 1
+    if func in SUMS and len(args) >= 2 and set(positions) <= {0, 1}:  # operands: leaves 0, 1
         return tuple(i for i in (0, 1) if i not in positions)
     if func in JOINS and args and isinstance(args[0], (list, tuple)):  # leaves 0..n-1
-        return tuple(i for i in range(len(args[0])) if i not in positions)
+        n = len(args[0])
+        return tuple(i for i in range(n) if i not in positions) if max(positions) < n else None
     if op in _CONTRACTIONS and linear_in(func, op, args, kwargs, leaves, positions):
         bound = bind(op, args, kwargs)
         assert bound is not None  # linear_in bound it
