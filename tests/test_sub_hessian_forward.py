@@ -306,10 +306,31 @@ def test_what_it_cannot_follow_is_refused_by_name_and_auto_serves_it(loss, named
         torch.testing.assert_close(got, expected, **F64)
 
 
-def test_a_gradient_hook_is_refused_by_name():
-    """A hook that changes a gradient makes autograd's derivative differ from the op's."""
-    with pytest.raises(ValueError, match="a gradient hook on a value"):
-        pyhvp.sub_hessian(hooked, {"w": W}, {"w": torch.arange(12)}, method="forward")
+@pytest.mark.parametrize("method", ["forward", "sparse"])
+def test_a_gradient_hook_is_refused_by_name(method):
+    """A hook that changes a gradient makes autograd's derivative differ from the op's: the
+    routes that do not run autograd's passes refuse it."""
+    with pytest.raises(ValueError, match=f"method='{method}' does not apply.*a gradient hook"):
+        pyhvp.sub_hessian(hooked, {"w": W}, {"w": torch.arange(12)}, method=method)
+
+
+def test_auto_follows_autograd_through_a_gradient_hook_as_the_seed_loop_does():
+    """Where the cost model takes the sparse route (a wide layer, 16 entries), a hook still
+    gives the seed's loop's (autograd's) matrix, call after call."""
+    inputs = torch.randn(20, 50, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    weight = torch.randn(10, 50, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+
+    def loss(p):
+        y = inputs @ p["w"].T
+        if y.requires_grad:
+            y.register_hook(lambda grad: 2 * grad)
+        return squash(y)
+
+    index = {"w": torch.arange(0, 500, 31)}
+    expected = pyhvp.sub_hessian(loss, {"w": weight}, index, method="reverse")
+    for _ in range(8):  # past the trial
+        got = pyhvp.sub_hessian(loss, {"w": weight}, index, backend=EAGER)
+        torch.testing.assert_close(got, expected, **F64)
 
 
 def test_a_wrong_forward_derivative_pyhvp_does_not_know_fails_the_first_order_check(monkeypatch):

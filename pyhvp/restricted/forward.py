@@ -56,6 +56,7 @@ from pyhvp.restricted.ops import (
     BIASES,
     CONTRACTED,
     EINSUM_FAMILY,
+    HOOKS,
     argument,
     autograd_convention,
     bind,
@@ -136,8 +137,6 @@ _STATEFUL = _functions((F,), ("batch_norm", "instance_norm"))
 
 _WRONG_FORWARD_DERIVATIVES = _functions((torch, Tensor), ("scatter_reduce",))
 """Ops whose forward derivative torch computes wrongly in some mode (``reduce="prod"``)."""
-
-_HOOKS = _functions((Tensor,), ("register_hook", "register_post_accumulate_grad_hook"))
 
 _DROPOUTS = _functions(
     (F,), ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
@@ -566,7 +565,7 @@ def refusal(func: Callable[..., Any], op: str, args: Sequence[Any], kwargs: dict
         return f"{describe(func)} updates its running statistics in training"
     if func in _DROPOUTS and argument(args, kwargs, "training", 2, True):
         return f"{describe(func)} in training draws a random mask (randomness)"
-    if func in _HOOKS:
+    if func in HOOKS:
         return (f"{describe(func)}: a gradient hook on a value that depends on a selected "
                 "tensor changes autograd's derivative, not the op's")  # fmt: skip
     if func in _WRONG_FORWARD_DERIVATIVES and "prod" in (*args[4:5], kwargs.get("reduce")):

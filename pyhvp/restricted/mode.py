@@ -33,6 +33,7 @@ from pyhvp.restricted.ops import (
     BIASES,
     CONTRACTED,
     EINSUM_FAMILY,
+    HOOKS,
     autograd_convention,
     bind,
     call_kind,
@@ -193,6 +194,9 @@ class Injection(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        if func in HOOKS:  # on a value computed from the selected entries' z
+            raise NotSparse(f"{describe(func)}: a gradient hook changes autograd's derivative, "
+                            "which the sparse route does not follow")  # fmt: skip
         values = pytree.tree_leaves((args, kwargs))
         if not any(self._find(v) is not None for v in values):
             return func(*args, **kwargs)

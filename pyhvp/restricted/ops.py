@@ -163,6 +163,11 @@ _METADATA_PROPERTIES = ("shape", "dtype", "device", "ndim", "layout", "is_cuda",
 
 _NORMS = ("layer_norm", "group_norm", "batch_norm", "instance_norm", "rms_norm")
 
+HOOKS = frozenset({Tensor.register_hook, Tensor.register_post_accumulate_grad_hook})
+"""Gradient hooks: they change autograd's derivative, not the op's. The reverse route runs
+autograd's own passes, which apply them (as the seed's loop does); the sparse and forward routes
+refuse a loss that registers one."""
+
 PROPERTIES = ("T", "mT", "H", "mH")
 _TRACED_PROPERTIES = ("numpy_T", "mT", "matrix_H", "mH")
 """The aten ops dynamo hands a ``TorchFunctionMode`` for ``W.T``, ``W.mT``, ``W.H`` and ``W.mH``
