@@ -80,6 +80,22 @@ def inject(out: torch.Tensor, part: torch.Tensor, c: Contribution, batch: int) -
     return out + torch.tensordot(z, values.unsqueeze(1 + c.dim) * one_hot, 1)  # type: ignore[no-any-return]
 
 
+def tangents(c: Contribution, into: torch.Tensor) -> torch.Tensor:
+    """Fills ``into``, zeros of shape ``(k, *out.shape)``, with each entry's tangent of ``out``
+    (the dense form of ``c``), and returns it."""
+    values = c.values.detach().to(into.dtype)
+    if c.entries is not None:
+        assert c.positions is not None
+        into.view(len(into), -1).index_put_((c.entries, c.positions), values, accumulate=True)
+    elif c.dim is None:
+        into.copy_(values)
+    else:
+        assert c.positions is not None
+        where = torch.arange(len(into), device=into.device)
+        into.movedim(1 + c.dim, 1)[where, c.positions] = values
+    return into
+
+
 # --- the einsum family ---------------------------------------------------------------------
 
 

@@ -189,18 +189,7 @@ class Seed:
         """A :class:`~pyhvp.restricted.contributions.Contribution` of its entries to ``out``,
         as their tangents of it, ``(rows, *out.shape)``."""
         dense = out.new_zeros(self.rows, *out.shape)
-        own = dense[self.offset : self.offset + len(self.flat)]
-        values = found.values.detach().to(out.dtype)
-        if found.entries is not None:
-            assert found.positions is not None
-            own.view(len(own), -1).index_put_((found.entries, found.positions), values,
-                                              accumulate=True)  # fmt: skip
-        elif found.dim is None:
-            own.copy_(values)
-        else:
-            assert found.positions is not None
-            where = torch.arange(len(own), device=out.device)
-            own.movedim(1 + found.dim, 1)[where, found.positions] = values
+        own = rules.tangents(found, dense[self.offset : self.offset + len(self.flat)])
         if self.held is not None:
             own[~self.held] = 0
         return dense

@@ -6,7 +6,9 @@ Per use of a selected tensor (or of a view of one, followed as a selected tensor
 * a contraction with a sparse rule (:mod:`pyhvp.restricted.ops`): the op runs on the tensor
   itself and each entry's tangent (:mod:`pyhvp.restricted.contributions`) is added, times its
   ``z``; when several operands of one contraction are selected, the largest enters so and the
-  others densely first, so their cross terms are exact;
+  others densely first, so their cross terms are exact (an embedding's, eagerly, where its
+  output is used, and pushed through a sum or a mean first: :class:`Deferred`, so that the
+  reverse passes move ``k`` copies of the pooled value, not of every token's);
 * a view (``W.T``, ``W.view``, ``W[2:]``, ``W.chunk``): applied to the tensor, and the entries'
   positions in the result found by applying it to their flat indices;
 * a bias of a contraction, or an elementwise, reduction or normalisation op: ``W + scatter(z)``;
@@ -143,6 +145,24 @@ def _returns_its_input(
     )  # fmt: skip
 
 
+class Deferred(NamedTuple):
+    """Selected entries' tangents of a value, not yet added to it: ``contribution`` (an op's
+    output's, as the rule gave it), or after pushing ``(k, *value.shape)`` dense
+    ``directions``; times ``part`` (their slice of ``z``)."""
+
+    contribution: rules.Contribution | None
+    directions: torch.Tensor | None
+    part: torch.Tensor
+
+
+REDUCTIONS = frozenset({torch.sum, torch.Tensor.sum, torch.mean, torch.Tensor.mean})
+"""Reductions an embedding's deferred tangents are pushed through (:meth:`Injection._reduce`)."""
+
+DEFERRED_LIMIT = 1 << 24
+"""Most elements the dense tangents of a deferred embedding output may hold (``k`` times the
+output's size) to be pushed through a reduction: 64 MB in float32."""
+
+
 class Injection(TorchFunctionMode):
     """Shifts the selected entries of ``tensors`` by ``z`` wherever the loss uses them;
     ``batch``: how many directions a Hessian pass pushes at once (chooses how tangents enter)."""
@@ -163,6 +183,9 @@ class Injection(TorchFunctionMode):
         ]
         self.batch = batch
         self.sparse_uses = 0
+        # values with tangents not yet added, and what they became once added, by ``id``
+        self.deferred: dict[int, tuple[torch.Tensor, list[Deferred]]] = {}
+        self.added: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _find(self, value: object) -> Selected | None:
         if isinstance(value, torch.Tensor):
@@ -197,6 +220,11 @@ class Injection(TorchFunctionMode):
         if func in HOOKS:  # on a value computed from the selected entries' z
             raise NotSparse(f"{describe(func)}: a gradient hook changes autograd's derivative, "
                             "which the sparse route does not follow")  # fmt: skip
+        if self.deferred or self.added:
+            reduced = self._reduce(func, args, kwargs)
+            if reduced is not None:
+                return reduced
+            args, kwargs = pytree.tree_map(self.with_tangents, (tuple(args), kwargs))
         values = pytree.tree_leaves((args, kwargs))
         if not any(self._find(v) is not None for v in values):
             return func(*args, **kwargs)
@@ -222,6 +250,61 @@ class Injection(TorchFunctionMode):
         cheap = op == "cheap"
         args, kwargs = pytree.tree_map(lambda v: self._dense(v, func, cheap), (tuple(args), kwargs))
         return func(*args, **kwargs)
+
+    def _deferred(self, value: object) -> list[Deferred] | None:
+        found = self.deferred.get(id(value))
+        return found[1] if found is not None and found[0] is value else None
+
+    def with_tangents(self, value: object) -> object:
+        """``value``, its deferred tangents (if any) added: the same tensor for every use, so
+        that an in-place op on it is seen by the later ones."""
+        found = self.added.get(id(value))
+        if found is not None and found[0] is value:
+            return found[1]
+        pending = self._deferred(value)
+        if pending is None:
+            return value
+        assert isinstance(value, torch.Tensor)
+        total = value
+        for d in pending:
+            if d.contribution is not None:
+                total = rules.inject(total, d.part, d.contribution, self.batch)
+            else:
+                assert d.directions is not None
+                total = total + torch.tensordot(d.part.to(value.dtype), d.directions, 1)
+        self.added[id(value)] = (value, total)
+        del self.deferred[id(value)]  # every later use, a reduction too, takes ``total``
+        return total
+
+    def _reduce(
+        self, func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
+    ) -> torch.Tensor | None:
+        """A sum or mean of a value with deferred tangents, those pushed through it (densely:
+        the embedding-then-mean of a text classifier pushes ``k`` times its output once, where
+        added before the mean every reverse pass would move that much); None where it is not
+        one (the caller adds the tangents first)."""
+        pending = self._deferred(args[0]) if func in REDUCTIONS and args else None
+        if pending is None or "out" in kwargs or not torch.is_grad_enabled():
+            return None
+        if any(v is args[0] for v in pytree.tree_leaves((args[1:], kwargs))):
+            return None
+        value = args[0]
+        out = func(*args, **kwargs)
+        rows = sum(len(d.part) for d in pending)
+        if out.numel() >= value.numel() or rows * value.numel() > DEFERRED_LIMIT:
+            return None
+        pushed = []
+        for d in pending:
+            directions = d.directions
+            if directions is None:
+                assert d.contribution is not None
+                directions = rules.tangents(
+                    d.contribution, value.new_zeros(len(d.part), *value.shape)
+                )
+            reduced = torch.func.vmap(lambda t: func(t, *args[1:], **kwargs))(directions)
+            pushed.append(Deferred(None, reduced, d.part))
+        self.deferred[id(out)] = (out, pushed)
+        return out  # type: ignore[no-any-return]
 
     def _view(
         self, func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
@@ -293,11 +376,14 @@ class Injection(TorchFunctionMode):
         contribution = contribution_of(op, bound, chosen[0], entry.coords)
         if isinstance(contribution, str):
             return None
-        out = _call(op, func, bound)
+        out: torch.Tensor = _call(op, func, bound)
         part = entry.part if entry.mask is None else entry.part * entry.mask
         if op == "addmm" and bound.get("alpha", 1) != 1:
             part = part * bound["alpha"]
         self.sparse_uses += 1
+        if op == "embedding" and not torch.compiler.is_compiling():
+            self.deferred[id(out)] = (out, [Deferred(contribution, None, part)])
+            return out  # its tangents added where it is used (by a reduction: pushed)
         return rules.inject(out, part, contribution, self.batch)
 
 
