@@ -251,6 +251,22 @@ CASES = [
         {"e": [12, 0, 25, 12, 27]},
     ),
     Case(
+        "embedding reduced over several and negative dims, keepdim, and over all",
+        on(
+            TOKENS,
+            lambda t, p: (
+                lambda e: (
+                    squash(e.sum((0, -1), keepdim=True))
+                    + squash(e.mean(-2))
+                    + squash(torch.mean(e, dim=[2, 0]))
+                    + e.mean() ** 2
+                )
+            )(F.embedding(t, p["e"])),
+        ),
+        {"e": (7, 4)},
+        {"e": [12, 0, 25, 12, 27]},
+    ),
+    Case(
         "embedding used by means and directly",
         on(
             TOKENS,
@@ -359,15 +375,20 @@ PADDED_TABLES = {
 
 
 def test_an_embeddings_tangents_go_through_a_mean_before_they_are_added(monkeypatch):
-    """Added to the embedding's output, every reverse pass would move ``k`` copies of it; pushed
+    """Added to the embedding's output, every reverse pass would move ``k`` copies of it; moved
     through the mean first, ``k`` copies of the mean's (a text classifier's tokens: 32x fewer)."""
     injected = []
-    monkeypatch.setattr(contributions, "inject", lambda out, *rest: injected.append(out.shape))
+
+    def spy(out, *rest):
+        injected.append(tuple(out.shape))
+        return inject(out, *rest)
+
+    monkeypatch.setattr(contributions, "inject", spy)
     loss, params, index = next(c for c in CASES if c.name == "embedding").make("cpu")
     pyhvp.sub_hessian(
         loss, params, index, method="sparse", backend=pyhvp.TorchBackend(compile=False)
     )
-    assert injected == []
+    assert set(injected) == {(TOKENS.shape[0], 4)}  # (sentences, features), not (..., tokens, ...)
 
 
 def written_after_a_mean(p):

@@ -96,6 +96,20 @@ def tangents(c: Contribution, into: torch.Tensor) -> torch.Tensor:
     return into
 
 
+def reduced(c: Contribution, shape: Sequence[int], dims: Sequence[int], mean: bool) -> Contribution:
+    """A list of nonzeros ``c`` (``c.entries`` set) of a value of ``shape``, moved to a sum
+    (``mean``: a mean) of that value over ``dims``, keepdim or not: each to its position
+    there, scaled by one over the reduced size for a mean (repeats add up in :func:`inject`)."""
+    assert c.entries is not None and c.positions is not None
+    coords = torch.unravel_index(c.positions, tuple(shape))
+    positions = torch.zeros_like(c.positions)
+    for d, size in enumerate(shape):
+        if d not in dims:
+            positions = positions * size + coords[d]
+    values = c.values / math.prod(shape[d] for d in dims) if mean else c.values
+    return Contribution(None, positions, values, c.entries)
+
+
 # --- the einsum family ---------------------------------------------------------------------
 
 

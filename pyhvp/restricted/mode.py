@@ -146,21 +146,29 @@ def _returns_its_input(
 
 
 class Deferred(NamedTuple):
-    """Selected entries' tangents of a value, not yet added to it: ``contribution`` (an op's
-    output's, as the rule gave it), or after pushing ``(k, *value.shape)`` dense
-    ``directions``; times ``part`` (their slice of ``z``)."""
+    """Selected entries' tangents of a value, not yet added to it: ``contribution``, a list of
+    nonzeros (an embedding's, and after sums and means), times ``part`` (their slice of ``z``)."""
 
-    contribution: rules.Contribution | None
-    directions: torch.Tensor | None
+    contribution: rules.Contribution
     part: torch.Tensor
 
 
-REDUCTIONS = frozenset({torch.sum, torch.Tensor.sum, torch.mean, torch.Tensor.mean})
-"""Reductions an embedding's deferred tangents are pushed through (:meth:`Injection._reduce`)."""
+REDUCTIONS = {torch.sum: False, torch.Tensor.sum: False, torch.mean: True, torch.Tensor.mean: True}
+"""Reductions an embedding's deferred tangents are pushed through, and whether each averages."""
 
-DEFERRED_LIMIT = 1 << 24
-"""Most elements the dense tangents of a deferred embedding output may hold (``k`` times the
-output's size) to be pushed through a reduction: 64 MB in float32."""
+
+def _reduced_dims(args: Sequence[Any], kwargs: dict[str, Any], ndim: int) -> tuple[int, ...] | None:
+    """The dims a call ``sum`` / ``mean(input, dim=None, keepdim=False, *, dtype=None)`` reduces
+    (non-negative), or None for a call this does not read."""
+    if len(args) > 3 or set(kwargs) - {"dim", "keepdim", "dtype"}:
+        return None
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    if dim is None:
+        return tuple(range(ndim))
+    dims = (dim,) if isinstance(dim, int) else dim
+    if not isinstance(dims, (tuple, list)) or not dims or not all(isinstance(d, int) for d in dims):
+        return None
+    return tuple(sorted({d % ndim for d in dims}))
 
 
 class Injection(TorchFunctionMode):
@@ -267,11 +275,7 @@ class Injection(TorchFunctionMode):
         assert isinstance(value, torch.Tensor)
         total = value
         for d in pending:
-            if d.contribution is not None:
-                total = rules.inject(total, d.part, d.contribution, self.batch)
-            else:
-                assert d.directions is not None
-                total = total + torch.tensordot(d.part.to(value.dtype), d.directions, 1)
+            total = rules.inject(total, d.part, d.contribution, self.batch)
         self.added[id(value)] = (value, total)
         del self.deferred[id(value)]  # every later use, a reduction too, takes ``total``
         return total
@@ -279,31 +283,24 @@ class Injection(TorchFunctionMode):
     def _reduce(
         self, func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
     ) -> torch.Tensor | None:
-        """A sum or mean of a value with deferred tangents, those pushed through it (densely:
-        the embedding-then-mean of a text classifier pushes ``k`` times its output once, where
-        added before the mean every reverse pass would move that much); None where it is not
-        one (the caller adds the tangents first)."""
+        """A sum or mean of a value with deferred tangents, those moved through it (their
+        nonzeros to the reduced positions); None where it is not one (the caller adds the
+        tangents first)."""
         pending = self._deferred(args[0]) if func in REDUCTIONS and args else None
-        if pending is None or "out" in kwargs or not torch.is_grad_enabled():
-            return None
-        if any(v is args[0] for v in pytree.tree_leaves((args[1:], kwargs))):
+        if pending is None or not torch.is_grad_enabled():
             return None
         value = args[0]
-        out = func(*args, **kwargs)
-        rows = sum(len(d.part) for d in pending)
-        if out.numel() >= value.numel() or rows * value.numel() > DEFERRED_LIMIT:
+        dims = _reduced_dims(args, kwargs, value.ndim)
+        if dims is None or any(v is value for v in pytree.tree_leaves((args[1:], kwargs))):
             return None
-        pushed = []
-        for d in pending:
-            directions = d.directions
-            if directions is None:
-                assert d.contribution is not None
-                directions = rules.tangents(
-                    d.contribution, value.new_zeros(len(d.part), *value.shape)
-                )
-            reduced = torch.func.vmap(lambda t: func(t, *args[1:], **kwargs))(directions)
-            pushed.append(Deferred(None, reduced, d.part))
-        self.deferred[id(out)] = (out, pushed)
+        out = func(*args, **kwargs)
+        moved = [
+            rules.reduced(d.contribution, value.shape, dims, REDUCTIONS[func]) for d in pending
+        ]
+        self.deferred[id(out)] = (
+            out,
+            [Deferred(c, d.part) for c, d in zip(moved, pending, strict=True)],
+        )
         return out  # type: ignore[no-any-return]
 
     def _view(
@@ -382,7 +379,7 @@ class Injection(TorchFunctionMode):
             part = part * bound["alpha"]
         self.sparse_uses += 1
         if op == "embedding" and not torch.compiler.is_compiling():
-            self.deferred[id(out)] = (out, [Deferred(contribution, None, part)])
+            self.deferred[id(out)] = (out, [Deferred(contribution, part)])
             return out  # its tangents added where it is used (by a reduction: pushed)
         return rules.inject(out, part, contribution, self.batch)
 
