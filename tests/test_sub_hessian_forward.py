@@ -138,6 +138,9 @@ C = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_se
 B = torch.randn(3, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
 
 
+MASK = torch.tensor([0.0, -torch.inf, 0.0, 0.0], dtype=torch.float64)
+
+
 def hidden(p):
     """An activation that carries tangents of both tensors, as an op's input: ``(3, 4)``."""
     return torch.tanh(p["w"] + p["v"].T.repeat(2, 1)[:3] / 2)
@@ -158,6 +161,8 @@ PUSHES = {  # ops that push tangents without jvp: linear ones as the op with con
     "mean, sum, negation, average pool": lambda p: squash(
         -F.avg_pool1d(hidden(p)[None], 2).mean(0) + hidden(p).sum(1, keepdim=True)),
     "ReLUs (by their slope)": lambda p: squash(F.relu(hidden(p) - 0.2) + torch.relu(-hidden(p))),
+    "add(h, alpha, mask), the deprecated order, an infinite mask": lambda p: torch.softmax(
+        torch.add(hidden(p), 1, MASK), 1).pow(2).sum(),
     "a view shaped like a value carrying other tangents": lambda p: squash(
         (2 * p["w"]).reshape(-1)[:8].view_as(p["v"] ** 2).to(p["v"] * 3) * p["v"]),
 }  # fmt: skip
