@@ -14,7 +14,7 @@ from torch._dynamo.utils import counters
 
 import pyhvp
 from pyhvp.restricted import contributions
-from pyhvp.restricted.contributions import Contribution, inject
+from pyhvp.restricted.contributions import Contribution, inject, reduced
 from pyhvp.restricted.ops import describe
 
 F64 = {"rtol": 1e-9, "atol": 1e-11}
@@ -374,21 +374,59 @@ PADDED_TABLES = {
 }  # fmt: skip
 
 
-def test_an_embeddings_tangents_go_through_a_mean_before_they_are_added(monkeypatch):
-    """Added to the embedding's output, every reverse pass would move ``k`` copies of it; moved
-    through the mean first, ``k`` copies of the mean's (a text classifier's tokens: 32x fewer)."""
-    injected = []
+def test_a_mean_of_an_embeddings_output_takes_its_tangents_apart(monkeypatch):
+    """The mean of the embedding's output is taken without its tangents, and theirs moved to the
+    mean's positions: the reverse passes move ``k`` copies of the mean (a text classifier's
+    tokens: 32x fewer), never of the output."""
+    moved = []
 
-    def spy(out, *rest):
-        injected.append(tuple(out.shape))
-        return inject(out, *rest)
+    def spy(contribution, shape, dims, mean):
+        moved.append((tuple(shape), tuple(dims), mean))
+        return reduced(contribution, shape, dims, mean)
 
-    monkeypatch.setattr(contributions, "inject", spy)
+    monkeypatch.setattr(contributions, "reduced", spy)
     loss, params, index = next(c for c in CASES if c.name == "embedding").make("cpu")
     pyhvp.sub_hessian(
         loss, params, index, method="sparse", backend=pyhvp.TorchBackend(compile=False)
     )
-    assert set(injected) == {(TOKENS.shape[0], 4)}  # (sentences, features), not (..., tokens, ...)
+    assert ((*TOKENS.shape, 4), (1,), True) in moved
+
+
+@torch.jit.script
+def scripted_mean(x: torch.Tensor) -> torch.Tensor:
+    return x.mean(1)
+
+
+def looked_at_without_grad(table):
+    e = F.embedding(TOKENS, table)
+    with torch.no_grad():
+        count = e.size(1)
+    return torch.tanh(e.sum(1) / count).pow(3).sum()
+
+
+def target_without_grad(table):
+    with torch.no_grad():
+        target = F.embedding(TOKENS.roll(1, 1), table)
+    return ((F.embedding(TOKENS, table) - target) ** 2).pow(2).sum()
+
+
+EMBEDDING_USES = {  # where a reduction of an embedding's output may not take its tangents apart
+    "its shape read under no_grad first": looked_at_without_grad,
+    "a target made under no_grad": target_without_grad,
+    "a TorchScript mean": lambda w: torch.tanh(scripted_mean(F.embedding(TOKENS, w))).pow(3).sum(),
+    "a vmap over it": lambda w: torch.vmap(lambda r: r.pow(3).sum())(F.embedding(TOKENS, w)).sum(),
+    "a sum of its 0-dim sum": lambda w: F.embedding(TOKENS, w).sum().sum(0) ** 2,
+    "a sum in half precision": lambda w: torch.tanh(
+        F.embedding(TOKENS, w).sum(1, dtype=torch.float16).double()).pow(3).sum(),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("loss", EMBEDDING_USES.values(), ids=EMBEDDING_USES.keys())
+def test_an_embeddings_output_keeps_its_tangents_wherever_it_goes(loss):
+    table = tensors((7, 4), seed=2)[0]
+    index = torch.tensor([12, 0, 25, 12, 27])
+    got = pyhvp.sub_hessian(loss, table, index, method="sparse")
+    torch.testing.assert_close(got, dense_sub_hessian(loss, table, index), rtol=1e-9, atol=1e-11)
 
 
 def written_after_a_mean(p):

@@ -6,9 +6,10 @@ Per use of a selected tensor (or of a view of one, followed as a selected tensor
 * a contraction with a sparse rule (:mod:`pyhvp.restricted.ops`): the op runs on the tensor
   itself and each entry's tangent (:mod:`pyhvp.restricted.contributions`) is added, times its
   ``z``; when several operands of one contraction are selected, the largest enters so and the
-  others densely first, so their cross terms are exact (an embedding's, eagerly, where its
-  output is used, and pushed through a sum or a mean first: :class:`Deferred`, so that the
-  reverse passes move ``k`` copies of the pooled value, not of every token's);
+  others densely first, so their cross terms are exact (an embedding's output's sum or mean,
+  eagerly, is the sum or mean of the output without them plus theirs moved there:
+  :class:`Injected`, so that the reverse passes move ``k`` copies of the pooled value, not of
+  every token's);
 * a view (``W.T``, ``W.view``, ``W[2:]``, ``W.chunk``): applied to the tensor, and the entries'
   positions in the result found by applying it to their flat indices;
 * a bias of a contraction, or an elementwise, reduction or normalisation op: ``W + scatter(z)``;
@@ -145,22 +146,29 @@ def _returns_its_input(
     )  # fmt: skip
 
 
-class Deferred(NamedTuple):
-    """Selected entries' tangents of a value, not yet added to it: ``contribution``, a list of
-    nonzeros (an embedding's, and after sums and means), times ``part`` (their slice of ``z``)."""
+class Injected(NamedTuple):
+    """An embedding's output with its selected entries' tangents added (``total``, what the
+    loss receives), as it was before (``raw``) and those tangents, a list of nonzeros times
+    ``part`` (their slice of ``z``); ``version``: ``total``'s when made (an in-place write to
+    it, or to a view of it, changes that)."""
 
+    total: torch.Tensor
+    version: int
+    raw: torch.Tensor
     contribution: rules.Contribution
     part: torch.Tensor
 
 
 REDUCTIONS = {torch.sum: False, torch.Tensor.sum: False, torch.mean: True, torch.Tensor.mean: True}
-"""Reductions an embedding's deferred tangents are pushed through, and whether each averages."""
+"""Reductions of an embedding's output that take its tangents apart (:meth:`Injection._reduce`),
+and whether each averages."""
 
 
 def _reduced_dims(args: Sequence[Any], kwargs: dict[str, Any], ndim: int) -> tuple[int, ...] | None:
-    """The dims a call ``sum`` / ``mean(input, dim=None, keepdim=False, *, dtype=None)`` reduces
-    (non-negative), or None for a call this does not read."""
-    if len(args) > 3 or set(kwargs) - {"dim", "keepdim", "dtype"}:
+    """The dims a call ``sum`` / ``mean(input, dim=None, keepdim=False)`` of an ``ndim``-dim input
+    reduces (non-negative), or None for a call this does not read (a ``dtype``, which would
+    take the tangents in another precision; a 0-dim input)."""
+    if len(args) > 3 or set(kwargs) - {"dim", "keepdim"} or not ndim:
         return None
     dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
     if dim is None:
@@ -191,9 +199,7 @@ class Injection(TorchFunctionMode):
         ]
         self.batch = batch
         self.sparse_uses = 0
-        # values with tangents not yet added, and what they became once added, by ``id``
-        self.deferred: dict[int, tuple[torch.Tensor, list[Deferred]]] = {}
-        self.added: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.injected: dict[int, Injected] = {}  # by ``id`` of ``total``
 
     def _find(self, value: object) -> Selected | None:
         if isinstance(value, torch.Tensor):
@@ -228,11 +234,10 @@ class Injection(TorchFunctionMode):
         if func in HOOKS:  # on a value computed from the selected entries' z
             raise NotSparse(f"{describe(func)}: a gradient hook changes autograd's derivative, "
                             "which the sparse route does not follow")  # fmt: skip
-        if self.deferred or self.added:
+        if self.injected:
             reduced = self._reduce(func, args, kwargs)
             if reduced is not None:
                 return reduced
-            args, kwargs = pytree.tree_map(self.with_tangents, (tuple(args), kwargs))
         values = pytree.tree_leaves((args, kwargs))
         if not any(self._find(v) is not None for v in values):
             return func(*args, **kwargs)
@@ -259,49 +264,34 @@ class Injection(TorchFunctionMode):
         args, kwargs = pytree.tree_map(lambda v: self._dense(v, func, cheap), (tuple(args), kwargs))
         return func(*args, **kwargs)
 
-    def _deferred(self, value: object) -> list[Deferred] | None:
-        found = self.deferred.get(id(value))
-        return found[1] if found is not None and found[0] is value else None
-
-    def with_tangents(self, value: object) -> object:
-        """``value``, its deferred tangents (if any) added: the same tensor for every use, so
-        that an in-place op on it is seen by the later ones."""
-        found = self.added.get(id(value))
-        if found is not None and found[0] is value:
-            return found[1]
-        pending = self._deferred(value)
-        if pending is None:
-            return value
-        assert isinstance(value, torch.Tensor)
-        total = value
-        for d in pending:
-            total = rules.inject(total, d.part, d.contribution, self.batch)
-        self.added[id(value)] = (value, total)
-        del self.deferred[id(value)]  # every later use, a reduction too, takes ``total``
-        return total
-
     def _reduce(
         self, func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
     ) -> torch.Tensor | None:
-        """A sum or mean of a value with deferred tangents, those moved through it (their
-        nonzeros to the reduced positions); None where it is not one (the caller adds the
-        tangents first)."""
-        pending = self._deferred(args[0]) if func in REDUCTIONS and args else None
-        if pending is None or not torch.is_grad_enabled():
+        """A sum or mean of an embedding's output (:class:`Injected`, unwritten since), as that of
+        its value without tangents plus those moved there (their nonzeros to the reduced
+        positions): the same value and derivatives, but the reverse passes reach the tangents
+        without passing through every token's features; None where it is not one."""
+        found = self.injected.get(id(args[0])) if func in REDUCTIONS and args else None
+        if found is None or found.total is not args[0] or not torch.is_grad_enabled():
             return None
-        value = args[0]
-        dims = _reduced_dims(args, kwargs, value.ndim)
-        if dims is None or any(v is value for v in pytree.tree_leaves((args[1:], kwargs))):
+        if found.total._version != found.version:
             return None
-        out = func(*args, **kwargs)
-        moved = [
-            rules.reduced(d.contribution, value.shape, dims, REDUCTIONS[func]) for d in pending
-        ]
-        self.deferred[id(out)] = (
-            out,
-            [Deferred(c, d.part) for c, d in zip(moved, pending, strict=True)],
-        )
-        return out  # type: ignore[no-any-return]
+        dims = _reduced_dims(args, kwargs, found.raw.ndim)
+        if dims is None or any(v is found.total for v in pytree.tree_leaves((args[1:], kwargs))):
+            return None
+        raw = func(found.raw, *args[1:], **kwargs)
+        moved = rules.reduced(found.contribution, found.raw.shape, dims, REDUCTIONS[func])
+        return self._inject(raw, found.part, moved)
+
+    def _inject(
+        self, raw: torch.Tensor, part: torch.Tensor, contribution: rules.Contribution
+    ) -> torch.Tensor:
+        """``raw`` with the tangents ``contribution`` times ``part`` added; an embedding's (a
+        list of nonzeros) kept apart too, for :meth:`_reduce`."""
+        total = rules.inject(raw, part, contribution, self.batch)
+        if contribution.entries is not None and torch.is_grad_enabled():
+            self.injected[id(total)] = Injected(total, total._version, raw, contribution, part)
+        return total
 
     def _view(
         self, func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
@@ -378,10 +368,7 @@ class Injection(TorchFunctionMode):
         if op == "addmm" and bound.get("alpha", 1) != 1:
             part = part * bound["alpha"]
         self.sparse_uses += 1
-        if op == "embedding" and not torch.compiler.is_compiling():
-            self.deferred[id(out)] = (out, [Deferred(contribution, part)])
-            return out  # its tangents added where it is used (by a reduction: pushed)
-        return rules.inject(out, part, contribution, self.batch)
+        return self._inject(out, part, contribution)
 
 
 PADDING_ROW = (
