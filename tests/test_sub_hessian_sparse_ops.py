@@ -404,6 +404,12 @@ def looked_at_without_grad(table):
     return torch.tanh(e.sum(1) / count).pow(3).sum()
 
 
+def written_through_data(table):
+    e = F.embedding(TOKENS, table)
+    e.data.mul_(2)  # a write autograd does not see: the value changes, the derivatives do not
+    return torch.tanh(e.mean(1)).pow(3).sum()
+
+
 def target_without_grad(table):
     with torch.no_grad():
         target = F.embedding(TOKENS.roll(1, 1), table)
@@ -413,6 +419,7 @@ def target_without_grad(table):
 EMBEDDING_USES = {  # where a reduction of an embedding's output may not take its tangents apart
     "its shape read under no_grad first": looked_at_without_grad,
     "a target made under no_grad": target_without_grad,
+    "written through .data": written_through_data,
     "a TorchScript mean": lambda w: torch.tanh(scripted_mean(F.embedding(TOKENS, w))).pow(3).sum(),
     "a vmap over it": lambda w: torch.vmap(lambda r: r.pow(3).sum())(F.embedding(TOKENS, w)).sum(),
     "a sum of its 0-dim sum": lambda w: F.embedding(TOKENS, w).sum().sum(0) ** 2,

@@ -7,7 +7,7 @@ Per use of a selected tensor (or of a view of one, followed as a selected tensor
   itself and each entry's tangent (:mod:`pyhvp.restricted.contributions`) is added, times its
   ``z``; when several operands of one contraction are selected, the largest enters so and the
   others densely first, so their cross terms are exact (an embedding's output's sum or mean,
-  eagerly, is the sum or mean of the output without them plus theirs moved there:
+  eagerly, is the sum or mean of the output's value plus its tangents moved there:
   :class:`Injected`, so that the reverse passes move ``k`` copies of the pooled value, not of
   every token's);
 * a view (``W.T``, ``W.view``, ``W[2:]``, ``W.chunk``): applied to the tensor, and the entries'
@@ -148,13 +148,12 @@ def _returns_its_input(
 
 class Injected(NamedTuple):
     """An embedding's output with its selected entries' tangents added (``total``, what the
-    loss receives), as it was before (``raw``) and those tangents, a list of nonzeros times
-    ``part`` (their slice of ``z``); ``version``: ``total``'s when made (an in-place write to
-    it, or to a view of it, changes that)."""
+    loss receives) and those tangents, a list of nonzeros times ``part`` (their slice of
+    ``z``); ``version``: ``total``'s when made (an in-place write to it, or to a view of it,
+    changes that)."""
 
     total: torch.Tensor
     version: int
-    raw: torch.Tensor
     contribution: rules.Contribution
     part: torch.Tensor
 
@@ -268,7 +267,7 @@ class Injection(TorchFunctionMode):
         self, func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
     ) -> torch.Tensor | None:
         """A sum or mean of an embedding's output (:class:`Injected`, unwritten since), as that of
-        its value without tangents plus those moved there (their nonzeros to the reduced
+        its value, detached, plus its tangents moved there (their nonzeros to the reduced
         positions): the same value and derivatives, but the reverse passes reach the tangents
         without passing through every token's features; None where it is not one."""
         found = self.injected.get(id(args[0])) if func in REDUCTIONS and args else None
@@ -276,12 +275,13 @@ class Injection(TorchFunctionMode):
             return None
         if found.total._version != found.version:
             return None
-        dims = _reduced_dims(args, kwargs, found.raw.ndim)
-        if dims is None or any(v is found.total for v in pytree.tree_leaves((args[1:], kwargs))):
+        total = found.total
+        dims = _reduced_dims(args, kwargs, total.ndim)
+        if dims is None or any(v is total for v in pytree.tree_leaves((args[1:], kwargs))):
             return None
-        raw = func(found.raw, *args[1:], **kwargs)
-        moved = rules.reduced(found.contribution, found.raw.shape, dims, REDUCTIONS[func])
-        return self._inject(raw, found.part, moved)
+        value = func(total.detach(), *args[1:], **kwargs)
+        moved = rules.reduced(found.contribution, total.shape, dims, REDUCTIONS[func])
+        return self._inject(value, found.part, moved)
 
     def _inject(
         self, raw: torch.Tensor, part: torch.Tensor, contribution: rules.Contribution
@@ -290,7 +290,7 @@ class Injection(TorchFunctionMode):
         list of nonzeros) kept apart too, for :meth:`_reduce`."""
         total = rules.inject(raw, part, contribution, self.batch)
         if contribution.entries is not None and torch.is_grad_enabled():
-            self.injected[id(total)] = Injected(total, total._version, raw, contribution, part)
+            self.injected[id(total)] = Injected(total, total._version, contribution, part)
         return total
 
     def _view(
