@@ -404,12 +404,6 @@ def looked_at_without_grad(table):
     return torch.tanh(e.sum(1) / count).pow(3).sum()
 
 
-def written_through_data(table):
-    e = F.embedding(TOKENS, table)
-    e.data.mul_(2)  # a write autograd does not see: the value changes, the derivatives do not
-    return torch.tanh(e.mean(1)).pow(3).sum()
-
-
 def target_without_grad(table):
     with torch.no_grad():
         target = F.embedding(TOKENS.roll(1, 1), table)
@@ -419,7 +413,6 @@ def target_without_grad(table):
 EMBEDDING_USES = {  # where a reduction of an embedding's output may not take its tangents apart
     "its shape read under no_grad first": looked_at_without_grad,
     "a target made under no_grad": target_without_grad,
-    "written through .data": written_through_data,
     "a TorchScript mean": lambda w: torch.tanh(scripted_mean(F.embedding(TOKENS, w))).pow(3).sum(),
     "a vmap over it": lambda w: torch.vmap(lambda r: r.pow(3).sum())(F.embedding(TOKENS, w)).sum(),
     "a sum of its 0-dim sum": lambda w: F.embedding(TOKENS, w).sum().sum(0) ** 2,
@@ -434,6 +427,33 @@ def test_an_embeddings_output_keeps_its_tangents_wherever_it_goes(loss):
     index = torch.tensor([12, 0, 25, 12, 27])
     got = pyhvp.sub_hessian(loss, table, index, method="sparse")
     torch.testing.assert_close(got, dense_sub_hessian(loss, table, index), rtol=1e-9, atol=1e-11)
+
+
+def written_through_data(table):
+    e = F.embedding(TOKENS, table)
+    e.data.mul_(2)  # a write autograd does not see: the value changes, the derivatives do not
+    return torch.tanh(e.mean(1)).pow(3).sum() + torch.tanh(e[:, 0]).pow(3).sum()
+
+
+def read_through_data(table):
+    y = torch.tanh(F.embedding(TOKENS, table).sum(1))
+    return (y * y.data).pow(2).sum()  # y.data: a constant to autograd
+
+
+@pytest.mark.parametrize("loss", [written_through_data, read_through_data])
+def test_data_of_a_value_made_from_a_selected_tensor_is_refused_and_auto_follows_autograd(loss):
+    """``torch.func``, which the sparse route runs, differentiates through ``x.data`` where
+    autograd takes it as a constant."""
+    table = tensors((7, 4), seed=2)[0]
+    index = torch.tensor([12, 0, 25, 12, 27])
+    with pytest.raises(
+        ValueError, match=r"method='sparse' does not apply: Tensor\.data of a value"
+    ):
+        pyhvp.sub_hessian(loss, table, index, method="sparse")
+    expected = dense_sub_hessian(loss, table, index)
+    for _ in range(8):  # past the trial
+        got = pyhvp.sub_hessian(loss, table, index, backend=pyhvp.TorchBackend(compile=False))
+        torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-11)
 
 
 def written_after_a_mean(p):

@@ -35,6 +35,7 @@ from pyhvp.restricted.ops import (
     _PARAMETERS,
     BIASES,
     CONTRACTED,
+    DATA,
     EINSUM_FAMILY,
     HOOKS,
     autograd_convention,
@@ -230,6 +231,9 @@ class Injection(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        if func == DATA and args and args[0].requires_grad and self._find(args[0]) is None:
+            raise NotSparse("Tensor.data of a value computed from a selected tensor: torch.func, "
+                            "which the sparse route runs, differentiates it unlike autograd")  # fmt: skip
         if func in HOOKS:  # on a value computed from the selected entries' z
             raise NotSparse(f"{describe(func)}: a gradient hook changes autograd's derivative, "
                             "which the sparse route does not follow")  # fmt: skip

@@ -163,6 +163,10 @@ _METADATA_PROPERTIES = ("shape", "dtype", "device", "ndim", "layout", "is_cuda",
 
 _NORMS = ("layer_norm", "group_norm", "batch_norm", "instance_norm", "rms_norm")
 
+DATA = Tensor.data.__get__  # type: ignore[attr-defined]
+"""``x.data``: autograd takes it as a constant alias of ``x`` (a write through it changes the value
+and not the derivative); ``torch.func`` differentiates through it."""
+
 HOOKS = frozenset({Tensor.register_hook, Tensor.register_post_accumulate_grad_hook})
 """Gradient hooks: they change autograd's derivative, not the op's. The reverse route runs
 autograd's own passes, which apply them (as the seed's loop does); the sparse and forward routes
