@@ -7,7 +7,8 @@ and its errors reach 20-30% (a VM's page faults, a core shared with another proc
 allocator), about the margin by which the model's routes beat the loop on dense networks. So an
 equal call (same signature: see ``submatrix._ROUTES``) runs as a trial: the model's routes first
 (a warm-up: compiled kernels compile there), then every plan in turn, :data:`TIMED_RUNS` timed
-runs each -- a plan slower than :data:`DROP` times the fastest run so far is not run again --,
+runs each, back to back -- a plan slower than :data:`DROP` times the fastest run so far is not run
+again --,
 and from then on the one that took least (the smaller of its runs). Compiled (``compile=True``),
 the only alternative is the loop, which compiles nothing: the routes alone would compile kernels
 of their own to be tried; the reverse route alone is tried only where its one-hot tangents fit a
@@ -31,7 +32,9 @@ TIMED_RUNS = 2
 DROP = 1.5
 """A plan whose timed run took this many times the fastest run so far leaves the trial: the
 trial's cost stays near one slow run per plan (the transformer block's reverse route alone,
-eagerly at k = 128 per tensor: 1.9x the seed's loop)."""
+eagerly at k = 128 per tensor: 1.9x the seed's loop). The cost model's routes always get their
+runs: their first after another plan's can be their slowest (the seed's model compiled at k = 2:
+1.9 ms after the loop's runs, 0.9 after its own)."""
 
 MODEL = "the cost model's routes"
 
@@ -66,16 +69,22 @@ class Trial:
         if not self.warmed:
             self.warmed = True
             return (*self.plans[0], False)
-        # the plan with the fewest runs, the alternatives first (the model's routes are warm)
-        order = [*self.plans[1:], self.plans[0]]
-        return (*min(self._pending(order), key=lambda plan: len(self._runs(plan[0]))), True)
+        # each plan's runs back to back, the alternatives first (the model's routes are warm):
+        # a call after another plan's pays for the state that one left (the allocator's
+        # returned buffers, caches), which a plan called again and again, as the trial's winner
+        # is, does not
+        return (*self._pending([*self.plans[1:], self.plans[0]])[0], True)
 
     def record(self, name: str, seconds: float) -> bool:
         """Add a timed run of plan ``name``; whether the trial settled on this run."""
         assert self.settled is None
         self.seconds.setdefault(name, []).append(seconds)
         best = min(min(runs) for runs in self.seconds.values())
-        self.dropped |= {plan for plan, runs in self.seconds.items() if min(runs) > DROP * best}
+        self.dropped |= {
+            plan
+            for plan, runs in self.seconds.items()
+            if min(runs) > DROP * best and (plan != self.plans[0][0] or len(runs) >= TIMED_RUNS)
+        }
         if self._pending(self.plans):
             return False
         self.settled = min(self.seconds, key=self.fastest)
