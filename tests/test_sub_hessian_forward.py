@@ -126,12 +126,20 @@ PRODUCTS = {  # two selected tensors meeting in one op: its cross terms are seco
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("loss", PRODUCTS.values(), ids=PRODUCTS.keys())
-def test_ops_where_two_selected_tensors_meet_keep_their_cross_terms(loss):
+def assert_forward_equals_dense(loss):
+    """The forward route's joint and per-tensor matrices of ``loss`` of ``W`` and ``V``, some
+    entries of each selected (one twice), are the dense float64 ones."""
     params, index = {"w": W, "v": V}, {"w": torch.tensor([0, 11, 5, 0]), "v": torch.arange(8)}
     expected = dense_sub_hessian(loss, params, index)
     joint = pyhvp.sub_hessian(loss, params, index, joint=True, method="forward")
+    blocks = pyhvp.sub_hessian(loss, params, index, method="forward")
     torch.testing.assert_close(joint, expected, **F64)
+    torch.testing.assert_close(blocks, per_tensor(expected, index), **F64)
+
+
+@pytest.mark.parametrize("loss", PRODUCTS.values(), ids=PRODUCTS.keys())
+def test_ops_where_two_selected_tensors_meet_keep_their_cross_terms(loss):
+    assert_forward_equals_dense(loss)
 
 
 C = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
@@ -170,12 +178,7 @@ PUSHES = {  # ops that push tangents without jvp: linear ones as the op with con
 
 @pytest.mark.parametrize("loss", PUSHES.values(), ids=PUSHES.keys())
 def test_ops_pushed_without_jvp_equal_the_dense_sub_hessian(loss):
-    params, index = {"w": W, "v": V}, {"w": torch.tensor([0, 11, 5, 0]), "v": torch.arange(8)}
-    expected = dense_sub_hessian(loss, params, index)
-    joint = pyhvp.sub_hessian(loss, params, index, joint=True, method="forward")
-    blocks = pyhvp.sub_hessian(loss, params, index, method="forward")
-    torch.testing.assert_close(joint, expected, **F64)
-    torch.testing.assert_close(blocks, per_tensor(expected, index), **F64)
+    assert_forward_equals_dense(loss)
 
 
 EDGES = {  # loss, index: selections and points where a route may trip
