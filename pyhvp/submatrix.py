@@ -83,7 +83,7 @@ from pyhvp._progress import progress_bar
 from pyhvp._public import public_operator
 from pyhvp._user_errors import PACKAGE, stacklevel_outside_pyhvp
 from pyhvp.backends import Backend, compile_policy, nested, require_primitive, resolve_backend
-from pyhvp.backends.torch import TorchBackend, _normal
+from pyhvp.backends.torch import TorchBackend, _normal, refuse_compiled_backward
 from pyhvp.distributed import Fingerprint, check_group, sum_over_ranks
 from pyhvp.restricted import NotSparse, WritesSelected, routes
 from pyhvp.restricted.forward import forward_hessian
@@ -1320,6 +1320,8 @@ def _loop_rows(
         ys = [cast(torch.Tensor, t).detach().requires_grad_() for t in _normal(tuple(leaves))]
         with _DenseEmbeddingGradients():  # 12 us on the seed's 1 ms call
             total = loss(*ys, *_normal(args))
+        if total.requires_grad:
+            refuse_compiled_backward(total)
         grads = (
             torch.autograd.grad(
                 total, ys, create_graph=True, allow_unused=True, materialize_grads=True

@@ -58,6 +58,15 @@ def test_module_loss_with_model_and_criterion_swapped_says_the_order():
         pyhvp.module_loss(nn.MSELoss(), net(), X, Y)
 
 
+def test_a_loss_calling_a_function_compiled_by_torch_compile_is_told_to_pass_it_uncompiled():
+    """autograd cannot differentiate a compiled backward again: the reverse route's second
+    pass (which allows unused inputs) would read its second derivatives as zero."""
+    head = torch.compile(lambda y: torch.tanh(y).pow(3).sum(), backend="aot_eager")
+    W = torch.randn(3, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"compiled by torch\.compile.*pass it uncompiled"):
+        pyhvp.sub_hessian(lambda w: head(X.double() @ w), W, torch.tensor([0, 5]), method="reverse")
+
+
 def test_an_index_of_row_col_pairs_is_told_how_to_flatten_them():
     with pytest.raises(ValueError, match=re.escape("row * 4 + col, as np.ravel_multi_index")):
         pyhvp.sub_hessian(lambda p: (p**4).sum(), torch.randn(3, 4), torch.tensor([[0, 1], [2, 3]]))

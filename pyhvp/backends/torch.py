@@ -177,6 +177,7 @@ def _grad_and_block_hvps_eager(
         total = f(*ys, *args)
         if not total.requires_grad:  # f is constant in every leaf
             return tuple(map(torch.zeros_like, leaves)), tuple(map(torch.zeros_like, tangents))
+        refuse_compiled_backward(total)
         grads = torch.autograd.grad(
             total, ys, create_graph=True, allow_unused=True, materialize_grads=True
         )
@@ -220,6 +221,27 @@ def _writes_x(f: Callable[..., torch.Tensor], x: torch.Tensor, args: Sequence[ob
     with contextlib.suppress(Exception), torch.enable_grad():
         f(copy, *args)
     return copy._version > 0
+
+
+def refuse_compiled_backward(total: torch.Tensor) -> None:
+    """Raise ``ValueError`` where autograd's graph of ``total`` holds a backward compiled by
+    ``torch.compile`` (aot_autograd's ``CompiledFunctionBackward``, a function the caller
+    compiled itself): autograd cannot differentiate it again, and a second backward that allows
+    unused inputs reads its second derivatives as zero, silently."""
+    seen, stack = set(), [total.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "CompiledFunctionBackward":
+            raise ValueError(
+                "the function differentiated calls one compiled by torch.compile, whose "
+                "backward autograd cannot differentiate again (its second derivatives would "
+                "read as zero): pass it uncompiled (pyhvp compiles the whole function: "
+                "backend=pyhvp.TorchBackend(compile=True))"
+            )
+        stack.extend(child for child, _ in node.next_functions)
 
 
 def _differentiable_alias(y: torch.Tensor) -> torch.Tensor:
