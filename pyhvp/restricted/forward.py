@@ -81,26 +81,6 @@ def _functions(owners: Sequence[object], names: Sequence[str]) -> frozenset[Call
     )
 
 
-ADDITIVE = _functions(
-    (torch, Tensor),
-    ("add", "sub", "subtract", "neg", "negative", "sum", "mean", "cat", "concat", "concatenate",
-     "stack", "__add__", "__radd__", "__sub__", "__rsub__", "__neg__", "__pos__"),
-) | _functions(
-    (F,),
-    ("avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
-     "adaptive_avg_pool3d", "max_pool1d", "max_pool2d", "max_pool3d", "adaptive_max_pool1d",
-     "adaptive_max_pool2d", "adaptive_max_pool3d", "relu", "pad", "dropout"),
-) | _functions((torch,), ("relu",)) | _functions((Tensor,), ("relu",))  # fmt: skip
-"""Functions linear in all their tensor arguments together (sums, concatenations, averages; a
-ReLU and a max-pool piecewise, with no second derivative, as autograd has it; a dropout outside
-training, the identity): no second-order term."""
-
-PRODUCTS = _functions((torch, Tensor), ("mul", "multiply", "__mul__", "__rmul__"))
-"""Functions linear in each tensor argument alone: a term only where two of them carry tangents."""
-
-QUOTIENTS = _functions((torch, Tensor), ("div", "divide", "true_divide", "__truediv__"))
-"""Functions linear in their first argument alone: a term unless only it carries tangents."""
-
 HOMOGENEOUS = _functions(
     (torch, Tensor), ("sum", "mean", "neg", "negative", "__neg__", "__pos__")
 ) | _functions(
@@ -120,6 +100,21 @@ the op with the other operand zero."""
 JOINS = _functions((torch,), ("cat", "concat", "concatenate", "stack"))
 """Functions joining the tensors of their first argument: a tangent's push is the op with the
 other tensors zero."""
+
+ADDITIVE = HOMOGENEOUS | SUMS | JOINS | _functions(
+    (F,),
+    ("max_pool1d", "max_pool2d", "max_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d",
+     "adaptive_max_pool3d", "relu", "pad"),
+) | _functions((torch, Tensor), ("relu",))  # fmt: skip
+"""Functions linear in all their tensor arguments together (sums, concatenations, averages; a
+ReLU and a max-pool piecewise, with no second derivative, as autograd has it; a dropout outside
+training, the identity): no second-order term."""
+
+PRODUCTS = _functions((torch, Tensor), ("mul", "multiply", "__mul__", "__rmul__"))
+"""Functions linear in each tensor argument alone: a term only where two of them carry tangents."""
+
+QUOTIENTS = _functions((torch, Tensor), ("div", "divide", "true_divide", "__truediv__"))
+"""Functions linear in their first argument alone: a term unless only it carries tangents."""
 
 POINTWISE = _functions(
     (torch, Tensor),
