@@ -1320,8 +1320,7 @@ def _loop_rows(
         ys = [cast(torch.Tensor, t).detach().requires_grad_() for t in _normal(tuple(leaves))]
         with _DenseEmbeddingGradients():  # 12 us on the seed's 1 ms call
             total = loss(*ys, *_normal(args))
-        if total.requires_grad:
-            refuse_compiled_backward(total)
+        refuse_compiled_backward(total)  # (a constant loss has no graph to hold one)
         grads = (
             torch.autograd.grad(
                 total, ys, create_graph=True, allow_unused=True, materialize_grads=True
