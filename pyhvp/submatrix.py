@@ -649,8 +649,6 @@ def _static_refusal(plan: _Plan, backend: Backend, method: str) -> str | None:
         return f"backend {backend.name!r} is not the torch backend"
     if method != "auto" or (backend.compile is True and restricted.compiles()):
         return None
-    if _by_loop(plan, range(len(plan.flats)), backend):
-        return f"at most {FEW_TANGENTS} components per tensor, eagerly"
     total = sum(len(flat) for flat in plan.flats)
     if total < routes.MIN_COMPONENTS:
         return (

@@ -7,9 +7,9 @@ and its errors reach 20-30% (a VM's page faults, a core shared with another proc
 allocator), about the margin by which the model's routes beat the loop on dense networks. So an
 equal call (same signature: see ``submatrix._ROUTES``) runs as a trial: the model's routes first
 (a warm-up: compiled kernels compile there), then every plan in turn, :data:`TIMED_RUNS` timed
-runs each, back to back -- a plan slower than :data:`DROP` times the fastest run so far is not run
-again --,
-and from then on the one that took least (the smaller of its runs). Compiled (``compile=True``),
+runs each, back to back -- after an untimed one where the plan never ran in this process
+(:data:`RUN_IN_THIS_PROCESS`); a plan slower than :data:`DROP` times the fastest run so far is
+not run again --, and from then on the one that took least (the smaller of its runs). Compiled (``compile=True``),
 the only alternative is the loop, which compiles nothing: the routes alone would compile kernels
 of their own to be tried; the reverse route alone is tried only where its one-hot tangents fit a
 memory bound (``submatrix.TRIAL_TANGENTS``). Every plan gives the same matrix up to rounding.
@@ -38,6 +38,13 @@ runs: their first after another plan's can be their slowest (the seed's model co
 
 MODEL = "the cost model's routes"
 
+RUN_IN_THIS_PROCESS: set[str] = set()
+"""The plans (by name) that have run in this process: a plan's first run anywhere is a warm-up,
+untimed, as the model's routes' first run in every trial is. It pays what a process pays once:
+the forward-tangent route's first ``jvp`` imports torch's decompositions for forward mode
+(160 ms, against 27 ms for LeNet-5's whole route at k = 2 per tensor); timed, that run made the
+route leave the trial."""
+
 LOOP_FALLBACK = "the seed's loop, where the model's routes failed"
 
 
@@ -55,6 +62,8 @@ class Trial:
     """Plans out of the trial (:data:`DROP`)."""
     settled: str | None = None
     """The name of the plan kept once the trial settled."""
+    run_before: set[str] = dataclasses.field(default_factory=lambda: RUN_IN_THIS_PROCESS)
+    """Plans whose first run in this process is past (:data:`RUN_IN_THIS_PROCESS`)."""
 
     @property
     def model(self) -> Routes:
@@ -73,7 +82,10 @@ class Trial:
         # a call after another plan's pays for the state that one left (the allocator's
         # returned buffers, caches), which a plan called again and again, as the trial's winner
         # is, does not
-        return (*self._pending([*self.plans[1:], self.plans[0]])[0], True)
+        name, routes = self._pending([*self.plans[1:], self.plans[0]])[0]
+        first = name != self.plans[0][0] and name not in self.run_before  # (warmed above)
+        self.run_before.add(name)
+        return name, routes, not first
 
     def record(self, name: str, seconds: float) -> bool:
         """Add a timed run of plan ``name``; whether the trial settled on this run."""
