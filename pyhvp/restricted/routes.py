@@ -98,9 +98,7 @@ from pyhvp.restricted.ops import (
 MIN_COMPONENTS = 8
 """Fewest selected components for which ``method="auto"`` surveys the loss unless the backend
 compiles from the first call: below it the reverse route's few Hessian-vector products cost less
-than the sparse route's fixed setup (and the survey) on every model measured. (With
-``compile=False``, at most ``submatrix.FEW_TANGENTS`` per tensor is not surveyed either: the
-seed's loop takes it.)"""
+than the sparse route's fixed setup (and the survey) on every model measured."""
 
 MAC_NS = 0.05
 """Nanoseconds per multiply-add of a contraction (a GEMM or a convolution)."""
