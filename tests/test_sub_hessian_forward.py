@@ -203,6 +203,69 @@ def test_edge_selections_and_points_equal_the_dense_sub_hessian(loss, index):
     torch.testing.assert_close(got, expected, **F64)
 
 
+AT_ZERO = torch.tensor([0.0, 1.0, 2.0, 0.5], dtype=torch.float64)  # entry 0 is never selected
+WITH_INF = torch.tensor([1.0, float("inf"), 2.0, 3.0], dtype=torch.float64)
+FINITE = torch.isfinite(WITH_INF)
+RELU_NET = torch.randn(6, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+
+NON_FINITE_ELSEWHERE = {  # an infinite derivative, or a NaN tangent, where no selected entry is
+    "x ** 1.5 at an unselected 0 (f'' infinite there)": lambda p: (p["x"] ** 1.5).sum(),
+    "relu(h) ** 1.5 where h < 0": lambda p: (F.relu(RELU_NET @ p["x"][1:]) ** 1.5).sum(),
+    "sqrt behind a where guard": lambda p: torch.where(p["x"] > 0, p["x"].clamp(min=0).sqrt(),
+                                                       0.0).sum(),
+    "a product by inf that a where discards": lambda p: torch.sin(
+        torch.where(FINITE, p["x"] * WITH_INF, 0.0)).sum(),
+    "a product by inf that masked_fill discards": lambda p: torch.sin(
+        (p["x"] * WITH_INF).masked_fill(~FINITE, 0.0)).sum(),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("loss", NON_FINITE_ELSEWHERE.values(), ids=NON_FINITE_ELSEWHERE.keys())
+def test_an_infinite_derivative_where_no_selected_entry_reaches_adds_nothing(loss):
+    """``0 * inf`` at an entry no tangent reaches is no NaN: autograd's backward masks such an
+    entry (relu's, where's) rather than multiplying it, and so does the forward route."""
+    params, index = {"x": AT_ZERO}, {"x": torch.tensor([2, 3, 2])}
+    expected = dense_sub_hessian(loss, params, index)
+    assert torch.isfinite(expected).all()
+    got = pyhvp.sub_hessian(loss, params, index, method="forward")
+    torch.testing.assert_close(got["x"], expected, **F64)
+
+
+def sine_of_a_product_by_inf_that_a_where_discards(p):
+    """``sin(x * inf)`` is NaN at the infinite entry, and so is its tangent there (``0 * inf``):
+    autograd's backward of the ``where`` masks the entry out, the forward route's Gram matrix
+    at the sine would multiply it (NaN tangents are not zero tangents)."""
+    return torch.where(FINITE, torch.sin(p["x"] * WITH_INF), 0.0).sum()
+
+
+def test_a_non_finite_second_order_term_the_reference_lacks_is_refused_and_auto_serves_it():
+    params, index = {"x": AT_ZERO}, {"x": torch.tensor([2, 3])}
+    loss = sine_of_a_product_by_inf_that_a_where_discards
+    expected = dense_sub_hessian(loss, params, index)
+    assert torch.isfinite(expected).all()
+    with pytest.raises(ValueError, match=r"method='forward' does not apply.*not finite"):
+        pyhvp.sub_hessian(loss, params, index, method="forward")
+    for _ in range(12):  # past the trial, in which the forward route is refused
+        got = pyhvp.sub_hessian(loss, params, index, backend=EAGER)
+        torch.testing.assert_close(got["x"], expected, **F64)
+
+
+def test_a_non_finite_first_derivative_autograd_masks_is_refused_as_such():
+    """``sqrt`` at an unselected 0, weighted by 0: its tangent there is ``0 * inf``, NaN, in the
+    loss's first derivatives; autograd's are finite. The refusal says so, not that a use went
+    unseen."""
+    weights = torch.tensor([0.0, 1.0, 1.0, 1.0], dtype=torch.float64)
+
+    def loss(p):
+        return (p["x"].sqrt() * weights).sum()
+
+    params, index = {"x": AT_ZERO}, {"x": torch.tensor([2, 3])}
+    with pytest.raises(ValueError, match="not finite where autograd's gradient is"):
+        pyhvp.sub_hessian(loss, params, index, method="forward")
+    got = pyhvp.sub_hessian(loss, params, index, backend=EAGER)
+    torch.testing.assert_close(got["x"], dense_sub_hessian(loss, params, index), **F64)
+
+
 class StraightThrough(torch.autograd.Function):
     """Rounds forward, passes the gradient through unchanged: autograd's derivative is not the
     forward's (zero)."""

@@ -660,14 +660,20 @@ def forward_hessian(
                          "autograd.Function, TorchScript) from a selected tensor")  # fmt: skip
     _check_first_order(mode, value, found[len(outputs) :], leaves, flats)
     adjoint = {id(o): a for o, a in zip(outputs, found, strict=False)}
-    curvatures: dict[int, Tensor] = {}  # per pointwise op (its nodes share their primals)
+    curvatures: dict[int, Tensor | None] = {}  # per pointwise op (its nodes share primals)
     for node in mode.nodes:
         weights = [adjoint.get(id(o)) for o in node.outputs]
         if all(w is None for w in weights):
             continue
         terms = _second_order(node, weights, mode.sizes, curvatures)
+        if terms is None:  # the op has no second derivative
+            continue
         for group, block in zip(node.groups, terms, strict=True):
             hessian[mode.span(group), mode.span(group)] += block
+    if not bool(torch.isfinite(hessian).all()):
+        raise NotForward("its second-order terms are not finite (an op's infinite second "
+                         "derivative, or a NaN tangent, at an entry that autograd's backward "
+                         "masks out)")  # fmt: skip
     return hessian
 
 
@@ -675,11 +681,14 @@ def _second_order(
     node: _Node,
     adjoints: Sequence[Tensor | None],
     sizes: Sequence[int],
-    curvatures: dict[int, Tensor],
-) -> list[Tensor]:
+    curvatures: dict[int, Tensor | None],
+) -> list[Tensor] | None:
     """The node's term between the tangents of each of its groups (``sizes``: rows per group):
-    one ``(rows, rows)`` block per group. ``curvatures``: ``d f''(x)`` of the pointwise ops
-    met so far, by their primals' ``id``."""
+    one ``(rows, rows)`` block per group; None where the op has no second derivative.
+    ``curvatures``: ``d f''(x)`` of the pointwise ops met so far, by their primals' ``id``.
+    An entry of the op's input that no tangent of a group reaches adds nothing to its block,
+    whatever the op's curvature there: ``0 * inf`` is no NaN here (``relu(h) ** 1.5`` where
+    ``h < 0``), as autograd's backward masks such an entry rather than multiplying it."""
     weights = [
         (torch.zeros_like(o) if w is None else w.detach())
         for o, w in zip(node.outputs, adjoints, strict=True)
@@ -693,18 +702,26 @@ def _second_order(
         (primal,), (tangents,) = node.primals, node.tangents
         if id(node.primals) not in curvatures:
             ones = torch.ones_like(primal)[None]
-            curvatures[id(node.primals)] = _hessian_products(weighted, (primal,), (ones,))[0][0]
+            products = _hessian_products(weighted, (primal,), (ones,))
+            curvatures[id(node.primals)] = None if products is None else products[0][0]
         curvature = curvatures[id(node.primals)]
+        if curvature is None:
+            return None
         flat = tangents.reshape(len(tangents), -1)
         products, factors = [flat * curvature.reshape(-1)], [flat]
     else:  # jvp(grad(d . f)) along every tangent: the op's own Hessian-vector products
-        products = _hessian_products(weighted, node.primals, node.tangents)
-        products = [u.reshape(len(u), -1) for u in products]
+        found = _hessian_products(weighted, node.primals, node.tangents)
+        if found is None:
+            return None
+        products = [u.reshape(len(u), -1) for u in found]
         factors = [t.reshape(len(t), -1) for t in node.tangents]
     blocks, start = [], 0
     for group in node.groups:
         own = slice(start, start + sizes[group])
-        pairs = [u[own] @ t[own].mT for u, t in zip(products, factors, strict=True)]
+        pairs = []
+        for u, t in zip(products, factors, strict=True):
+            reached = (t[own] != 0).any(0)  # entries some tangent of the group reaches
+            pairs.append(torch.where(reached, u[own], 0) @ t[own].mT)
         blocks.append(torch.stack(pairs).sum(0) if len(pairs) > 1 else pairs[0])
         start += sizes[group]
     return blocks
@@ -712,20 +729,22 @@ def _second_order(
 
 def _hessian_products(
     weighted: Callable[..., Tensor], primals: Sequence[Tensor], tangents: Sequence[Tensor]
-) -> list[Tensor]:
+) -> list[Tensor] | None:
     """``weighted``'s Hessian at ``primals`` times each row of ``tangents`` (per primal, its
     rows): autograd's double backward, batched over the rows, as the seed's loop and the
-    reverse route differentiate (``torch.func``'s ``jvp(grad)`` took 1.2-4x longer here)."""
+    reverse route differentiate (``torch.func``'s ``jvp(grad)`` took 1.2-4x longer here).
+    None where autograd finds no second derivative (an op linear in every input, as ``where``
+    and ``clamp`` are: a NaN tangent they discard adds nothing)."""
     with torch.enable_grad():
         inputs = [p.detach().requires_grad_() for p in primals]
         value = weighted(*inputs)
         if not value.requires_grad:  # autograd does not differentiate the op (torch.round)
-            return [torch.zeros_like(t) for t in tangents]
+            return None
         gradients = torch.autograd.grad(value, inputs, create_graph=True, allow_unused=True)
         curved = [(g, t) for g, t in zip(gradients, tangents, strict=True)
                   if g is not None and g.requires_grad]  # fmt: skip
         if not curved:  # linear in every input: no second derivative
-            return [torch.zeros_like(t) for t in tangents]
+            return None
         products = torch.autograd.grad([g for g, _ in curved], inputs, [t for _, t in curved],
                                        is_grads_batched=True, allow_unused=True)  # fmt: skip
     return [torch.zeros_like(t) if u is None else u.detach()
@@ -755,6 +774,11 @@ def _check_first_order(
             rows += size
     if not len(expected):
         return
+    if bool(torch.isfinite(expected).all()) and not bool(torch.isfinite(got).all()):
+        raise NotForward("the loss's first derivatives along the selected entries, pushed "
+                         "forward, are not finite where autograd's gradient is (an op's "
+                         "infinite derivative, 0 * inf, at an entry that autograd's backward "
+                         "masks out)")  # fmt: skip
     tolerance = _TOLERANCE.get(expected.dtype, 0.1)
     scale = max(expected.abs().max().item(), got.abs().max().item())
     floor = 1e3 * torch.finfo(expected.dtype).eps * max(1.0, abs(loss.item()))  # at a minimum
