@@ -9,6 +9,7 @@ import torch
 from pyhvp import submatrix
 from pyhvp.backends import compile_policy
 from pyhvp.backends import torch as torch_backend
+from pyhvp.restricted import trial
 from pyhvp.taylor import guards
 
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
@@ -79,10 +80,20 @@ def compiled(monkeypatch, compile_cache) -> list:
     return calls
 
 
+class _EveryPlan(set):
+    """Holds every plan's name: each plan has run in this process before."""
+
+    def __contains__(self, name: object) -> bool:
+        return True
+
+
 @pytest.fixture(autouse=True)
 def _sub_hessian_routes(monkeypatch):
-    """Every test surveys its sub-Hessian losses afresh: routes another test chose never serve."""
+    """Every test surveys its sub-Hessian losses afresh: routes another test chose never serve;
+    and its trials hand out the same runs whichever tests ran first (a plan's first run in a
+    process, untimed, has its own spec in ``test_sub_hessian_routes``)."""
     monkeypatch.setattr(submatrix, "_ROUTES", type(submatrix._ROUTES)())
+    monkeypatch.setattr(trial, "RUN_IN_THIS_PROCESS", _EveryPlan())
 
 
 @pytest.fixture(autouse=True)
