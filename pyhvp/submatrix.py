@@ -685,7 +685,7 @@ FEW_TANGENTS = 4
 """Most tangents per tensor that the reverse route pushes by one backward each rather than one
 batched backward (``is_grads_batched``), whose setup costs more at so few; eagerly, by the seed's
 loop itself (:func:`_loop_rows`). Such calls are still surveyed: the forward route runs LeNet-5 at
-k = 2 per tensor in 0.8x the loop's time."""
+k = 2 per tensor in 0.75x the loop's time."""
 
 BY_LOOP = "by the seed's loop of one backward per component"
 
