@@ -207,12 +207,10 @@ AT_ZERO = torch.tensor([0.0, 1.0, 2.0, 0.5], dtype=torch.float64)  # entry 0 is 
 WITH_INF = torch.tensor([1.0, float("inf"), 2.0, 3.0], dtype=torch.float64)
 FINITE = torch.isfinite(WITH_INF)
 RELU_NET = torch.randn(6, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+ZERO_ROW = torch.rand(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+ZERO_ROW[1] = 0.0
 
-NON_FINITE_ELSEWHERE = {  # an infinite derivative, or a NaN tangent, where no selected entry is
-    "x ** 1.5 at an unselected 0 (f'' infinite there)": lambda p: (p["x"] ** 1.5).sum(),
-    "relu(h) ** 1.5 where h < 0": lambda p: (F.relu(RELU_NET @ p["x"][1:]) ** 1.5).sum(),
-    "sqrt behind a where guard": lambda p: torch.where(p["x"] > 0, p["x"].clamp(min=0).sqrt(),
-                                                       0.0).sum(),
+DISCARDED_NAN_TANGENTS = {  # 0 * inf in a tangent that an op linear in it then discards
     "a product by inf that a where discards": lambda p: torch.sin(
         torch.where(FINITE, p["x"] * WITH_INF, 0.0)).sum(),
     "a product by inf that masked_fill discards": lambda p: torch.sin(
@@ -220,21 +218,50 @@ NON_FINITE_ELSEWHERE = {  # an infinite derivative, or a NaN tangent, where no s
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("loss", NON_FINITE_ELSEWHERE.values(), ids=NON_FINITE_ELSEWHERE.keys())
-def test_an_infinite_derivative_where_no_selected_entry_reaches_adds_nothing(loss):
-    """``0 * inf`` at an entry no tangent reaches is no NaN: autograd's backward masks such an
-    entry (relu's, where's) rather than multiplying it, and so does the forward route."""
+@pytest.mark.parametrize("loss", DISCARDED_NAN_TANGENTS.values(), ids=DISCARDED_NAN_TANGENTS.keys())
+def test_a_nan_tangent_an_op_linear_in_it_discards_adds_nothing(loss):
+    """``where`` and ``masked_fill`` have no second derivative: their node adds no term, so
+    the NaN tangent (``0 * inf``) they discard is never contracted."""
     params, index = {"x": AT_ZERO}, {"x": torch.tensor([2, 3, 2])}
-    expected = dense_sub_hessian(loss, params, index)
-    assert torch.isfinite(expected).all()
     got = pyhvp.sub_hessian(loss, params, index, method="forward")
-    torch.testing.assert_close(got["x"], expected, **F64)
+    torch.testing.assert_close(got["x"], dense_sub_hessian(loss, params, index), **F64)
+
+
+INFINITE_CURVATURE_AT_ZERO_TANGENTS = {  # f'' infinite where every tangent is 0: 0 * inf
+    "x ** 1.5 at an unselected 0 (autograd: finite)": lambda p: (p["x"] ** 1.5).sum(),
+    "relu(h) ** 1.5 where h < 0 (finite)": lambda p: (F.relu(RELU_NET @ p["x"][1:]) ** 1.5).sum(),
+    "sqrt behind a where guard (finite)": lambda p: torch.where(
+        p["x"] > 0, p["x"].clamp(min=0).sqrt(), 0.0).sum(),
+    "abs(x) ** 1.5 at a selected 0 (NaN: f'' is infinite)": lambda p: (
+        p["x"][1:].abs() ** 1.5).sum() + (p["x"] - 1).abs().pow(1.5).sum(),
+    "a zero row's product ** 1.5 (NaN)": lambda p: ((ZERO_ROW @ p["x"]) ** 1.5).sum(),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "loss", INFINITE_CURVATURE_AT_ZERO_TANGENTS.values(),
+    ids=INFINITE_CURVATURE_AT_ZERO_TANGENTS.keys(),
+)  # fmt: skip
+def test_an_infinite_curvature_where_the_tangents_are_zero_is_refused_and_auto_gives_autograds(
+    loss,
+):
+    """A zero tangent does not say whether autograd's backward masks the entry (relu's zeros:
+    a finite Hessian) or multiplies it (``abs`` at 0, whose curvature is infinite: NaN), so the
+    forward route refuses the ``0 * inf`` and ``"auto"`` gives autograd's value on every call
+    (the reverse route's), NaN where autograd's is NaN, never a finite number in its place."""
+    params, index = {"x": AT_ZERO}, {"x": torch.tensor([2, 3, 1])}
+    expected = pyhvp.sub_hessian(loss, params, index, method="reverse")  # autograd's, symmetrised
+    with pytest.raises(ValueError, match=r"method='forward' does not apply.*not finite"):
+        pyhvp.sub_hessian(loss, params, index, method="forward")
+    for _ in range(12):  # past the trial, in which the forward route is refused
+        got = pyhvp.sub_hessian(loss, params, index, backend=EAGER)
+        torch.testing.assert_close(got, expected, equal_nan=True, **F64)
 
 
 def sine_of_a_product_by_inf_that_a_where_discards(p):
     """``sin(x * inf)`` is NaN at the infinite entry, and so is its tangent there (``0 * inf``):
     autograd's backward of the ``where`` masks the entry out, the forward route's Gram matrix
-    at the sine would multiply it (NaN tangents are not zero tangents)."""
+    at the sine would multiply it."""
     return torch.where(FINITE, torch.sin(p["x"] * WITH_INF), 0.0).sum()
 
 

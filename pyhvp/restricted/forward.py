@@ -670,10 +670,14 @@ def forward_hessian(
             continue
         for group, block in zip(node.groups, terms, strict=True):
             hessian[mode.span(group), mode.span(group)] += block
+    # 0 * inf, an infinite curvature where the tangents are zero, is NaN in the Gram matrices
+    # (x ** 1.5 at 0); autograd's backward gives a finite value where it masks the entry (relu's
+    # zeros) and NaN where it multiplies (abs at 0, whose true curvature is infinite): which one
+    # a zero tangent means, only autograd's route knows
     if not bool(torch.isfinite(hessian).all()):
         raise NotForward("its second-order terms are not finite (an op's infinite second "
-                         "derivative, or a NaN tangent, at an entry that autograd's backward "
-                         "masks out)")  # fmt: skip
+                         "derivative, or a NaN tangent, at an entry the tangents reach as "
+                         "zero): the reverse route gives autograd's value there")  # fmt: skip
     return hessian
 
 
@@ -685,10 +689,7 @@ def _second_order(
 ) -> list[Tensor] | None:
     """The node's term between the tangents of each of its groups (``sizes``: rows per group):
     one ``(rows, rows)`` block per group; None where the op has no second derivative.
-    ``curvatures``: ``d f''(x)`` of the pointwise ops met so far, by their primals' ``id``.
-    An entry of the op's input that no tangent of a group reaches adds nothing to its block,
-    whatever the op's curvature there: ``0 * inf`` is no NaN here (``relu(h) ** 1.5`` where
-    ``h < 0``), as autograd's backward masks such an entry rather than multiplying it."""
+    ``curvatures``: ``d f''(x)`` of the pointwise ops met so far, by their primals' ``id``."""
     weights = [
         (torch.zeros_like(o) if w is None else w.detach())
         for o, w in zip(node.outputs, adjoints, strict=True)
@@ -718,13 +719,7 @@ def _second_order(
     blocks, start = [], 0
     for group in node.groups:
         own = slice(start, start + sizes[group])
-        pairs = []
-        for u, t in zip(products, factors, strict=True):
-            pair = u[own] @ t[own].mT
-            if not bool(torch.isfinite(pair).all()):  # (masking every pair cost LeNet 1.8x)
-                reached = (t[own] != 0).any(0)  # the entries some tangent of the group reaches
-                pair = torch.where(reached, u[own], 0) @ t[own].mT
-            pairs.append(pair)
+        pairs = [u[own] @ t[own].mT for u, t in zip(products, factors, strict=True)]
         blocks.append(torch.stack(pairs).sum(0) if len(pairs) > 1 else pairs[0])
         start += sizes[group]
     return blocks
