@@ -9,10 +9,11 @@ equal call (same signature: see ``submatrix._ROUTES``) runs as a trial: the mode
 (a warm-up: compiled kernels compile there), then every plan in turn, :data:`TIMED_RUNS` timed
 runs each, back to back -- after an untimed one where the plan never ran in this process
 (:data:`RUN_IN_THIS_PROCESS`); a plan slower than :data:`DROP` times the fastest run so far is
-not run again --, and from then on the one that took least (the smaller of its runs). Compiled (``compile=True``),
-the only alternative is the loop, which compiles nothing: the routes alone would compile kernels
-of their own to be tried; the reverse route alone is tried only where its one-hot tangents fit a
-memory bound (``submatrix.TRIAL_TANGENTS``). Every plan gives the same matrix up to rounding.
+not run again --, and from then on the one that took least (the smaller of its runs). Compiled
+(``compile=True``), the only alternative is the loop, which compiles nothing: the routes alone
+would compile kernels of their own to be tried; the reverse route alone is tried only where its
+one-hot tangents fit a memory bound (``submatrix.TRIAL_TANGENTS``). Every plan gives the same
+matrix up to rounding.
 A run is one call; a call with ``data=`` runs the model's routes on every batch (its batches may
 differ in size, which a trial would compare). Under the default ``compile="auto"`` there is no
 trial: the compile policy compiles a plan's kernels once their eager time pays for it, and a trial
