@@ -30,10 +30,10 @@ take the reverse route; below ``routes.MIN_COMPONENTS`` in all, every tensor doe
 survey (unless the backend compiles from the first call). The reverse route runs as the seed's
 loop itself (one backward per component: no one-hot tangents, no batching setup) eagerly at most
 ``FEW_TANGENTS`` (4) components per tensor, and where the cost model prices it cheaper. With
-``joint=True`` the reverse route's rows fill the cross blocks of its tensors. An equal call made again (no ``data``;
-``compile`` False or True) measures: the model's routes against the seed's loop and, unless
-compiling, the sparse and the reverse route alone, and the forward route (within
-``routes.FORWARD_TANGENTS``), up to two timed runs each, then the fastest
+``joint=True`` the reverse route's rows fill the cross blocks of its tensors. An equal call made
+again (no ``data``; ``compile`` False or True) measures: the model's routes against the seed's
+loop and, unless compiling, the sparse and the reverse route alone, and the forward route
+(within ``routes.FORWARD_TANGENTS``), up to two timed runs each, then the fastest
 (:mod:`pyhvp.restricted.trial`). The choice is logged on the ``pyhvp.sub_hessian`` logger at
 DEBUG level. Both routes' kernels compile under the torch backend's compile policy.
 

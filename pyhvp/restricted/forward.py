@@ -772,15 +772,16 @@ def _check_first_order(
             rows += size
     if not len(expected):
         return
-    if bool(torch.isfinite(expected).all()) and not bool(torch.isfinite(got).all()):
-        raise NotForward("the loss's first derivatives along the selected entries, pushed "
-                         "forward, are not finite where autograd's gradient is (an op's "
-                         "infinite derivative, 0 * inf, at an entry that autograd's backward "
-                         "masks out)")  # fmt: skip
     tolerance = _TOLERANCE.get(expected.dtype, 0.1)
     scale = max(expected.abs().max().item(), got.abs().max().item())
     floor = 1e3 * torch.finfo(expected.dtype).eps * max(1.0, abs(loss.item()))  # at a minimum
     if not (got - expected).abs().max().item() <= max(tolerance * scale, floor):  # NaN too
-        raise NotForward("the loss's first derivatives along the selected entries, pushed "
-                         "forward, differ from autograd's gradient: a use of a selected "
-                         "tensor pyhvp's mode does not see")  # fmt: skip
+        why = (
+            "are not finite where autograd's gradient is (an op's infinite derivative, 0 * inf, "
+            "at an entry that autograd's backward masks out)"
+            if bool(torch.isfinite(expected).all()) and not bool(torch.isfinite(got).all())
+            else "differ from autograd's gradient: a use of a selected tensor pyhvp's mode does "
+            "not see"
+        )
+        raise NotForward(f"the loss's first derivatives along the selected entries, pushed "
+                         f"forward, {why}")  # fmt: skip
