@@ -828,15 +828,10 @@ def test_a_layer_whose_input_carries_an_earlier_groups_directions_leaves_it_at_m
 # --- the trial against the seed's loop ----------------------------------------------------
 
 
-def trial_of(plans):
-    """A trial whose plans have all run in this process before (no first-run warm-ups)."""
-    return Trial(plans, run_before={name for name, _ in plans})
-
-
 def test_a_trial_warms_the_models_routes_up_then_times_each_plan_in_turn_and_keeps_the_fastest():
     model, loop = Routes((), (0,), 1.0, 1.0), Routes((), (0,), 2.0, 1.0, loop=True)
     sparse = Routes(((0,),), (), 1.5, 1.0)
-    trial = trial_of((("model", model), ("loop", loop), ("sparse", sparse)))
+    trial = Trial((("model", model), ("loop", loop), ("sparse", sparse)))
     assert trial.next() == ("model", model, False)  # the warm-up
     timings = [("loop", 0.3), ("loop", 0.32), ("sparse", 0.25), ("sparse", 0.3), ("model", 0.35)]
     for name, seconds in timings:
@@ -861,7 +856,7 @@ def test_a_plans_first_run_in_the_process_is_an_untimed_warm_up():
 
 def test_a_plan_much_slower_than_the_fastest_run_is_not_run_again():
     plans = tuple((name, Routes((), (0,), 1.0, 1.0, loop=name == "loop")) for name in "ab")
-    trial = trial_of((("model", Routes(((0,),), (), 1.0, 1.0)), *plans))
+    trial = Trial((("model", Routes(((0,),), (), 1.0, 1.0)), *plans))
     trial.next()
     for name, seconds in [("a", 1.0), ("a", 1.1), ("b", 0.5)]:  # a: over DROP x 0.5 by now
         assert trial.next()[0] == name
@@ -875,7 +870,7 @@ def test_a_plan_much_slower_than_the_fastest_run_is_not_run_again():
 
 def test_the_models_routes_get_their_second_run_after_a_slow_first():
     model, loop = Routes(((0,),), (), 1.0, 1.0), Routes((), (0,), 2.0, 1.0, loop=True)
-    trial = trial_of((("model", model), ("loop", loop)))
+    trial = Trial((("model", model), ("loop", loop)))
     trial.next()
     for name, seconds in [("loop", 1.2), ("loop", 1.2), ("model", 1.9), ("model", 0.9)]:
         assert trial.next()[0] == name
@@ -885,13 +880,13 @@ def test_the_models_routes_get_their_second_run_after_a_slow_first():
 
 def test_a_single_plan_is_not_on_trial():
     model = Routes((), (0,), 1.0, 1.0, loop=True)
-    assert [trial_of((("model", model),)).next() for _ in range(3)] == [("model", model, False)] * 3
+    assert [Trial((("model", model),)).next() for _ in range(3)] == [("model", model, False)] * 3
 
 
 def test_a_plan_that_fails_leaves_the_trial_and_the_models_failure_ends_it():
     model, loop = Routes((), (0,), 1.0, 1.0), Routes((), (0,), 2.0, 1.0, loop=True)
     sparse = Routes(((0,),), (), 1.5, 1.0)
-    trial = trial_of((("model", model), ("loop", loop), ("sparse", sparse)))
+    trial = Trial((("model", model), ("loop", loop), ("sparse", sparse)))
     trial.next()
     trial.drop("sparse", loop)
     for name in ("loop", "model"):
