@@ -25,8 +25,9 @@ Cost model (``method="auto"``, :mod:`pyhvp.restricted.routes`): one survey of th
 per call signature) learns how each selected tensor enters each op, the work downstream of it
 and the products a dense direction of it pays; modelled times then split the tensors between
 sparse groups and the reverse route. Tensors the sparse route refuses (an op without a sparse
-rule on a tensor over ``restricted.DENSE_LIMIT`` entries, a write, an embedding's padding row)
-take the reverse route; below ``routes.MIN_COMPONENTS`` in all, every tensor does without a
+rule on a tensor over ``restricted.DENSE_LIMIT`` entries, a write, an embedding's padding row, a
+use its mode does not see: :func:`~pyhvp.restricted.unseen_uses`, run with the survey) take the
+reverse route; below ``routes.MIN_COMPONENTS`` in all, every tensor does without a
 survey (unless the backend compiles from the first call). The reverse route runs as the seed's
 loop itself (one backward per component: no one-hot tangents, no batching setup) eagerly at most
 ``FEW_TANGENTS`` (4) components per tensor, and where the cost model prices it cheaper. With
@@ -756,6 +757,7 @@ def _choose_routes(
         if usage.refusal is None and _masked(plan, i, usage.masked_entries):
             usage.refusal = PADDING_ROW  # the forward route would refuse it too
             found.forward_refusal = found.forward_refusal or f"an entry {PADDING_ROW}"
+    _refuse_unseen_uses(plan, found, loss, inputs[len(plan.tensors) :], method)
     refusals = [
         f"{_label(plan, i)} {usage.refusal}" for i, usage in enumerate(found.usage) if usage.refusal
     ]
@@ -791,6 +793,46 @@ def _choose_routes(
         if len(_ROUTES) > compile_policy.CACHE_SIZE:
             _ROUTES.popitem(last=False)
     return trial
+
+
+UNSEEN = (
+    "is used where pyhvp's mode does not see it (a TorchScript function, torch.vmap over it): "
+    "the sparse route's Hessian along a test direction differs from autograd's"
+)
+
+
+UNCHECKED = (
+    "is not checked for uses pyhvp's mode does not see inside a torch.func transform (the "
+    "check reads its verdict as a Python bool)"
+)
+
+
+def _refuse_unseen_uses(plan: _Plan, found: routes.Survey, loss: _Selection,
+                        args: Sequence[Any], method: str) -> None:  # fmt: skip
+    """Refuse the sparse route the selected tensors that the loss uses where its mode does not
+    see them (:func:`~pyhvp.restricted.unseen_uses`): their Hessian would miss those uses'
+    terms (the forward route checks its own, every call). Inside a ``torch.func`` transform,
+    where the check cannot run, ``"auto"`` refuses every one (``method="sparse"`` runs
+    unchecked)."""
+    injected = [i for i, usage in enumerate(found.usage)
+                if usage.refusal is None and len(plan.flats[i])]  # fmt: skip
+    if not injected:
+        return
+    if nested.inside_transform():
+        for i in injected if method == "auto" else ():
+            found.usage[i].refusal = UNCHECKED
+        return
+    try:
+        with torch.inference_mode(False):  # (autograd's Hessian, of normal tensors)
+            tensors = [cast(torch.Tensor, t) for t in _normal(tuple(plan.tensors))]
+            unseen = restricted.unseen_uses(loss, tensors, plan.flats, injected,
+                                            _normal(tuple(args)))  # fmt: skip
+    except Exception as error:
+        if not _kernel_failure(error):
+            raise  # the loss's own error
+        return  # torch.func or autograd cannot run the loss: so cannot the kernels, by name
+    for i in unseen or ():
+        found.usage[i].refusal = UNSEEN
 
 
 TRIAL_TANGENTS = 1 << 25
@@ -982,7 +1024,7 @@ def _sums(
                 or nested.inside_transform()  # where the seed's loop cannot run
             ):
                 raise  # the loss's own error, or the seed's loop's: as autograd raises it
-            if trial is not None:
+            if trial is not None and method not in FORCED:  # (a forced one raises every call)
                 trial.drop(name, routes.every_tensor_reverse(trial.model, len(every), loop=True))
             _log.debug("sub_hessian: %s failed (%s: %s); the seed's loop serves the batch",
                        name if refusal is None else "the reverse route", type(error).__name__,

@@ -406,6 +406,20 @@ def test_what_it_cannot_follow_is_refused_by_name_and_auto_serves_it(loss, named
         torch.testing.assert_close(got, expected, **F64)
 
 
+def test_entries_a_view_of_the_table_does_not_hold_are_not_in_its_padding_row():
+    """The padding row of ``embedding(tokens, e[2:], padding_idx=0)`` is ``e``'s row 2; a
+    selected entry of row 1, outside the view, does not reach it (it was refused as if it did)."""
+    table, mixing = torch.randn(10, 4, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64)
+    tokens = torch.tensor([[1, 3, 3, 0], [2, 7, 1, 1]])
+
+    def loss(e):
+        return torch.tanh(F.embedding(tokens, e[2:], padding_idx=0) @ mixing).pow(2).sum()
+
+    index = torch.tensor([4, 5, 13, 38])  # rows 1 (outside the view), 3 and 9
+    got = pyhvp.sub_hessian(loss, table, index, method="forward")
+    torch.testing.assert_close(got, dense_sub_hessian(loss, table, index), **F64)
+
+
 @pytest.mark.parametrize("method", ["forward", "sparse"])
 def test_a_gradient_hook_is_refused_by_name(method):
     """A hook that changes a gradient makes autograd's derivative differ from the op's: the

@@ -1040,10 +1040,14 @@ def test_a_sub_hessian_inside_a_differentiating_transform_is_refused_and_vmap_ru
     torch.testing.assert_close(torch.func.vmap(sub)(p[None])[0], torch.diag(12 * p[:2] ** 2))
 
 
-def test_a_forced_sparse_route_that_cannot_run_the_loss_is_refused_by_name():
+@pytest.mark.parametrize("method", ["sparse", "forward"])
+def test_a_forced_route_that_cannot_run_the_loss_is_refused_by_name_at_every_call(method):
+    """Not once: an equal call after a refusal took the seed's loop silently."""
     p = torch.randn(5, 8, dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"method='sparse' does not apply: its kernels.*setup_con"):
-        pyhvp.sub_hessian(old_style_function, p, torch.arange(12), method="sparse")
+    for _ in range(3):
+        with pytest.raises(ValueError, match=rf"method='{method}' does not apply: its kernels"):
+            pyhvp.sub_hessian(old_style_function, p, torch.arange(12), method=method,
+                              backend=EAGER)  # fmt: skip
 
 
 def slow(function, clock, seconds):

@@ -222,13 +222,20 @@ def _kind(func: Callable[..., Any]) -> str:
 
 
 def call_kind(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> str:
-    """:func:`kind` of this call of ``func``: a view as a dtype (``W.view(torch.float64)``),
-    which autograd does not differentiate (even as its own dtype), is a ``"constant"``."""
+    """:func:`kind` of this call of ``func``: a view as a dtype (``W.view(torch.float64)``), and
+    a cast to a dtype neither floating nor complex (``W.to(torch.int32)``), which autograd does
+    not differentiate, are ``"constant"``."""
     found = kind(func)
-    if found != "view" or func.__name__ != "view":
+    if found != "view" or func.__name__ not in ("view", "to"):
         return found
-    as_dtype = any(isinstance(a, torch.dtype) for a in (*args[1:], *kwargs.values()))
-    return "constant" if as_dtype else found
+    given = (*args[1:], *kwargs.values())
+    if func.__name__ == "view":
+        return "constant" if any(isinstance(a, torch.dtype) for a in given) else found
+    # W.to(dtype), W.to(device, dtype), W.to(other): the dtype it casts to
+    dtypes = [a.dtype if isinstance(a, torch.Tensor) else a for a in given
+              if isinstance(a, (torch.dtype, torch.Tensor))]  # fmt: skip
+    differentiable = all(d.is_floating_point or d.is_complex for d in dtypes)
+    return found if differentiable else "constant"
 
 
 def writes_to(
