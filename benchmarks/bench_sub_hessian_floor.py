@@ -158,14 +158,16 @@ def main() -> None:
         by_hand = by_forward_tangents(p, X, labels, idxs)
         torch.testing.assert_close(by_hand, seed_loop(*make(X, labels), idxs), rtol=1e-3,
                                    atol=1e-6)  # fmt: skip
+        index = {name: torch.tensor(i) for name, i in idxs.items()}
+        selection = (make, X, labels, idxs, index)
         calls = {
             "seed loop": lambda idxs=idxs: seed_loop(*make(X, labels), idxs),
-            "pyhvp auto eager": partial(with_backend(EAGER, "auto"), make, X, labels, idxs),
+            "pyhvp auto eager": partial(with_backend(EAGER, "auto"), *selection),
             "pyhvp auto compiled": partial(
-                with_backend(pyhvp.TorchBackend(compile=True), "auto"), make, X, labels, idxs
+                with_backend(pyhvp.TorchBackend(compile=True), "auto"), *selection
             ),
             "forward tangents by hand": partial(by_forward_tangents, p, X, labels, idxs),
-            "pyhvp forward": partial(with_backend(EAGER, "forward"), make, X, labels, idxs),
+            "pyhvp forward": partial(with_backend(EAGER, "forward"), *selection),
         }
         for site, names in enumerate(SITES):
             count = sum(len(idxs[name]) for name in names)

@@ -674,11 +674,23 @@ def _label(plan: _Plan, i: int) -> str:
     return f"params[{plan.sparse.selected[i]!r}]" if plan.sparse.names else "params"
 
 
+def _params_label(plan: _Plan, position: int) -> str:
+    """How the user names tensor ``position`` of params, the selected tensors first, then the
+    others (``plan.others``)."""
+    if position < len(plan.tensors):
+        return _label(plan, position)
+    return f"params[{_unselected(plan)[position - len(plan.tensors)]!r}]"
+
+
+def _unselected(plan: _Plan) -> list[str]:
+    """The names of params' tensors held constant, in params' order (those of ``plan.others``)."""
+    return [name for name in plan.sparse.names if name not in plan.sparse.selected]
+
+
 def _by_name(plan: _Plan) -> dict[str, torch.Tensor]:
     """Every params tensor by name (selected and held constant)."""
-    unselected = [name for name in plan.sparse.names if name not in plan.sparse.selected]
     return dict(zip(plan.sparse.selected, plan.tensors, strict=True)) | dict(
-        zip(unselected, plan.others, strict=True)
+        zip(_unselected(plan), plan.others, strict=True)
     )
 
 
@@ -964,9 +976,6 @@ def _sums(
     trial: Trial | None = None
     device = plan.tensors[0].device if plan.tensors else torch.device("cpu")
     watched = [*plan.tensors, *plan.others]  # every tensor of params
-    unselected = [name for name in plan.sparse.names if name not in plan.sparse.selected]
-    labels = [*map(partial(_label, plan), range(len(plan.tensors))),
-              *(f"params[{name!r}]" for name in unselected)]  # fmt: skip
     versions = [_version(t) for t in watched]
     every = tuple(range(len(plan.tensors)))
     for batch in [None] if batches is None else batches:
@@ -1009,9 +1018,8 @@ def _sums(
             # the reverse route adds its rows once all are computed, the sparse groups after it:
             # a failure adds nothing of this batch
             if reverse:
-                draws.begin()
                 total = _reverse_blocks(plan, reverse, batch_values, spec, chunk_size, backend,
-                                        total, blocks, inner, loop)  # fmt: skip
+                                        total, blocks, inner, loop, draws)  # fmt: skip
             for group, block in parts:
                 total = _add_group(group, block, offsets, total, blocks)
         except (ValueError, torch.cuda.OutOfMemoryError):
@@ -1030,13 +1038,12 @@ def _sums(
                        name if refusal is None else "the reverse route", type(error).__name__,
                        error)  # fmt: skip
             timed = False
-            draws.begin()
             # a loss that fails by itself (a torch error in its own frame) raises it here
             refused = (f"method={method!r} does not apply: its kernels cannot run this loss "
                        f"({type(error).__name__}: {error})")  # fmt: skip
             try:
                 total = _reverse_blocks(plan, every, batch_values, spec, chunk_size, backend,
-                                        total, blocks, None, True)  # fmt: skip
+                                        total, blocks, None, True, draws)  # fmt: skip
             except Exception as loop_error:
                 # the loop's forward raises the loss's bugs as they are; its backward, what
                 # autograd cannot differentiate (embedding_bag), is refused by name
@@ -1047,10 +1054,10 @@ def _sums(
                                  f"({type(loop_error).__name__}: {loop_error})") from loop_error  # fmt: skip
             if method in FORCED:
                 raise ValueError(f"{refused}; method='auto' takes the seed's loop") from error
-        for t, version, label in zip(watched, versions, labels, strict=True):
+        for position, (t, version) in enumerate(zip(watched, versions, strict=True)):
             if _version(t) != version:  # under no_grad, which autograd allows: found after it
-                raise ValueError(_written(label, "was written by the loss under no_grad (it now "
-                                          "holds the written values)"))  # fmt: skip
+                raise ValueError(_written(_params_label(plan, position), "was written by the loss "
+                                          "under no_grad (it now holds the written values)"))  # fmt: skip
         if timed:
             assert trial is not None
             if trial.record(name, _clock(device) - start):
@@ -1087,12 +1094,12 @@ def _kernel_failure(error: Exception) -> bool:
 
 
 def _in_loop_backward(error: Exception) -> bool:
-    """Whether ``error`` was raised inside a ``torch.autograd.grad`` that :func:`_loop_rows`
+    """Whether ``error`` was raised inside a ``torch.autograd.grad`` that :func:`_rows_by_loop`
     itself called (one of its backward passes), not by the loss (whose own
     ``torch.autograd.grad`` may fail)."""
     traceback = error.__traceback__
     while traceback is not None and traceback.tb_next is not None:
-        if (traceback.tb_frame.f_code is _loop_rows.__code__
+        if (traceback.tb_frame.f_code is _rows_by_loop.__code__
                 and traceback.tb_next.tb_frame.f_code is torch.autograd.grad.__code__):  # fmt: skip
             return True
         traceback = traceback.tb_next
@@ -1202,10 +1209,12 @@ def _group_loss(
 ) -> tuple[_Selection, list[torch.Tensor]]:
     """The loss as a function of the selected tensors ``group`` (then the other params, then
     the batch), and those other params, held constant."""
-    loss = dataclasses.replace(plan.sparse, batch_spec=spec)
+    loss = plan.sparse if spec is None else dataclasses.replace(plan.sparse, batch_spec=spec)
     if not plan.sparse.names:
         return loss, []
     names = tuple(plan.sparse.selected[i] for i in group)
+    if names == loss.selected:  # every selected tensor
+        return loss, plan.others
     by_name = _by_name(plan)
     others = [by_name[name] for name in plan.sparse.names if name not in names]
     return dataclasses.replace(loss, selected=names), others
@@ -1260,19 +1269,19 @@ def _reverse_blocks(
     blocks: list[torch.Tensor | None],
     inner: int | None,
     loop: bool,
+    draws: random_states.Repeated,
 ) -> torch.Tensor | None:
     """One batch by the reverse route for the selected tensors ``members``, added to ``blocks``
     (their diagonal blocks); or ``total`` (one matrix) with it added, out of place, to its rows of
     those tensors' entries and, mirrored, to the same columns of the other rows (the sparse
     route's); ``inner``: how many tangents each batched second pass takes (None: all);
-    ``loop``: by the seed's loop."""
+    ``loop``: by the seed's loop; each forward a run of ``draws``."""
     if total is None:  # per tensor, the others held constant
         loss, others = _group_loss(plan, members, spec)
         leaves = [plan.tensors[i] for i in members]
         flats = [plan.flats[i] for i in members]
-        rows = _reverse_rows(
-            loss, leaves, flats, flats, others, batch_values, chunk_size, backend, inner, loop
-        )
+        rows = _reverse_rows(loss, leaves, flats, flats, others, batch_values, chunk_size,
+                             backend, inner, loop, draws)  # fmt: skip
         for i, row in zip(members, rows, strict=True):
             _add(blocks, i, row)
         return None
@@ -1293,6 +1302,7 @@ def _reverse_blocks(
         backend,
         inner,
         loop,
+        draws,
     )
     mine = mine.to(total.device)
     total = _accumulated(total, (mine,), row_block)
@@ -1310,16 +1320,18 @@ def _reverse_rows(
     batch_values: list[Any],
     chunk_size: int | None,
     backend: Backend,
-    inner: int | None = None,
-    loop: bool = False,
+    inner: int | None,
+    loop: bool,
+    draws: random_states.Repeated,
 ) -> list[torch.Tensor]:
     """Per leaf, ``(len(row_flats[i]), len(column_flats[i]))``: the rows ``H e_j`` of the
     Hessian in that leaf for its entries ``row_flats[i]``, at its entries ``column_flats[i]``
     (not yet symmetrised); every pass (``chunk_size`` tangents per leaf) is one call of the
     multi-leaf primitive, whose batched second passes take ``inner`` tangents at a time; with
-    ``loop``, the seed's loop (:func:`_loop_rows`) instead."""
+    ``loop``, the seed's loop (:func:`_loop_rows`) instead. Each pass's forward is a run of
+    ``draws``: every one draws what the first drew."""
     if loop:
-        return _loop_rows(loss, leaves, row_flats, column_flats, (*others, *batch_values))
+        return _loop_rows(loss, leaves, row_flats, column_flats, (*others, *batch_values), draws)
     primitive = require_primitive(backend, "grad_and_block_hvps", "sub_hessian")
     row_flats = [flat.to(t.device) for flat, t in zip(row_flats, leaves, strict=True)]
     column_flats = [flat.to(t.device) for flat, t in zip(column_flats, leaves, strict=True)]
@@ -1328,7 +1340,6 @@ def _reverse_rows(
                                         for t, c in zip(leaves, column_flats, strict=True)]  # fmt: skip
     most = max(len(flat) for flat in row_flats)
     step = chunk_size or most
-    draws = random_states.Repeated(leaves[0].device)  # every chunk's forward draws the same
     for start in range(0, most, step):
         draws.begin()
         # one chunk of one-hot tangents per leaf: memory O(chunk_size * P), not O(k * P)
@@ -1351,36 +1362,53 @@ def _loop_rows(
     row_flats: list[torch.Tensor],
     column_flats: list[torch.Tensor],
     args: tuple[Any, ...],
+    draws: random_states.Repeated,
 ) -> list[torch.Tensor]:
-    """:func:`_reverse_rows` by the seed's loop, eagerly: one forward and first backward that
-    keeps its graph, then one backward of each selected gradient entry, its row read at the
-    columns. At a few components per tensor this costs less than any batched pass (no one-hot
-    tangents, no ``vmap`` nor compile-cache lookup): on the benchmark's models at k = 2 per
-    tensor the reverse route's fixed cost made it 1.05-1.3x this loop."""
-    with torch.inference_mode(False), torch.enable_grad(), math_attention:
+    """:func:`_reverse_rows` by the seed's loop, eagerly: one forward (a run of ``draws``) and
+    first backward that keeps its graph, then one backward of each selected gradient entry, its
+    row read at the columns. At a few components per tensor this costs less than any batched
+    pass (no one-hot tangents, no ``vmap`` nor compile-cache lookup): on the benchmark's models
+    at k = 2 per tensor the reverse route's fixed cost made it 1.05-1.3x this loop. A loss whose
+    graph holds a backward that autograd cannot differentiate again (a fused attention kernel,
+    a sparse embedding gradient: :func:`~pyhvp.backends.torch.refuse_compiled_backward` says)
+    runs again, with the same draws, on the math attention path and dense embedding gradients
+    (the same values): guards that cost 7% of the seed's 1 ms call where they are not needed."""
+    with torch.inference_mode(False), torch.enable_grad():
         ys = [cast(torch.Tensor, t).detach().requires_grad_() for t in _normal(tuple(leaves))]
-        with _DenseEmbeddingGradients():  # 12 us on the seed's 1 ms call
-            total = loss(*ys, *_normal(args))
-        refuse_compiled_backward(total)  # (a constant loss has no graph to hold one)
-        grads = (
-            torch.autograd.grad(
-                total, ys, create_graph=True, allow_unused=True, materialize_grads=True
+        args = _normal(args)
+        draws.begin()
+        total = loss(*ys, *args)
+        if not refuse_compiled_backward(total):
+            return _rows_by_loop(total, ys, row_flats, column_flats)
+        draws.begin()
+        with math_attention, _DenseEmbeddingGradients():
+            return _rows_by_loop(loss(*ys, *args), ys, row_flats, column_flats)
+
+
+def _rows_by_loop(
+    total: torch.Tensor,
+    ys: list[torch.Tensor],
+    row_flats: list[torch.Tensor],
+    column_flats: list[torch.Tensor],
+) -> list[torch.Tensor]:
+    """:func:`_loop_rows`' backward passes, of the loss ``total`` of the leaves ``ys``."""
+    grads = (
+        torch.autograd.grad(total, ys, create_graph=True, allow_unused=True, materialize_grads=True)
+        if total.requires_grad  # (a constant loss has no graph)
+        else tuple(map(torch.zeros_like, ys))
+    )
+    blocks = []
+    for y, g, rows, columns in zip(ys, grads, row_flats, column_flats, strict=True):
+        if not (g.requires_grad and len(rows)):  # f affine in y, or no rows
+            blocks.append(y.new_zeros(len(rows), len(columns)))
+            continue
+        entries, full = g.reshape(-1), []
+        for j in rows.tolist():  # a loop, not a comprehension: _in_loop_backward reads frames
+            (row,) = torch.autograd.grad(
+                entries[j], y, retain_graph=True, allow_unused=True, materialize_grads=True
             )
-            if total.requires_grad
-            else tuple(map(torch.zeros_like, ys))
-        )
-        blocks = []
-        for y, g, rows, columns in zip(ys, grads, row_flats, column_flats, strict=True):
-            if not (g.requires_grad and len(rows)):  # f affine in y, or no rows
-                blocks.append(y.new_zeros(len(rows), len(columns)))
-                continue
-            entries, full = g.reshape(-1), []
-            for j in rows.tolist():  # a loop, not a comprehension: _in_loop_backward reads frames
-                (row,) = torch.autograd.grad(
-                    entries[j], y, retain_graph=True, allow_unused=True, materialize_grads=True
-                )
-                full.append(row.reshape(-1))
-            blocks.append(torch.stack(full).index_select(1, columns.to(y.device)))
+            full.append(row.reshape(-1))
+        blocks.append(torch.stack(full).index_select(1, columns.to(y.device)))
     return blocks
 
 

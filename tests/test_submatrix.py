@@ -251,6 +251,33 @@ def test_with_dropout_in_training_every_block_is_of_one_draw(method, chunk_size)
     assert torch.equal(torch.rand(1), next_draw)
 
 
+class DroppedEmbeddings(nn.Module):
+    def __init__(self, sparse):
+        super().__init__()
+        self.embedding = nn.Embedding(20, 8, sparse=sparse)
+        self.head = nn.Sequential(nn.Tanh(), nn.Dropout(0.5), nn.Linear(8, 3))
+
+    def forward(self, tokens):
+        return self.head(self.embedding(tokens).mean(1))
+
+
+def test_the_seeds_loop_runs_a_sparse_embedding_again_with_the_first_runs_draws():
+    """The seed's loop runs the loss once with fused kernels and sparse embedding gradients
+    allowed, and again without them where its graph holds one (its backward cannot be
+    differentiated again): the second run draws the first run's dropout mask."""
+    torch.manual_seed(0)
+    dense, sparse = DroppedEmbeddings(sparse=False), DroppedEmbeddings(sparse=True)
+    sparse.load_state_dict(dense.state_dict())
+    tokens, labels = torch.randint(0, 20, (16, 5)), torch.randint(0, 3, (16,))
+    index = {"embedding.weight": torch.tensor([17, 3]), "head.2.weight": torch.tensor([5, 0])}
+    torch.manual_seed(7)
+    expected = loop_sub_hessians(dense, nn.CrossEntropyLoss(), tokens, labels, index)
+    torch.manual_seed(7)
+    got = pyhvp.sub_hessian(*pyhvp.module_loss(sparse, nn.CrossEntropyLoss(), tokens, labels),
+                            index, backend=EAGER)  # fmt: skip
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("method", ["auto", "sparse", "reverse"])
 @pytest.mark.parametrize("index", VMAP_INDEX.values(), ids=VMAP_INDEX.keys())
 def test_vmap_over_data_the_loss_captures_gives_each_samples_sub_hessian(method, index, device):
