@@ -26,9 +26,10 @@ per call signature) learns how each selected tensor enters each op, the work dow
 and the products a dense direction of it pays; modelled times then split the tensors between
 sparse groups and the reverse route. Tensors the sparse route refuses (an op without a sparse
 rule on a tensor over ``restricted.DENSE_LIMIT`` entries, a write, an embedding's padding row, a
-use its mode does not see: :func:`~pyhvp.restricted.unseen_uses`, run with the survey) take the
-reverse route; below ``routes.MIN_COMPONENTS`` in all, every tensor does without a
-survey (unless the backend compiles from the first call). The reverse route runs as the seed's
+use its mode does not see, found by the survey; all, under ``"auto"`` inside a ``torch.func``
+transform, where the survey cannot look for those) take the reverse route; below
+``routes.MIN_COMPONENTS`` in all, every tensor does without a survey (unless the backend
+compiles from the first call). The reverse route runs as the seed's
 loop itself (one backward per component: no one-hot tangents, no batching setup) eagerly at most
 ``FEW_TANGENTS`` (4) components per tensor, and where the cost model prices it cheaper. With
 ``joint=True`` the reverse route's rows fill the cross blocks of its tensors. An equal call made
@@ -761,15 +762,20 @@ def _choose_routes(
             _masked(plan, i, entries) for i, entries in enumerate(cached.model.masked_entries)
         ):
             return cached
+    checked = not nested.inside_transform()  # (where the survey may differentiate the loss)
     try:
-        found = routes.survey(loss, plan.tensors, inputs[len(plan.tensors) :])
+        with torch.inference_mode(False):  # (the survey differentiates, normal tensors)
+            normal = _normal(inputs)
+            found = routes.survey(loss, cast(list[torch.Tensor], normal[: len(plan.tensors)]),
+                                  normal[len(plan.tensors) :], unseen=checked)  # fmt: skip
     except WritesSelected as error:
         raise ValueError(_written(_label(plan, error.source), error.what)) from None
+    for usage in found.usage if method == "auto" and not checked else ():
+        usage.refusal = usage.refusal or UNCHECKED
     for i, usage in enumerate(found.usage):
         if usage.refusal is None and _masked(plan, i, usage.masked_entries):
             usage.refusal = PADDING_ROW  # the forward route would refuse it too
             found.forward_refusal = found.forward_refusal or f"an entry {PADDING_ROW}"
-    _refuse_unseen_uses(plan, found, loss, inputs[len(plan.tensors) :], method)
     refusals = [
         f"{_label(plan, i)} {usage.refusal}" for i, usage in enumerate(found.usage) if usage.refusal
     ]
@@ -807,45 +813,10 @@ def _choose_routes(
     return trial
 
 
-UNSEEN = (
-    "is used where pyhvp's mode does not see it (a TorchScript function, torch.vmap over it): "
-    "the sparse route's Hessian along a test direction differs from autograd's"
-)
-
-
 UNCHECKED = (
-    "is not checked for uses pyhvp's mode does not see inside a torch.func transform (the "
-    "check reads its verdict as a Python bool)"
+    "may be used where pyhvp's mode does not see it: inside a torch.func transform the survey "
+    "cannot tell (its check differentiates the loss)"
 )
-
-
-def _refuse_unseen_uses(plan: _Plan, found: routes.Survey, loss: _Selection,
-                        args: Sequence[Any], method: str) -> None:  # fmt: skip
-    """Refuse the sparse route the selected tensors that the loss uses where its mode does not
-    see them (:func:`~pyhvp.restricted.unseen_uses`): their Hessian would miss those uses'
-    terms (the forward route checks its own, every call). Inside a ``torch.func`` transform,
-    where the check cannot run, ``"auto"`` refuses every one (``method="sparse"`` runs
-    unchecked)."""
-    injected = [i for i, usage in enumerate(found.usage)
-                if usage.refusal is None and len(plan.flats[i])]  # fmt: skip
-    if not injected:
-        return
-    if nested.inside_transform():
-        for i in injected if method == "auto" else ():
-            found.usage[i].refusal = UNCHECKED
-        return
-    try:
-        with torch.inference_mode(False):  # (autograd's Hessian, of normal tensors)
-            tensors = [cast(torch.Tensor, t) for t in _normal(tuple(plan.tensors))]
-            unseen = restricted.unseen_uses(loss, tensors, plan.flats, injected,
-                                            _normal(tuple(args)))  # fmt: skip
-    except Exception as error:
-        if not _kernel_failure(error):
-            raise  # the loss's own error
-        return  # torch.func or autograd cannot run the loss: so cannot the kernels, by name
-    for i in unseen or ():
-        found.usage[i].refusal = UNSEEN
-
 
 TRIAL_TANGENTS = 1 << 25
 """Most elements of one-hot tangents (components times entries of their tensors) the reverse
@@ -1368,12 +1339,13 @@ def _loop_rows(
     first backward that keeps its graph, then one backward of each selected gradient entry, its
     row read at the columns. At a few components per tensor this costs less than any batched
     pass (no one-hot tangents, no ``vmap`` nor compile-cache lookup): on the benchmark's models
-    at k = 2 per tensor the reverse route's fixed cost made it 1.05-1.3x this loop. A loss whose
-    graph holds a backward that autograd cannot differentiate again (a fused attention kernel,
-    a sparse embedding gradient: :func:`~pyhvp.backends.torch.refuse_compiled_backward` says)
-    runs again, with the same draws, on the math attention path and dense embedding gradients
-    (the same values): guards that cost 7% of the seed's 1 ms call where they are not needed."""
-    with torch.inference_mode(False), torch.enable_grad():
+    at k = 2 per tensor the reverse route's fixed cost made it 1.05-1.3x this loop. Attention
+    takes its math path throughout (fused kernels have no second derivative). A loss whose
+    graph holds an embedding with sparse gradients (:func:`~pyhvp.backends.torch.
+    refuse_compiled_backward` says) runs again with the same draws, its embeddings made dense:
+    a mode that costs a Python call per op (5% of the seed's 1 ms call) where none is needed,
+    and the loss's side effects (a batch norm's running statistics) twice where one is."""
+    with torch.inference_mode(False), torch.enable_grad(), math_attention:
         ys = [cast(torch.Tensor, t).detach().requires_grad_() for t in _normal(tuple(leaves))]
         args = _normal(args)
         draws.begin()
@@ -1381,8 +1353,9 @@ def _loop_rows(
         if not refuse_compiled_backward(total):
             return _rows_by_loop(total, ys, row_flats, column_flats)
         draws.begin()
-        with math_attention, _DenseEmbeddingGradients():
-            return _rows_by_loop(loss(*ys, *args), ys, row_flats, column_flats)
+        with _DenseEmbeddingGradients():
+            total = loss(*ys, *args)
+        return _rows_by_loop(total, ys, row_flats, column_flats)
 
 
 def _rows_by_loop(

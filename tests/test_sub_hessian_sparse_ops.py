@@ -475,9 +475,32 @@ def scripted_quartic(w: torch.Tensor) -> torch.Tensor:
     return (w**4).sum()
 
 
+class Cubed(torch.autograd.Function):
+    @staticmethod
+    def forward(x):
+        return x**3
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return 3 * x**2 * grad
+
+
+def attended(w):
+    h = (X @ w)[None, None]
+    return torch.tanh(F.scaled_dot_product_attention(h, h, h)).pow(2).sum()
+
+
 UNSEEN_USES = {
     "a TorchScript function of W": lambda w: squash(X @ w) + scripted_quartic(w),
     "torch.vmap over W's columns": lambda w: torch.vmap(lambda c: squash(X @ c), 1)(w).sum(),
+    "a custom autograd.Function of W": lambda w: squash(X @ w) + Cubed.apply(w).sum(),
+    "a TorchScript function of a view, W.T": lambda w: squash(X @ w) + scripted_quartic(w.T[1:]),
+    "a TorchScript function beside fused attention": lambda w: attended(w) + scripted_quartic(w),
 }
 """Uses of a selected tensor that pyhvp's mode does not see (its ops never reach a
 ``TorchFunctionMode``, or reach it with a wrapper of the tensor): the sparse route would miss
@@ -494,6 +517,26 @@ def test_a_use_the_mode_does_not_see_is_refused_and_auto_follows_autograd(loss):
     for _ in range(8):  # past the trial
         got = pyhvp.sub_hessian(loss, weight, index, backend=pyhvp.TorchBackend(compile=False))
         torch.testing.assert_close(got, expected, **F64)
+
+
+def test_a_use_the_mode_does_not_see_is_refused_whichever_entries_are_selected():
+    """The routes are remembered per call signature, which holds how many entries are selected,
+    not which: a scripted penalty on row 0 of the seed's weight refuses the tensor even where
+    the entries first selected lie outside it (a check of those entries' values passed, and
+    the next call's entries, from row 0 on, were 38 off)."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(10, 784, generator=generator) * 0.05
+    images, labels = torch.rand(100, 784, generator=generator), torch.randint(0, 10, (100,))
+
+    def loss(w):
+        return F.cross_entropy(images @ w.T, labels) + 1e3 * scripted_quartic(w[0, :100])
+
+    pyhvp.sub_hessian(loss, weight, torch.arange(1000, 7840, 331))  # rows 1-9
+    index = torch.arange(0, 7840, 331)[:21]  # from row 0 on, as many
+    expected = pyhvp.sub_hessian(loss, weight, index, method="reverse")  # autograd's
+    for _ in range(3):  # (the default backend keeps the cost model's routes: no trial)
+        torch.testing.assert_close(pyhvp.sub_hessian(loss, weight, index), expected, rtol=1e-5,
+                                   atol=1e-5)  # fmt: skip
 
 
 def test_inside_vmap_auto_takes_the_reverse_route_where_the_mode_may_not_see_a_use():

@@ -227,12 +227,12 @@ def refuse_compiled_backward(total: torch.Tensor) -> bool:
     """Raise ``ValueError`` where autograd's graph of ``total`` holds a backward compiled by
     ``torch.compile`` (aot_autograd's ``CompiledFunctionBackward``, a function the caller
     compiled itself): autograd cannot differentiate it again, and a second backward that allows
-    unused inputs reads its second derivatives as zero, silently. Otherwise, whether the graph
-    holds a backward that a second pass differentiates only once the function runs again
-    without fused kernels (:func:`_needs_plain_kernels`): one walk of the graph answers both."""
+    unused inputs reads its second derivatives as zero, silently. Otherwise, whether it holds an
+    embedding's backward with sparse gradients (``sparse=True``), which a second pass cannot
+    differentiate (reshape is not implemented for sparse tensors): one walk answers both."""
     stack = [total.grad_fn] if total.grad_fn is not None else []
     seen = set(stack)
-    plain = False
+    sparse = False
     while stack:
         node = stack.pop()
         name = type(node).__name__
@@ -243,26 +243,14 @@ def refuse_compiled_backward(total: torch.Tensor) -> bool:
                 "read as zero): pass it uncompiled (pyhvp compiles the whole function: "
                 "backend=pyhvp.TorchBackend(compile=True))"
             )
-        plain = plain or (name.startswith(_NOT_TWICE) and _needs_plain_kernels(node, name))
+        sparse = sparse or (
+            name.startswith("EmbeddingBackward") and bool(cast(Any, node)._saved_sparse)
+        )
         for child, _ in node.next_functions:  # (a loop: 60% of a generator's time)
             if child is not None and child not in seen:
                 seen.add(child)
                 stack.append(child)
-    return plain
-
-
-_NOT_TWICE = ("ScaledDotProduct", "EmbeddingBackward")
-"""Prefixes of the autograd nodes :func:`_needs_plain_kernels` looks at."""
-
-
-def _needs_plain_kernels(node: Any, name: str) -> bool:
-    """Whether autograd cannot differentiate ``node`` (of type ``name``) again unless its
-    function runs with plain kernels: a fused attention kernel (flash, memory-efficient, cuDNN:
-    no second derivative; its math path has one) or an embedding with ``sparse=True`` (a sparse
-    table gradient)."""
-    if name.startswith("EmbeddingBackward"):
-        return bool(node._saved_sparse)
-    return True
+    return sparse
 
 
 def _differentiable_alias(y: torch.Tensor) -> torch.Tensor:

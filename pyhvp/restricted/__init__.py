@@ -34,12 +34,11 @@ from __future__ import annotations
 import functools
 import types
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from pyhvp import _random_state as random_states
 from pyhvp.restricted.mode import DENSE_LIMIT, Injection, NotSparse, WritesSelected
 
 __all__ = [
@@ -49,9 +48,7 @@ __all__ = [
     "compiles",
     "compiles_property_views",
     "restricted_hessian",
-    "rounding_bound",
     "selected_entries",
-    "unseen_uses",
 ]
 
 
@@ -95,77 +92,6 @@ def restricted_hessian(
 
     hessian = torch.func.jacrev(torch.func.grad(restricted), chunk_size=chunk_size)(z0)
     return hessian.detach(), uses[0]
-
-
-ROUNDING = {torch.float64: 1e-6, torch.float32: 1e-3}
-"""How far a route's derivatives may stray from autograd's, relative to the largest of them,
-before they count as different: rounding, not a missed use (bfloat16 and half: 0.1)."""
-
-
-def rounding_bound(got: torch.Tensor, expected: torch.Tensor, magnitude: float) -> float:
-    """How far ``got`` may lie from autograd's ``expected`` (same dtype) by rounding:
-    :data:`ROUNDING` of their largest entry, or near zero (at a minimum) 1e3 eps of the loss's
-    ``magnitude``. A NaN never lies within it."""
-    tolerance = ROUNDING.get(expected.dtype, 0.1)
-    scale = max(expected.abs().max().item(), got.abs().max().item())
-    return max(tolerance * scale, 1e3 * torch.finfo(expected.dtype).eps * max(1.0, magnitude))
-
-
-def unseen_uses(
-    loss: Callable[..., torch.Tensor],
-    tensors: list[torch.Tensor],
-    flats: list[torch.Tensor],
-    injected: list[int],
-    args: tuple[Any, ...],
-) -> list[int] | None:
-    """Those of the selected ``tensors`` at positions ``injected`` that ``loss(*tensors,
-    *args)`` uses where :class:`~pyhvp.restricted.mode.Injection` does not see them (a
-    TorchScript function, ``torch.vmap`` over one): at their entries ``flats``, the restricted
-    Hessian of all of them times one fixed random vector differs from autograd's (a term the
-    restricted Hessian misses agrees with probability zero). None where the injection refuses
-    the loss (as the sparse kernel will, by name). Both runs draw the same random values, and
-    the generator is left as it was."""
-    first = tensors[injected[0]]
-    wanted = [flats[i].to(first.device) for i in injected]
-    coords = [selected_entries(tensors[i], flat) for i, flat in zip(injected, wanted, strict=True)]
-    sizes = [len(flat) for flat in wanted]
-    direction = torch.randn(sum(sizes), generator=torch.Generator().manual_seed(0),
-                            dtype=torch.float64).to(first)  # fmt: skip
-    state = random_states.save(first.device)
-
-    def restricted(z: torch.Tensor) -> torch.Tensor:
-        with Injection([tensors[i] for i in injected], coords, z, 1):
-            return loss(*tensors, *args)
-
-    leaves = list(tensors)
-    for i in injected:
-        leaves[i] = tensors[i].detach().requires_grad_()
-    inputs = [leaves[i] for i in injected]
-    try:
-        vjp = cast(Callable[..., tuple[Any, Any]], torch.func.vjp)  # (typed with has_aux)
-        _, product = vjp(torch.func.grad(restricted), torch.zeros_like(direction))
-        (got,) = product(direction)
-        random_states.restore(state)
-        with torch.enable_grad():
-            total = loss(*leaves, *args)
-            grads = torch.autograd.grad(total, inputs, create_graph=True, allow_unused=True,
-                                        materialize_grads=True)  # fmt: skip
-            vectors = [torch.zeros_like(t).reshape(-1).index_add(0, flat, part).view_as(t)
-                       for t, flat, part in zip(inputs, wanted, torch.split(direction, sizes), strict=True)]  # fmt: skip
-            curved = [(g, v) for g, v in zip(grads, vectors, strict=True) if g.requires_grad]
-            products = torch.autograd.grad(
-                [g for g, _ in curved], inputs, [v for _, v in curved], allow_unused=True,
-                materialize_grads=True,
-            ) if curved else [torch.zeros_like(t) for t in inputs]  # fmt: skip
-    except NotSparse:  # the sparse kernel refuses it by name
-        return None
-    finally:
-        random_states.restore(state)
-    expected = torch.cat([p.reshape(-1)[flat] for p, flat in zip(products, wanted, strict=True)])
-    bound = rounding_bound(got, expected.detach(), abs(total.item()))
-    differences = torch.split((got - expected.detach()).abs(), sizes)
-    return [i for i, d in zip(injected, differences, strict=True)
-            if len(d) and not d.max().item() <= bound]  # fmt: skip
 
 
 @functools.cache

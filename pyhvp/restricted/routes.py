@@ -327,7 +327,7 @@ class Survey(TorchFunctionMode):
         for value in pytree.tree_leaves(written):  # stop before the write: params stay as given
             self._refuse_writes_to_params(value, func, grad)
         self._refuse_hidden_writes(op, args, kwargs)
-        out = func(*args, **kwargs)
+        out = self._run(func, op, args, kwargs, grad)
         leaves = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
         outs = [v for v in pytree.tree_leaves(out) if isinstance(v, torch.Tensor)]
         cost = _cost(func, args, kwargs, leaves, outs)
@@ -361,6 +361,44 @@ class Survey(TorchFunctionMode):
             for value in outs:
                 self._taint[id(value)] = (value, taint)
         return out
+
+    def _run(self, func: Callable[..., Any], op: str, args: Sequence[Any],
+             kwargs: dict[str, Any], grad: bool) -> Any:  # fmt: skip
+        """``func(*args, **kwargs)`` with the selected tensors (and the views of them followed)
+        detached, so that their derivative reaches the loss only through uses this mode does
+        not see (:meth:`refuse_unseen_uses`); a view that follows one runs on it (a selected
+        tensor itself)."""
+        if not grad:
+            return func(*args, **kwargs)
+        selected = [v for v in pytree.tree_leaves((args, kwargs)) if self._source(v) is not None]
+        if not selected:
+            return func(*args, **kwargs)
+        detached_args, detached_kwargs = pytree.tree_map(
+            lambda v: v.detach() if any(v is s for s in selected) else v, (args, kwargs)
+        )
+        out = func(*detached_args, **detached_kwargs)
+        if (op == "view" and self._source(args[0]) is not None
+                and view_positions(func, args, kwargs, out) is not None):  # fmt: skip
+            return func(*args, **kwargs)
+        return out
+
+    def refuse_unseen_uses(self, loss: object) -> None:
+        """Refuse the selected tensors whose derivative reaches the value ``loss``: only a use
+        this mode did not see carries it (:meth:`_run`) -- a TorchScript function of one, a
+        ``torch.vmap`` over one, a custom ``autograd.Function`` --, and the sparse route, which
+        injects the entries where this mode sees them, would miss its terms."""
+        if not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
+            return
+        stack, seen = [loss.grad_fn], {loss.grad_fn}
+        while stack:
+            node = stack.pop()
+            source = self._source(getattr(node, "variable", None))  # an AccumulateGrad's leaf
+            if source is not None and self.usage[source].refusal is None:
+                self._note(source, "a use pyhvp's mode does not see", UNSEEN)
+            for child, _ in node.next_functions:
+                if child is not None and child not in seen:
+                    seen.add(child)
+                    stack.append(child)
 
     def _note_forward(
         self,
@@ -659,22 +697,38 @@ def _macs(
     return 0
 
 
+UNSEEN = (
+    "is used where pyhvp's mode does not see it (a TorchScript function, torch.vmap over it, a "
+    "custom autograd.Function): the sparse route would miss that use"
+)
+
+
 def survey(
-    loss: Callable[..., torch.Tensor], tensors: Sequence[torch.Tensor], args: Sequence[Any]
+    loss: Callable[..., torch.Tensor],
+    tensors: Sequence[torch.Tensor],
+    args: Sequence[Any],
+    unseen: bool = True,
 ) -> Survey:
     """``loss(*tensors, *args)`` run once under :class:`Survey`, with grad on as the routes
-    differentiate it (a caller's ``no_grad`` would make every use a constant)."""
-    mode = Survey(tensors)
+    differentiate it (a caller's ``no_grad`` would make every use a constant). With ``unseen``
+    (outside ``torch.func`` transforms, which refuse it), the tensors require grad: where their
+    derivative reaches the loss, a use the mode did not see carries it
+    (:meth:`Survey.refuse_unseen_uses`). Call outside inference mode, with no inference
+    tensors."""
+    leaves = [t.detach().requires_grad_() for t in tensors] if unseen else list(tensors)
+    mode = Survey(leaves)
     devices = sorted({t.device for t in tensors if t.device.type == "cuda"}, key=str)
     # the loss's random draws, if any, are the kernels' to make: the survey leaves the state as is
     with torch.random.fork_rng(devices=devices):
         try:
             with torch.enable_grad(), mode:
-                loss(*tensors, *args)
+                value = loss(*leaves, *args)
         except NotSparse:  # a write to a selected tensor: the survey stops before it
             for usage in mode.usage:
                 if usage.refusal is None:
                     usage.refusal = "was not surveyed: the loss writes to a selected tensor first"
+        else:
+            mode.refuse_unseen_uses(value)
     return mode
 
 
