@@ -726,7 +726,10 @@ _ROUTES: OrderedDict[Hashable, Trial] = OrderedDict()
 """Routes chosen, by what the survey's result depends on (the loss's key, the tensors' and the
 batch's metadata, the selection's sizes, the options), with their trial against the other plans
 (:mod:`pyhvp.restricted.trial`): a loss called again is not surveyed again. A stale entry costs
-speed only: a use the sparse kernel refuses raises, and the caller surveys anew."""
+speed where the sparse kernel sees the change (a use it refuses raises, and the caller surveys
+anew); a use neither mode sees (TorchScript) that an earlier call or batch did not reach (behind
+a branch on the data) goes unnoticed, as the survey's verdict on unseen uses holds for the
+code the survey ran."""
 
 
 def _choose_routes(
@@ -1167,12 +1170,18 @@ def _forward_pass(
     plan: _Plan, group: Sequence[int], batch_values: list[Any], spec: Any
 ) -> torch.Tensor:
     """One batch's ``(K_g, K_g)`` over the selected entries of the tensors of ``group``, by the
-    forward-tangent route (joint where the result is one matrix; else its diagonal blocks)."""
-    tensors = [plan.tensors[i] for i in group]
+    forward-tangent route (joint where the result is one matrix; else its diagonal blocks),
+    outside inference mode (its reverse pass is autograd's: inside, it saw no graph and gave
+    zeros)."""
     loss, others = _group_loss(plan, group, spec)
     flats = [plan.flats[i] for i in group]
     joint = plan.one_block and len(group) > 1
-    return forward_hessian(loss, tensors, flats, joint, *others, *batch_values)
+    with torch.inference_mode(False):
+        tensors, args = (
+            _normal(tuple(plan.tensors[i] for i in group)),
+            _normal((*others, *batch_values)),
+        )
+        return forward_hessian(loss, cast(list[torch.Tensor], list(tensors)), flats, joint, *args)
 
 
 def _group_loss(

@@ -406,6 +406,21 @@ def test_what_it_cannot_follow_is_refused_by_name_and_auto_serves_it(loss, named
         torch.testing.assert_close(got, expected, **F64)
 
 
+CALLERS_MODES = {"under no_grad": torch.no_grad, "under inference_mode": torch.inference_mode}
+
+
+@pytest.mark.parametrize("grad_mode", CALLERS_MODES.values(), ids=CALLERS_MODES.keys())
+def test_a_callers_grad_mode_leaves_the_route_as_it_is(grad_mode):
+    """Its reverse pass is autograd's: under the caller's inference_mode it saw no graph and
+    gave zeros, also where "auto" chose it (an MLP of tanh layers)."""
+    index = {"w": torch.tensor([0, 5, 11, 5, 1, 2, 3, 4])}
+    expected = dense_sub_hessian(lambda p: squash(torch.tanh(p["w"] @ V)), {"w": W}, index)
+    with grad_mode():
+        got = pyhvp.sub_hessian(lambda p: squash(torch.tanh(p["w"] @ V)), {"w": W}, index,
+                                joint=True, method="forward")  # fmt: skip
+    torch.testing.assert_close(got, expected, **F64)
+
+
 def test_entries_a_view_of_the_table_does_not_hold_are_not_in_its_padding_row():
     """The padding row of ``embedding(tokens, e[2:], padding_idx=0)`` is ``e``'s row 2; a
     selected entry of row 1, outside the view, does not reach it (it was refused as if it did)."""

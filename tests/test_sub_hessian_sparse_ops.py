@@ -354,6 +354,12 @@ CASES = [
         {"w": W_INDEX},
     ),
     Case(
+        "a view called by keywords alone, torch.transpose(input=W, dim0=0, dim1=1)",
+        on(X, lambda x, p: squash(x @ torch.transpose(input=p["w"], dim0=0, dim1=1))),
+        {"w": (4, 6)},
+        {"w": W_INDEX},
+    ),
+    Case(
         "chunk, split, unbind",
         on(
             X,

@@ -377,7 +377,7 @@ class Survey(TorchFunctionMode):
             lambda v: v.detach() if any(v is s for s in selected) else v, (args, kwargs)
         )
         out = func(*detached_args, **detached_kwargs)
-        if (op == "view" and self._source(args[0]) is not None
+        if (op == "view" and args and self._source(args[0]) is not None
                 and view_positions(func, args, kwargs, out) is not None):  # fmt: skip
             return func(*args, **kwargs)
         return out
