@@ -773,8 +773,9 @@ def _choose_routes(
                                   normal[len(plan.tensors) :], unseen=checked)  # fmt: skip
     except WritesSelected as error:
         raise ValueError(_written(_label(plan, error.source), error.what)) from None
-    for usage in found.usage if method == "auto" and not checked else ():
-        usage.refusal = usage.refusal or UNCHECKED
+    if method == "auto" and not checked:
+        for usage in found.usage:
+            usage.refusal = usage.refusal or UNCHECKED
     for i, usage in enumerate(found.usage):
         if usage.refusal is None and _masked(plan, i, usage.masked_entries):
             usage.refusal = PADDING_ROW  # the forward route would refuse it too
@@ -1177,11 +1178,8 @@ def _forward_pass(
     flats = [plan.flats[i] for i in group]
     joint = plan.one_block and len(group) > 1
     with torch.inference_mode(False):
-        tensors, args = (
-            _normal(tuple(plan.tensors[i] for i in group)),
-            _normal((*others, *batch_values)),
-        )
-        return forward_hessian(loss, cast(list[torch.Tensor], list(tensors)), flats, joint, *args)
+        tensors = [cast(torch.Tensor, t) for t in _normal(tuple(plan.tensors[i] for i in group))]
+        return forward_hessian(loss, tensors, flats, joint, *_normal((*others, *batch_values)))
 
 
 def _group_loss(

@@ -368,13 +368,11 @@ class Survey(TorchFunctionMode):
         detached, so that their derivative reaches the loss only through uses this mode does
         not see (:meth:`refuse_unseen_uses`); a view that follows one runs on it (a selected
         tensor itself)."""
-        if not grad:
-            return func(*args, **kwargs)
-        selected = [v for v in pytree.tree_leaves((args, kwargs)) if self._source(v) is not None]
-        if not selected:
+        values = pytree.tree_leaves((args, kwargs))
+        if not grad or all(self._source(v) is None for v in values):
             return func(*args, **kwargs)
         detached_args, detached_kwargs = pytree.tree_map(
-            lambda v: v.detach() if any(v is s for s in selected) else v, (args, kwargs)
+            lambda v: v if self._source(v) is None else v.detach(), (args, kwargs)
         )
         out = func(*detached_args, **detached_kwargs)
         if (op == "view" and args and self._source(args[0]) is not None
