@@ -65,9 +65,7 @@ from itertools import accumulate
 from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
 import torch
-import torch.nn.functional as F
 from torch.func import functional_call
-from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from pyhvp import _random_state as random_states
@@ -81,6 +79,7 @@ from pyhvp._checks import (
     require_like,
     require_tensor,
 )
+from pyhvp._embeddings import TwiceDifferentiableEmbeddings
 from pyhvp._progress import progress_bar
 from pyhvp._public import public_operator
 from pyhvp._user_errors import PACKAGE, stacklevel_outside_pyhvp
@@ -1021,7 +1020,8 @@ def _sums(
                                         total, blocks, None, True, draws)  # fmt: skip
             except Exception as loop_error:
                 # the loop's forward raises the loss's bugs as they are; its backward, what
-                # autograd cannot differentiate (embedding_bag), is refused by name
+                # autograd cannot differentiate (an op whose backward has no derivative), is
+                # refused by name
                 if not (method in FORCED and _in_loop_backward(loop_error)
                         and _kernel_failure(loop_error)):  # fmt: skip
                     raise
@@ -1348,8 +1348,9 @@ def _loop_rows(
     pass (no one-hot tangents, no ``vmap`` nor compile-cache lookup): on the benchmark's models
     at k = 2 per tensor the reverse route's fixed cost made it 1.05-1.3x this loop. Attention
     takes its math path throughout (fused kernels have no second derivative). A loss whose
-    graph holds an embedding with sparse gradients (:func:`~pyhvp.backends.torch.
-    refuse_compiled_backward` says) runs again with the same draws, its embeddings made dense:
+    graph holds an embedding with sparse gradients, or an embedding bag (:func:`~pyhvp.
+    backends.torch.refuse_compiled_backward` says), runs again with the same draws, under
+    :class:`~pyhvp._embeddings.TwiceDifferentiableEmbeddings`:
     a mode that costs a Python call per op (5% of the seed's 1 ms call) where none is needed,
     and the loss's side effects (a batch norm's running statistics) twice where one is."""
     with torch.inference_mode(False), torch.enable_grad(), math_attention:
@@ -1360,7 +1361,7 @@ def _loop_rows(
         if not refuse_compiled_backward(total):
             return _rows_by_loop(total, ys, row_flats, column_flats)
         draws.begin()
-        with _DenseEmbeddingGradients():
+        with TwiceDifferentiableEmbeddings():
             total = loss(*ys, *args)
         return _rows_by_loop(total, ys, row_flats, column_flats)
 
@@ -1390,28 +1391,6 @@ def _rows_by_loop(
             full.append(row.reshape(-1))
         blocks.append(torch.stack(full).index_select(1, columns.to(y.device)))
     return blocks
-
-
-class _DenseEmbeddingGradients(TorchFunctionMode):
-    """Runs ``F.embedding(..., sparse=True)`` as ``sparse=False``: the same values, and a dense
-    gradient of the table, which autograd differentiates again (its sparse one it cannot, in
-    general: "reshape is not implemented for sparse tensors")."""
-
-    def __torch_function__(self, func: Callable[..., Any], types: Any, args: Sequence[Any] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:  # fmt: skip
-        kwargs = dict(kwargs or {})
-        position = SPARSE_ARGUMENT.get(func)
-        if position is not None:
-            if len(args) > position:
-                args = (*args[:position], False, *args[position + 1 :])
-            else:
-                kwargs["sparse"] = False
-        return func(*args, **kwargs)
-
-
-SPARSE_ARGUMENT = {F.embedding: 6, torch.embedding: 4}
-"""Position of ``sparse`` among each embedding function's arguments (``nn.Embedding`` passes
-it so to ``F.embedding``, which calls ``torch.embedding`` with the mode off)."""
 
 
 def _one_hot(entries: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import pyhvp
+from pyhvp._embeddings import embedding_bag_by_embedding
 from pyhvp.restricted import contributions
 from pyhvp.restricted.contributions import Contribution, inject, reduced
 from pyhvp.restricted.ops import describe
@@ -792,14 +793,90 @@ def test_a_loss_through_fused_attention_has_its_dense_sub_hessian(method, entrie
     torch.testing.assert_close(got, dense_sub_hessian(loss, params, index), **F64)
 
 
-def test_a_forced_sparse_route_that_no_kernel_nor_the_loop_can_run_is_refused_by_name():
-    """``embedding_bag`` has no double backward: neither the sparse kernel nor the seed's loop
-    runs it, and ``method="sparse"`` says so, naming both failures."""
-    bags = torch.tensor([0, 2])
-    loss = on(TOKENS, lambda t, p: squash(F.embedding_bag(t.reshape(-1), p["e"], bags)))
+BAG_TOKENS = torch.tensor([3, 0, 6, 6, 2, 5, 1, 2, 4])
+BAG_STARTS = [0, 3, 3, 7]  # a repeated token, an empty bag
+BAG_WEIGHTS = torch.rand(9, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+EMBEDDING_BAGS = {
+    "mean": ({"mode": "mean"}, lambda rows: rows.mean(0)),
+    "sum with per-sample weights": ({"mode": "sum", "per_sample_weights": BAG_WEIGHTS},
+                                    lambda rows: rows.sum(0)),
+    "max": ({"mode": "max"}, lambda rows: rows.amax(0)),
+    "mean without padding tokens": ({"mode": "mean", "padding_idx": 6}, lambda rows: rows.mean(0)),
+}  # fmt: skip
+"""``F.embedding_bag`` options, and each bag's pooling of its tokens' rows written by hand (the
+rows already weighted, padding tokens dropped; an empty bag is zeros), with ``sparse=True``
+too but for ``"max"``, which torch refuses so."""
+BAGS = [(bag, sparse) for name, bag in EMBEDDING_BAGS.items()
+        for sparse in ([False] if name == "max" else [False, True])]  # fmt: skip
+BAG_IDS = [f"{name}{', sparse gradients' if sparse else ''}" for name in EMBEDDING_BAGS
+           for sparse in ([False] if name == "max" else [False, True])]  # fmt: skip
+
+
+def bags_by_hand(table, sparse, options, pool):
+    """``F.embedding_bag(BAG_TOKENS, table, BAG_STARTS, sparse=sparse, **options)`` as a loop
+    over bags, in which autograd can differentiate twice."""
+    weights = options.get("per_sample_weights", torch.ones(len(BAG_TOKENS), dtype=table.dtype))
+    pooled = []
+    for start, end in zip(BAG_STARTS, [*BAG_STARTS[1:], len(BAG_TOKENS)], strict=True):
+        kept = [i for i in range(start, end) if BAG_TOKENS[i] != options.get("padding_idx")]
+        rows = table[BAG_TOKENS[kept]] * weights[kept].reshape(-1, 1)
+        pooled.append(pool(rows) if kept else table.new_zeros(table.shape[1]))
+    return torch.stack(pooled)
+
+
+@pytest.mark.parametrize("call", SPARSE_GRADIENT_CALLS.values(), ids=SPARSE_GRADIENT_CALLS.keys())
+@pytest.mark.parametrize(("bag", "sparse"), BAGS, ids=BAG_IDS)
+def test_an_embedding_bag_has_the_sub_hessian_of_its_bags_pooled_by_hand(bag, sparse, call):
+    """``embedding_bag``'s backward has no derivative in autograd: the seed's loop runs it as an
+    embedding and a pooling per bag; the sparse route (a forced one raises) leaves it to the
+    loop."""
+    method, entries = call
+    options, pool = bag
     (table,) = tensors((7, 4), seed=2)
-    with pytest.raises(ValueError, match=r"does not apply: its kernels .* nor can the seed's loop"):
-        pyhvp.sub_hessian(loss, {"e": table}, {"e": torch.tensor([0, 5])}, method="sparse")
+    index = {"e": torch.tensor(entries)}
+
+    def bags(p):
+        starts = torch.tensor(BAG_STARTS)
+        return squash(F.embedding_bag(BAG_TOKENS, p["e"], starts, sparse=sparse, **options))
+
+    if method == "sparse":
+        with pytest.raises(ValueError, match=r"method='sparse' does not apply: its kernels"):
+            pyhvp.sub_hessian(bags, {"e": table}, index, method=method)
+        return
+    expected = dense_sub_hessian(lambda p: squash(bags_by_hand(p["e"], sparse, options, pool)),
+                                 {"e": table}, index)  # fmt: skip
+    got = pyhvp.sub_hessian(bags, {"e": table}, index, joint=True, method=method)
+    torch.testing.assert_close(got, expected, **F64)
+
+
+BAG_LAYOUTS = {
+    "offsets": (BAG_TOKENS, {"offsets": torch.tensor(BAG_STARTS)}),
+    "offsets with the last one closing": (
+        BAG_TOKENS, {"offsets": torch.tensor([*BAG_STARTS, 9]), "include_last_offset": True},
+    ),
+    "int32 offsets": (BAG_TOKENS, {"offsets": torch.tensor(BAG_STARTS, dtype=torch.int32)}),
+    "one bag per row": (BAG_TOKENS[:8].reshape(2, 4), {}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"mode": m} for m in ("sum", "mean", "max")]
+    + [{"padding_idx": -1}, {"per_sample_weights": True, "mode": "sum"}],
+    ids=["sum", "mean", "max", "negative padding_idx", "per-sample weights"],
+)
+@pytest.mark.parametrize("layout", BAG_LAYOUTS.values(), ids=BAG_LAYOUTS.keys())
+def test_the_loops_embedding_bag_has_torchs_values_and_gradient(layout, options):
+    tokens, where = layout
+    options = dict(options)
+    if options.get("per_sample_weights"):
+        options["per_sample_weights"] = torch.rand(tokens.shape, dtype=torch.float64)
+    (table,) = tensors((7, 4), seed=2)
+    table.requires_grad_()
+    got = embedding_bag_by_embedding(tokens, table, **where, **options)
+    expected = F.embedding_bag(tokens, table, **where, **options)
+    gradients = [torch.autograd.grad(y.sin().sum(), table)[0] for y in (got, expected)]
+    torch.testing.assert_close((got, gradients[0]), (expected, gradients[1]), **F64)
 
 
 @pytest.mark.parametrize("call", MAX_NORM_CALLS.values(), ids=MAX_NORM_CALLS.keys())

@@ -228,8 +228,9 @@ def refuse_compiled_backward(total: torch.Tensor) -> bool:
     ``torch.compile`` (aot_autograd's ``CompiledFunctionBackward``, a function the caller
     compiled itself): autograd cannot differentiate it again, and a second backward that allows
     unused inputs reads its second derivatives as zero, silently. Otherwise, whether it holds an
-    embedding's backward with sparse gradients (``sparse=True``), which a second pass cannot
-    differentiate (reshape is not implemented for sparse tensors): one walk answers both."""
+    embedding's backward that a second pass cannot differentiate: one with sparse gradients
+    (``sparse=True``; reshape is not implemented for sparse tensors), or any embedding bag's
+    (its backward has no derivative): one walk answers both."""
     stack = [total.grad_fn] if total.grad_fn is not None else []
     seen = set(stack)
     sparse = False
@@ -243,8 +244,10 @@ def refuse_compiled_backward(total: torch.Tensor) -> bool:
                 "read as zero): pass it uncompiled (pyhvp compiles the whole function: "
                 "backend=pyhvp.TorchBackend(compile=True))"
             )
-        sparse = sparse or (
-            name.startswith("EmbeddingBackward") and bool(cast(Any, node)._saved_sparse)
+        sparse = (
+            sparse
+            or name.startswith("EmbeddingBagBackward")
+            or (name.startswith("EmbeddingBackward") and bool(cast(Any, node)._saved_sparse))
         )
         for child, _ in node.next_functions:  # (a loop: 60% of a generator's time)
             if child is not None and child not in seen:

@@ -1,0 +1,92 @@
+"""Embeddings that autograd can differentiate twice: :class:`TwiceDifferentiableEmbeddings`.
+
+Autograd's first backward of ``embedding(..., sparse=True)`` is a sparse tensor, which a second
+backward cannot take ("reshape is not implemented for sparse tensors"); ``embedding_bag`` has no
+second derivative at all ("the derivative for '_embedding_bag_backward' is not implemented"),
+sparse or not. Under the mode both run as ops that have one, with the same values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+SPARSE_ARGUMENT = {F.embedding: 6, torch.embedding: 4}
+"""Position of ``sparse`` among each embedding function's arguments (``nn.Embedding`` passes
+it so to ``F.embedding``, which calls ``torch.embedding`` with the mode off)."""
+
+
+class TwiceDifferentiableEmbeddings(TorchFunctionMode):
+    """Runs ``F.embedding(..., sparse=True)`` as ``sparse=False``, and ``F.embedding_bag`` (as
+    ``nn.EmbeddingBag`` calls it) as :func:`embedding_bag_by_embedding`: the same values, and
+    derivatives autograd can differentiate again."""
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: Sequence[Any] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:  # fmt: skip
+        kwargs = dict(kwargs or {})
+        if func is F.embedding_bag:
+            return embedding_bag_by_embedding(*args, **kwargs)
+        position = SPARSE_ARGUMENT.get(func)
+        if position is not None:
+            if len(args) > position:
+                args = (*args[:position], False, *args[position + 1 :])
+            else:
+                kwargs["sparse"] = False
+        return func(*args, **kwargs)
+
+
+def embedding_bag_by_embedding(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    offsets: torch.Tensor | None = None,
+    max_norm: float | None = None,
+    norm_type: float = 2.0,
+    scale_grad_by_freq: bool = False,
+    mode: str = "mean",
+    sparse: bool = False,
+    per_sample_weights: torch.Tensor | None = None,
+    include_last_offset: bool = False,
+    padding_idx: int | None = None,
+) -> torch.Tensor:
+    """``F.embedding_bag`` with these arguments (``(bags, dim)``), as a dense ``F.embedding`` of
+    every token and a sum, mean or max per bag: twice differentiable. An empty bag, or one of
+    padding tokens alone, is zeros, as in ``F.embedding_bag``; ``sparse`` changes no value.
+
+    >>> table = torch.arange(6.0).reshape(3, 2)
+    >>> embedding_bag_by_embedding(torch.tensor([0, 2, 1]), table, torch.tensor([0, 2]))
+    tensor([[2., 3.],
+            [2., 3.]])
+    """
+    if input.dim() == 2:  # fixed-length bags, one per row
+        bag = torch.arange(input.shape[0], device=input.device).repeat_interleave(input.shape[1])
+        bags, tokens = input.shape[0], input.reshape(-1)
+    elif offsets is None:  # (torch's own check, for a loss run under the mode first)
+        raise ValueError("offsets has to be a 1D Tensor but got None")
+    else:
+        starts = (offsets[:-1] if include_last_offset else offsets).to(torch.int64)
+        tokens, bags = input, len(starts)
+        positions = torch.arange(len(input), device=input.device)
+        bag = torch.searchsorted(starts, positions, right=True) - 1
+    rows = F.embedding(tokens, weight, None, max_norm, norm_type, scale_grad_by_freq)
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights.reshape(-1, 1)
+    kept = bag >= 0  # (tokens before the first offset belong to no bag)
+    if include_last_offset and offsets is not None:
+        kept = kept & (torch.arange(len(input), device=input.device) < offsets[-1])
+    if padding_idx is not None:
+        kept = kept & (tokens != padding_idx % weight.shape[0])
+    bag, rows = bag[kept], rows[kept]
+    if mode == "max":
+        where = bag.reshape(-1, 1).expand_as(rows)
+        return rows.new_zeros(bags, weight.shape[1]).scatter_reduce(
+            0, where, rows, "amax", include_self=False
+        )
+    out = rows.new_zeros(bags, weight.shape[1]).index_add(0, bag, rows)
+    if mode == "mean":
+        counts = torch.bincount(bag, minlength=bags).clamp(min=1)
+        out = out / counts.reshape(-1, 1).to(out.dtype)
+    return out
