@@ -4,6 +4,7 @@ parameters, half precision, functions that compute in another dtype than x's."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 from dense import (
     dense_sub_hessian,
     instance_hessian_diagonal,
@@ -123,6 +124,24 @@ def frozen_first_layer():
     net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
     net[0].requires_grad_(False)
     return net
+
+
+@pytest.mark.parametrize("method", ["auto", "sparse", "forward", "reverse"])
+def test_an_empty_tensor_entering_a_contraction_has_an_empty_block(method, device):
+    """``F.linear`` of a ``(0, 3)`` weight has an output with an empty dim: its block is
+    ``(0, 0)`` and the other tensor's is its dense one, on every route (the sparse route once
+    refused it with ``F.one_hot``'s "Can not infer total number of classes")."""
+    x = torch.randn(5, 3, dtype=torch.float64, device=device)
+    params = {"w": torch.randn(3, 3, dtype=torch.float64, device=device),
+              "empty": torch.zeros(0, 3, dtype=torch.float64, device=device)}  # fmt: skip
+    index = {"w": torch.tensor([4, 0], device=device),
+             "empty": torch.zeros(0, dtype=torch.int64, device=device)}  # fmt: skip
+
+    def loss(p):
+        return torch.tanh(F.linear(x, p["w"])).pow(2).sum() + F.linear(x, p["empty"]).sum()
+
+    result = pyhvp.sub_hessian(loss, params, index, joint=True, method=method)
+    torch.testing.assert_close(result, dense_sub_hessian(loss, params, index))
 
 
 @pytest.mark.parametrize("joint", [False, True], ids=["blocks", "joint"])

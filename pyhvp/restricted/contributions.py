@@ -76,8 +76,14 @@ def inject(out: torch.Tensor, part: torch.Tensor, c: Contribution, batch: int) -
         return out.index_add(c.dim, c.positions, scaled.movedim(0, c.dim))
     shape = [k] + [1] * out.ndim
     shape[1 + c.dim] = size
-    one_hot = F.one_hot(c.positions, size).to(out.dtype).view(shape)
+    one_hot = one_hot_rows(c.positions, size, out.dtype).view(shape)
     return out + torch.tensordot(z, values.unsqueeze(1 + c.dim) * one_hot, 1)  # type: ignore[no-any-return]
+
+
+def one_hot_rows(positions: torch.Tensor, size: int, dtype: torch.dtype) -> torch.Tensor:
+    """``(*positions.shape, size)``: 1 at each position, else 0. Unlike ``F.one_hot``, a
+    ``size`` of 0 (an op's output with an empty dim) has its empty rows, and no device sync."""
+    return (positions.unsqueeze(-1) == torch.arange(size, device=positions.device)).to(dtype)
 
 
 def tangents(c: Contribution, into: torch.Tensor) -> torch.Tensor:
@@ -221,7 +227,7 @@ def einsum_contribution(
         letter = output[dim]
         shape = [k] + [1] * len(output)
         shape[1 + dim] = sizes[letter]
-        values = values * F.one_hot(own[letter], sizes[letter]).to(values.dtype).view(shape)
+        values = values * one_hot_rows(own[letter], sizes[letter], values.dtype).view(shape)
     return Contribution(None, None, values)
 
 
@@ -316,7 +322,7 @@ def conv_transpose_contribution(
     position = torch.zeros_like(in_channel)
     for d in range(spatial):
         position = position * kernel[d] + offsets[d]
-    one_hot = F.one_hot(position, math.prod(kernel)).to(x.dtype).view(k, 1, *kernel)
+    one_hot = one_hot_rows(position, math.prod(kernel), x.dtype).view(k, 1, *kernel)
     transpose = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[spatial - 1]
     values = transpose(
         x.index_select(1, in_channel),
