@@ -81,9 +81,11 @@ def inject(out: torch.Tensor, part: torch.Tensor, c: Contribution, batch: int) -
 
 
 def one_hot_rows(positions: torch.Tensor, size: int, dtype: torch.dtype) -> torch.Tensor:
-    """``(*positions.shape, size)``: 1 at each position, else 0. Unlike ``F.one_hot``, a
-    ``size`` of 0 (an op's output with an empty dim) has its empty rows, and no device sync."""
-    return (positions.unsqueeze(-1) == torch.arange(size, device=positions.device)).to(dtype)
+    """``(*positions.shape, size)``: 1 at each position, else 0. ``F.one_hot``, but for a
+    ``size`` of 0 (an op's output with an empty dim), which it refuses."""
+    if size == 0:
+        return torch.zeros(*positions.shape, 0, dtype=dtype, device=positions.device)
+    return F.one_hot(positions, size).to(dtype)
 
 
 def tangents(c: Contribution, into: torch.Tensor) -> torch.Tensor:
