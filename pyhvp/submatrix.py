@@ -978,9 +978,15 @@ def _sums(
                         raise ValueError(f"method='sparse' does not apply: {error}") from None
                     trial = _choose_routes(plan, backend, batch_values, spec, method, forward, True)
                     name, chosen, timed = MODEL, trial.model, False
-                    parts = _sparse_parts(
-                        plan, chosen, coords, batch_values, spec, chunk_size, backend, draws
-                    )
+                    try:
+                        parts = _sparse_parts(
+                            plan, chosen, coords, batch_values, spec, chunk_size, backend, draws
+                        )
+                    except NotSparse:  # the survey saw what the kernel refuses: autograd's
+                        # route for every tensor, in this call and equal ones
+                        chosen = routes.every_tensor_reverse(trial.model, len(every), False)
+                        trial.drop(MODEL, chosen)
+                        parts = []
                 reverse, inner = chosen.reverse, None if chunk_size else chosen.chunk
                 loop = _loops(plan, chosen, backend)
                 _log_routes(plan, chosen, backend)

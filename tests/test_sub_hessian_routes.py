@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from dense import dense_sub_hessian, loop_sub_hessians
 from torch import nn
+from torch.overrides import _get_current_function_mode_stack
 
 import pyhvp
 from pyhvp import submatrix
@@ -430,6 +431,17 @@ MADE_UNDER_NO_GRAD = {  # what a loss makes of its selected tensor under no_grad
     "p.to(p.dtype), p itself": lambda p: p.to(p.dtype),
     "p.double() of a float64 p, p itself": lambda p: p.double(),
     "p.contiguous() of a contiguous p, p itself": lambda p: p.contiguous(),
+    # p itself too, where a torch.func transform's wrapper gets a new alias (taken for a
+    # constant: the sparse route's block was zero, also under "auto")
+    "p.flatten(1, 1), p itself": lambda p: p.flatten(1, 1),
+    "p.cpu() of a CPU p, p itself": lambda p: p.cpu(),
+    "+p, p itself": lambda p: +p,
+    "p.conj() of a real p, p itself": lambda p: p.conj(),
+    "p.real of a real p, p itself": lambda p: p.real,
+    "atleast_2d of a matrix, p itself": torch.atleast_2d,
+    "p.type_as(p), p itself": lambda p: p.type_as(p),
+    "p.sum_to_size(p.shape), p itself": lambda p: p.sum_to_size(p.shape),
+    "p.requires_grad_(), p itself and no write": lambda p: p.requires_grad_(),
 }
 
 
@@ -443,6 +455,32 @@ def test_what_the_loss_makes_under_no_grad_is_differentiated_as_autograd_does(ma
     params = torch.randn(70, 60, dtype=torch.float64)
     got = pyhvp.sub_hessian(scaled_by_itself, params, MANY, method="sparse")
     expected = pyhvp.sub_hessian(scaled_by_itself, params, MANY, method="reverse")
+    torch.testing.assert_close(got, expected, **F64)
+
+
+TALL = torch.rand(3000, 60, dtype=torch.float64)
+
+
+def linear_to_the_survey_a_distance_to_the_kernel(p):
+    """``F.linear`` where pyhvp's survey runs it, ``cdist`` (no sparse rule) in the sparse
+    kernel: the kernel refuses a plan that a fresh survey chooses again."""
+    modes = [type(mode).__name__ for mode in _get_current_function_mode_stack()]
+    if "Injection" in modes:
+        return torch.cdist(TALL, p).pow(2).sum()
+    return torch.cdist(TALL, p.detach()).pow(2).sum() + torch.tanh(F.linear(TALL, p)).pow(2).sum()
+
+
+def test_a_sparse_kernel_refusing_the_surveys_plan_twice_takes_the_reverse_route():
+    """Refused once, the batch is surveyed anew; refused again, it took pyhvp's internal
+    ``NotSparse`` (a ``BaseException``) out to the caller. Now the reverse route serves it, in
+    this call and equal ones, as autograd runs the loss."""
+    params = torch.randn(70, 60, dtype=torch.float64)
+    index = torch.arange(0, 4200, 30)
+    for _ in range(2):
+        got = pyhvp.sub_hessian(linear_to_the_survey_a_distance_to_the_kernel, params, index,
+                                chunk_size=70, backend=EAGER)  # fmt: skip
+    expected = pyhvp.sub_hessian(linear_to_the_survey_a_distance_to_the_kernel, params, index,
+                                 method="reverse")  # fmt: skip
     torch.testing.assert_close(got, expected, **F64)
 
 

@@ -44,6 +44,7 @@ from pyhvp.restricted.ops import (
     contracted,
     describe,
     einsum_form,
+    returns_its_input,
     writes_operand,
     writes_to,
 )
@@ -127,24 +128,6 @@ def view_positions(
         else:
             positions.append(result)
     return positions
-
-
-def _returns_its_input(
-    func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], out: object
-) -> bool:
-    """Whether eager torch returns ``args[0]`` itself for this call, which autograd then
-    differentiates even under ``no_grad``: a cast to its own dtype, device and layout
-    (``W.to(W.dtype)``, ``W.double()`` of a float64 ``W``; not ``copy=True``), ``contiguous``
-    of a contiguous tensor."""
-    name = getattr(func, "__name__", "")
-    if name not in (*_CASTS, "contiguous") or kwargs.get("copy") or not args:
-        return False
-    x = args[0]
-    return (
-        isinstance(out, torch.Tensor)
-        and isinstance(x, torch.Tensor)
-        and (out.dtype, out.device, out.shape, out.stride()) == (x.dtype, x.device, x.shape, x.stride())
-    )  # fmt: skip
 
 
 class Injected(NamedTuple):
@@ -248,13 +231,17 @@ class Injection(TorchFunctionMode):
         written = writes_to(op, func, args, kwargs)
         if any(self._find(v) is not None for v in pytree.tree_leaves(written)):
             raise NotSparse(f"{describe(func)} writes to a selected tensor")
+        if op == "identity" or (
+            written is None
+            and not torch.is_grad_enabled()
+            and self._find(args[0] if args else None) is not None
+            and returns_its_input(func, args, kwargs)
+        ):
+            return args[0]  # W itself, which autograd differentiates under no_grad too
         if op == "view":
-            out = None
-            if not torch.is_grad_enabled():  # autograd's constant, but for W itself
-                out = func(*args, **kwargs)
-                if not _returns_its_input(func, args, kwargs, out):
-                    return out
-            out = self._view(func, args, kwargs, out)
+            if not torch.is_grad_enabled():  # autograd's constant
+                return func(*args, **kwargs)
+            out = self._view(func, args, kwargs)
             if out is not None:
                 return out
         elif op == "constant":

@@ -13,6 +13,8 @@ Kinds (:func:`kind`):
 * ``"cheap"``: elementwise arithmetic, reductions and normalisations, whose derivative in an
   operand costs no more than the op's own size: a selected operand enters densely
   (``W + scatter(z)``) at any size;
+* ``"identity"``: ``W.requires_grad_()``, which returns ``W`` and, on a tensor that requires
+  grad (a selected one does, in the seed's loop), changes nothing;
 * anything else: densely for a tensor of at most ``DENSE_LIMIT`` entries, else refused.
 """
 
@@ -26,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils import _pytree as pytree
 
 from pyhvp.restricted import contributions as rules
 
@@ -224,7 +227,9 @@ def _kind(func: Callable[..., Any]) -> str:
 def call_kind(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> str:
     """:func:`kind` of this call of ``func``: a view as a dtype (``W.view(torch.float64)``), and
     a cast to a dtype neither floating nor complex (``W.to(torch.int32)``), which autograd does
-    not differentiate, are ``"constant"``."""
+    not differentiate, are ``"constant"``; ``requires_grad_(True)`` is ``"identity"``."""
+    if func is Tensor.requires_grad_:
+        return "identity" if argument(args, kwargs, "requires_grad", 1, True) else "write"
     found = kind(func)
     if found != "view" or func.__name__ not in ("view", "to"):
         return found
@@ -236,6 +241,27 @@ def call_kind(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, A
               if isinstance(a, (torch.dtype, torch.Tensor))]  # fmt: skip
     differentiable = all(d.is_floating_point or d.is_complex for d in dtypes)
     return found if differentiable else "constant"
+
+
+def returns_its_input(
+    func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
+) -> bool:
+    """Whether eager torch returns ``args[0]`` itself from this call (``W.flatten(1, 1)``,
+    ``W.cpu()`` of a CPU tensor, ``W.to(W.dtype)``, ``+W``, ``W.type_as(W)``), which autograd
+    then differentiates even under ``no_grad``. Asked of an empty tensor with ``args[0]``'s
+    metadata in its place: of a ``torch.func`` transform's wrapper torch returns a new alias."""
+    tensor = args[0] if args else None
+    if not isinstance(tensor, Tensor) or torch.compiler.is_compiling():
+        return False
+    proxy = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype,
+                                device=tensor.device)  # fmt: skip
+    swapped_args, swapped_kwargs = pytree.tree_map(
+        lambda v: proxy if v is tensor else v, (tuple(args), kwargs)
+    )
+    try:
+        return func(*swapped_args, **swapped_kwargs) is proxy
+    except Exception:  # (the call itself then raises as the loss makes it)
+        return False
 
 
 def writes_to(

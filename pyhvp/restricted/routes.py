@@ -322,6 +322,8 @@ class Survey(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         op = call_kind(func, args, kwargs)
+        if op == "identity":  # W.requires_grad_(): W itself, a no-op on the leaves here
+            return func(*args, **kwargs)
         grad = torch.is_grad_enabled()
         written = writes_to(op, func, args, kwargs)
         for value in pytree.tree_leaves(written):  # stop before the write: params stay as given
