@@ -3,7 +3,7 @@ very draws of an earlier run (dropout in train mode), on the CPU and on CUDA."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import NamedTuple
 
@@ -50,8 +50,16 @@ class Repeated:
     def __init__(self, device: torch.device) -> None:
         self.state = save(device)
         self.begun = False
+        self.held: Callable[[], None] | None = None
+
+    def hold(self, put_back: Callable[[], None]) -> None:
+        """Before each further run, also ``put_back()`` what else ``f`` changes (a generator of
+        its own, a batch norm's running statistics) as it was before the first."""
+        self.held = put_back
 
     def begin(self) -> None:
         if self.begun:
             restore(self.state)
+            if self.held is not None:
+                self.held()
         self.begun = True

@@ -808,7 +808,7 @@ def _choose_routes(
     if auto and backend.compile != "auto":
         numels = [t.numel() for t in plan.tensors]
         plans += _alternatives(found, sizes, numels, joint, compiled, together, chosen, forward)
-    trial = Trial(tuple(plans))
+    trial = Trial(tuple(plans), state=found.changes.held())
     if key is not None:
         _ROUTES[key] = trial
         if len(_ROUTES) > compile_policy.CACHE_SIZE:
@@ -964,6 +964,7 @@ def _sums(
                 assert isinstance(backend, TorchBackend)  # _static_refusal's condition
                 if trial is None:
                     trial = _choose_routes(plan, backend, batch_values, spec, method, forward)
+                draws.hold(trial.state.snapshot().restore)
                 # a trial compares calls of one batch; a data set's batches may differ in size
                 name, chosen, timed = (
                     trial.next() if batches is None else (MODEL, trial.model, False)
@@ -977,6 +978,7 @@ def _sums(
                     if method == "sparse":
                         raise ValueError(f"method='sparse' does not apply: {error}") from None
                     trial = _choose_routes(plan, backend, batch_values, spec, method, forward, True)
+                    draws.hold(trial.state.snapshot().restore)
                     name, chosen, timed = MODEL, trial.model, False
                     try:
                         parts = _sparse_parts(

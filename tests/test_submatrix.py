@@ -6,6 +6,7 @@ from itertools import accumulate
 
 import pytest
 import torch
+import torch.nn.functional as F
 from dense import dense_sub_hessian, loop_sub_hessians
 from torch import nn
 
@@ -249,6 +250,64 @@ def test_with_dropout_in_training_every_block_is_of_one_draw(method, chunk_size)
                             method=method, chunk_size=chunk_size)  # fmt: skip
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
     assert torch.equal(torch.rand(1), next_draw)
+
+
+def spectrally_normalised():
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    nn.utils.parametrizations.spectral_norm(model[0])
+    return model.train()
+
+
+def batch_normalised():
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3)).double()
+
+
+STATEFUL_MODELS = [
+    pytest.param(spectrally_normalised, method, id=f"spectral_norm's power iteration, {method}")
+    for method in ("auto", "sparse", "forward")
+] + [pytest.param(batch_normalised, "auto", id="batch norm's running statistics, auto")]
+"""Models whose forward updates buffers in training, each run from the last run's state; the
+sparse and forward routes run the loss more than once (batch norm in training: the kernels
+fail and the seed's loop serves, after them)."""
+
+
+@pytest.mark.parametrize(("make", "method"), STATEFUL_MODELS)
+def test_a_model_updating_its_buffers_is_differentiated_and_left_as_one_forward_leaves_it(
+    make, method
+):
+    """spectral_norm's Hessian was taken at another normalisation (1e-2 off), batch norm's
+    statistics updated twice: every run now starts from the state before the call."""
+    X = torch.randn(10, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    y = torch.arange(10) % 3
+    seeds, model = make(), make()
+    index = {name: torch.arange(min(10, p.numel())) for name, p in model.named_parameters()}
+    expected = loop_sub_hessians(seeds, nn.CrossEntropyLoss(), X, y, index)
+    got = pyhvp.sub_hessian(*pyhvp.module_loss(model, nn.CrossEntropyLoss(), X, y), index,
+                            method=method)  # fmt: skip
+    torch.testing.assert_close((got, dict(model.named_buffers())),
+                               (expected, dict(seeds.named_buffers())))  # fmt: skip
+
+
+@pytest.mark.parametrize("method", ["auto", "sparse", "forward", "reverse"])
+def test_a_loss_drawing_from_its_own_generator_is_differentiated_at_one_draw(method):
+    """Runs after the first put the loss's own ``torch.Generator`` back (each drew new noise:
+    4.6 off), and it goes on from one run's draws, as after the seed's loop."""
+    X = torch.randn(8, 5, dtype=torch.float64)
+    weight = torch.randn(4, 5, dtype=torch.float64)
+    noise = torch.Generator()
+
+    def loss(w):
+        jitter = torch.randn(w.shape, generator=noise, dtype=w.dtype)
+        return torch.tanh(F.linear(X, w * (1 + jitter / 2))).pow(2).sum()
+
+    noise.manual_seed(0)
+    expected = dense_sub_hessian(loss, weight, torch.arange(12))
+    after_one_run = noise.get_state()
+    noise.manual_seed(0)
+    got = pyhvp.sub_hessian(loss, weight, torch.arange(12), method=method)
+    torch.testing.assert_close((got, noise.get_state()), (expected, after_one_run))
 
 
 class DroppedEmbeddings(nn.Module):

@@ -264,6 +264,28 @@ def returns_its_input(
         return False
 
 
+_RUNNING_STATISTICS = {F.batch_norm: ("training", 5), F.instance_norm: ("use_input_stats", 5)}
+"""The norms that update the running statistics they are given (arguments 1 and 2) in place,
+and the flag (name, position) under which they do."""
+
+
+def hidden_writes(
+    func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
+) -> list[torch.Tensor]:
+    """The tensors a call writes inside the op, not as its output nor in place on its first
+    argument: a batch norm's running statistics in training."""
+    found = _RUNNING_STATISTICS.get(func)
+    if found is None:
+        return []
+    flag, position = found
+    default = func is F.instance_norm  # (instance_norm uses its input's statistics by default)
+    if not argument(args, kwargs, flag, position, default):
+        return []
+    statistics = [argument(args, kwargs, name, i, None)
+                  for i, name in enumerate(("running_mean", "running_var"), start=1)]  # fmt: skip
+    return [t for t in statistics if isinstance(t, torch.Tensor)]
+
+
 def writes_to(
     op: str, func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
 ) -> Any:

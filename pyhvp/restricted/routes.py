@@ -94,6 +94,7 @@ from pyhvp.restricted.ops import (
     writes_operand,
     writes_to,
 )
+from pyhvp.restricted.state import Changes
 
 MIN_COMPONENTS = 8
 """Fewest selected components for which ``method="auto"`` surveys the loss unless the backend
@@ -301,6 +302,8 @@ class Survey(TorchFunctionMode):
         self._aliases: dict[int, tuple[torch.Tensor, int]] = {}
         self._memories = [_memory(t) for t in tensors]
         self._first = 0
+        self.changes = Changes()
+        """What the run changes beyond its values (put back once it ran)."""
 
     def _source(self, value: object) -> int | None:
         return _held(self._sources, value)
@@ -329,9 +332,11 @@ class Survey(TorchFunctionMode):
         for value in pytree.tree_leaves(written):  # stop before the write: params stay as given
             self._refuse_writes_to_params(value, func, grad)
         self._refuse_hidden_writes(op, args, kwargs)
+        self.changes.before(func, args, kwargs, written)
         out = self._run(func, op, args, kwargs, grad)
         leaves = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
         outs = [v for v in pytree.tree_leaves(out) if isinstance(v, torch.Tensor)]
+        self.changes.made(outs)
         cost = _cost(func, args, kwargs, leaves, outs)
         self.forward.add(cost)
         if not grad or op == "constant" or any(self._alias(v) is not None for v in leaves):
@@ -718,7 +723,8 @@ def survey(
     leaves = [t.detach().requires_grad_() for t in tensors] if unseen else list(tensors)
     mode = Survey(leaves)
     devices = sorted({t.device for t in tensors if t.device.type == "cuda"}, key=str)
-    # the loss's random draws, if any, are the kernels' to make: the survey leaves the state as is
+    # the loss's random draws, if any, are the kernels' to make, as is what else it changes
+    # (mode.changes): the survey leaves the state as is
     with torch.random.fork_rng(devices=devices):
         try:
             with torch.enable_grad(), mode:
@@ -729,6 +735,8 @@ def survey(
                     usage.refusal = "was not surveyed: the loss writes to a selected tensor first"
         else:
             mode.refuse_unseen_uses(value)
+        finally:
+            mode.changes.undo()
     return mode
 
 

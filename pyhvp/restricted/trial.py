@@ -26,6 +26,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from pyhvp.restricted.routes import Routes
+from pyhvp.restricted.state import Held
 
 TIMED_RUNS = 2
 """Timed runs of each plan before the trial settles."""
@@ -65,6 +66,9 @@ class Trial:
     """The name of the plan kept once the trial settled."""
     run_before: set[str] = dataclasses.field(default_factory=lambda: RUN_IN_THIS_PROCESS)
     """Plans whose first run in this process is past (:data:`RUN_IN_THIS_PROCESS`)."""
+    state: Held = dataclasses.field(default_factory=Held)
+    """What the loss changes beyond its values, as the survey found it: put back before each
+    run of a call but its first."""
 
     @property
     def model(self) -> Routes:
