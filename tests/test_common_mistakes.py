@@ -130,6 +130,40 @@ def test_f_writing_to_x_is_told_to_write_to_a_copy_by_every_operator():
             call()
 
 
+def writes_to_x(x):
+    x.mul_(2.0)
+    return x.pow(3).sum(-1)
+
+
+X_THAT_REQUIRE_GRAD = {
+    "a leaf": lambda: torch.randn(4, 3, requires_grad=True),
+    "computed from a leaf": lambda: torch.randn(4, 3, requires_grad=True) * 1.0,
+}
+OPERATORS_ON_HVPS = {
+    "hvp": lambda f, x: pyhvp.hvp(f, x, torch.ones(4, 3)),
+    "grad_and_hvp": lambda f, x: pyhvp.grad_and_hvp(f, x, torch.ones(4, 3)),
+    "hessian_diagonal hutchinson": lambda f, x: pyhvp.hessian_diagonal(
+        f, x, method="hutchinson", samples=2
+    ),
+    "hessian_diagonal diag++": lambda f, x: pyhvp.hessian_diagonal(
+        f, x, method="diag++", samples=3
+    ),
+    "laplacian hutch++": lambda f, x: pyhvp.laplacian(f, x, method="hutch++", samples=3),
+}
+
+
+@pytest.mark.parametrize("make_x", X_THAT_REQUIRE_GRAD.values(), ids=X_THAT_REQUIRE_GRAD.keys())
+@pytest.mark.parametrize("call", OPERATORS_ON_HVPS.values(), ids=OPERATORS_ON_HVPS.keys())
+def test_f_writing_to_an_x_that_requires_grad_is_refused_and_x_left_unchanged(make_x, call):
+    """As for an x that does not require grad (until 2026-12-05 an x computed from a leaf was
+    written to, and its HVPs were those of the written value: a quarter of the true ones)."""
+    x = make_x()
+    before = x.detach().clone()
+    with pytest.raises(pyhvp.taylor.InPlaceInputError, match=r"x\.clone\(\)"):
+        call(writes_to_x, x)
+    assert torch.equal(x.detach(), before)
+
+
 def test_f_writing_to_a_parameter_gets_autograds_own_error_not_told_to_copy_x():
     weight = torch.ones(3, requires_grad=True)
 

@@ -209,9 +209,14 @@ def _grad_and_block_hvps_eager(
     return tuple(g if keep_graph else g.detach() for g in grads), hvs
 
 
-_LEAF_WRITE = "a leaf Variable that requires grad is being used in an in-place operation"
-"""autograd's refusal of a write to a leaf that requires grad (pyhvp's alias of ``x``, or a
-parameter of ``f``'s)."""
+_REFUSED_WRITES = (
+    "a leaf Variable that requires grad is being used in an in-place operation",
+    "is a view and is being modified inplace. This view is the output of a function that "
+    "returns multiple views",
+)
+"""autograd's refusals, before any write, of a write to a leaf that requires grad (pyhvp's alias
+of an ``x`` that does not, or a parameter of ``f``'s) and of one to an output of ``unbind``
+(pyhvp's alias of an ``x`` that does)."""
 
 
 def _writes_x(f: Callable[..., torch.Tensor], x: torch.Tensor, args: Sequence[object]) -> bool:
@@ -258,9 +263,12 @@ def refuse_compiled_backward(total: torch.Tensor) -> bool:
 
 def _differentiable_alias(y: torch.Tensor) -> torch.Tensor:
     """An alias of ``y`` that requires grad and keeps ``y``'s autograd history and forward-mode
-    tangent (forward over reverse, under ``torch.autograd.forward_ad``)."""
+    tangent (forward over reverse, under ``torch.autograd.forward_ad``), and that ``f`` cannot
+    write to: autograd refuses, before it happens, a write to a leaf and one to (a view of) an
+    output of ``unbind``. A plain view would let ``f`` write to the caller's ``y`` and rebase the
+    alias's history onto the write (derivatives in the written value, not in ``y``)."""
     if y.requires_grad:
-        return y.view_as(y)
+        return y.unsqueeze(0).unbind()[0]
     tangent = _tangent(y)
     alias = y.detach().requires_grad_()
     make_dual = cast(Callable[[torch.Tensor, torch.Tensor], torch.Tensor], forward_ad.make_dual)
@@ -613,7 +621,8 @@ class TorchBackend:
                 InstanceSum(f, event_dims), (x,), (tangents,), args, chunk_size
             )
         except RuntimeError as error:  # x written by f: said as the Taylor engine says it
-            if _LEAF_WRITE not in str(error) or x.requires_grad or not _writes_x(f, x, args):
+            refused = any(write in str(error) for write in _REFUSED_WRITES)
+            if not refused or not _writes_x(f, x, args):
                 raise
             raise taylor.InPlaceInputError(
                 "f modifies x in place: pyhvp differentiates f w.r.t. x, which autograd does not "
