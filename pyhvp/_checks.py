@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch.utils import _pytree as pytree
 
 Shape = tuple[int, ...]
 
@@ -62,18 +63,21 @@ def check_event_dims(event_dims: object, x: torch.Tensor) -> int:
 
 
 def check_args(args: Sequence[object], x: torch.Tensor) -> None:
-    """Extra tensor arguments live on x's device; floating ones share x's dtype."""
-    for i, arg in enumerate(args):
-        if isinstance(arg, torch.Tensor):
-            if arg.device != x.device:
-                raise ValueError(
-                    f"args[{i}] must be on x's device {x.device}, got args[{i}] on {arg.device}"
-                )
-            if arg.is_floating_point() and arg.dtype != x.dtype:
-                raise ValueError(
-                    f"args[{i}] must have x's dtype {x.dtype} (floating args are not promoted), "
-                    f"got {arg.dtype}"
-                )
+    """Extra tensor arguments, and the tensors inside container arguments (a dict of
+    parameters), live on x's device; floating ones share x's dtype. Each is named by its path:
+    ``args[0]``, ``args[1]['weight']``."""
+    leaves, _ = pytree.tree_flatten_with_path(tuple(args))
+    for path, arg in leaves:
+        if not isinstance(arg, torch.Tensor):
+            continue
+        name = "args" + pytree.keystr(path)
+        if arg.device != x.device:
+            raise ValueError(f"{name} must be on x's device {x.device}, got {name} on {arg.device}")
+        if arg.is_floating_point() and arg.dtype != x.dtype:
+            raise ValueError(
+                f"{name} must have x's dtype {x.dtype} (floating args are not promoted), "
+                f"got {arg.dtype}"
+            )
 
 
 def check_tangents(name: str, v: object, x: torch.Tensor) -> tuple[torch.Tensor, bool]:

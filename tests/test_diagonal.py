@@ -303,6 +303,26 @@ def test_which_results_reach_captured_parameters(method, alone, device):
     assert weight_grad.abs().sum() > 0 and scale_grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("method", CAPTURED_ALONE)
+def test_every_method_is_differentiable_in_tensors_inside_a_container_arg(method, device):
+    """A dict of parameters (functional_call's) is an arg like a tensor: the same gradient
+    (until 2026-12-05 the estimators' results came back detached)."""
+    x = torch.randn(4, 3, dtype=torch.float64, device=device)
+    scale = torch.rand(3, dtype=torch.float64, device=device).add(0.5).requires_grad_()
+
+    def f(x, s):
+        return torch.tanh(x * s).pow(3).sum(-1)
+
+    def gradient(call, arg):
+        seeded = {"samples": 6, "generator": torch.Generator().manual_seed(0)}
+        d = pyhvp.hessian_diagonal(call, x, arg, method=method,
+                                   **({} if method == "exact" else seeded))  # fmt: skip
+        return torch.autograd.grad(d.sum(), scale)[0]
+
+    in_dict = gradient(lambda x, params: f(x, params["scale"]), {"scale": scale})
+    torch.testing.assert_close(in_dict, gradient(f, scale))
+
+
 # --- estimators --------------------------------------------------------------------------------
 
 

@@ -159,6 +159,23 @@ def test_result_stays_differentiable_when_inputs_require_grad():
     torch.testing.assert_close(dmu, expected)
 
 
+# how parameters travel as one container arg (functional_call's dict), and f reading them
+CONTAINERS = {
+    "a dict": (lambda mu: {"mu": mu}, lambda x, params: gaussian(x, params["mu"])),
+    "a list": (lambda mu: [mu], lambda x, params: gaussian(x, params[0])),
+}
+
+
+@pytest.mark.parametrize(("pack", "f"), CONTAINERS.values(), ids=CONTAINERS.keys())
+def test_result_stays_differentiable_in_tensors_inside_a_container_arg(pack, f):
+    """As for a tensor arg (until 2026-12-05 such a result came back detached)."""
+    x, v = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    mu = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    (dmu,) = torch.autograd.grad(pyhvp.hvp(f, x, v, pack(mu)).sum(), mu)
+    expected = torch.func.grad(lambda m: instance_hvp(gaussian, x, v, m).sum())(mu.detach())
+    torch.testing.assert_close(dmu, expected)
+
+
 @pytest.mark.slow
 def test_captured_parameters_never_attach_a_graph_eager_or_compiled():
     """Tensors f captures are constants: every call (eager first, compiled from the third) returns
@@ -266,6 +283,11 @@ ERRORS = {
         ValueError,
         ["args[0]", "torch.float32", "torch.float64"],
     ),
+    "arg dtype inside a dict": (
+        lambda: pyhvp.hvp(lambda x, p: gaussian(x, p["mu"]), X, X, {"mu": MU.double()}),
+        ValueError,
+        ["args[0]['mu']", "torch.float32", "torch.float64"],
+    ),
     "f returns the sum": (
         lambda: pyhvp.hvp(lambda x, mu: gaussian(x, mu).sum(), X, X, MU),
         ValueError,
@@ -352,6 +374,11 @@ if torch.cuda.is_available():
         lambda: pyhvp.hvp(gaussian, X, X, MU.cuda()),
         ValueError,
         ["args[0]", "cpu", "cuda"],
+    )
+    ERRORS["arg inside a list on another device"] = (
+        lambda: pyhvp.hvp(lambda x, p: gaussian(x, p[0]), X, X, [MU.cuda()]),
+        ValueError,
+        ["args[0][0]", "cpu", "cuda"],
     )
 
 

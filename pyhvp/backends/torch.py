@@ -66,6 +66,7 @@ import torch
 from torch import fx
 from torch.autograd import forward_ad
 from torch.func import grad, vjp, vmap
+from torch.utils import _pytree as pytree
 
 from pyhvp import _random_state as random_states
 from pyhvp import restricted, taylor
@@ -354,14 +355,17 @@ class _InductorGraph:
 
 def _needs_autograd(values: Sequence[object]) -> bool:
     """Whether a result must carry derivatives: reverse mode's graph (grad mode on and an input
-    requiring grad) or forward mode's tangents (an input that is a dual tensor)."""
-    if torch.is_grad_enabled() and any(
-        isinstance(v, torch.Tensor) and v.requires_grad for v in values
-    ):
+    requiring grad) or forward mode's tangents (an input that is a dual tensor). Inputs are
+    looked into: a dict or list of parameters passed as one arg (``functional_call``'s)."""
+    tensors = [
+        t
+        for v in values
+        for t in ((v,) if isinstance(v, torch.Tensor) else pytree.tree_leaves(v))
+        if isinstance(t, torch.Tensor)
+    ]  # a tensor input directly: flattening every input cost 3 us a call
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return True
-    return forward_ad._current_level >= 0 and any(
-        isinstance(v, torch.Tensor) and _tangent(v) is not None for v in values
-    )
+    return forward_ad._current_level >= 0 and any(_tangent(t) is not None for t in tensors)
 
 
 def _plain_autograd() -> bool:
