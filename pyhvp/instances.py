@@ -306,7 +306,10 @@ def _leak_through_values(run: _Runs) -> str | None:
     def changed(moved: torch.Tensor | None) -> torch.Tensor:
         """Per instance, whether f's value changed with the instances in ``moved`` shifted."""
         other = run.values(moved)
-        same = ((other - base).abs() <= threshold) | (other.isnan() & base.isnan())
+        # equal infinities are unchanged too (their difference is NaN)
+        same = (
+            (other == base) | ((other - base).abs() <= threshold) | (other.isnan() & base.isnan())
+        )
         return ~same.all(-1)
 
     if bool(changed(None).any()):  # f draws from a generator of its own, say

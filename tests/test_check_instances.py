@@ -52,6 +52,11 @@ INDEPENDENT = {
         torch.cat([torch.zeros(1, 3, dtype=torch.float64), X[1:]]),
         (),
     ),
+    "one instance at log's infinite value": (
+        lambda x: -torch.log(x.norm(dim=-1)),
+        torch.cat([torch.zeros(1, 3, dtype=torch.float64), X[1:]]),
+        (),
+    ),
     "dropout in training mode (each run draws from one state)": (
         lambda x: nn.functional.dropout(x, 0.5).sum(-1),
         X,
@@ -77,6 +82,11 @@ COUPLED = {
     "one pair through .item(): 1 -> 5": (item_pair, X, ((5,), (1,))),
     "mean-centring, next to an infinite own gradient": (
         lambda x: torch.sqrt(x.abs()).sum(-1) + (x - x.mean(0)).sum(-1) ** 2,
+        torch.cat([torch.zeros(1, 3, dtype=torch.float64), X[1:]]),
+        None,
+    ),
+    "mean-centring by a detached mean, next to an infinite own value": (
+        lambda x: ((x - x.mean(0).detach()) ** 2).sum(-1) - torch.log(x.norm(dim=-1)),
         torch.cat([torch.zeros(1, 3, dtype=torch.float64), X[1:]]),
         None,
     ),
