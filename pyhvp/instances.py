@@ -150,11 +150,13 @@ def check_instances(
     mode, ``f(x).sum().expand(B)``), which gives silently wrong per-instance results. This check
     is opt-in (call it once per function and layout), in two parts:
 
-    * **through derivatives**, exact up to rounding: one forward and ``2 * ceil(log2 B)`` reverse
-      passes. Pass ``p`` puts random positive cotangents on the instances whose flat index has
-      bit ``p`` equal to 0 (then 1); a non-zero gradient at an instance outside that set means a
-      receiver reads it, and any two instances differ in some bit, so every dependence between
-      two instances is seen;
+    * **through derivatives**, exact up to rounding: one forward and ``2 * ceil(log2 B) + 2``
+      reverse passes. Pass ``p`` puts random positive cotangents on the instances whose flat
+      index has bit ``p`` equal to 0 (then 1); a non-zero gradient at an instance outside that
+      set means a receiver reads it, and any two instances differ in some bit, so every
+      dependence between two instances is seen. Each receiver's cotangents are divided by its
+      own gradient's size, and each output's change below is judged against its own values: rounding
+      is per receiving instance, so a stiff one does not hide another's coupling;
     * **through values that carry no derivative** (``x - x.mean(0).detach()``, a statistic taken
       under ``torch.no_grad()`` or through ``.item()``), which no derivative shows: ``f`` is run
       again, ``2 * ceil(log2 B) + 2`` forwards from the random state of the first, with the
@@ -251,20 +253,31 @@ def _leak_through_derivatives(run: _Runs) -> str | None:
         return None
     per_instance_out = run.out.reshape(run.count, -1)
 
-    def leak_sizes(receivers: torch.Tensor) -> torch.Tensor:
-        """Per instance, the largest gradient of sum over receivers of w_b f_b (random w > 0:
-        no two receivers' dependences cancel)."""
-        weights = run.random(per_instance_out.shape)
+    def gradient_sizes(cotangent: torch.Tensor) -> torch.Tensor:
+        """Per instance, the largest entry of the gradient of ``sum(cotangent * f)``."""
         (gradient,) = torch.autograd.grad(
-            per_instance_out, run.y, weights * receivers[:, None], retain_graph=True,
-            allow_unused=True, materialize_grads=True,
+            per_instance_out, run.y, cotangent, retain_graph=True, allow_unused=True,
+            materialize_grads=True,
         )  # fmt: skip
         return gradient.reshape(run.count, -1).abs().amax(-1)
+
+    # each instance's own scale: the gradient at its x with every instance receiving (its own
+    # derivative where f does not couple). A receiver's weights are divided by it, so that a
+    # leak is judged against the receiver's own magnitude: a stiff instance (a value of 1e17)
+    # neither hides another's coupling nor leaks by rounding
+    own = gradient_sizes(run.random(per_instance_out.shape))
+    scale = torch.where(own.isfinite() & (own > 0), own, torch.ones_like(own))
+
+    def leak_sizes(receivers: torch.Tensor) -> torch.Tensor:
+        """Per instance, the largest gradient of sum over receivers of w_b f_b (random w > 0:
+        no two receivers' dependences cancel; each divided by its receiver's scale)."""
+        weights = run.random(per_instance_out.shape) / scale[:, None]
+        return gradient_sizes(weights * receivers[:, None])
 
     sizes = [leak_sizes(receivers) for receivers in run.sides]
     # an instance whose own derivative is infinite gets 0 * inf = NaN from a zero cotangent: no
     # leak, and none can be read there
-    unreadable = ~leak_sizes(torch.zeros_like(run.sides[0])).isfinite()
+    unreadable = ~gradient_sizes(torch.zeros_like(per_instance_out)).isfinite()
     # rounding scale from the finite sizes; a non-finite size outside the receivers leaks
     finite = [size[size.isfinite()] for size in sizes]
     largest = max((float(size.max()) for size in finite if size.numel()), default=0.0)
@@ -299,9 +312,10 @@ def _leak_through_values(run: _Runs) -> str | None:
     """Which instance's value changes with another's x, beyond rounding, when no derivative
     says so (see :func:`check_instances`); None also when ``f`` is not deterministic."""
     base = run.values(None)
-    finite = base[base.isfinite()]
-    scale = 1.0 + (float(finite.abs().max()) if finite.numel() else 0.0)
-    threshold = 64 * torch.finfo(base.dtype).eps * scale
+    # rounding, per receiving instance: relative to its own finite values (a stiff instance's
+    # do not hide another's change)
+    finite = torch.where(base.isfinite(), base, torch.zeros_like(base))
+    threshold = 64 * torch.finfo(base.dtype).eps * (1 + finite.abs().amax(-1, keepdim=True))
 
     def changed(moved: torch.Tensor | None) -> torch.Tensor:
         """Per instance, whether f's value changed with the instances in ``moved`` shifted."""

@@ -39,6 +39,17 @@ def item_pair(x):
 
 X = torch.randn(8, 3, dtype=torch.float64)
 MU = torch.randn(3, dtype=torch.float64)
+STIFF_X = torch.cat([torch.full((1, 3), 0.02, dtype=torch.float64), X[1:]])
+"""Instance 0 near the singular point of a stiff potential: r^-12 is 3e17 there, about 1
+elsewhere (until 2026-12-05 its magnitude set one rounding threshold for every instance, which
+hid the others' couplings)."""
+
+
+def stiff_plus(coupling):
+    """A stiff per-instance potential r^-12 plus ``coupling(x)``."""
+    return lambda x: (x**2).sum(-1) ** -6 + coupling(x)
+
+
 INDEPENDENT = {
     "seed-000 layout, shared mu": (gaussian, torch.randn(2, 3, 4, 3), (torch.randn(2, 1, 1, 3),)),
     "per_instance function": (pyhvp.per_instance(lambda x: x.sum() ** 2), X, ()),
@@ -57,6 +68,7 @@ INDEPENDENT = {
         torch.cat([torch.zeros(1, 3, dtype=torch.float64), X[1:]]),
         (),
     ),
+    "a stiff instance among others": (stiff_plus(lambda x: 0.1 * (x * x).sum(-1)), STIFF_X, ()),
     "dropout in training mode (each run draws from one state)": (
         lambda x: nn.functional.dropout(x, 0.5).sum(-1),
         X,
@@ -83,6 +95,16 @@ COUPLED = {
     "mean-centring, next to an infinite own gradient": (
         lambda x: torch.sqrt(x.abs()).sum(-1) + (x - x.mean(0)).sum(-1) ** 2,
         torch.cat([torch.zeros(1, 3, dtype=torch.float64), X[1:]]),
+        None,
+    ),
+    "mean-field coupling next to a stiff instance": (
+        stiff_plus(lambda x: 0.1 * (x * x.mean(0)).sum(-1)),
+        STIFF_X,
+        None,
+    ),
+    "detached mean-field coupling next to a stiff instance": (
+        stiff_plus(lambda x: 0.1 * (x * x.mean(0).detach()).sum(-1)),
+        STIFF_X,
         None,
     ),
     "mean-centring by a detached mean, next to an infinite own value": (
