@@ -323,6 +323,23 @@ def test_every_method_is_differentiable_in_tensors_inside_a_container_arg(method
     torch.testing.assert_close(in_dict, gradient(f, scale))
 
 
+@pytest.mark.parametrize("method", CAPTURED_ALONE)
+def test_every_method_accepts_an_inference_x_next_to_an_arg_that_requires_grad(method):
+    """The same diagonal as from a normal x (until 2026-12-05 the estimators raised: autograd
+    refuses to make an inference tensor require grad)."""
+    x = torch.randn(4, 3, dtype=torch.float64)
+    with torch.inference_mode():
+        frozen = x.clone()
+    scale = torch.rand(3, dtype=torch.float64).add(0.5).requires_grad_()
+
+    def diagonal(x):
+        seeded = {"samples": 6, "generator": torch.Generator().manual_seed(0)}
+        return pyhvp.hessian_diagonal(lambda x, s: torch.tanh(x * s).pow(3).sum(-1), x, scale,
+                                      method=method, **({} if method == "exact" else seeded))  # fmt: skip
+
+    torch.testing.assert_close(diagonal(frozen), diagonal(x))
+
+
 # --- estimators --------------------------------------------------------------------------------
 
 

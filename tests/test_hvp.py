@@ -205,6 +205,24 @@ def test_inference_tensors_are_accepted():
     torch.testing.assert_close(hv.double(), instance_hvp(gaussian, x, v, mu), **tolerance(x.dtype))
 
 
+INFERENCE_INPUTS = {"x": ("x",), "v": ("v",), "x and v": ("x", "v")}
+
+
+@pytest.mark.parametrize("names", INFERENCE_INPUTS.values(), ids=INFERENCE_INPUTS.keys())
+def test_inference_tensors_are_accepted_next_to_an_arg_that_requires_grad(names):
+    """Until 2026-12-05 autograd refused them there (requires_grad on an inference tensor, or
+    an inference tensor saved for backward)."""
+    inputs = {
+        "x": torch.randn(4, 3, dtype=torch.float64),
+        "v": torch.randn(4, 3, dtype=torch.float64),
+    }
+    with torch.inference_mode():
+        made_inside = {name: inputs[name].clone() for name in names}
+    mu = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    hv = pyhvp.hvp(gaussian, *{**inputs, **made_inside}.values(), mu)
+    torch.testing.assert_close(hv, instance_hvp(gaussian, *inputs.values(), mu.detach()))
+
+
 def test_an_error_of_f_is_raised_as_is_not_reported_as_a_compile_failure():
     def total(x):  # the sum, not one value per instance
         return (x**3).sum()
