@@ -146,7 +146,8 @@ class KroneckerHVP:
     def __call__(self, grad: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``update(grad)`` then ``apply(v)``: the post's ``batch_hvp_fn`` given the gradient
         (``v`` checked first: a call that raises folds nothing in)."""
-        _checked_v(v, require_floating("grad", grad).shape)
+        grad = require_floating("grad", grad)
+        require_like("v", _checked_v(v, grad.shape), "grad", grad)
         self.update(grad)
         return self.apply(v)
 

@@ -519,9 +519,22 @@ def test_a_state_whose_factors_are_symmetric_to_rounding_loads():
     torch.testing.assert_close(loaded.apply(v), kron.apply(v))
 
 
-def test_a_call_refused_for_its_v_folds_nothing_in():
+BAD_V = {  # grad is (2, 3, 4) float64 on the CPU
+    "shape": (lambda: torch.randn(2, 4, 3, dtype=torch.float64), "v must have shape"),
+    "dtype": (lambda: torch.randn(2, 3, 4), "v must have grad's dtype"),
+}
+if torch.cuda.is_available():
+    BAD_V["device"] = (
+        lambda: torch.randn(2, 3, 4, dtype=torch.float64, device="cuda"),
+        "v must be on grad's device",
+    )
+
+
+@pytest.mark.parametrize(("make_v", "message"), BAD_V.values(), ids=BAD_V.keys())
+def test_a_call_refused_for_its_v_folds_nothing_in(make_v, message):
+    """Until 2026-12-05 a v of another dtype or device was refused after grad was folded in."""
     kron = KroneckerHVP(beta=0.9)
     grad = torch.randn(2, 3, 4, dtype=torch.float64)
-    with pytest.raises(ValueError, match="v must have shape"):
-        kron(grad, torch.randn(2, 4, 3, dtype=torch.float64))
+    with pytest.raises(ValueError, match=message):
+        kron(grad, make_v())
     assert kron.state_dict()["step"] == 0
