@@ -16,9 +16,10 @@ from collections.abc import Callable
 import torch
 
 from pyhvp import _estimators as est
-from pyhvp._checks import check_args, check_chunk_size, check_event_dims, require_floating
+from pyhvp._checks import check_args, check_chunk_size, require_floating
 from pyhvp._public import public_operator
 from pyhvp.backends import Backend, require_primitive, resolve_backend
+from pyhvp.instances import check_event_dims_of
 from pyhvp.interpolation import biharmonic
 
 
@@ -56,7 +57,7 @@ def bilaplacian(
     tensor([64.])
     """
     x = require_floating("x", x)
-    event_dims = check_event_dims(event_dims, x)
+    event_dims = check_event_dims_of(f, event_dims, x)
     check_args(args, x)
     chunk_size = check_chunk_size(chunk_size)
     samples = est.check_method(method, samples, generator)

@@ -18,9 +18,10 @@ from fractions import Fraction
 import torch
 
 from pyhvp import _estimators as est
-from pyhvp._checks import check_args, check_chunk_size, check_event_dims, require_floating
+from pyhvp._checks import check_args, check_chunk_size, require_floating
 from pyhvp._public import public_operator
 from pyhvp.backends import Backend, require_primitive, resolve_backend
+from pyhvp.instances import check_event_dims_of
 from pyhvp.interpolation import Direction, terms_of_order
 
 Terms = Mapping[tuple[int, ...], float]
@@ -60,7 +61,7 @@ def differential_operator(
     tensor([58.])
     """
     x = require_floating("x", x)
-    event_dims = check_event_dims(event_dims, x)
+    event_dims = check_event_dims_of(f, event_dims, x)
     check_args(args, x)
     chunk_size = check_chunk_size(chunk_size)
     space = est.Space(x, event_dims)

@@ -14,9 +14,10 @@ from collections.abc import Callable
 import torch
 
 from pyhvp import _estimators as est
-from pyhvp._checks import check_args, check_event_dims, fmt_shape, require_floating, require_like
+from pyhvp._checks import check_args, fmt_shape, require_floating, require_like
 from pyhvp._public import public_operator
 from pyhvp.backends import Backend, require_primitive, resolve_backend
+from pyhvp.instances import check_event_dims_of
 
 
 @public_operator
@@ -50,7 +51,7 @@ def directional_derivatives(
             [24.]])
     """
     x = require_floating("x", x)
-    event_dims = check_event_dims(event_dims, x)
+    event_dims = check_event_dims_of(f, event_dims, x)
     check_args(args, x)
     order = check_order(order)
     space = est.Space(x, event_dims)

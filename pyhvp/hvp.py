@@ -15,12 +15,12 @@ import torch
 from pyhvp._checks import (
     check_args,
     check_chunk_size,
-    check_event_dims,
     check_tangents,
     require_floating,
 )
 from pyhvp._public import public_operator
 from pyhvp.backends import Backend, resolve_backend
+from pyhvp.instances import check_event_dims_of
 
 BatchedFunction = Callable[..., torch.Tensor]
 
@@ -50,7 +50,7 @@ def grad_and_hvp(
     (True, True)
     """
     x = require_floating("x", x)
-    event_dims = check_event_dims(event_dims, x)
+    event_dims = check_event_dims_of(f, event_dims, x)
     tangents, single = check_tangents("v", v, x)
     check_args(args, x)
     chunk_size = check_chunk_size(chunk_size)

@@ -79,6 +79,19 @@ class PerInstance:
         return self.map(checked, x, *args)
 
 
+def check_event_dims_of(f: object, event_dims: object, x: torch.Tensor) -> int:
+    """``check_event_dims``, and for a :class:`PerInstance` ``f`` the ``event_dims`` it was
+    built with: another would cut ``x`` into other instances than ``f``'s (other results,
+    silently)."""
+    event_dims = check_event_dims(event_dims, x)
+    if isinstance(f, PerInstance) and f.event_dims != event_dims:
+        raise ValueError(
+            f"event_dims must be f's: f is per_instance(..., event_dims={f.event_dims}), got "
+            f"event_dims={event_dims} (pass event_dims={f.event_dims})"
+        )
+    return event_dims
+
+
 def per_instance(
     f_single: Callable[..., torch.Tensor],
     event_dims: int = 1,
@@ -178,7 +191,7 @@ def check_instances(
     if not callable(f):
         raise TypeError(f"f must be a Python function of torch tensors, got {type(f).__name__}")
     x = require_floating("x", x)
-    event_dims = check_event_dims(event_dims, x)
+    event_dims = check_event_dims_of(f, event_dims, x)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(
             f"generator must be a torch.Generator or None, got {type(generator).__name__}"

@@ -20,9 +20,10 @@ from typing import NamedTuple
 import torch
 
 from pyhvp import _estimators as est
-from pyhvp._checks import check_args, check_chunk_size, check_event_dims, require_floating
+from pyhvp._checks import check_args, check_chunk_size, require_floating
 from pyhvp._public import public_operator
 from pyhvp.backends import Backend, require_primitive, resolve_backend
+from pyhvp.instances import check_event_dims_of
 
 SKETCHED = "hutch++"
 
@@ -83,7 +84,7 @@ def laplacian(
             [2., 0.]])
     """
     x = require_floating("x", x)
-    event_dims = check_event_dims(event_dims, x)
+    event_dims = check_event_dims_of(f, event_dims, x)
     check_args(args, x)
     chunk_size = check_chunk_size(chunk_size)
     samples = est.check_method(method, samples, generator, SKETCHED)
@@ -132,7 +133,7 @@ def grad_and_laplacian(
     (True, True, True)
     """
     x = require_floating("x", x)
-    event_dims = check_event_dims(event_dims, x)
+    event_dims = check_event_dims_of(f, event_dims, x)
     check_args(args, x)
     chunk_size = check_chunk_size(chunk_size)
     space = est.Space(x, event_dims)

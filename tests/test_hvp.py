@@ -1,5 +1,6 @@
 """Specification of grad_and_hvp / hvp / per_instance against dense float64 Hessians."""
 
+import re
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -441,6 +442,30 @@ def test_per_instance_wrappers_of_one_function_are_equal():
     """Equal wrappers share one compile-cache entry when rebuilt in a loop."""
     assert pyhvp.per_instance(gaussian_single) == pyhvp.per_instance(gaussian_single)
     assert pyhvp.per_instance(gaussian_single) != pyhvp.per_instance(gaussian_single, 2)
+
+
+MATRIX_INSTANCES = pyhvp.per_instance(lambda m: torch.tanh(m @ m.T).sum(), event_dims=2)
+"""One instance is a matrix: x of shape (4, 2, 3) holds 4 of them."""
+OPERATORS_TAKING_EVENT_DIMS = {
+    "hvp": lambda f, x: pyhvp.hvp(f, x, x),
+    "grad_and_hvp": lambda f, x: pyhvp.grad_and_hvp(f, x, x),
+    "hessian_diagonal": pyhvp.hessian_diagonal,
+    "laplacian": pyhvp.laplacian,
+    "grad_and_laplacian": pyhvp.grad_and_laplacian,
+    "bilaplacian": pyhvp.bilaplacian,
+    "directional_derivatives": lambda f, x: pyhvp.directional_derivatives(f, x, x, order=2),
+    "differential_operator": lambda f, x: pyhvp.differential_operator(f, x, {(0, 0): 1.0}),
+    "check_instances": pyhvp.check_instances,
+}
+
+
+@pytest.mark.parametrize("call", OPERATORS_TAKING_EVENT_DIMS.values(),
+                         ids=OPERATORS_TAKING_EVENT_DIMS.keys())  # fmt: skip
+def test_a_per_instance_function_refuses_an_operators_other_event_dims(call):
+    """Left at its default 1, event_dims would cut x into rows, not f's matrices: until
+    2026-12-05 hessian_diagonal and others returned the rows' results silently."""
+    with pytest.raises(ValueError, match=re.escape("event_dims=2), got event_dims=1")):
+        call(MATRIX_INSTANCES, torch.randn(4, 2, 3))
 
 
 def test_per_instance_handles_an_empty_batch_with_a_shared_arg():
