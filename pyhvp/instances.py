@@ -13,10 +13,11 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
 from torch.func import vmap
+from torch.utils import _pytree as pytree
 
 from pyhvp import _random_state as random_states
 from pyhvp._checks import (
@@ -125,7 +126,8 @@ def per_instance(
 
 
 def vmap_batch_dims(fn_single: Callable[..., Out], n_batch: int) -> Callable[..., Out]:
-    """Nest one vmap per batch dim; an arg of size 1 in that dim is shared (in_dims=None)."""
+    """Nest one vmap per batch dim; an arg of size 1 in that dim is shared (in_dims=None). A
+    batch dim of size 0 runs ``fn_single`` on one instance of zeros, for the outputs' shapes."""
     if n_batch == 0:
         return fn_single
     inner = vmap_batch_dims(fn_single, n_batch - 1)
@@ -139,9 +141,23 @@ def vmap_batch_dims(fn_single: Callable[..., Out], n_batch: int) -> Callable[...
             for a, d in zip(args, in_dims[1:], strict=True)
         )
         # each instance draws its own random numbers (dropout), as a batched network does
-        return vmap(inner, in_dims=tuple(in_dims), randomness="different")(x, *args)
+        mapped = vmap(inner, in_dims=tuple(in_dims), randomness="different")
+        if x.shape[0] > 0:
+            return mapped(x, *args)
+        # no instance: vmap cannot run many ops over none (x.prod() selects instance 0); the
+        # outputs of one appended instance of zeros, emptied, have the batched call's shapes
+        padded = [
+            _with_zero_instance(a) if isinstance(a, torch.Tensor) and d == 0 else a
+            for a, d in zip((x, *args), in_dims, strict=True)
+        ]
+        return cast(Out, pytree.tree_map_only(torch.Tensor, lambda out: out[:0], mapped(*padded)))
 
     return over_leading_dim
+
+
+def _with_zero_instance(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with one more instance of zeros along its leading dim."""
+    return torch.cat([t, t.new_zeros(1, *t.shape[1:])])
 
 
 class InstanceCouplingError(ValueError):

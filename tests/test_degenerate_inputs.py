@@ -209,10 +209,19 @@ ESTIMATORS = {
 }
 
 
+# a batched function, and a per_instance one (whose vmap over no instance could not select
+# instance 0 to scale x by its product until 2026-12-05)
+FORMS = {
+    "batched": cubic,
+    "per_instance": pyhvp.per_instance(lambda x: (x**3).sum() + (x * x.prod()).sum()),
+}
+
+
+@pytest.mark.parametrize("f", FORMS.values(), ids=FORMS.keys())
 @pytest.mark.parametrize(("call", "shape"), ESTIMATORS.values(), ids=ESTIMATORS.keys())
-def test_an_empty_batch_gives_an_empty_result_on_every_method(call, shape, device):
+def test_an_empty_batch_gives_an_empty_result_on_every_method(call, shape, f, device):
     """Issue 16 item 4: the stochastic methods raised a reshape error on x of shape (0, 3)."""
-    result = call(cubic, torch.randn(0, 3, dtype=torch.float64, device=device))
+    result = call(f, torch.randn(0, 3, dtype=torch.float64, device=device))
     assert result.shape == shape
 
 

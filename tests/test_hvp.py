@@ -473,6 +473,19 @@ def test_per_instance_handles_an_empty_batch_with_a_shared_arg():
     assert f(torch.zeros(0, 3), torch.zeros(1, 3)).shape == (0,)
 
 
+W_35 = torch.randn(3, 5)
+EMPTY_BATCHES = [(0, 3), (0, 4, 3), (4, 0, 3)]
+
+
+@pytest.mark.parametrize("shape", EMPTY_BATCHES, ids=str)
+def test_a_per_instance_function_over_an_empty_batch_has_the_batched_functions_shape(shape):
+    """Until 2026-12-05 vmap failed over no instance where f selects one (x.prod(): 'select():
+    index 0 out of range')."""
+    x = torch.randn(shape)
+    f = pyhvp.per_instance(lambda x: torch.sigmoid(x @ W_35) * x.prod())
+    assert f(x).shape == (torch.sigmoid(x @ W_35) * x.prod(-1, keepdim=True)).shape
+
+
 def test_a_per_instance_function_with_dropout_in_training_is_differentiated_at_its_draw():
     """Each instance draws its own mask (vmap's randomness="different", as a batched network
     draws one per row), and the gradient and HVP are autograd's at f's own draw (vmap's
