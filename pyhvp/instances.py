@@ -190,8 +190,10 @@ def check_instances(
       under ``torch.no_grad()`` or through ``.item()``), which no derivative shows: ``f`` is run
       again, ``2 * ceil(log2 B) + 2`` forwards from the random state of the first, with the
       instances of each such set moved, and an output outside the set that changes beyond
-      rounding is a coupling. pyhvp's operators treat such a value as a constant, as autograd
-      does, so their results are the derivatives of ``f`` with the value frozen at this batch.
+      rounding is a coupling (or one whose first derivatives vanish at this ``x``: every
+      instance at one point; the message names both causes). pyhvp's operators treat such a value as a
+      constant, as autograd does, so their results are the derivatives of ``f`` with the value
+      frozen at this batch.
       Skipped when ``f`` is not deterministic (two runs from one random state differ: a
       generator of its own); ``f``'s side effects (Python state it changes) happen once per run.
 
@@ -226,13 +228,16 @@ def check_instances(
                 f"over the batch, batch norm in training mode or a sum over instances break that"
             )
         message = _leak_through_values(run)
-    if message is not None:
+    if message is not None:  # seen in values alone: what made it cannot be told
         raise InstanceCouplingError(
-            f"{message}, through a value that carries no derivative (a detach, torch.no_grad() "
-            f"or .item() over the batch: x.mean(0).detach(), say). pyhvp's operators treat that "
-            f"value as a constant, as autograd does: their per-instance results are the "
-            f"derivatives of f with it frozen at this batch. Compute it from each instance alone, "
-            f"or pass it to f as an arg"
+            f"{message}: it changed when only other instances moved, though no first "
+            f"derivative of f couples instances at this x. Either f uses a value that carries no "
+            f"derivative (a detach, torch.no_grad() or .item() over the batch: "
+            f"x.mean(0).detach(), say), which pyhvp's operators treat as a constant, as autograd "
+            f"does (compute it from each instance alone, or pass it to f as an arg); or f "
+            f"couples instances with first derivatives that vanish at this x (every instance at "
+            f"one point, say) but second derivatives that need not: cross-instance Hessian "
+            f"blocks, which pyhvp's per-instance results leave out"
         )
 
 

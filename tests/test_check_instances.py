@@ -135,6 +135,13 @@ def test_a_coupling_without_derivatives_is_named_as_such():
         pyhvp.check_instances(COUPLED["mean-centring by a detached mean"][0], X)
 
 
+def test_a_coupling_whose_derivatives_vanish_at_x_is_not_called_a_detach():
+    """Mean-centring with every instance at one point: no first derivative couples there, the
+    values (and the Hessian) do; until 2026-12-05 the message blamed a detach f does not have."""
+    with pytest.raises(pyhvp.InstanceCouplingError, match="first derivatives that vanish"):
+        pyhvp.check_instances(COUPLED["mean-centring"][0], torch.zeros(6, 3, dtype=torch.float64))
+
+
 def test_a_function_drawing_from_a_generator_of_its_own_is_judged_by_derivatives_alone():
     """Two runs from one random state differ: values cannot tell a coupling from a new draw."""
     own = torch.Generator().manual_seed(0)
