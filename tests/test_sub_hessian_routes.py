@@ -484,6 +484,26 @@ def test_a_sparse_kernel_refusing_the_surveys_plan_twice_takes_the_reverse_route
     torch.testing.assert_close(got, expected, **F64)
 
 
+def dropped_under_no_grad(p):
+    """A mask drawn from ``p`` under no_grad: a constant, drawn once."""
+    with torch.no_grad():
+        scale = F.dropout(p, 0.5, training=True)
+    return torch.tanh(F.linear(WIDE[:6, :5], p * scale)).pow(2).sum()
+
+
+@pytest.mark.parametrize("method", ["sparse", "auto"])
+def test_an_op_under_no_grad_that_draws_is_run_once(method):
+    """Whether an op returns its input was asked by running it again on a stand-in: a dropout
+    drew twice (another mask: 5.4 off, and the generator a draw ahead)."""
+    params = torch.randn(4, 5, dtype=torch.float64)
+    torch.manual_seed(1)
+    expected = dense_sub_hessian(dropped_under_no_grad, params, torch.arange(12))
+    next_draw = torch.rand(1)
+    torch.manual_seed(1)
+    got = pyhvp.sub_hessian(dropped_under_no_grad, params, torch.arange(12), method=method)
+    torch.testing.assert_close((got, torch.rand(1)), (expected, next_draw), **F64)
+
+
 def test_vmap_over_params_of_a_loss_reading_them_under_no_grad():
     """The survey's alias check reads no storage of vmap's batched tensors (it raised
     'Cannot access storage of BatchedTensorImpl')."""

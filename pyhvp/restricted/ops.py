@@ -243,6 +243,29 @@ def call_kind(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, A
     return found if differentiable else "constant"
 
 
+_MAY_RETURN_INPUT_NAMES = (
+    "flatten", "cpu", "cuda", "to", "type", "type_as", "contiguous", "conj", "resolve_conj",
+    "resolve_neg", "positive", "__pos__", "atleast_1d", "atleast_2d", "atleast_3d", "sum_to_size",
+    "double", "float", "half", "bfloat16", "coalesce", "to_dense",
+)  # fmt: skip
+
+
+def _may_return_input() -> frozenset[Callable[..., Any]]:
+    found: set[Callable[..., Any]] = {Tensor.real.__get__}  # type: ignore[attr-defined]
+    for name in _MAY_RETURN_INPUT_NAMES:
+        for owner in (Tensor, torch):
+            value = getattr(owner, name, None)
+            if callable(value) and not isinstance(value, torch.dtype):
+                found.add(value)
+    return frozenset(found)
+
+
+MAY_RETURN_INPUT = _may_return_input()
+"""Side-effect-free torch functions that eager torch makes return their first argument itself
+for some arguments (``W.flatten(1, 1)``, ``W.cpu()`` of a CPU tensor, ``+W``): the only ones
+:func:`returns_its_input` runs again (a dropout or a batch norm would draw or write twice)."""
+
+
 def returns_its_input(
     func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
 ) -> bool:
@@ -251,7 +274,11 @@ def returns_its_input(
     then differentiates even under ``no_grad``. Asked of an empty tensor with ``args[0]``'s
     metadata in its place: of a ``torch.func`` transform's wrapper torch returns a new alias."""
     tensor = args[0] if args else None
-    if not isinstance(tensor, Tensor) or torch.compiler.is_compiling():
+    if (
+        func not in MAY_RETURN_INPUT
+        or not isinstance(tensor, Tensor)
+        or torch.compiler.is_compiling()
+    ):
         return False
     proxy = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype,
                                 device=tensor.device)  # fmt: skip
