@@ -8,6 +8,7 @@ sparse or not. Under the mode both run as ops that have one, with the same value
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,12 +24,19 @@ it so to ``F.embedding``, which calls ``torch.embedding`` with the mode off)."""
 class TwiceDifferentiableEmbeddings(TorchFunctionMode):
     """Runs ``F.embedding(..., sparse=True)`` as ``sparse=False``, and ``F.embedding_bag`` (as
     ``nn.EmbeddingBag`` calls it) as :func:`embedding_bag_by_embedding`: the same values, and
-    derivatives autograd can differentiate again."""
+    derivatives autograd can differentiate again (an embedding bag's ``scale_grad_by_freq``,
+    whose convention the rewrite does not share, is refused)."""
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: Sequence[Any] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:  # fmt: skip
         kwargs = dict(kwargs or {})
         if func is F.embedding_bag:
+            if kwargs.get("scale_grad_by_freq", len(args) > 5 and args[5]):
+                raise ValueError(
+                    "embedding_bag with scale_grad_by_freq=True: torch cannot differentiate its "
+                    "backward, and pyhvp's rewrite as an embedding would scale the gradient by "
+                    "another convention than torch's; pass scale_grad_by_freq=False"
+                )
             return embedding_bag_by_embedding(*args, **kwargs)
         position = SPARSE_ARGUMENT.get(func)
         if position is not None:
@@ -81,12 +89,28 @@ def embedding_bag_by_embedding(
         kept = kept & (tokens != padding_idx % weight.shape[0])
     bag, rows = bag[kept], rows[kept]
     if mode == "max":
-        where = bag.reshape(-1, 1).expand_as(rows)
-        return rows.new_zeros(bags, weight.shape[1]).scatter_reduce(
-            0, where, rows, "amax", include_self=False
-        )
+        return _first_maximum(rows, bag, bags)
     out = rows.new_zeros(bags, weight.shape[1]).index_add(0, bag, rows)
     if mode == "mean":
         counts = torch.bincount(bag, minlength=bags).clamp(min=1)
         out = out / counts.reshape(-1, 1).to(out.dtype)
     return out
+
+
+def _first_maximum(rows: torch.Tensor, bag: torch.Tensor, bags: int) -> torch.Tensor:
+    """``(bags, dim)``: per bag and feature, the row of its first token at the bag's maximum
+    (``embedding_bag``'s ``argmax``: its derivative reaches that row alone, also at a tie), zeros
+    for an empty bag."""
+    dim, count = rows.shape[1], rows.shape[0]
+    if count == 0:
+        return rows.new_zeros(bags, dim)
+    with torch.no_grad():
+        where = bag.reshape(-1, 1).expand_as(rows)
+        most = rows.new_full((bags, dim), -math.inf).scatter_reduce(0, where, rows, "amax")
+        at_most = (rows == most[bag]) | (rows.isnan() & most[bag].isnan())
+        position = torch.arange(count, device=rows.device).reshape(-1, 1).expand_as(rows)
+        first = torch.full_like(most, count, dtype=torch.int64).scatter_reduce(
+            0, where, torch.where(at_most, position, count), "amin"
+        )
+    chosen = rows.gather(0, first.clamp(max=count - 1))
+    return torch.where(first < count, chosen, torch.zeros_like(chosen))

@@ -879,6 +879,29 @@ def test_the_loops_embedding_bag_has_torchs_values_and_gradient(layout, options)
     torch.testing.assert_close((got, gradients[0]), (expected, gradients[1]), **F64)
 
 
+TIED_TABLE = torch.tensor([[0.0, 0.0], [0.0, 0.0], [1.0, 1.0], [0.0, 2.0]], dtype=torch.float64)
+"""A zero-initialised table's rows (a bag's maximum at 0.0) and a tie between rows 0 and 1."""
+
+
+def test_the_loops_embedding_bag_max_reaches_the_first_token_at_a_tie_as_torchs():
+    """A pooling that split a tie between rows (and with its base of zeros) had half the
+    gradient and a quarter of the Hessian at a maximum of 0.0."""
+    tokens, starts = torch.tensor([0, 1, 2, 1, 3]), torch.tensor([0, 2, 3])
+    table = TIED_TABLE.clone().requires_grad_()
+    weights = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], dtype=torch.float64)
+    gradients = [torch.autograd.grad((pool(tokens, table, starts, mode="max") * weights).sum(),
+                                     table)[0]
+                 for pool in (embedding_bag_by_embedding, F.embedding_bag)]  # fmt: skip
+    torch.testing.assert_close(gradients[0], gradients[1], **F64)
+
+
+def test_an_embedding_bag_with_scale_grad_by_freq_is_refused_by_name():
+    loss = on(TOKENS, lambda t, p: squash(F.embedding_bag(t, p["e"], scale_grad_by_freq=True)))
+    (table,) = tensors((7, 4), seed=2)
+    with pytest.raises(ValueError, match="embedding_bag with scale_grad_by_freq=True"):
+        pyhvp.sub_hessian(loss, {"e": table}, {"e": torch.tensor([0, 5])})
+
+
 @pytest.mark.parametrize("call", MAX_NORM_CALLS.values(), ids=MAX_NORM_CALLS.keys())
 def test_embedding_with_max_norm_is_refused_as_a_write_to_params(call):
     method, index, before_the_write = call
