@@ -962,9 +962,10 @@ def _sums(
         try:
             if refusal is None:
                 assert isinstance(backend, TorchBackend)  # _static_refusal's condition
+                inputs = (*plan.tensors, *plan.others, *batch_values)  # (the loss's, in order)
                 if trial is None:
                     trial = _choose_routes(plan, backend, batch_values, spec, method, forward)
-                draws.hold(trial.state.snapshot().restore)
+                draws.hold(trial.state.snapshot(inputs).restore)
                 # a trial compares calls of one batch; a data set's batches may differ in size
                 name, chosen, timed = (
                     trial.next() if batches is None else (MODEL, trial.model, False)
@@ -977,8 +978,9 @@ def _sums(
                 except NotSparse as error:  # this batch uses a tensor differently
                     if method == "sparse":
                         raise ValueError(f"method='sparse' does not apply: {error}") from None
+                    draws.begin()  # the state before the kernel's run, for the survey
                     trial = _choose_routes(plan, backend, batch_values, spec, method, forward, True)
-                    draws.hold(trial.state.snapshot().restore)
+                    draws.hold(trial.state.snapshot(inputs).restore)
                     name, chosen, timed = MODEL, trial.model, False
                     try:
                         parts = _sparse_parts(

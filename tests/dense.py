@@ -96,6 +96,24 @@ def dense_sub_hessian(loss, params, index):
     )
 
 
+def loop_sub_hessian(loss, params, index):
+    """The seed's method on ``loss`` of a dict of tensors, joint: one forward and a gradient that
+    keeps its graph, then one reverse pass per selected entry; ``(K, K)`` over ``index``'s
+    entries in its order. For tensors too large for :func:`dense_sub_hessian`."""
+    leaves = {name: t.detach().requires_grad_() for name, t in params.items()}
+    grads = dict(zip(leaves, torch.autograd.grad(loss(leaves), list(leaves.values()),
+                                                 create_graph=True), strict=True))  # fmt: skip
+    selected = [leaves[name] for name in index]
+    rows = []
+    for name, entries in index.items():
+        for entry in entries.tolist():
+            parts = torch.autograd.grad(grads[name].reshape(-1)[entry], selected,
+                                        retain_graph=True, materialize_grads=True)  # fmt: skip
+            rows.append(torch.cat([part.reshape(-1)[index[other]]
+                                   for part, other in zip(parts, index, strict=True)]))  # fmt: skip
+    return torch.stack(rows).detach()
+
+
 def loop_sub_hessians(model, criterion, inputs, targets, index):
     """The seed's method, as reference: a gradient that keeps its graph, then one reverse pass
     per selected component of each named parameter; ``{name: (k, k)}`` in the model's dtype."""

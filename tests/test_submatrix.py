@@ -7,7 +7,7 @@ from itertools import accumulate
 import pytest
 import torch
 import torch.nn.functional as F
-from dense import dense_sub_hessian, loop_sub_hessians
+from dense import dense_sub_hessian, loop_sub_hessian, loop_sub_hessians
 from torch import nn
 
 import pyhvp
@@ -308,6 +308,75 @@ def test_a_loss_drawing_from_its_own_generator_is_differentiated_at_one_draw(met
     noise.manual_seed(0)
     got = pyhvp.sub_hessian(loss, weight, torch.arange(12), method=method)
     torch.testing.assert_close((got, noise.get_state()), (expected, after_one_run))
+
+
+STATE_WRITES = {
+    "its batch, by out=": lambda batch, buffer: torch.mul(batch, 2, out=batch),
+    "a captured buffer": lambda batch, buffer: buffer.mul_(2),
+    "a captured buffer, through .data": lambda batch, buffer: buffer.data.mul_(2),
+    "a captured buffer, through .detach()": lambda batch, buffer: buffer.detach().mul_(2),
+    "a captured buffer, through .to(its device)": lambda batch, buffer: buffer.to("cpu").mul_(2),
+    "a captured buffer, through a view": lambda batch, buffer: buffer[1:].mul_(2),
+}  # fmt: skip
+"""How a loss writes in place (under no_grad) what it then reads."""
+TABLE_AND_POINTS = {"table": torch.randn(50000, 16, dtype=torch.float64),
+                    "points": torch.randn(70, 60, dtype=torch.float64)}  # fmt: skip
+ENTRIES = {"table": torch.arange(64), "points": torch.arange(0, 4200, 300)}
+FAR = torch.rand(50, 60, dtype=torch.float64)
+
+
+def writing(write, buffer):
+    """A loss of a table (the sparse route) and points (``cdist``: the reverse route), each run
+    first writing its batch or ``buffer``."""
+
+    def loss(p, batch):
+        with torch.no_grad():
+            write(batch, buffer)
+        rows = torch.tanh(F.embedding(torch.arange(4), p["table"])).pow(2).sum()
+        far = torch.cdist(FAR, p["points"]).pow(2).sum().pow(2) / 1e6
+        return (rows + far) * batch.sum() * buffer.sum()
+
+    return loss
+
+
+@pytest.mark.parametrize("write", STATE_WRITES.values(), ids=STATE_WRITES.keys())
+def test_a_loss_writing_what_it_reads_is_differentiated_as_one_run_every_call(write):
+    """Each call runs two kernels: the second saw the first one's write where it went through
+    an alias of the buffer (a write to "made" memory), and on every call after the first where
+    it went to the batch (held by a weak reference to the first call's batch, 341 off)."""
+    buffer = torch.ones(3, dtype=torch.float64)
+    loss = writing(write, buffer)
+    got, expected = [], []
+    for _ in range(2):
+        reference = buffer.clone()
+        one_run = writing(write, reference)
+        expected.append((loop_sub_hessian(lambda p, f=one_run: f(p, torch.ones(3, dtype=torch.float64)),
+                                          TABLE_AND_POINTS, ENTRIES), reference))  # fmt: skip
+        blocks = pyhvp.sub_hessian(loss, TABLE_AND_POINTS, ENTRIES, joint=True,
+                                   data=[torch.ones(3, dtype=torch.float64)])  # fmt: skip
+        got.append((blocks, buffer.clone()))
+    torch.testing.assert_close(got, expected)
+
+
+def test_a_batch_surveyed_anew_starts_from_the_state_before_its_refused_kernel():
+    """A later batch uses the table where the sparse route has no rule (``cumsum``): its kernel
+    refused the plan after the loss drew from its own generator, and the fresh survey and the
+    reverse route then started from that second draw (2.4 off)."""
+    noise = torch.Generator()
+    table, entries = TABLE_AND_POINTS["table"], {"table": torch.arange(16)}
+
+    def loss(p, summed):
+        scale = 1 + torch.rand((), generator=noise, dtype=torch.float64)
+        rows = p["table"].cumsum(0)[:4] if summed else F.embedding(torch.arange(4), p["table"])
+        return torch.tanh(rows * scale).pow(2).sum()
+
+    noise.manual_seed(0)
+    expected = sum(loop_sub_hessian(lambda p, b=b: loss(p, b), {"table": table}, entries)
+                   for b in (False, True))  # fmt: skip
+    after = noise.get_state()
+    noise.manual_seed(0)
+    got = pyhvp.sub_hessian(loss, {"table": table}, entries, data=[False, True], joint=True)
+    torch.testing.assert_close((got, noise.get_state()), (expected, after))
 
 
 class DroppedEmbeddings(nn.Module):

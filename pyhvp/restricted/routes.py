@@ -285,7 +285,7 @@ class Survey(TorchFunctionMode):
     """Runs the loss once, recording every selected tensor's :class:`Usage` and the forward's
     cost (see the module docstring)."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+    def __init__(self, tensors: Sequence[torch.Tensor], inputs: Sequence[object] = ()) -> None:
         super().__init__()
         self.usage = [Usage() for _ in tensors]
         self.forward = Work()
@@ -302,8 +302,8 @@ class Survey(TorchFunctionMode):
         self._aliases: dict[int, tuple[torch.Tensor, int]] = {}
         self._memories = [_memory(t) for t in tensors]
         self._first = 0
-        self.changes = Changes()
-        """What the run changes beyond its values (put back once it ran)."""
+        self.changes = Changes(inputs)
+        """What the run of ``loss(*inputs)`` changes beyond its values (put back once it ran)."""
 
     def _source(self, value: object) -> int | None:
         return _held(self._sources, value)
@@ -336,7 +336,7 @@ class Survey(TorchFunctionMode):
         out = self._run(func, op, args, kwargs, grad)
         leaves = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
         outs = [v for v in pytree.tree_leaves(out) if isinstance(v, torch.Tensor)]
-        self.changes.made(outs)
+        self.changes.made((args, kwargs), outs)
         cost = _cost(func, args, kwargs, leaves, outs)
         self.forward.add(cost)
         if not grad or op == "constant" or any(self._alias(v) is not None for v in leaves):
@@ -721,7 +721,7 @@ def survey(
     (:meth:`Survey.refuse_unseen_uses`). Call outside inference mode, with no inference
     tensors."""
     leaves = [t.detach().requires_grad_() for t in tensors] if unseen else list(tensors)
-    mode = Survey(leaves)
+    mode = Survey(leaves, (*tensors, *args))
     devices = sorted({t.device for t in tensors if t.device.type == "cuda"}, key=str)
     # the loss's random draws, if any, are the kernels' to make, as is what else it changes
     # (mode.changes): the survey leaves the state as is

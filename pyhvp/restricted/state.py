@@ -3,9 +3,13 @@ vectors ``spectral_norm``'s power iteration keeps, data written in place, a ``to
 of its own. The seed's loop runs the loss once; pyhvp's routes run it more than once (the survey,
 then each kernel), and every run would start from the last one's changes (``spectral_norm``: a
 Hessian at another normalisation, 1e-2 off). :class:`Changes`, kept by the survey, finds such
-state and puts it back after the survey; :class:`Held` (what later calls put back) makes a :class:`Snapshot` of it before a call's first run and puts it back before each further run, so
-that each run computes what the seed's one run does and the call leaves one run's changes.
+state and puts it back after the survey; :class:`Held` (what later calls put back) makes a
+:class:`Snapshot` of it before a call's first run, put back before each further run, so that each
+run computes what the seed's one run does and the call leaves one run's changes.
 
+Memory is told apart by storage, so a write through any alias (``buf.data``, ``buf.detach()``,
+a view, ``buf.to(buf.device)``) is one to ``buf``; memory of the loss's own inputs (a batch
+written in place) is held by the input's position, as each call and batch passes other tensors.
 Only what the survey sees through torch functions is found: a write in a custom
 ``autograd.Function`` or TorchScript, or one that only later batches make, is not.
 """
@@ -14,7 +18,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch.utils import _pytree as pytree
@@ -22,77 +26,107 @@ from torch.utils import _pytree as pytree
 from pyhvp.restricted.ops import hidden_writes
 
 
-class Changes:
-    """Kept by a run of the loss under a mode: before each call, :meth:`before`; after it,
-    :meth:`made` with its outputs."""
+def _storage(value: torch.Tensor) -> int | None:
+    """Where ``value``'s memory starts (its storage's), or None for a tensor without one of its
+    own (a ``torch.func`` wrapper, a meta tensor)."""
+    try:
+        start = value.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return start or None
 
-    def __init__(self) -> None:
-        self._made: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
-        self.tensors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        """By ``id``: a tensor the run did not make but writes to, and its value before."""
+
+def _copy(storage: torch.UntypedStorage) -> torch.UntypedStorage:
+    return cast(torch.UntypedStorage, storage.clone())  # type: ignore[no-untyped-call]
+
+
+class Changes:
+    """Kept by a run of ``loss(*inputs)`` under a mode: before each call, :meth:`before`; after
+    it, :meth:`made` with its inputs and outputs."""
+
+    def __init__(self, inputs: Sequence[object]) -> None:
+        self._inputs = {_storage(t): i for i, t in enumerate(inputs)
+                        if isinstance(t, torch.Tensor)}  # fmt: skip
+        self._made: set[int] = set()  # storages the run allocated
+        self._owners: dict[int, torch.Tensor] = {}  # the first tensor seen over other storages
+        self.storages: dict[int, tuple[torch.Tensor, torch.UntypedStorage]] = {}
+        """By storage: a tensor over memory the run writes but did not make, and its bytes."""
         self.generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
         """By ``id``: a generator the run draws from, and its state before."""
 
     def before(self, func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
                written: object) -> None:  # fmt: skip
         """Before ``func(*args, **kwargs)``, which writes ``written`` (a tensor, a tuple of them,
-        or None): note the generators it is given and the tensors it writes that the run did not
-        make (or the base of a view of one), with their state now."""
+        or None): note the generators it is given and the memory it writes that the run did not
+        make, with their state now."""
         for value in pytree.tree_leaves((args, kwargs)):
             if isinstance(value, torch.Generator) and id(value) not in self.generators:
                 self.generators[id(value)] = (value, value.get_state())
+            elif isinstance(value, torch.Tensor):
+                start = _storage(value)
+                if start is not None and start not in self._made:
+                    self._owners.setdefault(start, value)
         for value in [*pytree.tree_leaves(written), *hidden_writes(func, args, kwargs)]:
-            if not isinstance(value, torch.Tensor):
+            start = _storage(value) if isinstance(value, torch.Tensor) else None
+            if start is None or start in self._made or start in self.storages:
                 continue
-            target = value if value._base is None else value._base
-            if self._made.get(id(target)) is target or id(target) in self.tensors:
-                continue
-            with torch.no_grad():
-                self.tensors[id(target)] = (target, target.detach().clone())
+            owner = self._owners.get(start, value)
+            self.storages[start] = (owner, _copy(owner.untyped_storage()))
 
-    def made(self, outputs: Sequence[torch.Tensor]) -> None:
-        """The call's output tensors: made by the run (writing to them changes nothing else)."""
+    def made(self, inputs: Sequence[Any], outputs: Sequence[torch.Tensor]) -> None:
+        """The call's tensors: an output over memory none of its inputs has is the run's own
+        (writing to it changes nothing else); one over an input's is that input's."""
+        given = {_storage(v) for v in pytree.tree_leaves(inputs) if isinstance(v, torch.Tensor)}
         for value in outputs:
-            self._made[id(value)] = value
+            start = _storage(value)
+            if start is not None and start not in given:
+                self._made.add(start)
 
     def undo(self) -> None:
-        """Put every noted tensor and generator back as it was before the run."""
-        Snapshot(list(self.tensors.values()), list(self.generators.values())).restore()
+        """Put every noted memory and generator back as it was before the run."""
+        self._snapshot().restore()
+
+    def _snapshot(self) -> Snapshot:
+        saved = [(owner.untyped_storage(), data) for owner, data in self.storages.values()]
+        return Snapshot(saved, list(self.generators.values()))
 
     def held(self) -> Held:
-        """What later calls put back before each run (the tensors by weak reference)."""
-        return Held(tuple(weakref.ref(t) for t, _ in self.tensors.values()),
-                    tuple(g for g, _ in self.generators.values()))  # fmt: skip
+        """What later calls put back before each run: memory of the loss's inputs by position,
+        other memory by a weak reference to a tensor over it."""
+        positions, owners = [], []
+        for start, (owner, _) in self.storages.items():
+            if start in self._inputs:
+                positions.append(self._inputs[start])
+            else:
+                owners.append(weakref.ref(owner))
+        return Held(tuple(positions), tuple(owners), tuple(g for g, _ in self.generators.values()))
 
 
 class Held(NamedTuple):
     """What one call's runs share and put back: :meth:`snapshot` before its first run."""
 
-    tensors: tuple[weakref.ref[torch.Tensor], ...] = ()
+    positions: tuple[int, ...] = ()
+    """Inputs of the loss (the selected tensors, the other params, the batch's tensors)."""
+    owners: tuple[weakref.ref[torch.Tensor], ...] = ()
     generators: tuple[torch.Generator, ...] = ()
 
-    def snapshot(self) -> Snapshot:
-        with torch.no_grad():
-            alive = [t for t in (ref() for ref in self.tensors) if t is not None]
-            saved = [(t, t.detach().clone()) for t in alive]
+    def snapshot(self, inputs: Sequence[object]) -> Snapshot:
+        """The state now, of this call's ``inputs`` and of the other memory and generators."""
+        tensors = [inputs[i] for i in self.positions]
+        tensors += [t for t in (ref() for ref in self.owners) if t is not None]
+        storages = [t.untyped_storage() for t in tensors if isinstance(t, torch.Tensor)]
+        saved = [(s, _copy(s)) for s in storages]
         return Snapshot(saved, [(g, g.get_state()) for g in self.generators])
 
 
 class Snapshot(NamedTuple):
     """State as it was before a call's first run: :meth:`restore` before each further one."""
 
-    tensors: list[tuple[torch.Tensor, torch.Tensor]]
+    storages: list[tuple[torch.UntypedStorage, torch.UntypedStorage]]
     generators: list[tuple[torch.Generator, torch.Tensor]]
 
     def restore(self) -> None:
-        for tensor, value in self.tensors:
-            _put(tensor, value)
+        for storage, data in self.storages:
+            storage.copy_(data)
         for generator, state in self.generators:
             generator.set_state(state)
-
-
-def _put(tensor: torch.Tensor, value: torch.Tensor) -> None:
-    """``tensor[...] = value``, where autograd does not see it (an inference tensor: inside
-    inference mode, where alone it may be written)."""
-    with torch.inference_mode() if tensor.is_inference() else torch.no_grad():
-        tensor.copy_(value)
