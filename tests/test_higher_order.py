@@ -188,6 +188,88 @@ def test_the_exact_bilaplacian_matches_nested_autograd(name, chunk_size, device)
     torch.testing.assert_close(got.cpu(), nested_bilaplacian(f, x.cpu()), **tolerance(4))
 
 
+def _group_norm_plate(affine, device):
+    """A 2-D plate's network with ``nn.GroupNorm`` (on CPU torch decomposes its affine form
+    through ``as_strided``), and the same network with the norm in elementary ops."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(2, 8), nn.Unflatten(-1, (4, 2)), nn.GroupNorm(2, 4, affine=affine),
+                        nn.Tanh(), nn.Flatten(-2), nn.Linear(8, 1)).double().to(device)  # fmt: skip
+    if affine:
+        nn.init.normal_(net[2].weight), nn.init.normal_(net[2].bias)
+
+    def written_out(x):
+        groups = net[0](x).reshape(-1, 2, 4)
+        centred = groups - groups.mean(-1, keepdim=True)
+        h = (centred / torch.sqrt(centred.pow(2).mean(-1, keepdim=True) + 1e-5)).reshape(-1, 4, 2)
+        if affine:
+            h = h * net[2].weight[:, None] + net[2].bias[:, None]
+        return net[5](net[4](net[3](h)))[..., 0]
+
+    return (lambda x: net(x)[..., 0]), written_out
+
+
+GROUP_NORM_OPERATORS = {  # operator, a batch its dense whole-batch fallback refused, reference
+    "laplacian, 128 instances": (lambda f, x: pyhvp.laplacian(f, x, backend=EAGER), 128,
+                                 lambda f, x: nested_mixed_partial(f, x, (0, 0))
+                                 + nested_mixed_partial(f, x, (1, 1))),
+    "bilaplacian, 8 instances": (lambda f, x: pyhvp.bilaplacian(f, x, backend=EAGER), 8,
+                                 nested_bilaplacian),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "not affine"])
+@pytest.mark.parametrize("case", GROUP_NORM_OPERATORS.values(), ids=GROUP_NORM_OPERATORS.keys())
+def test_group_norm_carries_jets_per_instance_at_any_batch(case, affine, device):
+    """``aten.as_strided`` had no rule: the dense fallback over the whole batch refused a
+    Laplacian past about 100 instances and a bi-Laplacian past 2."""
+    operator, batch, reference = case
+    f, written_out = _group_norm_plate(affine, device)
+    x = point(device, batch=batch)[:, :2]
+    torch.testing.assert_close(operator(f, x), reference(written_out, x), **tolerance(4))
+
+
+def _windows(x):
+    return torch.sin(x).as_strided((x.shape[0], 3, 4), (6, 1, 1)).prod(-1).sum(-1)
+
+
+STRIDED_VIEWS = {  # f reading x's elements through as_strided
+    "overlapping windows": _windows,
+    "a transposed tensor, from an offset": lambda x: torch.tanh(x.reshape(-1, 2, 3).mT).as_strided(
+        (x.shape[0], 2, 2), (6, 1, 3), 1).pow(3).sum((-2, -1)),
+    "a contiguous slice, from an offset": lambda x: torch.cos(x).reshape(-1)[1:].as_strided(
+        (x.shape[0], 2, 2), (6, 2, 1), 2).pow(3).prod(-1).sum(-1),
+    "a repeated row (stride 0)": lambda x: (x * x.flip(-1)).as_strided(
+        (x.shape[0], 3, 2), (6, 0, 2)).pow(3).prod(-1).sum(-1),
+    "x itself": lambda x: x.as_strided((x.shape[0], 2, 3), (6, 2, 1)).prod(-1).sum(-1),
+}  # fmt: skip
+STRIDED_OPERATORS = {
+    "laplacian": (lambda f, x: pyhvp.laplacian(f, x, backend=EAGER),
+                  lambda f, x: sum(nested_mixed_partial(f, x, (i, i)) for i in range(6))),
+    "fourth-order directional derivatives": (
+        lambda f, x: pyhvp.directional_derivatives(f, x, torch.ones_like(x), order=4,
+                                                   backend=EAGER),
+        lambda f, x: nested_directional_derivatives(f, x, torch.ones_like(x), 4)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("operator", STRIDED_OPERATORS.values(), ids=STRIDED_OPERATORS.keys())
+@pytest.mark.parametrize("f", STRIDED_VIEWS.values(), ids=STRIDED_VIEWS.keys())
+def test_an_as_strided_view_carries_the_coefficients_of_the_elements_it_reads(f, operator, device):
+    """Each coefficient has a leading axis and may be broadcast: the rule gathers the view's
+    elements from the value's storage order rather than applying the strides to it."""
+    run, reference = operator
+    x = point(device)
+    torch.testing.assert_close(run(f, x).cpu(), reference(f, x.cpu()), **tolerance(4))
+
+
+def test_an_as_strided_view_of_a_tensor_not_dense_in_memory_is_refused():
+    """Its elements are not the value's in storage order, and the dense fallback's substitute
+    tensor is laid out otherwise: refused, naming the view and the tensor's layout."""
+    f = lambda y: torch.sin(y)[:, ::2].as_strided((y.shape[0], 2), (6, 2)).pow(3).sum(-1)  # noqa: E731
+    with pytest.raises(pyhvp.UnsupportedOpError, match=r"as_strided view .* strides \(6, 2\)"):
+        pyhvp.laplacian(f, point("cpu"), backend=EAGER)
+
+
 TERMS = {
     "2-D bi-Laplacian": {(0, 0, 0, 0): 1.0, (0, 0, 1, 1): 2.0, (1, 1, 1, 1): 1.0},
     "KdV-like, three orders": {(0, 0, 0): 1.0, (1,): -0.5, (0, 1): 3.0},

@@ -45,8 +45,9 @@ The mechanism, and why:
   sparse tensors, ``torch.autograd.grad`` / ``.backward()`` inside ``f`` (use
   ``torch.func.grad``), writes to ``x``, directly or through a view (:class:`InPlaceInputError`;
   a tensor ``f`` reads and writes is copied before the write, and written once per call),
-  writes through ``as_strided`` views of non-contiguous tensors, and an op whose fallback fails
-  or would need a dense Hessian over the size limit (:class:`UnsupportedOpError`).
+  ``as_strided`` views (and writes through them) of tensors not dense in memory, and an op
+  whose fallback fails or would need a dense Hessian over the size limit
+  (:class:`UnsupportedOpError`).
 
 Where things are:
 

@@ -11,7 +11,9 @@ import torch
 from torch.func import vmap
 
 from pyhvp.taylor.custom_ops import WITH_DERIVATIVES_OF
+from pyhvp.taylor.fallbacks import UnsupportedOpError
 from pyhvp.taylor.jets import (
+    ENGINE,
     Context,
     Dims,
     Jet,
@@ -168,6 +170,57 @@ def _diagonal(
 
     def fn(t: Tensor) -> Tensor:
         return expanded(t, u.value.shape, [d1, d2]).diagonal(offset, d1 + 1, d2 + 1)
+
+    return rearrange(out, u, fn)
+
+
+def _strided_index(value: Tensor, size: Sequence[int], stride: Sequence[int],
+                   storage_offset: int | None) -> tuple[list[int], Tensor] | None:  # fmt: skip
+    """Where ``value.as_strided(size, stride, storage_offset)`` reads, as ``(order, index)``:
+    the element ``index[i]`` of ``value.permute(order)`` flattened is the view's element ``i``.
+    None unless ``value`` is dense in its storage (a permutation of a contiguous tensor) and the
+    view reads only its elements."""
+    strides = value.stride()
+    order = sorted(range(value.ndim), key=lambda d: -strides[d])
+    if not value.permute(order).is_contiguous():
+        return None
+    start = 0 if storage_offset is None else storage_offset - value.storage_offset()
+    reach = [(n - 1) * s for n, s in zip(size, stride, strict=True)]
+    low = start + sum(r for r in reach if r < 0)
+    high = start + sum(r for r in reach if r > 0)
+    if 0 not in size and (low < 0 or high >= value.numel()):
+        return None
+    flat = torch.arange(max(value.numel(), 1), device=value.device)
+    return order, flat.as_strided(size, stride, 0 if 0 in size else start)
+
+
+@rule(aten.as_strided.default, aten.as_strided_copy.default)
+def _as_strided(
+    ctx: Context, out: Tensor, u: Jet, size: Sequence[int], stride: Sequence[int],
+    storage_offset: int | None = None,
+) -> Jet:  # fmt: skip
+    """A strided view of a value dense in its storage (group norm's decomposition on CPU): each
+    coefficient gathers the same elements, found by the view's strides on the value's flat
+    storage order -- not by ``as_strided`` on the coefficient, whose leading axis and broadcast
+    dims give it other strides. Views of other tensors, or past the value's elements, are
+    refused: autograd's fallback would read other memory than ``f`` did."""
+    value = u.value
+    where = _strided_index(value, size, stride, storage_offset)
+    if where is None:
+        raise UnsupportedOpError(
+            f"pyhvp: f takes an as_strided view (size {tuple(size)}, stride {tuple(stride)}, "
+            f"storage offset {storage_offset}) of a tensor of shape {tuple(value.shape)}, strides "
+            f"{value.stride()} and storage offset {value.storage_offset()}; {ENGINE} supports "
+            f"such views only of a tensor dense in memory (.contiguous() makes one) that read its "
+            f"elements alone. Take the view of a contiguous tensor, or use ordinary views "
+            f"(slicing, view, unfold)"
+        )
+    order, index = where
+    permuted = [0, *(d + 1 for d in order)]
+
+    def fn(t: Tensor) -> Tensor:
+        flat = expanded(t, value.shape).permute(permuted).reshape(t.shape[0], -1)
+        return flat[:, index]
 
     return rearrange(out, u, fn)
 
