@@ -479,6 +479,26 @@ def test_an_op_autograd_cannot_differentiate_is_refused_naming_it():
         pyhvp.laplacian(lambda y: (torch.heaviside(y, step) * y**2).sum(-1), x)
 
 
+def _pooled(x):
+    """``adaptive_max_pool1d`` has no rule: the dense fallback over the whole batch (one
+    instance) of 8 inputs and 3 outputs per row."""
+    return F.adaptive_max_pool1d(torch.sin(x)[:, None], 3).pow(3).sum((-2, -1))
+
+
+def test_a_fallback_whose_hessian_computation_outgrows_the_limit_is_refused_before_it_runs():
+    """20 rows: the Hessian holds 160^2 * 60 = 1.5 M numbers, which the check counted, but
+    autograd's double backward under jacrev of jacrev holds (60 * 160)^2 = 92 M at once, over the
+    limit of 2^26 (it took 0.9 GB at 16 rows, 9.8 GB at 32, and asked for 34 GB at 64)."""
+    x = torch.randn(20, 8, dtype=torch.float64)
+    with pytest.raises(pyhvp.UnsupportedOpError, match=r"adaptive_max_pool2d.*over the limit"):
+        pyhvp.laplacian(_pooled, x)
+
+
+def test_a_fallback_within_the_limit_gives_autograd_s_derivatives(device):
+    x = torch.randn(4, 8, dtype=torch.float64, device=device)
+    torch.testing.assert_close(pyhvp.laplacian(_pooled, x), instance_laplacian(_pooled, x))
+
+
 # --- Python floats: lifted into program inputs, not keyed by value -----------------------------
 
 LIFTED_FLOATS = {  # f(x, t) with a float t that may change at every call (a time step)

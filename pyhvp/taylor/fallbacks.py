@@ -229,8 +229,9 @@ def _compositions(total: int) -> list[tuple[int, ...]]:
 def general_fallback(ctx: Context, op: Callable[..., Any], out: Any, args: tuple[Any, ...],
                      kwargs: dict[str, Any]) -> Any:  # fmt: skip
     """Any op, from its Jacobian and Hessian by reverse mode (double backward: PyTorch's most
-    tested path) -- one matrix at a time for batched matrix ops; an op whose dense Hessian would
-    pass :data:`REVERSE_FALLBACK_LIMIT` is refused, naming it."""
+    tested path) -- one matrix at a time for batched matrix ops; an op whose Hessian's
+    computation would hold more than :data:`REVERSE_FALLBACK_LIMIT` numbers
+    (:func:`_reverse_work`) is refused, naming it."""
     fn, primals, jets = _substitute(op, args, kwargs)
     outputs, spec = pytree.tree_flatten(out)
     smooth = [i for i, o in enumerate(outputs) if isinstance(o, Tensor) and o.is_floating_point()]
@@ -254,9 +255,9 @@ def general_fallback(ctx: Context, op: Callable[..., Any], out: Any, args: tuple
     instances = math.prod(batch)
     if ctx.order > 2:
         return _higher_order_fallback(ctx, op, args, kwargs, out, smooth, batch)
-    needed = (sum(o.numel() for o in smooth_outputs) * sum(p.numel() for p in primals) ** 2) // max(
-        instances, 1
-    ) ** 3
+    each = max(instances, 1)
+    needed = each * _reverse_work(sum(o.numel() for o in smooth_outputs) // each,
+                                 sum(p.numel() for p in primals) // each)  # fmt: skip
     try:
         if needed <= REVERSE_FALLBACK_LIMIT and batch:
             coefficients = _reverse_per_instance(ctx, op, args, kwargs, smooth, batch, firsts,
@@ -265,8 +266,10 @@ def general_fallback(ctx: Context, op: Callable[..., Any], out: Any, args: tuple
             coefficients = _reverse_coefficients(ctx, smooth_fn, primals, firsts, seconds)
         else:
             raise UnsupportedOpError(
-                f"pyhvp: {op} has no jet rule, and the reverse-mode fallback would hold its "
-                f"dense Hessian ({needed} numbers, over the limit {REVERSE_FALLBACK_LIMIT}). "
+                f"pyhvp: {op} has no jet rule, and the reverse-mode fallback would hold about "
+                f"{needed} numbers at once computing its dense Hessian (autograd's double "
+                f"backward, batched over outputs x inputs x outputs cotangents), over the limit "
+                f"{REVERSE_FALLBACK_LIMIT}. "
                 f"Register a rule for it (pyhvp.register_jet_rule; linear=True if it is linear "
                 f"in its floating inputs), apply f to fewer elements at a time, or use an "
                 f"estimator built on Hessian-vector products (laplacian(..., method='hutch++'), "
@@ -452,8 +455,20 @@ order 4, 12 million by this count, took over 3 GB; a 5x5 ``svd`` over two minute
 matrix op at fourth order is about 150 thousand."""
 
 REVERSE_FALLBACK_LIMIT = 2**26
-"""Most numbers the reverse-mode fallback may hold in one op's dense Hessian (of one instance,
-for the batched matrix ops of :data:`MATRIX_OPS`)."""
+"""Most numbers the reverse-mode fallback may hold at once computing one op's dense Hessian
+(:func:`_reverse_work`; summed over the instances of the batched matrix ops of
+:data:`MATRIX_OPS`)."""
+
+
+def _reverse_work(outputs: int, inputs: int) -> int:
+    """Numbers of the largest tensors ``jacrev(jacrev(op))`` holds for an op of ``inputs`` and
+    ``outputs`` numbers: the outer ``jacrev`` runs the op's double backward batched over
+    ``outputs * inputs`` cotangents of the Jacobian, the inner over ``outputs``, each tensor of
+    the op's size -- not the Hessian's ``outputs * inputs^2``, which an ``adaptive_max_pool1d``
+    of 512 inputs passed before it asked for 34 GB. Measured peaks are 1-3 such tensors
+    (``sort``, ``cumprod``, ``adaptive_max_pool1d``), 11 for ``logcumsumexp``."""
+    return outputs * outputs * inputs * max(inputs, outputs)
+
 
 MATRIX_OPS = frozenset(
     {
