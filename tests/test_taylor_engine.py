@@ -8,7 +8,7 @@ from collections import OrderedDict
 import pytest
 import torch
 import torch.nn.functional as F
-from dense import instance_hessian_diagonal, instance_laplacian, message_passing
+from dense import instance_hessian_diagonal, instance_jacobian, instance_laplacian, message_passing
 
 import pyhvp
 from pyhvp import taylor
@@ -450,6 +450,37 @@ def test_a_float32_x_promoted_by_a_float64_constant_has_x_s_dtype_derivatives(de
     lap = pyhvp.laplacian(f, x)
     assert lap.dtype == x.dtype == torch.float32
     torch.testing.assert_close(lap.double(), instance_laplacian(f, x), rtol=1e-6, atol=1e-6)
+
+
+LOW_PRECISION_FACTORS = {  # f(y, G): G, a captured constant, promotes y * G to y's float64
+    "sin(y * G)": lambda y, g: torch.sin(y * g).prod(-1),
+    "sin(0.3 y * G)": lambda y, g: torch.sin(0.3 * y * g).pow(2).sum(-1),
+    "exp(y / G)": lambda y, g: torch.exp(y / g).sum(-1),
+}
+FACTOR_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@pytest.mark.parametrize("dtype", FACTOR_DTYPES.values(), ids=FACTOR_DTYPES.keys())
+@pytest.mark.parametrize("f", LOW_PRECISION_FACTORS.values(), ids=LOW_PRECISION_FACTORS.keys())
+def test_a_lower_precision_captured_factor_gives_float64_derivatives(f, dtype, device):
+    """x's diagonal coefficient times G was ``G`` itself, in G's dtype: its square was rounded
+    there (2e-5 relative off with a bfloat16 G, 1e-8 with a float32 one)."""
+    x = torch.randn(3, 4, dtype=torch.float64, device=device)
+    g = (torch.rand(4, dtype=torch.float64, device=device) + 0.5).to(dtype)
+    lap = pyhvp.laplacian(lambda y: f(y, g), x)
+    reference = instance_laplacian(lambda y: f(y, g.double()), x)
+    torch.testing.assert_close(lap, reference, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", FACTOR_DTYPES.values(), ids=FACTOR_DTYPES.keys())
+def test_grad_and_laplacian_with_a_lower_precision_captured_factor_is_float64(dtype, device):
+    x = torch.randn(3, 4, dtype=torch.float64, device=device)
+    g = (torch.rand(4, dtype=torch.float64, device=device) + 0.5).to(dtype)
+    f = LOW_PRECISION_FACTORS["sin(y * G)"]
+    value, gradient, lap = pyhvp.grad_and_laplacian(lambda y: f(y, g), x)
+    reference = [f(x, g.double()), instance_jacobian(lambda y: f(y, g.double()), x),
+                 instance_laplacian(lambda y: f(y, g.double()), x)]  # fmt: skip
+    torch.testing.assert_close([value, gradient, lap], reference, rtol=1e-12, atol=1e-12)
 
 
 SLOPED = {

@@ -103,12 +103,22 @@ class DiagonalCoefficient:
         basis = lifted(self.basis, self.ndim)
         return basis if _is_one(self.diagonal) else broadcast_times(basis, self.diagonal)
 
-    def times(self, d: Tensor | float, shape: Sequence[int]) -> DiagonalCoefficient | None:
-        """The coefficient times an elementwise factor ``d`` of a value of ``shape``; None when
+    def times(self, d: Tensor | float, shape: Sequence[int],
+              dtype: torch.dtype) -> DiagonalCoefficient | None:  # fmt: skip
+        """The coefficient times an elementwise factor ``d`` for a value of ``shape`` and
+        ``dtype``, in ``dtype`` as the value's coefficients are (``1 * G`` was ``G`` itself: a
+        bfloat16 factor kept its dtype, and the diagonal's square was rounded to it); None when
         the event dims would not stay the value's last (a broadcast that grows them)."""
         if not on_event(self.event, shape):
             return None
-        return DiagonalCoefficient(multiplied(self.diagonal, d), self.basis, self.event, len(shape))
+        diagonal = multiplied(self.diagonal, promoted(d, dtype))
+        return DiagonalCoefficient(diagonal, self.basis, self.event, len(shape))
+
+
+def promoted(d: Tensor | float, dtype: torch.dtype) -> Tensor | float:
+    """A constant factor ``d`` in the ``dtype`` of the result it enters, before it multiplies, as
+    torch promotes operands (a Python float stays one)."""
+    return d.to(dtype) if isinstance(d, Tensor) else d
 
 
 def _is_one(t: Tensor | float) -> bool:
@@ -353,7 +363,8 @@ def first_times(u: Jet, d: Tensor, ndim: int) -> Tensor | FactoredCoefficient | 
     where ``d`` varies (multiplying out would make it K times the value's size)."""
     c = u.coefficient
     if isinstance(c, DiagonalCoefficient):
-        kept = c.times(d, torch.broadcast_shapes(u.value.shape, d.shape))  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+        shape = torch.broadcast_shapes(u.value.shape, d.shape)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+        kept = c.times(d, shape, torch.result_type(u.value, d))
         if kept is not None:
             return kept
         c = u.first

@@ -24,6 +24,7 @@ from pyhvp.taylor.jets import (
     multiplied,
     on_event,
     plus,
+    promoted,
     times,
     times_or_none,
     value_of,
@@ -60,10 +61,12 @@ def _diagonal_first(out: Tensor, a: object, b: object, wa: Tensor | float, wb: T
     if da is not None and db is not None:
         if da.basis is not db.basis or not both:
             return None
-        total = multiplied(da.diagonal, wa) + multiplied(db.diagonal, wb)
-        return DiagonalCoefficient(total, da.basis, da.event, out.ndim).times(1.0, out.shape)
+        total = (multiplied(da.diagonal, promoted(wa, out.dtype))
+                 + multiplied(db.diagonal, promoted(wb, out.dtype)))  # fmt: skip
+        diagonal = DiagonalCoefficient(total, da.basis, da.event, out.ndim)
+        return diagonal.times(1.0, out.shape, out.dtype)
     one, weight = (da, wa) if da is not None else (db, wb)
-    return None if one is None else one.times(weight, out.shape)
+    return None if one is None else one.times(weight, out.shape, out.dtype)
 
 
 @rule(aten.sub.Tensor, aten.sub.Scalar)
@@ -150,7 +153,8 @@ def _div(ctx: Context, out: Tensor, a: object, b: object) -> Jet:
         c, divisor = diagonal_of(a), cast(Tensor | float, b)
         if c is not None and on_event(c.event, out.shape):  # stays diagonal
             second = cast(Jet, a).second
-            first = DiagonalCoefficient(c.diagonal / divisor, c.basis, c.event, out.ndim)
+            quotient = c.diagonal / promoted(divisor, out.dtype)
+            first = DiagonalCoefficient(quotient, c.basis, c.event, out.ndim)
             return Jet(out, (first, None if second is None else lifted(second, out.ndim) / divisor))
         return bilinear(ctx, out, a, b, operator.truediv)
     return bilinear(ctx, out, a, apply(ctx, aten.reciprocal.default, b), broadcast_times)
