@@ -520,6 +520,45 @@ def test_an_operator_inside_a_torch_func_transform_is_differentiated(case, devic
     torch.testing.assert_close(transformed(x).cpu(), closed_form(x.cpu()))
 
 
+def _attention(x):
+    """Attention over 2 tokens of 2 features per instance."""
+    q = x[..., :4].reshape(-1, 1, 2, 2)
+    return F.scaled_dot_product_attention(q, q.sin(), q.cos()).pow(2).sum((-3, -2, -1))
+
+
+def _laplacian_gradient(x):
+    y = x.detach().requires_grad_()
+    return torch.autograd.grad(pyhvp.laplacian(_attention, y).sum(), y)[0]
+
+
+V = torch.tensor([0.3, -1.0, 0.7, 0.2, 0.0, 0.0], dtype=torch.float64)
+ATTENTION_AROUND = {  # a transform around an operator of attention, and the operator outside it
+    "grad of a laplacian": (
+        lambda x: torch.func.grad(lambda y: pyhvp.laplacian(_attention, y).sum())(x),
+        _laplacian_gradient),
+    "vmap of a laplacian": (
+        lambda x: torch.func.vmap(lambda y: pyhvp.laplacian(_attention, y))(x[None])[0],
+        lambda x: pyhvp.laplacian(_attention, x)),
+    "vmap of a bilaplacian": (
+        lambda x: torch.func.vmap(lambda y: pyhvp.bilaplacian(_attention, y))(x[None])[0],
+        lambda x: pyhvp.bilaplacian(_attention, x)),
+    "vmap of directional derivatives": (
+        lambda x: torch.func.vmap(lambda y: pyhvp.directional_derivatives(
+            _attention, y, V.to(y), order=3))(x[None])[0],
+        lambda x: pyhvp.directional_derivatives(_attention, x, V.to(x), order=3)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", ATTENTION_AROUND.values(), ids=ATTENTION_AROUND.keys())
+def test_attention_inside_an_operator_inside_a_transform_takes_its_math_path(case, device):
+    """The nested reverse mode ran ``f`` with attention's fused kernel, which has no second
+    derivative ("derivative for aten::_scaled_dot_product_flash_attention_for_cpu_backward is
+    not implemented"); the record runs it on the math path, as now the nested mode does."""
+    transformed, outside = case
+    x = point(device)
+    torch.testing.assert_close(transformed(x), outside(x))
+
+
 def _matrix(x):
     return x[..., :4].reshape(*x.shape[:-1], 2, 2) + 2 * torch.eye(2, dtype=x.dtype)
 

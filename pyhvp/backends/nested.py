@@ -12,7 +12,8 @@ reverse passes for order ``K`` -- eager, and exponential in the order. Not forwa
 recorder's dispatch mode segfaulted (``x ** 5`` inside ``torch.func.grad``). Three norms run
 written out in elementary ops (``_Elementary``): torch's third and higher reverse-mode
 derivatives of ``layer_norm`` are wrong, its nested ones of ``instance_norm`` under ``vmap`` from
-the second on, and its batched double backward of ``group_norm`` fails.
+the second on, and its batched double backward of ``group_norm`` fails. Attention takes its math
+path, as under the recorder: its fused kernels have no second derivative.
 A determinant's third is wrong too: refused where it would be differentiated more than twice
 -- the operator's order and the ``grad`` / ``jvp`` levels around it, or an outer operator's
 record --, as an op without a derivative is (the note says to call the operator outside the
@@ -32,6 +33,7 @@ from torch.func import grad, vjp, vmap
 from torch.overrides import TorchFunctionMode
 
 from pyhvp import taylor
+from pyhvp._attention import math_attention
 from pyhvp._user_errors import note
 
 
@@ -45,7 +47,7 @@ def taylor_coefficients(
     is refused by the transforms."""
 
     def value(y: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        with _Elementary():
+        with _Elementary(), math_attention:
             return (f(y, *args),)
 
     def derivatives(u: torch.Tensor) -> tuple[torch.Tensor, ...]:
