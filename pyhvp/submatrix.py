@@ -760,7 +760,7 @@ def _choose_routes(
     if key is not None and not fresh and key in _ROUTES:
         _ROUTES.move_to_end(key)
         cached = _ROUTES[key]
-        if not any(
+        if cached.state.alive() and not any(
             _masked(plan, i, entries) for i, entries in enumerate(cached.model.masked_entries)
         ):
             return cached

@@ -442,6 +442,9 @@ MADE_UNDER_NO_GRAD = {  # what a loss makes of its selected tensor under no_grad
     "p.type_as(p), p itself": lambda p: p.type_as(p),
     "p.sum_to_size(p.shape), p itself": lambda p: p.sum_to_size(p.shape),
     "p.requires_grad_(), p itself and no write": lambda p: p.requires_grad_(),
+    "a dropout in eval, p itself": lambda p: F.dropout(p, 0.5, training=False),
+    "torch.real of a real p, p itself": torch.real,
+    "p.conj_physical() of a real p, p itself": lambda p: p.conj_physical(),
 }
 
 

@@ -358,6 +358,50 @@ def test_a_loss_writing_what_it_reads_is_differentiated_as_one_run_every_call(wr
     torch.testing.assert_close(got, expected)
 
 
+REBUILT = torch.ones(5, dtype=torch.float64)
+"""A global the loss reads, rebuilt between calls (a model built again): the route cache's key
+does not cover it."""
+NARROW = torch.randn(6, 5, dtype=torch.float64)
+
+
+def reads_a_rebuilt_global(p):
+    with torch.no_grad():
+        REBUILT.mul_(0.5).add_(1)  # a running statistic
+    return torch.tanh(F.linear(NARROW * REBUILT, p)).pow(2).sum()
+
+
+def test_a_loss_reading_a_rebuilt_global_is_surveyed_anew():
+    """The cached routes put back the first call's buffer, gone since: the new one was written
+    by every run, one per chunk (5.4 off)."""
+    global REBUILT
+    params, entries = torch.randn(8, 5, dtype=torch.float64), torch.arange(0, 40, 3)
+    got, expected = [], []
+    for _ in range(2):
+        REBUILT = torch.ones(5, dtype=torch.float64)
+        expected.append(loop_sub_hessian(lambda p: reads_a_rebuilt_global(p["w"]),
+                                         {"w": params}, {"w": entries}))  # fmt: skip
+        REBUILT = torch.ones(5, dtype=torch.float64)
+        got.append(pyhvp.sub_hessian(reads_a_rebuilt_global, params, entries, chunk_size=2))
+    torch.testing.assert_close(got, expected)
+
+
+def test_batch_tensors_over_one_storage_are_each_put_back():
+    """Held one position per storage, a later batch's tensors over two storages had one put
+    back (6.5 off)."""
+    flat = torch.ones(6, dtype=torch.float64)
+
+    def loss(p, batch):
+        scale, other = batch
+        return writing(STATE_WRITES["its batch, by out="], other)(p, scale)
+
+    batches = [(flat[:3], flat[3:]), (torch.ones(3, dtype=torch.float64),) * 2]
+    batches[1] = (batches[1][0], torch.ones(3, dtype=torch.float64))
+    expected = sum(loop_sub_hessian(lambda p, b=b: loss(p, tuple(t.clone() for t in b)),
+                                    TABLE_AND_POINTS, ENTRIES) for b in batches)  # fmt: skip
+    got = pyhvp.sub_hessian(loss, TABLE_AND_POINTS, ENTRIES, joint=True, data=batches)
+    torch.testing.assert_close(got, expected)
+
+
 def test_a_batch_surveyed_anew_starts_from_the_state_before_its_refused_kernel():
     """A later batch uses the table where the sparse route has no rule (``cumsum``): its kernel
     refused the plan after the loss drew from its own generator, and the fresh survey and the

@@ -246,14 +246,15 @@ def call_kind(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, A
 _MAY_RETURN_INPUT_NAMES = (
     "flatten", "cpu", "cuda", "to", "type", "type_as", "contiguous", "conj", "resolve_conj",
     "resolve_neg", "positive", "__pos__", "atleast_1d", "atleast_2d", "atleast_3d", "sum_to_size",
-    "double", "float", "half", "bfloat16", "coalesce", "to_dense",
+    "double", "float", "half", "bfloat16", "cfloat", "cdouble", "coalesce", "to_dense", "real",
+    "conj_physical", "dequantize", "dropout", "alpha_dropout", "feature_alpha_dropout",
 )  # fmt: skip
 
 
 def _may_return_input() -> frozenset[Callable[..., Any]]:
     found: set[Callable[..., Any]] = {Tensor.real.__get__}  # type: ignore[attr-defined]
     for name in _MAY_RETURN_INPUT_NAMES:
-        for owner in (Tensor, torch):
+        for owner in (Tensor, torch, F):
             value = getattr(owner, name, None)
             if callable(value) and not isinstance(value, torch.dtype):
                 found.add(value)
@@ -261,9 +262,10 @@ def _may_return_input() -> frozenset[Callable[..., Any]]:
 
 
 MAY_RETURN_INPUT = _may_return_input()
-"""Side-effect-free torch functions that eager torch makes return their first argument itself
-for some arguments (``W.flatten(1, 1)``, ``W.cpu()`` of a CPU tensor, ``+W``): the only ones
-:func:`returns_its_input` runs again (a dropout or a batch norm would draw or write twice)."""
+"""Torch functions that eager torch makes return their first argument itself for some
+arguments (``W.flatten(1, 1)``, ``W.cpu()`` of a CPU tensor, ``+W``, a dropout in eval): the
+only ones :func:`returns_its_input` runs again (a batch norm would write twice), on a forked
+random state (a dropout in training would draw twice)."""
 
 
 def returns_its_input(
@@ -285,8 +287,10 @@ def returns_its_input(
     swapped_args, swapped_kwargs = pytree.tree_map(
         lambda v: proxy if v is tensor else v, (tuple(args), kwargs)
     )
+    devices = [tensor.device] if tensor.device.type == "cuda" else []
     try:
-        return func(*swapped_args, **swapped_kwargs) is proxy
+        with torch.random.fork_rng(devices=devices):
+            return func(*swapped_args, **swapped_kwargs) is proxy
     except Exception:  # (the call itself then raises as the loss makes it)
         return False
 

@@ -45,8 +45,10 @@ class Changes:
     it, :meth:`made` with its inputs and outputs."""
 
     def __init__(self, inputs: Sequence[object]) -> None:
-        self._inputs = {_storage(t): i for i, t in enumerate(inputs)
-                        if isinstance(t, torch.Tensor)}  # fmt: skip
+        self._inputs: dict[int | None, list[int]] = {}  # storage -> the inputs over it
+        for i, value in enumerate(inputs):
+            if isinstance(value, torch.Tensor):
+                self._inputs.setdefault(_storage(value), []).append(i)
         self._made: set[int] = set()  # storages the run allocated
         self._owners: dict[int, torch.Tensor] = {}  # the first tensor seen over other storages
         self.storages: dict[int, tuple[torch.Tensor, torch.UntypedStorage]] = {}
@@ -95,8 +97,8 @@ class Changes:
         other memory by a weak reference to a tensor over it."""
         positions, owners = [], []
         for start, (owner, _) in self.storages.items():
-            if start in self._inputs:
-                positions.append(self._inputs[start])
+            if start in self._inputs:  # each input over it: another call's may not share it
+                positions.extend(self._inputs[start])
             else:
                 owners.append(weakref.ref(owner))
         return Held(tuple(positions), tuple(owners), tuple(g for g, _ in self.generators.values()))
@@ -110,12 +112,18 @@ class Held(NamedTuple):
     owners: tuple[weakref.ref[torch.Tensor], ...] = ()
     generators: tuple[torch.Generator, ...] = ()
 
+    def alive(self) -> bool:
+        """Whether every tensor over the other memory still exists (where one is gone, the loss
+        reads a rebuilt model or global: its state is another, to be surveyed anew)."""
+        return all(ref() is not None for ref in self.owners)
+
     def snapshot(self, inputs: Sequence[object]) -> Snapshot:
         """The state now, of this call's ``inputs`` and of the other memory and generators."""
         tensors = [inputs[i] for i in self.positions]
         tensors += [t for t in (ref() for ref in self.owners) if t is not None]
-        storages = [t.untyped_storage() for t in tensors if isinstance(t, torch.Tensor)]
-        saved = [(s, _copy(s)) for s in storages]
+        storages = {_storage(t): t.untyped_storage() for t in tensors
+                    if isinstance(t, torch.Tensor)}  # fmt: skip
+        saved = [(s, _copy(s)) for s in storages.values()]
         return Snapshot(saved, [(g, g.get_state()) for g in self.generators])
 
 
