@@ -285,17 +285,14 @@ class Injection(TorchFunctionMode):
         return total
 
     def _view(
-        self, func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
-        out: object = None,
-    ) -> object | None:  # fmt: skip
-        """The view of a selected tensor (``out``, where the caller made it), its outputs
-        followed as selected tensors; None where it is not a view of ``args[0]`` (then the
-        caller enters it densely)."""
+        self, func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
+    ) -> object | None:
+        """The view of a selected tensor, its outputs followed as selected tensors; None where
+        it is not a view of ``args[0]`` (then the caller enters it densely)."""
         entry = self._find(args[0]) if args else None
         if entry is None:
             return None
-        if out is None:
-            out = func(*args, **kwargs)
+        out: object = func(*args, **kwargs)
         positions = view_positions(func, args, kwargs, out)
         if positions is None:
             return None
