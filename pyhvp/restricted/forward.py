@@ -63,6 +63,7 @@ from pyhvp.restricted.ops import (
     call_kind,
     contracted,
     describe,
+    functions,
     writes_operand,
     writes_to,
 )
@@ -75,15 +76,9 @@ class NotForward(Exception):
     routes (or the seed's loop) serve it."""
 
 
-def _functions(owners: Sequence[object], names: Sequence[str]) -> frozenset[Callable[..., Any]]:
-    return frozenset(
-        getattr(owner, name) for owner in owners for name in names if hasattr(owner, name)
-    )
-
-
-HOMOGENEOUS = _functions(
+HOMOGENEOUS = functions(
     (torch, Tensor), ("sum", "mean", "neg", "negative", "__neg__", "__pos__")
-) | _functions(
+) | functions(
     (F,),
     ("avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
      "adaptive_avg_pool3d", "dropout"),
@@ -91,36 +86,36 @@ HOMOGENEOUS = _functions(
 """Functions linear in their one tensor argument with no constant term (a dropout outside
 training, the identity): a tangent's push is the op itself."""
 
-SUMS = _functions(
+SUMS = functions(
     (torch, Tensor), ("add", "sub", "subtract", "__add__", "__radd__", "__sub__", "__rsub__")
 )
 """Functions adding their first two arguments (``alpha`` times the second): a tangent's push is
 the op with the other operand zero."""
 
-JOINS = _functions((torch,), ("cat", "concat", "concatenate", "stack"))
+JOINS = functions((torch,), ("cat", "concat", "concatenate", "stack"))
 """Functions joining the tensors of their first argument: a tangent's push is the op with the
 other tensors zero."""
 
-ADDITIVE = HOMOGENEOUS | SUMS | JOINS | _functions(
+ADDITIVE = HOMOGENEOUS | SUMS | JOINS | functions(
     (F,),
     ("max_pool1d", "max_pool2d", "max_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d",
      "adaptive_max_pool3d", "relu", "pad"),
-) | _functions((torch, Tensor), ("relu",))  # fmt: skip
+) | functions((torch, Tensor), ("relu",))  # fmt: skip
 """Functions linear in all their tensor arguments together (sums, concatenations, averages; a
 ReLU and a max-pool piecewise, with no second derivative, as autograd has it; a dropout outside
 training, the identity): no second-order term."""
 
-PRODUCTS = _functions((torch, Tensor), ("mul", "multiply", "__mul__", "__rmul__"))
+PRODUCTS = functions((torch, Tensor), ("mul", "multiply", "__mul__", "__rmul__"))
 """Functions linear in each tensor argument alone: a term only where two of them carry tangents."""
 
-QUOTIENTS = _functions((torch, Tensor), ("div", "divide", "true_divide", "__truediv__"))
+QUOTIENTS = functions((torch, Tensor), ("div", "divide", "true_divide", "__truediv__"))
 """Functions linear in their first argument alone: a term unless only it carries tangents."""
 
-POINTWISE = _functions(
+POINTWISE = functions(
     (torch, Tensor),
     ("tanh", "sigmoid", "exp", "expm1", "log", "log1p", "sin", "cos", "sqrt", "rsqrt", "square",
      "reciprocal", "erf", "__pow__", "pow", "relu"),
-) | _functions(
+) | functions(
     (F,), ("tanh", "sigmoid", "gelu", "silu", "mish", "softplus", "elu", "selu", "celu",
            "logsigmoid", "leaky_relu", "hardtanh", "relu"),
 )  # fmt: skip
@@ -128,12 +123,12 @@ POINTWISE = _functions(
 its shape): a tangent's push is ``f'(x)`` times it, and their second-order term one Gram matrix
 of the tangents weighted by ``d f''(x)`` (a ReLU's none: :data:`ADDITIVE`)."""
 
-_STATEFUL = _functions((F,), ("batch_norm", "instance_norm"))
+_STATEFUL = functions((F,), ("batch_norm", "instance_norm"))
 
-_WRONG_FORWARD_DERIVATIVES = _functions((torch, Tensor), ("scatter_reduce",))
+_WRONG_FORWARD_DERIVATIVES = functions((torch, Tensor), ("scatter_reduce",))
 """Ops whose forward derivative torch computes wrongly in some mode (``reduce="prod"``)."""
 
-_DROPOUTS = _functions(
+_DROPOUTS = functions(
     (F,), ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
            "feature_alpha_dropout"),
 )  # fmt: skip

@@ -181,30 +181,26 @@ _TRACED_PROPERTIES = ("numpy_T", "mT", "matrix_H", "mH")
 (torch 2.14; 2.13 traces the properties past the mode)."""
 
 
+def functions(owners: Sequence[object], names: Sequence[str]) -> frozenset[Callable[..., Any]]:
+    """The callables ``owner.name`` that exist, of every owner and name."""
+    return frozenset(
+        value for owner in owners for name in names if callable(value := getattr(owner, name, None))
+    )
+
+
 def _table() -> dict[Callable[..., Any], str]:
     kinds: dict[Callable[..., Any], str] = {}
     for name in _VIEW_NAMES:
-        for owner in (Tensor, torch):
-            value = getattr(owner, name, None)
-            if name in PROPERTIES:
-                kinds[getattr(Tensor, name).__get__] = "view"
-            elif callable(value) and not isinstance(value, torch.dtype):
-                kinds[value] = "view"
-    for name in _CHEAP_NAMES:
-        for owner in (Tensor, torch):
-            if callable(getattr(owner, name, None)):
-                kinds[getattr(owner, name)] = "cheap"
-    for name in _NORMS:
-        if getattr(F, name, None) is not None:
-            kinds[getattr(F, name)] = "cheap"
+        if name in PROPERTIES:
+            kinds[getattr(Tensor, name).__get__] = "view"
+    kinds.update(dict.fromkeys(functions((Tensor, torch), _VIEW_NAMES), "view"))
+    kinds.update(dict.fromkeys(functions((Tensor, torch), _CHEAP_NAMES), "cheap"))
+    kinds.update(dict.fromkeys(functions((F,), _NORMS), "cheap"))
     for name in _TRACED_PROPERTIES:
         kinds[getattr(torch.ops.aten, name)] = "view"
-    for owner in (Tensor, torch):
-        kinds[owner.detach] = "constant"
-        for name in _METADATA_NAMES:
-            value = getattr(owner, name, None)
-            if callable(value):
-                kinds[value] = "constant"
+    kinds.update(
+        dict.fromkeys(functions((Tensor, torch), ("detach", *_METADATA_NAMES)), "constant")
+    )
     for name in (*_METADATA_PROPERTIES, "data"):  # W.data: a detached alias, as autograd has it
         kinds[getattr(Tensor, name).__get__] = "constant"
     kinds.update(_EINSUM_FAMILY)
@@ -251,17 +247,9 @@ _MAY_RETURN_INPUT_NAMES = (
 )  # fmt: skip
 
 
-def _may_return_input() -> frozenset[Callable[..., Any]]:
-    found: set[Callable[..., Any]] = {Tensor.real.__get__}  # type: ignore[attr-defined]
-    for name in _MAY_RETURN_INPUT_NAMES:
-        for owner in (Tensor, torch, F):
-            value = getattr(owner, name, None)
-            if callable(value) and not isinstance(value, torch.dtype):
-                found.add(value)
-    return frozenset(found)
-
-
-MAY_RETURN_INPUT = _may_return_input()
+MAY_RETURN_INPUT = functions((Tensor, torch, F), _MAY_RETURN_INPUT_NAMES) | {
+    Tensor.real.__get__  # type: ignore[attr-defined]
+}
 """Torch functions that eager torch makes return their first argument itself for some
 arguments (``W.flatten(1, 1)``, ``W.cpu()`` of a CPU tensor, ``+W``, a dropout in eval): the
 only ones :func:`returns_its_input` runs again (a batch norm would write twice), on a forked
@@ -295,9 +283,12 @@ def returns_its_input(
         return False
 
 
-_RUNNING_STATISTICS = {F.batch_norm: ("training", 5), F.instance_norm: ("use_input_stats", 5)}
+_RUNNING_STATISTICS = {
+    F.batch_norm: ("training", 5, False),
+    F.instance_norm: ("use_input_stats", 5, True),
+}
 """The norms that update the running statistics they are given (arguments 1 and 2) in place,
-and the flag (name, position) under which they do."""
+and the flag (name, position, default) under which they do."""
 
 
 def hidden_writes(
@@ -308,8 +299,7 @@ def hidden_writes(
     found = _RUNNING_STATISTICS.get(func)
     if found is None:
         return []
-    flag, position = found
-    default = func is F.instance_norm  # (instance_norm uses its input's statistics by default)
+    flag, position, default = found
     if not argument(args, kwargs, flag, position, default):
         return []
     statistics = [argument(args, kwargs, name, i, None)
