@@ -332,11 +332,12 @@ class Survey(TorchFunctionMode):
         for value in pytree.tree_leaves(written):  # stop before the write: params stay as given
             self._refuse_writes_to_params(value, func, grad)
         self._refuse_hidden_writes(op, args, kwargs)
-        self.changes.before(func, args, kwargs, written)
-        out = self._run(func, op, args, kwargs, grad)
-        leaves = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
+        values = pytree.tree_leaves((args, kwargs))  # (flattened once per call)
+        leaves = [v for v in values if isinstance(v, torch.Tensor)]
+        self.changes.before(func, args, kwargs, values, written)
+        out = self._run(func, op, args, kwargs, leaves, grad)
         outs = [v for v in pytree.tree_leaves(out) if isinstance(v, torch.Tensor)]
-        self.changes.made((args, kwargs), outs)
+        self.changes.made(leaves, outs)
         cost = _cost(func, args, kwargs, leaves, outs)
         self.forward.add(cost)
         if not grad or op == "constant" or any(self._alias(v) is not None for v in leaves):
@@ -370,13 +371,12 @@ class Survey(TorchFunctionMode):
         return out
 
     def _run(self, func: Callable[..., Any], op: str, args: Sequence[Any],
-             kwargs: dict[str, Any], grad: bool) -> Any:  # fmt: skip
-        """``func(*args, **kwargs)`` with the selected tensors (and the views of them followed)
-        detached, so that their derivative reaches the loss only through uses this mode does
-        not see (:meth:`refuse_unseen_uses`); a view that follows one runs on it (a selected
-        tensor itself)."""
-        values = pytree.tree_leaves((args, kwargs))
-        if not grad or all(self._source(v) is None for v in values):
+             kwargs: dict[str, Any], leaves: list[torch.Tensor], grad: bool) -> Any:  # fmt: skip
+        """``func(*args, **kwargs)`` (whose tensors are ``leaves``) with the selected tensors
+        (and the views of them followed) detached, so that their derivative reaches the loss
+        only through uses this mode does not see (:meth:`refuse_unseen_uses`); a view that
+        follows one runs on it (a selected tensor itself)."""
+        if not grad or all(self._source(v) is None for v in leaves):
             return func(*args, **kwargs)
         detached_args, detached_kwargs = pytree.tree_map(
             lambda v: v if self._source(v) is None else v.detach(), (args, kwargs)

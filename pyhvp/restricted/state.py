@@ -42,7 +42,7 @@ def _copy(storage: torch.UntypedStorage) -> torch.UntypedStorage:
 
 class Changes:
     """Kept by a run of ``loss(*inputs)`` under a mode: before each call, :meth:`before`; after
-    it, :meth:`made` with its inputs and outputs."""
+    it, :meth:`made` with its input and output tensors."""
 
     def __init__(self, inputs: Sequence[object]) -> None:
         self._inputs: dict[int | None, list[int]] = {}  # storage -> the inputs over it
@@ -57,11 +57,11 @@ class Changes:
         """By ``id``: a generator the run draws from, and its state before."""
 
     def before(self, func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
-               written: object) -> None:  # fmt: skip
-        """Before ``func(*args, **kwargs)``, which writes ``written`` (a tensor, a tuple of them,
-        or None): note the generators it is given and the memory it writes that the run did not
-        make, with their state now."""
-        for value in pytree.tree_leaves((args, kwargs)):
+               values: Sequence[object], written: object) -> None:  # fmt: skip
+        """Before ``func(*args, **kwargs)`` (``values``: its arguments flattened), which writes
+        ``written`` (a tensor, a tuple of them, or None): note the generators it is given and the
+        memory it writes that the run did not make, with their state now."""
+        for value in values:
             if isinstance(value, torch.Generator) and id(value) not in self.generators:
                 self.generators[id(value)] = (value, value.get_state())
             elif isinstance(value, torch.Tensor):
@@ -75,10 +75,10 @@ class Changes:
             owner = self._owners.get(start, value)
             self.storages[start] = (owner, _copy(owner.untyped_storage()))
 
-    def made(self, inputs: Sequence[Any], outputs: Sequence[torch.Tensor]) -> None:
+    def made(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
         """The call's tensors: an output over memory none of its inputs has is the run's own
         (writing to it changes nothing else); one over an input's is that input's."""
-        given = {_storage(v) for v in pytree.tree_leaves(inputs) if isinstance(v, torch.Tensor)}
+        given = {_storage(v) for v in inputs}
         for value in outputs:
             start = _storage(value)
             if start is not None and start not in given:
