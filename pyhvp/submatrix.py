@@ -89,6 +89,7 @@ from pyhvp.distributed import Fingerprint, check_group, sum_over_ranks
 from pyhvp.restricted import NotSparse, WritesSelected, routes
 from pyhvp.restricted.forward import forward_hessian
 from pyhvp.restricted.mode import PADDING_ROW
+from pyhvp.restricted.state import Snapshot, recorded
 from pyhvp.restricted.trial import MODEL, TIMED_RUNS, Trial
 
 if TYPE_CHECKING:
@@ -344,8 +345,17 @@ def module_loss(
     return _ModuleLoss(module, criterion, inputs, targets), params
 
 
+class _NamedByModule:
+    module: torch.nn.Module
+
+    @property
+    def __name__(self) -> str:
+        """How messages name the loss: ``module_loss(LeNet5)``."""
+        return f"module_loss({type(self.module).__name__})"
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
-class _ModuleLoss:
+class _ModuleLoss(_NamedByModule):
     """``loss(params)`` of a module on its inputs and targets: :func:`module_loss` with data."""
 
     module: torch.nn.Module
@@ -358,7 +368,7 @@ class _ModuleLoss:
 
 
 @dataclasses.dataclass(frozen=True)
-class _ModuleBatchLoss:
+class _ModuleBatchLoss(_NamedByModule):
     """``loss(params, (inputs, targets))`` of a module: the data-set form of :func:`module_loss`."""
 
     module: torch.nn.Module
@@ -601,6 +611,11 @@ class _Selection:
     selected: tuple[str, ...]
     joint_shapes: tuple[torch.Size, ...] | None = None
     batch_spec: pytree.TreeSpec | None = None
+
+    @property
+    def __name__(self) -> str:
+        """The loss, as messages name it."""
+        return getattr(self.loss, "__name__", type(self.loss).__name__)
 
     def __call__(self, *values: Any) -> torch.Tensor:
         n_leaves = 1 if not self.names or self.joint_shapes is not None else len(self.selected)
@@ -997,6 +1012,8 @@ def _sums(
             else:
                 parts, reverse, inner = [], every, None
                 loop = _by_loop(plan, reverse, backend)
+                if not loop and _passes(plan, chunk_size) > 1:  # each pass from the same state
+                    draws.hold(_recorded(plan, spec, batch_values).restore)
                 _log.debug("sub_hessian: reverse route%s (%s)", f" {BY_LOOP}" if loop else "",
                            refusal)  # fmt: skip
             # the reverse route adds its rows once all are computed, the sparse groups after it:
@@ -1244,6 +1261,24 @@ def _sparse_pass(
         chunk_size,
     )
     return block
+
+
+def _passes(plan: _Plan, chunk_size: int | None) -> int:
+    """How many times the reverse route's batched passes run the loss on one batch: once per
+    ``chunk_size`` rows of the tensor with the most (of every tensor, for one block)."""
+    sizes = [len(flat) for flat in plan.flats]
+    rows = sum(sizes) if plan.one_block else max(sizes, default=0)
+    return -(-rows // chunk_size) if chunk_size else 1
+
+
+def _recorded(plan: _Plan, spec: Any, batch_values: list[Any]) -> Snapshot:
+    """What the loss changes beyond its values on this batch (:func:`~pyhvp.restricted.state.
+    recorded`: one run, put back), as it is now: for passes no survey ran before."""
+    loss = dataclasses.replace(plan.sparse, batch_spec=spec)
+    inputs = (*plan.tensors, *plan.others, *batch_values)
+    with torch.inference_mode(False):  # (as the survey runs it)
+        held = recorded(loss, _normal(inputs))
+    return held.snapshot(inputs)
 
 
 def _reverse_blocks(

@@ -265,33 +265,53 @@ def batch_normalised():
 
 
 STATEFUL_MODELS = [
-    pytest.param(spectrally_normalised, method, id=f"spectral_norm's power iteration, {method}")
+    pytest.param(
+        spectrally_normalised, {"method": method}, id=f"spectral_norm's power iteration, {method}"
+    )
     for method in ("auto", "sparse", "forward")
-] + [pytest.param(batch_normalised, "auto", id="batch norm's running statistics, auto")]
+] + [
+    pytest.param(batch_normalised, {"method": "auto"}, id="batch norm's running statistics, auto"),
+    pytest.param(
+        batch_normalised,
+        {"method": "reverse", "chunk_size": 3},
+        id="batch norm's running statistics, reverse in passes of 3",
+    ),
+]
 """Models whose forward updates buffers in training, each run from the last run's state; the
 sparse and forward routes run the loss more than once (batch norm in training: the kernels
-fail and the seed's loop serves, after them)."""
+fail and the seed's loop serves, after them), as does the reverse route with ``chunk_size``."""
 
 
-@pytest.mark.parametrize(("make", "method"), STATEFUL_MODELS)
+@pytest.mark.parametrize(("make", "options"), STATEFUL_MODELS)
 def test_a_model_updating_its_buffers_is_differentiated_and_left_as_one_forward_leaves_it(
-    make, method
+    make, options
 ):
     """spectral_norm's Hessian was taken at another normalisation (1e-2 off), batch norm's
-    statistics updated twice: every run now starts from the state before the call."""
+    statistics updated twice (four times in passes of 3 rows): every run now starts from the
+    state before the call."""
     X = torch.randn(10, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     y = torch.arange(10) % 3
     seeds, model = make(), make()
     index = {name: torch.arange(min(10, p.numel())) for name, p in model.named_parameters()}
     expected = loop_sub_hessians(seeds, nn.CrossEntropyLoss(), X, y, index)
     got = pyhvp.sub_hessian(*pyhvp.module_loss(model, nn.CrossEntropyLoss(), X, y), index,
-                            method=method)  # fmt: skip
+                            **options)  # fmt: skip
     torch.testing.assert_close((got, dict(model.named_buffers())),
                                (expected, dict(seeds.named_buffers())))  # fmt: skip
 
 
-@pytest.mark.parametrize("method", ["auto", "sparse", "forward", "reverse"])
-def test_a_loss_drawing_from_its_own_generator_is_differentiated_at_one_draw(method):
+DRAWING_CALLS = {
+    **{method: ({"method": method}, 12) for method in ("auto", "sparse", "forward", "reverse")},
+    "reverse, in passes of 5 rows": ({"method": "reverse", "chunk_size": 5}, 12),
+    "auto, too few components to survey, in passes of 2": ({"chunk_size": 2}, 6),
+}
+"""How sub_hessian is called on a loss with its own generator (options, components): the last
+two run the loss once per pass without a survey, each pass with new noise before (6.2 off)."""
+
+
+@pytest.mark.parametrize(("options", "components"), DRAWING_CALLS.values(),
+                         ids=DRAWING_CALLS.keys())  # fmt: skip
+def test_a_loss_drawing_from_its_own_generator_is_differentiated_at_one_draw(options, components):
     """Runs after the first put the loss's own ``torch.Generator`` back (each drew new noise:
     4.6 off), and it goes on from one run's draws, as after the seed's loop."""
     X = torch.randn(8, 5, dtype=torch.float64)
@@ -303,10 +323,10 @@ def test_a_loss_drawing_from_its_own_generator_is_differentiated_at_one_draw(met
         return torch.tanh(F.linear(X, w * (1 + jitter / 2))).pow(2).sum()
 
     noise.manual_seed(0)
-    expected = dense_sub_hessian(loss, weight, torch.arange(12))
+    expected = dense_sub_hessian(loss, weight, torch.arange(components))
     after_one_run = noise.get_state()
     noise.manual_seed(0)
-    got = pyhvp.sub_hessian(loss, weight, torch.arange(12), method=method)
+    got = pyhvp.sub_hessian(loss, weight, torch.arange(components), **options)
     torch.testing.assert_close((got, noise.get_state()), (expected, after_one_run))
 
 
@@ -421,6 +441,28 @@ def test_a_batch_surveyed_anew_starts_from_the_state_before_its_refused_kernel()
     noise.manual_seed(0)
     got = pyhvp.sub_hessian(loss, {"table": table}, entries, data=[False, True], joint=True)
     torch.testing.assert_close((got, noise.get_state()), (expected, after))
+
+
+def test_a_compile_failure_warns_naming_the_module_not_its_data(monkeypatch):
+    """The warning named the loss by its repr: the whole module and every tensor of its data."""
+
+    def broken_compile(fn, **options):
+        def run(*args):
+            raise RuntimeError("backend compiler exploded\n\ndebug context: ...")
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    model, X, y = nn.Linear(3, 2), torch.randn(4, 3), torch.randn(4, 2)
+    with pytest.warns(RuntimeWarning) as caught:
+        pyhvp.sub_hessian(*pyhvp.module_loss(model, nn.MSELoss(), X, y),
+                          {"weight": torch.arange(6)}, method="reverse",
+                          backend=pyhvp.TorchBackend(compile=True))  # fmt: skip
+    assert [str(w.message) for w in caught] == [
+        "pyhvp: torch.compile failed for the Hessian-vector products of module_loss(Linear) "
+        "(hvp, sub_hessian) on a (2, 3) float32 input on cpu (RuntimeError: backend compiler "
+        "exploded); running this signature eagerly"
+    ]
 
 
 class DroppedEmbeddings(nn.Module):

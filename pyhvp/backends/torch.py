@@ -917,9 +917,10 @@ class TorchBackend:
 
         def failed(error: Exception) -> None:  # compile is an optimisation: say so once
             entry.failed = True
+            reason = str(error).split("\n\n")[0]  # (dynamo's debug context and stack after)
             warnings.warn(
-                f"pyhvp: torch.compile failed for {getattr(f, '__name__', f)!s} "
-                f"({type(error).__name__}: {error}); running this signature eagerly",
+                f"pyhvp: torch.compile failed for {_describe(traced_kernel, f, inputs)} "
+                f"({type(error).__name__}: {reason}); running this signature eagerly",
                 RuntimeWarning,
                 stacklevel=stacklevel_outside_pyhvp(),
             )

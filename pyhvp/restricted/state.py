@@ -10,8 +10,9 @@ run computes what the seed's one run does and the call leaves one run's changes.
 Memory is told apart by storage, so a write through any alias (``buf.data``, ``buf.detach()``,
 a view, ``buf.to(buf.device)``) is one to ``buf``; memory of the loss's own inputs (a batch
 written in place) is held by the input's position, as each call and batch passes other tensors.
-Only what the survey sees through torch functions is found: a write in a custom
-``autograd.Function`` or TorchScript, or one that only later batches make, is not.
+Only what the survey (or, where no survey runs, :func:`recorded`) sees through torch functions
+is found: a write in a custom ``autograd.Function`` or TorchScript, or one that only later
+batches make, is not.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, cast
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from pyhvp.restricted.ops import hidden_writes
+from pyhvp.restricted.ops import call_kind, hidden_writes, writes_to
 
 
 def _storage(value: torch.Tensor) -> int | None:
@@ -138,3 +140,44 @@ class Snapshot(NamedTuple):
             storage.copy_(data)
         for generator, state in self.generators:
             generator.set_state(state)
+
+
+class Recording(TorchFunctionMode):
+    """Runs a loss once, noting in :attr:`changes` what it changes beyond its values (as the
+    survey does while it surveys)."""
+
+    def __init__(self, inputs: Sequence[object]) -> None:
+        super().__init__()
+        self.changes = Changes(inputs)
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        values = pytree.tree_leaves((args, kwargs))
+        written = writes_to(call_kind(func, args, kwargs), func, args, kwargs)
+        self.changes.before(func, args, kwargs, values, written)
+        out = func(*args, **kwargs)
+        self.changes.made([v for v in values if isinstance(v, torch.Tensor)],
+                          [v for v in pytree.tree_leaves(out) if isinstance(v, torch.Tensor)])  # fmt: skip
+        return out
+
+
+def recorded(loss: Callable[..., object], inputs: Sequence[object]) -> Held:
+    """What ``loss(*inputs)`` changes beyond its values, found by one run (with grad on, on a
+    forked random state) and put back: for routes that run the loss more than once where no
+    survey ran (the reverse route pass after pass with ``chunk_size``)."""
+    mode = Recording(inputs)
+    devices = sorted({t.device for t in inputs
+                      if isinstance(t, torch.Tensor) and t.device.type == "cuda"}, key=str)  # fmt: skip
+    with torch.random.fork_rng(devices=devices):
+        try:
+            with torch.enable_grad(), mode:
+                loss(*inputs)
+        finally:
+            mode.changes.undo()
+    return mode.changes.held()
