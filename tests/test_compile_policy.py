@@ -5,6 +5,7 @@ import gc
 import logging
 import subprocess
 import sys
+import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -154,7 +155,7 @@ def test_a_compiled_kernel_slower_than_eager_is_declined_after_its_trial(
     for _ in range(15):
         backend._run(eager_kernel, eager_kernel, scaled, (), (torch.zeros(1),))
     trial = 1 + compile_policy.LONGEST_TRIAL  # the compiling call, then the timed ones
-    first = ["compiled", "eager"]  # the compiling call, checked against an eager run
+    first = ["eager", "compiled"]  # the compiling call, checked against an eager run before it
     rest = ["compiled"] * (trial - 1) + ["eager"] * (15 - 2 - trial)
     assert runs == ["eager"] * 2 + first + rest
 
@@ -215,7 +216,7 @@ def test_a_faster_kernel_whose_first_trial_calls_stall_is_kept(monkeypatch, comp
     backend = pyhvp.TorchBackend(compile="auto")
     for _ in range(20):
         backend._run(eager_kernel, eager_kernel, scaled, (), (torch.zeros(1),))
-    assert runs == ["eager"] * 2 + ["compiled", "eager"] + ["compiled"] * 17  # eager: the check
+    assert runs == ["eager"] * 2 + ["eager", "compiled"] + ["compiled"] * 17  # eager: the check
 
 
 def costing(now, forward_s, backward_s):
@@ -276,8 +277,8 @@ def test_training_steps_are_judged_on_forward_and_backward(
     trial = 1 + (
         compile_policy.LONGEST_TRIAL if settles_on == "eager" else compile_policy.TRIAL_CALLS
     )
-    # the compiling call, checked against an eager run, then its backward against eager's
-    first = ["compiled", "eager", "eager"]
+    # the compiling call, checked against an eager run before it, then its backward against eager's
+    first = ["eager", "compiled", "eager"]
     rest = ["compiled"] * (trial - 1) + [settles_on] * (15 - 1 - trial)
     assert runs == ["eager", *first, *rest]
 
@@ -398,7 +399,42 @@ def test_a_compiled_kernel_that_disagrees_with_eager_never_serves(monkeypatch, c
     later = [backend._run(eager_kernel, eager_kernel, scaled, (), (torch.zeros(3),))
              for _ in range(2)]  # fmt: skip
     assert all(torch.equal(out, torch.zeros(3)) for out in (first, *later))
-    assert runs == ["compiled", "eager", "eager", "eager", "eager"]
+    assert runs == ["eager", "compiled", "eager", "eager", "eager"]
+
+
+KERNEL_STATE = {
+    "a running statistic": (lambda: torch.zeros(2), lambda buffer: buffer.add_(1)),
+    "its own generator": (torch.Generator, lambda noise: torch.rand(1, generator=noise)),
+}
+"""What a kernel's function may change beyond its values (made, changed once by the kernel)."""
+
+
+@pytest.mark.parametrize("compiled_disagrees", [False, True], ids=["agrees", "disagrees"])
+@pytest.mark.parametrize(("make", "change"), KERNEL_STATE.values(), ids=KERNEL_STATE.keys())
+def test_a_compiled_kernel_checked_against_eager_changes_fs_state_once(
+    monkeypatch, make, change, compiled_disagrees
+):
+    """The first compiled call runs the kernel twice or three times (the eager check, and eager
+    again where the compiled result disagrees): each run changed the state, so a batch norm's
+    statistics moved twice and a function's own generator drew twice, and a compiled
+    sub-Hessian of a spectral_norm model was taken at another normalisation (1e-2 off)."""
+    state, expected = make(), make()
+    change(expected)
+
+    def fake_compile(kernel, f, static):
+        return lambda x: kernel(f, x) + int(compiled_disagrees)
+
+    def kernel(f, x):
+        change(state)
+        return x
+
+    monkeypatch.setattr(torch_backend, "_compile_bound", fake_compile)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the disagreement's)
+        pyhvp.TorchBackend(compile=True)._run(kernel, kernel, scaled, (), (torch.zeros(1),))
+    if isinstance(state, torch.Generator):
+        state, expected = state.get_state(), expected.get_state()
+    assert torch.equal(state, expected)
 
 
 def test_under_autocast_kernels_agree_within_the_autocast_dtypes_rounding():
@@ -426,7 +462,7 @@ def test_a_compiled_kernel_is_checked_at_its_first_run_that_returns(monkeypatch,
     with pytest.warns(RuntimeWarning, match="disagrees with the eager one on its first call"):
         second = backend._run(eager_kernel, eager_kernel, scaled, (), (torch.zeros(3),))
     assert torch.equal(second, torch.zeros(3))
-    assert runs == ["compiled", "compiled", "eager", "eager"]
+    assert runs == ["eager", "compiled", "eager", "compiled", "eager"]  # each first one checked
 
 
 class WrongBackward(torch.autograd.Function):
@@ -471,7 +507,7 @@ def test_a_compiled_kernel_whose_backward_disagrees_never_serves_gradients(monke
         else:
             out.sum().backward()
         assert torch.equal(w.grad, 2 * x)
-    assert runs == ["compiled", "eager", "eager", "eager", "eager"]
+    assert runs == ["eager", "compiled", "eager", "eager", "eager"]
 
 
 AGREEING = {

@@ -270,6 +270,12 @@ STATEFUL_MODELS = [
     )
     for method in ("auto", "sparse", "forward")
 ] + [
+    pytest.param(
+        spectrally_normalised,
+        {"method": "reverse", "backend": pyhvp.TorchBackend(compile=True)},
+        id="spectral_norm's power iteration, reverse compiled",
+        marks=pytest.mark.slow,
+    ),
     pytest.param(batch_normalised, {"method": "auto"}, id="batch norm's running statistics, auto"),
     pytest.param(
         batch_normalised,
@@ -279,7 +285,8 @@ STATEFUL_MODELS = [
 ]
 """Models whose forward updates buffers in training, each run from the last run's state; the
 sparse and forward routes run the loss more than once (batch norm in training: the kernels
-fail and the seed's loop serves, after them), as does the reverse route with ``chunk_size``."""
+fail and the seed's loop serves, after them), as do the reverse route with ``chunk_size`` and a
+compiled kernel's first call (checked against an eager run)."""
 
 
 @pytest.mark.parametrize(("make", "options"), STATEFUL_MODELS)

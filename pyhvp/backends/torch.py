@@ -44,7 +44,10 @@ Compilation (``TorchBackend(compile=...)``; the rule itself is :mod:`.compile_po
   in place, summing every row's writes (pytorch#183986): silently wrong compiled HVPs. And the
   first result of every compiled kernel is checked against an eager run, and so are the first
   gradients of its compiled backward in a training step; one that disagrees never serves
-  (``compile_policy.disagreement``).
+  (``compile_policy.disagreement``). The eager run comes first, under a mode that notes what
+  ``f`` changes beyond its values (a batch norm's running statistics, a generator of its own:
+  :mod:`pyhvp.restricted.state`), which is put back before each further run: the call makes
+  those changes once, as one eager call does.
 * If compilation or a compiled run fails while the eager run succeeds, pyhvp warns once per
   signature and runs that signature eagerly from then on; errors of ``f`` itself are raised as
   they would be eagerly, and out-of-memory errors are re-raised.
@@ -75,6 +78,7 @@ from pyhvp._checks import check_output, fmt_shape
 from pyhvp._user_errors import quiet_tracing, stacklevel_outside_pyhvp
 from pyhvp.backends import Blocks, compile_policy, inductor, nested
 from pyhvp.backends.compile_policy import CompileCache
+from pyhvp.restricted.state import Held, Recording
 
 CompileMode = Literal["auto"] | bool
 
@@ -574,6 +578,20 @@ KERNELS = {
 """What each compiled kernel computes, for the compile announcement."""
 
 
+def _noting_changes(
+    eager: Callable[..., object], inputs: tuple[object, ...]
+) -> tuple[object, Held]:
+    """``eager(*inputs)`` without grad, and what it changes beyond its values (a batch norm's
+    running statistics, a generator of f's own; :mod:`pyhvp.restricted.state`), put back: the
+    compiled kernel's run that follows makes those changes once."""
+    recording = Recording(inputs)
+    try:
+        with torch.no_grad(), recording:
+            return eager(*inputs), recording.changes.held()
+    finally:
+        recording.changes.undo()
+
+
 def _describe(kernel: Callable[..., object], f: object, inputs: Sequence[object]) -> str:
     """What compiles: the kernel and its first tensor input, e.g. ``a Taylor-mode kernel
     (hessian_diagonal, laplacian) on a (4096, 2) float32 input on cpu``."""
@@ -914,6 +932,16 @@ class TorchBackend:
         first_call = not entry.checked
         random_state = random_states.save(device)
         graphs = _graphs_traced()
+        expected = None
+        if first_call:  # eager's result to check the compiled one by, and what f changes
+            expected, entry.changes = _noting_changes(eager, inputs)
+            random_states.restore(random_state)  # random ops draw the same values
+        # a rerun starts where the compiled run did, f's running statistics and generators too
+        before = entry.changes.snapshot(inputs)
+
+        def again() -> None:
+            before.restore()
+            random_states.restore(random_state)
 
         def failed(error: Exception) -> None:  # compile is an optimisation: say so once
             entry.failed = True
@@ -956,7 +984,8 @@ class TorchBackend:
         except Exception as caught:  # fall back
             error = caught
         if error is not None:  # outside the handler: an error of f's own is raised as eagerly,
-            result = eager(*inputs)  # not chained to the compiler's
+            again()  # not chained to the compiler's
+            result = eager(*inputs)
             failed(error)
             return result
         # a graph dynamo traced anew in this call (a guard on f's captured state failed: a flag
@@ -965,14 +994,15 @@ class TorchBackend:
         if retraced:
             entry.backward_checked = False
         if first_call or retraced:  # a compiled graph serves only once its result is eager's
-            random_states.restore(random_state)  # random ops draw the same values
-            with torch.no_grad():
-                expected = eager(*inputs)
+            if retraced:
+                again()
+                with torch.no_grad():
+                    expected = eager(*inputs)
             difference = compile_policy.disagreement(out, expected)
             if difference is not None:
                 where = "on a graph traced anew" if retraced else "on its first call"
                 failed(CompiledKernelDisagrees(difference, where))
-                random_states.restore(random_state)
+                again()
                 return eager(*inputs)  # with autograd history where the call needs it
             entry.checked = True
         return out

@@ -10,9 +10,10 @@ run computes what the seed's one run does and the call leaves one run's changes.
 Memory is told apart by storage, so a write through any alias (``buf.data``, ``buf.detach()``,
 a view, ``buf.to(buf.device)``) is one to ``buf``; memory of the loss's own inputs (a batch
 written in place) is held by the input's position, as each call and batch passes other tensors.
-Only what the survey (or, where no survey runs, :func:`recorded`) sees through torch functions
-is found: a write in a custom ``autograd.Function`` or TorchScript, or one that only later
-batches make, is not.
+The torch backend's compiled kernels use :class:`Recording` too: a kernel's first call runs it
+eagerly as well, to check the compiled result by. Only what the survey (or, where no survey
+runs, :func:`recorded`) sees through torch functions is found: a write in a custom
+``autograd.Function`` or TorchScript, or one that only later batches make, is not.
 """
 
 from __future__ import annotations
