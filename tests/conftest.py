@@ -58,6 +58,19 @@ def compile_after_eager_calls(monkeypatch, compile_cache):
 
 
 @pytest.fixture
+def compiler_fails(monkeypatch) -> None:
+    """torch.compile returns kernels that raise when run, as a compiler that fails does."""
+
+    def broken_compile(fn, **kwargs):
+        def run(*args):
+            raise RuntimeError("backend compiler exploded\n\ndebug context: ...")
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+
+
+@pytest.fixture
 def compiled(monkeypatch, compile_cache) -> list:
     """Every kernel handed to a compiler during the test, in order (still compiled): to
     torch.compile (not the guards' calls of f, which dynamo traces without compiling), or, a jet

@@ -450,16 +450,9 @@ def test_a_batch_surveyed_anew_starts_from_the_state_before_its_refused_kernel()
     torch.testing.assert_close((got, noise.get_state()), (expected, after))
 
 
-def test_a_compile_failure_warns_naming_the_module_not_its_data(monkeypatch):
-    """The warning named the loss by its repr: the whole module and every tensor of its data."""
-
-    def broken_compile(fn, **options):
-        def run(*args):
-            raise RuntimeError("backend compiler exploded\n\ndebug context: ...")
-
-        return run
-
-    monkeypatch.setattr(torch, "compile", broken_compile)
+def test_a_compile_failure_warns_naming_the_module_not_its_data(compiler_fails):
+    """The warning named the loss by its repr: the whole module and every tensor of its data;
+    and dynamo's debug context after its reason."""
     model, X, y = nn.Linear(3, 2), torch.randn(4, 3), torch.randn(4, 2)
     with pytest.warns(RuntimeWarning) as caught:
         pyhvp.sub_hessian(*pyhvp.module_loss(model, nn.MSELoss(), X, y),
