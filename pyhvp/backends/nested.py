@@ -9,11 +9,14 @@ cotangent ``w`` of ``<vjp(w), u>`` (linear in ``w``): reverse over reverse, ``2 
 reverse passes for order ``K`` -- eager, and exponential in the order. Not forward mode: torch
 2.13's nested forward-mode derivatives of ``det``, ``slogdet``, ``logdet``, ``solve`` and
 ``cholesky_inverse`` are wrong from the second order on, and nested forward mode under the
-recorder's dispatch mode segfaulted (``x ** 5`` inside ``torch.func.grad``). Three norms run
-written out in elementary ops (``_Elementary``): torch's third and higher reverse-mode
-derivatives of ``layer_norm`` are wrong, its nested ones of ``instance_norm`` under ``vmap`` from
-the second on, and its batched double backward of ``group_norm`` fails. Attention takes its math
-path, as under the recorder: its fused kernels have no second derivative.
+recorder's dispatch mode segfaulted (``x ** 5`` inside ``torch.func.grad``). Four norms and
+``logcumsumexp`` run written out in elementary ops (``_Elementary``): torch's third and higher
+reverse-mode derivatives of ``layer_norm`` are wrong, its nested ones of ``instance_norm`` and of
+``batch_norm`` in training under ``vmap`` from the second on, its batched double backward of
+``group_norm`` fails, and its nested ones of ``logcumsumexp`` are NaN (the backward takes the
+log of the cotangent). Attention takes its math path, as under the recorder: its fused kernels
+have no second derivative. The Hessian-vector products inside a transform run ``f`` the same
+way (:func:`written_out`): a ``grad`` around them makes a third derivative.
 A determinant's third is wrong too: refused where it would be differentiated more than twice
 -- the operator's order and the ``grad`` / ``jvp`` levels around it, or an outer operator's
 record --, as an op without a derivative is (the note says to call the operator outside the
@@ -22,6 +25,7 @@ transform, whose result autograd differentiates).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -60,10 +64,7 @@ def taylor_coefficients(
     try:
         along = vmap(derivatives, chunk_size=chunk_size)(directions.expand(-1, *x.shape))
     except (NotImplementedError, RuntimeError) as error:  # no derivative, a refusal, a vmap bug
-        note(error, "inside a torch.func transform pyhvp's Taylor operators differentiate f by "
-             "nested reverse mode (torch.func.vjp, vmapped over the directions): where f runs "
-             "outside the transform, call the operator outside it and differentiate its result "
-             "with torch.autograd.grad")  # fmt: skip
+        note(error, OUTSIDE)
         raise
     results = []
     for k in mode.outputs:
@@ -97,10 +98,34 @@ def _along(
     return through
 
 
+OUTSIDE = (
+    "inside a torch.func transform pyhvp's operators differentiate f by nested reverse mode "
+    "(torch.func.vjp, vmapped over the directions): where f runs outside the transform, call "
+    "the operator outside it and differentiate its result with torch.autograd.grad"
+)
+"""The note on an error of ``f`` inside a transform (a refusal, an op without a derivative)."""
+
+
+def written_out(f: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``f`` run under :class:`_Elementary`, attention on its math path: what the
+    Hessian-vector products differentiate inside a transform."""
+
+    def run(*inputs: object) -> torch.Tensor:
+        try:
+            with _Elementary(), math_attention:
+                return f(*inputs)
+        except (NotImplementedError, RuntimeError) as error:
+            note(error, OUTSIDE)
+            raise
+
+    return run
+
+
 class _Elementary(TorchFunctionMode):
-    """``f`` with ``layer_norm``, ``group_norm`` and ``instance_norm`` (of the input's own
-    statistics) written out in elementary ops (whose nested reverse-mode derivatives torch gets
-    right), and a determinant refused where it is differentiated more than twice."""
+    """``f`` with ``layer_norm``, ``group_norm``, ``instance_norm`` and ``batch_norm`` (of the
+    input's own statistics) and ``logcumsumexp`` written out in elementary ops (whose nested
+    reverse-mode derivatives torch gets right), and a determinant refused where it is
+    differentiated more than twice."""
 
     def __torch_function__(
         self, func: Callable[..., Any], types: Any, args: Sequence[Any] = (),
@@ -117,10 +142,19 @@ class _Elementary(TorchFunctionMode):
                 input = bound["input"]
                 return _group_norm(input, input.shape[1], bound.get("weight"),
                                    bound.get("bias"), bound.get("eps", 1e-5))  # fmt: skip
+        if func in _BATCH_NORMS:  # (with running statistics: torch updates them, or refuses)
+            bound = dict(zip(_BATCH_NORMS[func], args, strict=False)) | kwargs
+            if bound.get("training", False) and bound.get("running_mean") is None:
+                input = bound["input"]
+                dims = (0, *range(2, input.ndim))
+                out = _normalised(input, dims, bound.get("eps", 1e-5))
+                return _per_channel(out, bound.get("weight"), bound.get("bias"))
+        if func in _CUMULATIVE_LOG_SUMS and kwargs.get("out") is None and args[0].ndim:
+            return _logcumsumexp(*args, **kwargs)
         if func in _DETERMINANTS and (differentiation_levels() > 2 or taylor.recording()):
             raise NotImplementedError(
                 "torch's reverse-mode derivatives of a determinant above the second are wrong "
-                "(torch 2.13 and 2.14): pyhvp refuses a determinant differentiated more than "
+                "(torch 2.5.1 to 2.14.1): pyhvp refuses a determinant differentiated more than "
                 "twice here (its operator's order and the transforms or the operator around it)"
             )
         return func(*args, **kwargs)
@@ -144,11 +178,36 @@ def _layer_norm(
     bias: torch.Tensor | None = None, eps: float = 1e-5, *_: object, **__: object,
 ) -> torch.Tensor:  # fmt: skip
     """``F.layer_norm`` in elementary ops (``torch.layer_norm``'s trailing flag ignored)."""
-    dims = tuple(range(-len(normalized_shape), 0))
-    centred = input - input.mean(dims, keepdim=True)
-    out = centred * torch.rsqrt((centred * centred).mean(dims, keepdim=True) + eps)
+    out = _normalised(input, tuple(range(-len(normalized_shape), 0)), eps)
     out = out if weight is None else out * weight
     return out if bias is None else out + bias
+
+
+def _normalised(input: torch.Tensor, dims: tuple[int, ...], eps: float) -> torch.Tensor:
+    """``input`` less its mean over ``dims``, over its standard deviation there (biased)."""
+    centred = input - input.mean(dims, keepdim=True)
+    return centred * torch.rsqrt((centred * centred).mean(dims, keepdim=True) + eps)
+
+
+def _per_channel(
+    out: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """A norm's affine map, ``weight`` and ``bias`` per channel (dim 1)."""
+    channels = (1, -1, *(1,) * (out.ndim - 2))
+    out = out if weight is None else out * weight.reshape(channels)
+    return out if bias is None else out + bias.reshape(channels)
+
+
+def _logcumsumexp(input: torch.Tensor, dim: int, **_: object) -> torch.Tensor:
+    """``torch.logcumsumexp`` as a ``logsumexp`` over each position's prefix, the later entries
+    masked to ``-inf``: ``n x n`` per row of ``n`` entries along ``dim``."""
+    rows = input.movedim(dim, -1)
+    n = rows.shape[-1]
+    prefix = torch.ones(n, n, dtype=torch.bool, device=input.device).tril()
+    spread = rows.unsqueeze(-2).expand(*rows.shape[:-1], n, n)
+    masked = torch.where(prefix, spread, torch.tensor(-math.inf, dtype=input.dtype,
+                                                      device=input.device))  # fmt: skip
+    return torch.logsumexp(masked, -1).movedim(-1, dim)
 
 
 def _group_norm(
@@ -158,10 +217,7 @@ def _group_norm(
     """``F.group_norm`` in elementary ops: a layer norm over each group's channels and
     positions, then the per-channel affine map."""
     grouped = input.reshape(input.shape[0], num_groups, -1)
-    out = _layer_norm(grouped, grouped.shape[-1:], eps=eps).reshape(input.shape)
-    channels = (1, -1, *(1,) * (input.ndim - 2))
-    out = out if weight is None else out * weight.reshape(channels)
-    return out if bias is None else out + bias.reshape(channels)
+    return _per_channel(_normalised(grouped, (-1,), eps).reshape(input.shape), weight, bias)
 
 
 _LAYER_NORMS = (F.layer_norm, torch.layer_norm)
@@ -172,4 +228,11 @@ _INSTANCE_NORMS = {  # their arguments' names, in order
     torch.instance_norm: ("input", "weight", "bias", "running_mean", "running_var",
                           "use_input_stats", "momentum", "eps", "cudnn_enabled"),
 }  # fmt: skip
+_BATCH_NORMS = {  # their arguments' names, in order
+    F.batch_norm: ("input", "running_mean", "running_var", "weight", "bias", "training",
+                   "momentum", "eps"),
+    torch.batch_norm: ("input", "weight", "bias", "running_mean", "running_var", "training",
+                       "momentum", "eps", "cudnn_enabled"),
+}  # fmt: skip
+_CUMULATIVE_LOG_SUMS = (torch.logcumsumexp, torch.Tensor.logcumsumexp)
 _DETERMINANTS = (torch.linalg.det, torch.det, torch.Tensor.det)

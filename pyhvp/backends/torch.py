@@ -669,8 +669,11 @@ class TorchBackend:
         chunk_size: int | None,
     ) -> Blocks:
         """Gradients of the scalar ``f(*leaves, *args)`` and, per leaf, ``d^2 f / d leaf_i^2``
-        times ``tangents[i]`` (shape ``(k_i, *leaves[i].shape)``, ``k_i`` may be 0)."""
+        times ``tangents[i]`` (shape ``(k_i, *leaves[i].shape)``, ``k_i`` may be 0); inside a
+        transform, of ``f`` with the ops written out whose nested derivatives torch gets wrong."""
         _require_torch_function(f)
+        if nested.inside_transform():
+            f = nested.written_out(f)
         return self._run(
             _grad_and_block_hvps_eager,
             _grad_and_block_hvps_functional if taylor.recording() else _grad_and_block_hvps_traced,
