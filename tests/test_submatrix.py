@@ -307,6 +307,59 @@ def test_a_model_updating_its_buffers_is_differentiated_and_left_as_one_forward_
                                (expected, dict(seeds.named_buffers())))  # fmt: skip
 
 
+class Doubling(nn.Module):
+    """Doubles a scale of its own in place on every forward in training (a running statistic)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.ones((), dtype=torch.float64))
+
+    def forward(self, x):
+        if self.training:
+            with torch.no_grad():
+                self.scale.mul_(2)
+        return x * self.scale
+
+
+class DoublingNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin1, self.doubling = nn.Linear(5, 6), Doubling()
+        self.norm, self.lin2 = nn.BatchNorm1d(6), nn.Linear(6, 2)
+
+    def forward(self, x):
+        h = self.doubling(self.lin1(x))  # (written before the batch norm's kernel fails)
+        return self.lin2(torch.tanh(h) + self.norm(h))
+
+
+def doubling():
+    torch.manual_seed(0)
+    return DoublingNet().double()
+
+
+def test_a_model_switched_to_training_after_calls_in_eval_is_surveyed_anew():
+    """The routes surveyed in eval mode (no state changed) served the module after
+    ``model.train()``: its kernels failed on the batch norm after the scale was doubled, and the
+    seed's loop ran from the doubled scale (193 off, the scale doubled twice)."""
+    torch.manual_seed(1)
+    X, y = torch.randn(10, 5, dtype=torch.float64), torch.randn(10, 2, dtype=torch.float64)
+    model, criterion = doubling(), nn.MSELoss(reduction="sum")
+    loss, params = pyhvp.module_loss(model, criterion, X, y)
+    index = {"lin1.weight": torch.arange(0, 30, 3), "lin2.weight": torch.tensor([1, 7, 11])}
+    got, expected = [], []
+    for training in (False,) * 4 + (True,) * 3:
+        model.train(training)
+        seeds = doubling()
+        seeds.load_state_dict(model.state_dict())
+        seeds.train(training)
+        expected.append((loop_sub_hessians(seeds, criterion, X, y, index),
+                         {n: b.clone() for n, b in seeds.named_buffers()}))  # fmt: skip
+        got.append((pyhvp.sub_hessian(loss, params, index,
+                                      backend=pyhvp.TorchBackend(compile=False)),
+                    {n: b.clone() for n, b in model.named_buffers()}))  # fmt: skip
+    torch.testing.assert_close(got, expected)
+
+
 DRAWING_CALLS = {
     **{method: ({"method": method}, 12) for method in ("auto", "sparse", "forward", "reverse")},
     "reverse, in passes of 5 rows": ({"method": "reverse", "chunk_size": 5}, 12),
