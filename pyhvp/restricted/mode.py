@@ -38,6 +38,7 @@ from pyhvp.restricted.ops import (
     DATA,
     EINSUM_FAMILY,
     HOOKS,
+    RETURNS_INPUTS_IN_A_TUPLE,
     autograd_convention,
     bind,
     call_kind,
@@ -231,6 +232,9 @@ class Injection(TorchFunctionMode):
         written = writes_to(op, func, args, kwargs)
         if any(self._find(v) is not None for v in pytree.tree_leaves(written)):
             raise NotSparse(f"{describe(func)} writes to a selected tensor")
+        if func in RETURNS_INPUTS_IN_A_TUPLE and not torch.is_grad_enabled():
+            raise NotSparse(f"{describe(func)} under no_grad may return a selected tensor itself "
+                            "(which autograd differentiates) among other tensors")  # fmt: skip
         if op == "identity" or (
             written is None
             and not torch.is_grad_enabled()

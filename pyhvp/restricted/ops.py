@@ -244,6 +244,8 @@ _MAY_RETURN_INPUT_NAMES = (
     "resolve_neg", "positive", "__pos__", "atleast_1d", "atleast_2d", "atleast_3d", "sum_to_size",
     "double", "float", "half", "bfloat16", "cfloat", "cdouble", "coalesce", "to_dense", "real",
     "conj_physical", "dequantize", "dropout", "alpha_dropout", "feature_alpha_dropout",
+    "dropout1d", "dropout2d", "dropout3d", "feature_dropout", "as_tensor", "asarray",
+    "cartesian_prod",
 )  # fmt: skip
 
 
@@ -251,9 +253,13 @@ MAY_RETURN_INPUT = functions((Tensor, torch, F), _MAY_RETURN_INPUT_NAMES) | {
     Tensor.real.__get__  # type: ignore[attr-defined]
 }
 """Torch functions that eager torch makes return their first argument itself for some
-arguments (``W.flatten(1, 1)``, ``W.cpu()`` of a CPU tensor, ``+W``, a dropout in eval): the
-only ones :func:`returns_its_input` runs again (a batch norm would write twice), on a forked
-random state (a dropout in training would draw twice)."""
+arguments (``W.flatten(1, 1)``, ``W.cpu()`` of a CPU tensor, ``+W``, a dropout in eval,
+``torch.as_tensor(W)``): the only ones :func:`returns_its_input` runs again (a batch norm would
+write twice), on a forked random state (a dropout in training would draw twice)."""
+
+RETURNS_INPUTS_IN_A_TUPLE = frozenset({torch.broadcast_tensors})
+"""Torch functions that eager torch makes return some of their arguments themselves among
+others (``torch.broadcast_tensors(W, c)`` of equal shapes)."""
 
 
 def returns_its_input(
