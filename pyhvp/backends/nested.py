@@ -25,7 +25,6 @@ transform, whose result autograd differentiates).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -39,6 +38,7 @@ from torch.overrides import TorchFunctionMode
 from pyhvp import taylor
 from pyhvp._attention import math_attention
 from pyhvp._user_errors import note
+from pyhvp.taylor.program import logcumsumexp_by_prefixes
 
 
 def taylor_coefficients(
@@ -108,16 +108,14 @@ OUTSIDE = (
 
 def written_out(f: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """``f`` run under :class:`_Elementary`, attention on its math path: what the
-    Hessian-vector products differentiate inside a transform."""
+    Hessian-vector products differentiate inside a transform, or where their results are
+    differentiated."""
 
     def run(*inputs: object) -> torch.Tensor:
-        try:
-            with _Elementary(), math_attention:
-                return f(*inputs)
-        except (NotImplementedError, RuntimeError) as error:
-            note(error, OUTSIDE)
-            raise
+        with _Elementary(), math_attention:
+            return f(*inputs)
 
+    run.__name__ = getattr(f, "__name__", type(f).__name__)  # (what messages name)
     return run
 
 
@@ -199,15 +197,8 @@ def _per_channel(
 
 
 def _logcumsumexp(input: torch.Tensor, dim: int, **_: object) -> torch.Tensor:
-    """``torch.logcumsumexp`` as a ``logsumexp`` over each position's prefix, the later entries
-    masked to ``-inf``: ``n x n`` per row of ``n`` entries along ``dim``."""
-    rows = input.movedim(dim, -1)
-    n = rows.shape[-1]
-    prefix = torch.ones(n, n, dtype=torch.bool, device=input.device).tril()
-    spread = rows.unsqueeze(-2).expand(*rows.shape[:-1], n, n)
-    masked = torch.where(prefix, spread, torch.tensor(-math.inf, dtype=input.dtype,
-                                                      device=input.device))  # fmt: skip
-    return torch.logsumexp(masked, -1).movedim(-1, dim)
+    """``torch.logcumsumexp`` in elementary ops (its ``out=None``, if given, dropped)."""
+    return logcumsumexp_by_prefixes(input, dim)
 
 
 def _group_norm(

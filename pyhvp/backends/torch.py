@@ -75,7 +75,7 @@ from pyhvp import _random_state as random_states
 from pyhvp import restricted, taylor
 from pyhvp._attention import math_attention
 from pyhvp._checks import check_output, fmt_shape
-from pyhvp._user_errors import quiet_tracing, stacklevel_outside_pyhvp
+from pyhvp._user_errors import note, quiet_tracing, stacklevel_outside_pyhvp
 from pyhvp.backends import Blocks, compile_policy, inductor, nested
 from pyhvp.backends.compile_policy import CompileCache
 from pyhvp.restricted.state import Held, Recording
@@ -644,12 +644,15 @@ class TorchBackend:
         chunk_size: int | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-instance gradients (x's shape) and HVPs ``(k, *x.shape)``: the one-leaf
-        ``grad_and_block_hvps`` of ``sum_b f(x)[b]``, reverse-over-reverse."""
+        ``grad_and_block_hvps`` of ``sum_b f(x)[b]``, reverse-over-reverse; where the results
+        carry derivatives, of ``f`` with the ops written out whose third derivatives torch gets
+        wrong (``layer_norm``: a gradient of an HVP was 45 off)."""
         _require_torch_function(f)
+        summed: Callable[..., torch.Tensor] = InstanceSum(f, event_dims)
+        if _needs_autograd((x, tangents, *args)) and not taylor.recording():
+            summed = nested.written_out(summed)
         try:
-            (g,), (hv,) = self.grad_and_block_hvps(
-                InstanceSum(f, event_dims), (x,), (tangents,), args, chunk_size
-            )
+            (g,), (hv,) = self.grad_and_block_hvps(summed, (x,), (tangents,), args, chunk_size)
         except RuntimeError as error:  # x written by f: said as the Taylor engine says it
             refused = any(write in str(error) for write in _REFUSED_WRITES)
             if not refused or not _writes_x(f, x, args):
@@ -672,15 +675,21 @@ class TorchBackend:
         times ``tangents[i]`` (shape ``(k_i, *leaves[i].shape)``, ``k_i`` may be 0); inside a
         transform, of ``f`` with the ops written out whose nested derivatives torch gets wrong."""
         _require_torch_function(f)
-        if nested.inside_transform():
-            f = nested.written_out(f)
-        return self._run(
-            _grad_and_block_hvps_eager,
-            _grad_and_block_hvps_functional if taylor.recording() else _grad_and_block_hvps_traced,
-            f,
-            (len(leaves), chunk_size),
-            (*leaves, *tangents, *args),
-        )
+        inside = nested.inside_transform()
+        try:
+            return self._run(
+                _grad_and_block_hvps_eager,
+                _grad_and_block_hvps_functional
+                if taylor.recording()
+                else _grad_and_block_hvps_traced,
+                nested.written_out(f) if inside else f,
+                (len(leaves), chunk_size),
+                (*leaves, *tangents, *args),
+            )
+        except (NotImplementedError, RuntimeError) as error:  # (a refusal of the written-out f)
+            if inside:
+                note(error, nested.OUTSIDE)
+            raise
 
     def restricted_hessian(
         self,

@@ -33,6 +33,7 @@ aten program -- the graph the jet rules (:mod:`.rules`) run on.
 from __future__ import annotations
 
 import functools
+import math
 import operator
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
@@ -87,6 +88,28 @@ EXTRA_DECOMPOSITIONS = (
 """Decompositions outside the core ATen table whose ops all have rules."""
 
 
+def logcumsumexp_by_prefixes(input: Tensor, dim: int) -> Tensor:
+    """``torch.logcumsumexp`` as a ``logsumexp`` over each position's prefix, the later entries
+    masked to ``-inf`` (``n x n`` per row of ``n`` entries along ``dim``): torch's own
+    derivatives of ``logcumsumexp`` past the first are NaN (its backward takes the log of the
+    cotangent), so the gradient of a Laplacian through it was NaN."""
+    if input.ndim == 0:
+        return input.clone()
+    rows = input.movedim(dim, -1)
+    n = rows.shape[-1]
+    prefix = torch.ones(n, n, dtype=torch.bool, device=input.device).tril()
+    spread = rows.unsqueeze(-2).expand(*rows.shape[:-1], n, n)
+    masked = torch.where(prefix, spread, torch.full((), -math.inf, dtype=input.dtype,
+                                                    device=input.device))  # fmt: skip
+    return torch.logsumexp(masked, -1).movedim(-1, dim)
+
+
+OWN_DECOMPOSITIONS: dict[torch._ops.OpOverload, Callable[..., object]] = {
+    aten.logcumsumexp.default: logcumsumexp_by_prefixes,
+}
+"""pyhvp's decompositions of ops whose derivatives torch gets wrong, into ops with rules."""
+
+
 def decompositions() -> dict[torch._ops.OpOverload, Callable[..., object]]:
     """PyTorch's core ATen decompositions (``torch._decomp``, plus :data:`EXTRA_DECOMPOSITIONS`)
     of every op without a jet rule, applied while the program is replayed: composite ops
@@ -101,7 +124,8 @@ def decompositions() -> dict[torch._ops.OpOverload, Callable[..., object]]:
 def _candidate_decompositions() -> dict[torch._ops.OpOverload, Callable[..., object]]:
     """The tables' functional, non-random, non-elementwise entries, built once (about 30 ms);
     :func:`decompositions` leaves out the ops that have rules, which users may add."""
-    table = {**core_aten_decompositions(), **get_decompositions(list(EXTRA_DECOMPOSITIONS))}
+    table = {**core_aten_decompositions(), **get_decompositions(list(EXTRA_DECOMPOSITIONS)),
+             **OWN_DECOMPOSITIONS}  # fmt: skip
     return {
         op: _stopping_auxiliary_outputs(decomposition, AUXILIARY_OUTPUTS.get(op, ()))
         for op, decomposition in table.items()
