@@ -8,6 +8,7 @@ sparse or not. Under the mode both run as ops that have one, with the same value
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -70,11 +71,15 @@ def embedding_bag_by_embedding(
             [2., 3.]])
     """
     if input.dim() == 2:  # fixed-length bags, one per row
+        if input.shape[1] == 0 and input.shape[0]:
+            raise ValueError("embedding_bag's 2-D input has bags of no tokens, which torch "
+                             f"refuses: got input of shape {tuple(input.shape)}")  # fmt: skip
         bag = torch.arange(input.shape[0], device=input.device).repeat_interleave(input.shape[1])
         bags, tokens = input.shape[0], input.reshape(-1)
     elif offsets is None:  # (torch's own check, for a loss run under the mode first)
         raise ValueError("offsets has to be a 1D Tensor but got None")
     else:
+        _check_offsets(offsets, len(input), include_last_offset)
         starts = (offsets[:-1] if include_last_offset else offsets).to(torch.int64)
         tokens, bags = input, len(starts)
         positions = torch.arange(len(input), device=input.device)
@@ -95,6 +100,26 @@ def embedding_bag_by_embedding(
         counts = torch.bincount(bag, minlength=bags).clamp(min=1)
         out = out / counts.reshape(-1, 1).to(out.dtype)
     return out
+
+
+def _check_offsets(offsets: torch.Tensor, tokens: int, include_last_offset: bool) -> None:
+    """Refuse offsets outside ``F.embedding_bag``'s contract, where torch's kernels give values
+    of their own (the rewrite would differentiate another function): 1-D, from 0, sorted, and
+    with ``include_last_offset`` ending at the input's length."""
+    if offsets.dim() != 1:
+        raise ValueError(f"embedding_bag's offsets must be 1-D, got shape {tuple(offsets.shape)}")
+    if not len(offsets):
+        return
+    values = offsets.tolist()
+    if values[0] != 0:
+        raise ValueError(f"embedding_bag's offsets must start at 0, got {values[0]}")
+    if any(later < earlier for earlier, later in itertools.pairwise(values)):
+        raise ValueError(f"embedding_bag's offsets must be sorted, got {values}")
+    if include_last_offset and values[-1] != tokens:
+        raise ValueError(
+            "embedding_bag's offsets with include_last_offset=True must end at the input's "
+            f"length {tokens}, got {values[-1]}"
+        )
 
 
 def _first_maximum(rows: torch.Tensor, bag: torch.Tensor, bags: int) -> torch.Tensor:

@@ -3,6 +3,7 @@ tensor the route covers (contractions with a sparse rule, views, biases, normali
 dense float64 sub-Hessian, with repeated and unsorted indices, joint and per tensor, on every
 device; the route is forced (``method="sparse"``), so a use it did not cover would raise."""
 
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -857,6 +858,28 @@ BAG_LAYOUTS = {
     "int32 offsets": (BAG_TOKENS, {"offsets": torch.tensor(BAG_STARTS, dtype=torch.int32)}),
     "one bag per row": (BAG_TOKENS[:8].reshape(2, 4), {}),
 }  # fmt: skip
+
+
+BAGS_OUTSIDE_TORCHS_CONTRACT = {
+    "offsets not from 0": (BAG_TOKENS, {"offsets": torch.tensor([1, 3])}, "start at 0, got 1"),
+    "unsorted offsets": (BAG_TOKENS, {"offsets": torch.tensor([0, 5, 2])}, "must be sorted"),
+    "the last offset short of the input": (
+        BAG_TOKENS, {"offsets": torch.tensor([0, 2, 6]), "include_last_offset": True},
+        "must end at the input's length 9, got 6"),
+    "2-D offsets": (BAG_TOKENS, {"offsets": torch.tensor([[0, 2]])}, "must be 1-D"),
+    "rows of no tokens": (BAG_TOKENS[:0].reshape(3, 0), {}, "bags of no tokens"),
+}  # fmt: skip
+"""Bags whose values torch's kernels make up (or refuse), with the rewrite's refusal: it
+differentiated another function silently (the last offset short: 0.37 off)."""
+
+
+@pytest.mark.parametrize("case", BAGS_OUTSIDE_TORCHS_CONTRACT.values(),
+                         ids=BAGS_OUTSIDE_TORCHS_CONTRACT.keys())  # fmt: skip
+def test_the_loops_embedding_bag_refuses_bags_outside_torchs_contract(case):
+    tokens, where, message = case
+    (table,) = tensors((7, 4), seed=2)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        embedding_bag_by_embedding(tokens, table, **where)
 
 
 @pytest.mark.parametrize(
