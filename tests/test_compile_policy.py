@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -402,10 +403,15 @@ def test_a_compiled_kernel_that_disagrees_with_eager_never_serves(monkeypatch, c
     assert runs == ["eager", "compiled", "eager", "eager", "eager"]
 
 
+NORMED = torch.randn(6, 4, 3, generator=torch.Generator().manual_seed(0))
 KERNEL_STATE = {
     "a running statistic": (lambda: torch.zeros(2), lambda buffer: buffer.add_(1)),
     "its own generator": (torch.Generator, lambda noise: torch.rand(1, generator=noise)),
-}
+    "torch.batch_norm's running mean": (lambda: torch.zeros(4), lambda mean: torch.batch_norm(
+        NORMED, None, None, mean, torch.ones(4), True, 0.1, 1e-5, False)),
+    "torch.instance_norm's running mean": (lambda: torch.zeros(4), lambda mean: (
+        torch.instance_norm(NORMED, None, None, mean, torch.ones(4), True, 0.1, 1e-5, False))),
+}  # fmt: skip
 """What a kernel's function may change beyond its values (made, changed once by the kernel)."""
 
 
@@ -435,6 +441,38 @@ def test_a_compiled_kernel_checked_against_eager_changes_fs_state_once(
     if isinstance(state, torch.Generator):
         state, expected = state.get_state(), expected.get_state()
     assert torch.equal(state, expected)
+
+
+NORMS = (
+    lambda mean: lambda z: F.batch_norm(z, mean, torch.ones_like(mean), training=True),
+    lambda mean: lambda z: torch.batch_norm(z, None, None, mean, torch.ones_like(mean), True,
+                                            0.1, 1e-5, False),
+)  # fmt: skip
+"""Two batch norms in training over a running mean of their own, as different code."""
+NORM = NORMS[0](torch.zeros(4, dtype=torch.float64))
+"""The norm a kernel's function reads as a global: rebinding it makes dynamo trace anew."""
+
+
+def normed_cubed(z):
+    return (NORM(z) ** 3).sum((1, 2))
+
+
+@pytest.mark.slow
+def test_a_graph_traced_anew_over_new_state_changes_it_once():
+    """The check of a graph traced anew put back the state noted at the first call (the first
+    norm's statistic) and ran eagerly from the new statistic the compiled run had updated:
+    twice."""
+    global NORM
+    x, v = NORMED.double(), torch.ones(6, 4, 3, dtype=torch.float64)
+    backend = pyhvp.TorchBackend(compile=True)
+    got, expected = [], []
+    for norming in NORMS:
+        expected.append(torch.zeros(4, dtype=torch.float64))
+        norming(expected[-1])(x)
+        got.append(torch.zeros(4, dtype=torch.float64))
+        NORM = norming(got[-1])
+        pyhvp.hvp(normed_cubed, x, v, event_dims=2, backend=backend)
+    torch.testing.assert_close(got, expected)
 
 
 def test_under_autocast_kernels_agree_within_the_autocast_dtypes_rounding():

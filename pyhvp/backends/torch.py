@@ -78,7 +78,7 @@ from pyhvp._checks import check_output, fmt_shape
 from pyhvp._user_errors import note, quiet_tracing, stacklevel_outside_pyhvp
 from pyhvp.backends import Blocks, compile_policy, inductor, nested
 from pyhvp.backends.compile_policy import CompileCache
-from pyhvp.restricted.state import Held, Recording
+from pyhvp.restricted.state import Held, Recording, Snapshot
 
 CompileMode = Literal["auto"] | bool
 
@@ -579,17 +579,18 @@ KERNELS = {
 
 
 def _noting_changes(
-    eager: Callable[..., object], inputs: tuple[object, ...]
+    eager: Callable[..., object], inputs: tuple[object, ...], keep: Snapshot | None = None
 ) -> tuple[object, Held]:
     """``eager(*inputs)`` without grad, and what it changes beyond its values (a batch norm's
     running statistics, a generator of f's own; :mod:`pyhvp.restricted.state`), put back: the
-    compiled kernel's run that follows makes those changes once."""
+    compiled kernel's run that follows makes those changes once. ``keep``: the state put back
+    before this run (a compiled run made its changes already), whose changes stay made."""
     recording = Recording(inputs)
     try:
         with torch.no_grad(), recording:
             return eager(*inputs), recording.changes.held()
     finally:
-        recording.changes.undo()
+        recording.changes.undo(keep)
 
 
 def _describe(kernel: Callable[..., object], f: object, inputs: Sequence[object]) -> str:
@@ -1006,10 +1007,9 @@ class TorchBackend:
         if retraced:
             entry.backward_checked = False
         if first_call or retraced:  # a compiled graph serves only once its result is eager's
-            if retraced:
+            if retraced:  # (f's state may have changed with its graph: noted anew)
                 again()
-                with torch.no_grad():
-                    expected = eager(*inputs)
+                expected, entry.changes = _noting_changes(eager, inputs, keep=before)
             difference = compile_policy.disagreement(out, expected)
             if difference is not None:
                 where = "on a graph traced anew" if retraced else "on its first call"

@@ -290,8 +290,10 @@ def returns_its_input(
 
 
 _RUNNING_STATISTICS = {
-    F.batch_norm: ("training", 5, False),
-    F.instance_norm: ("use_input_stats", 5, True),
+    F.batch_norm: ("training", 5, False, 1),
+    F.instance_norm: ("use_input_stats", 5, True, 1),
+    torch.batch_norm: ("training", 5, False, 3),
+    torch.instance_norm: ("use_input_stats", 5, True, 3),
 }
 """The norms that update the running statistics they are given (arguments 1 and 2) in place,
 and the flag (name, position, default) under which they do."""
@@ -305,11 +307,11 @@ def hidden_writes(
     found = _RUNNING_STATISTICS.get(func)
     if found is None:
         return []
-    flag, position, default = found
+    flag, position, default, first = found
     if not argument(args, kwargs, flag, position, default):
         return []
     statistics = [argument(args, kwargs, name, i, None)
-                  for i, name in enumerate(("running_mean", "running_var"), start=1)]  # fmt: skip
+                  for i, name in enumerate(("running_mean", "running_var"), start=first)]  # fmt: skip
     return [t for t in statistics if isinstance(t, torch.Tensor)]
 
 
