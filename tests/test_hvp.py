@@ -496,3 +496,39 @@ def test_a_per_instance_function_with_dropout_in_training_is_differentiated_at_i
     (expected_gradient,) = torch.autograd.grad(f(y).sum(), y, create_graph=True)
     (expected_product,) = torch.autograd.grad((expected_gradient * v).sum(), y)
     torch.testing.assert_close((gradient, product), (expected_gradient, expected_product))
+
+
+REFUSED_BY_TORCHS_NORMS = {
+    "groups that do not divide the channels": lambda z: F.group_norm(
+        z.reshape(-1, 3, 2), 2).sum((1, 2)),
+    "one value per channel in training": lambda z: F.batch_norm(
+        z[:1], None, None, training=True).sum() + z.sum(-1),
+    "a normalized_shape that is not the input's": lambda z: F.layer_norm(z, (3,)).sum(-1),
+    "a weight of another shape": lambda z: F.layer_norm(z, (6,), torch.ones(1)).sum(-1),
+}  # fmt: skip
+"""Norms torch refuses: where an hvp's result carries derivatives, f's norms run written out,
+which skipped torch's checks and returned numbers (a group norm of 3 channels in 2 groups)."""
+
+
+@pytest.mark.parametrize("f", REFUSED_BY_TORCHS_NORMS.values(), ids=REFUSED_BY_TORCHS_NORMS.keys())
+def test_an_hvp_that_carries_derivatives_refuses_what_torchs_norms_refuse(f):
+    x = torch.randn(4, 6, requires_grad=True)
+    with pytest.raises((RuntimeError, ValueError)):
+        pyhvp.hvp(f, x, torch.ones(4, 6))
+
+
+@pytest.mark.parametrize("requires_grad", [False, True], ids=["detached", "carrying derivatives"])
+def test_an_hvp_of_a_half_precision_layer_norm_is_torchs_within_half_rounding(requires_grad):
+    """Written out in half precision, the variance overflowed past 256: the HVP was zero."""
+    x = 10 * torch.randn(1, 16, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    x[0, 0] = 300.0
+    v = torch.randn(1, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+
+    def f(z):
+        normed = F.layer_norm(z, (16,))
+        return (normed.sin() * normed).sum(-1)
+
+    expected = instance_hvp(f, x, v)
+    got = pyhvp.hvp(f, x.half().requires_grad_(requires_grad), v.half())
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(got.double(), expected, rtol=0, atol=1e-2 * scale)

@@ -106,13 +106,15 @@ OUTSIDE = (
 """The note on an error of ``f`` inside a transform (a refusal, an op without a derivative)."""
 
 
-def written_out(f: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """``f`` run under :class:`_Elementary`, attention on its math path: what the
-    Hessian-vector products differentiate inside a transform, or where their results are
-    differentiated."""
+def written_out(
+    f: Callable[..., torch.Tensor], cumulative: bool = True
+) -> Callable[..., torch.Tensor]:
+    """``f`` run under :class:`_Elementary` (``logcumsumexp`` written out too with
+    ``cumulative``), attention on its math path: what the Hessian-vector products differentiate
+    inside a transform, or where their results are differentiated."""
 
     def run(*inputs: object) -> torch.Tensor:
-        with _Elementary(), math_attention:
+        with _Elementary(cumulative), math_attention:
             return f(*inputs)
 
     run.__name__ = getattr(f, "__name__", type(f).__name__)  # (what messages name)
@@ -121,34 +123,28 @@ def written_out(f: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
 
 class _Elementary(TorchFunctionMode):
     """``f`` with ``layer_norm``, ``group_norm``, ``instance_norm`` and ``batch_norm`` (of the
-    input's own statistics) and ``logcumsumexp`` written out in elementary ops (whose nested
-    reverse-mode derivatives torch gets right), and a determinant refused where it is
-    differentiated more than twice."""
+    input's own statistics) and, with ``cumulative``, ``logcumsumexp`` written out in elementary
+    ops (whose nested reverse-mode derivatives torch gets right), and a determinant refused where
+    it is differentiated more than twice."""
+
+    def __init__(self, cumulative: bool = True) -> None:
+        super().__init__()
+        self.cumulative = cumulative
 
     def __torch_function__(
         self, func: Callable[..., Any], types: Any, args: Sequence[Any] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:  # fmt: skip
         kwargs = kwargs or {}
-        if func in _LAYER_NORMS:
-            return _layer_norm(*args, **kwargs)
-        if func in _GROUP_NORMS:
-            return _group_norm(*args, **kwargs)
-        if func in _INSTANCE_NORMS:
-            bound = dict(zip(_INSTANCE_NORMS[func], args, strict=False)) | kwargs
-            if bound.get("use_input_stats", True) and bound.get("running_mean") is None:
-                input = bound["input"]
-                return _group_norm(input, input.shape[1], bound.get("weight"),
-                                   bound.get("bias"), bound.get("eps", 1e-5))  # fmt: skip
-        if func in _BATCH_NORMS:  # (with running statistics: torch updates them, or refuses)
-            bound = dict(zip(_BATCH_NORMS[func], args, strict=False)) | kwargs
-            if bound.get("training", False) and bound.get("running_mean") is None:
-                input = bound["input"]
-                dims = (0, *range(2, input.ndim))
-                out = _normalised(input, dims, bound.get("eps", 1e-5))
-                return _per_channel(out, bound.get("weight"), bound.get("bias"))
-        if func in _CUMULATIVE_LOG_SUMS and kwargs.get("out") is None and args[0].ndim:
-            return _logcumsumexp(*args, **kwargs)
+        if func in _NORMS:
+            written = _written_norm(func, args, kwargs)
+            if written is not None:
+                return written
+        if func in _CUMULATIVE_LOG_SUMS and self.cumulative and kwargs.get("out") is None:
+            bound = dict(zip(("input", "dim"), args, strict=False)) | kwargs
+            input = bound.get("input")
+            if isinstance(input, torch.Tensor) and input.ndim and input.is_floating_point():
+                return logcumsumexp_by_prefixes(input, bound["dim"])
         if func in _DETERMINANTS and (differentiation_levels() > 2 or taylor.recording()):
             raise NotImplementedError(
                 "torch's reverse-mode derivatives of a determinant above the second are wrong "
@@ -171,14 +167,40 @@ def differentiation_levels() -> int:
     return sum(i.key() in differentiating for i in retrieve_all_functorch_interpreters())
 
 
-def _layer_norm(
-    input: torch.Tensor, normalized_shape: Sequence[int], weight: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None, eps: float = 1e-5, *_: object, **__: object,
-) -> torch.Tensor:  # fmt: skip
-    """``F.layer_norm`` in elementary ops (``torch.layer_norm``'s trailing flag ignored)."""
-    out = _normalised(input, tuple(range(-len(normalized_shape), 0)), eps)
-    out = out if weight is None else out * weight
-    return out if bias is None else out + bias
+def _written_norm(
+    func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
+) -> torch.Tensor | None:
+    """A layer, group, instance or batch norm of its input's own statistics in elementary ops,
+    in float32 at least (as torch's kernels accumulate: a half variance overflows past 256),
+    once torch's own op has checked the arguments (a group count that does not divide the
+    channels, one value per channel); None for a norm with running statistics, or of nothing."""
+    bound = dict(zip(_NORMS[func], args, strict=False)) | kwargs
+    input, weight, bias = bound["input"], bound.get("weight"), bound.get("bias")
+    running = bound.get("running_mean") is not None or bound.get("running_var") is not None
+    if func in _BATCH_NORMS and (running or not bound.get("training", False)):
+        return None
+    if func in _INSTANCE_NORMS and (running or not bound.get("use_input_stats", True)):
+        return None
+    if not input.numel():
+        return None
+    with torch.no_grad():
+        func(*args, **kwargs)  # (torch's argument checks; its value is not differentiated)
+    wide = input.to(torch.promote_types(input.dtype, torch.float32))
+    eps = bound.get("eps", 1e-5)
+    if func in _LAYER_NORMS:
+        out = _normalised(wide, tuple(range(-len(bound["normalized_shape"]), 0)), eps)
+        out = out if weight is None else out * weight
+        out = out if bias is None else out + bias
+    else:
+        channels = wide.shape[1]
+        groups = bound["num_groups"] if func in _GROUP_NORMS else channels
+        if func in _BATCH_NORMS:  # each channel over the batch and positions
+            normed = _normalised(wide, (0, *range(2, wide.ndim)), eps)
+        else:  # each instance's group over its channels and positions
+            grouped = wide.reshape(wide.shape[0], groups, -1)
+            normed = _normalised(grouped, (-1,), eps).reshape(wide.shape)
+        out = _per_channel(normed, weight, bias)
+    return out.to(input.dtype)
 
 
 def _normalised(input: torch.Tensor, dims: tuple[int, ...], eps: float) -> torch.Tensor:
@@ -196,34 +218,27 @@ def _per_channel(
     return out if bias is None else out + bias.reshape(channels)
 
 
-def _logcumsumexp(input: torch.Tensor, dim: int, **_: object) -> torch.Tensor:
-    """``torch.logcumsumexp`` in elementary ops (its ``out=None``, if given, dropped)."""
-    return logcumsumexp_by_prefixes(input, dim)
-
-
-def _group_norm(
-    input: torch.Tensor, num_groups: int, weight: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None, eps: float = 1e-5, *_: object, **__: object,
-) -> torch.Tensor:  # fmt: skip
-    """``F.group_norm`` in elementary ops: a layer norm over each group's channels and
-    positions, then the per-channel affine map."""
-    grouped = input.reshape(input.shape[0], num_groups, -1)
-    return _per_channel(_normalised(grouped, (-1,), eps).reshape(input.shape), weight, bias)
-
-
-_LAYER_NORMS = (F.layer_norm, torch.layer_norm)
-_GROUP_NORMS = (F.group_norm, torch.group_norm)
-_INSTANCE_NORMS = {  # their arguments' names, in order
+Names = tuple[str, ...]
+_LAYER_NORMS: dict[Callable[..., Any], Names] = {  # their arguments' names, in order
+    F.layer_norm: ("input", "normalized_shape", "weight", "bias", "eps"),
+    torch.layer_norm: ("input", "normalized_shape", "weight", "bias", "eps", "cudnn_enable"),
+}
+_GROUP_NORMS: dict[Callable[..., Any], Names] = {
+    F.group_norm: ("input", "num_groups", "weight", "bias", "eps"),
+    torch.group_norm: ("input", "num_groups", "weight", "bias", "eps", "cudnn_enabled"),
+}
+_INSTANCE_NORMS: dict[Callable[..., Any], Names] = {
     F.instance_norm: ("input", "running_mean", "running_var", "weight", "bias", "use_input_stats",
                       "momentum", "eps"),
     torch.instance_norm: ("input", "weight", "bias", "running_mean", "running_var",
                           "use_input_stats", "momentum", "eps", "cudnn_enabled"),
 }  # fmt: skip
-_BATCH_NORMS = {  # their arguments' names, in order
+_BATCH_NORMS: dict[Callable[..., Any], Names] = {
     F.batch_norm: ("input", "running_mean", "running_var", "weight", "bias", "training",
                    "momentum", "eps"),
     torch.batch_norm: ("input", "weight", "bias", "running_mean", "running_var", "training",
                        "momentum", "eps", "cudnn_enabled"),
 }  # fmt: skip
+_NORMS = {**_LAYER_NORMS, **_GROUP_NORMS, **_INSTANCE_NORMS, **_BATCH_NORMS}
 _CUMULATIVE_LOG_SUMS = (torch.logcumsumexp, torch.Tensor.logcumsumexp)
 _DETERMINANTS = (torch.linalg.det, torch.det, torch.Tensor.det)

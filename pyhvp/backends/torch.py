@@ -651,7 +651,7 @@ class TorchBackend:
         _require_torch_function(f)
         summed: Callable[..., torch.Tensor] = InstanceSum(f, event_dims)
         if _needs_autograd((x, tangents, *args)) and not taylor.recording():
-            summed = nested.written_out(summed)
+            summed = nested.written_out(summed, cumulative=False)
         try:
             (g,), (hv,) = self.grad_and_block_hvps(summed, (x,), (tangents,), args, chunk_size)
         except RuntimeError as error:  # x written by f: said as the Taylor engine says it
