@@ -638,15 +638,27 @@ def test_grad_around_an_operator_of_ops_torch_differentiates_wrongly_nested_is_t
     torch.testing.assert_close(torch.func.grad(lambda y: operator(f, y))(x.detach()), expected)
 
 
-@pytest.mark.parametrize("operator", SECOND_ORDER.values(), ids=SECOND_ORDER.keys())
-@pytest.mark.parametrize("f", TORCH_GETS_WRONG_UNDER_GRAD.values(),
-                         ids=TORCH_GETS_WRONG_UNDER_GRAD.keys())  # fmt: skip
+OUTSIDE_TRANSFORMS = [
+    pytest.param(
+        case, operator, id=f"{name}-{label}",
+        marks=[pytest.mark.xfail(strict=True, reason=(
+            "left to torch (the per-instance guide): its third derivative of logcumsumexp is "
+            "NaN, and writing it out costs n x n per row"))] if (name, label) == (
+            "logcumsumexp (NaN)", "hvp") else [],
+    )
+    for name, case in TORCH_GETS_WRONG_UNDER_GRAD.items()
+    for label, operator in SECOND_ORDER.items()
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("f", "operator"), OUTSIDE_TRANSFORMS)
 def test_the_gradient_of_an_operator_of_ops_torch_differentiates_wrongly_is_the_written_outs(
     f, operator
 ):
     """Outside transforms, autograd differentiates the operator's result: the HVPs' eager
     kernel is autograd's double backward, whose derivative torch got wrong (45 off through
-    ``layer_norm``); its f now runs written out where the result carries derivatives."""
+    ``layer_norm``); its f now runs with the norms written out where the result carries
+    derivatives, and the Taylor engine writes out ``logcumsumexp`` (NaN before)."""
     f, written_out = f
     x = point("cpu")[0].requires_grad_()
     (expected,) = torch.autograd.grad(operator(written_out, x), x)
