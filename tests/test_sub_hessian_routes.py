@@ -447,6 +447,11 @@ MADE_UNDER_NO_GRAD = {  # what a loss makes of its selected tensor under no_grad
     "p.conj_physical() of a real p, p itself": lambda p: p.conj_physical(),
     # p itself, missing from the ops asked (6.2 off)
     "torch.as_tensor(p), p itself": torch.as_tensor,
+    # p itself, given by keyword (13.5 off)
+    "torch.as_tensor(data=p), p itself": lambda p: torch.as_tensor(data=p),
+    "torch.flatten(input=p, ...) of one dim, p itself": lambda p: torch.flatten(
+        input=p, start_dim=1, end_dim=1
+    ),
     "a 2-D dropout in eval, p itself": lambda p: F.dropout2d(p, 0.5, training=False),
     "torch.feature_dropout in eval, p itself": lambda p: torch.feature_dropout(p, 0.5, False),
 }

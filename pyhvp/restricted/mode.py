@@ -45,6 +45,7 @@ from pyhvp.restricted.ops import (
     contracted,
     describe,
     einsum_form,
+    first_input,
     returns_its_input,
     writes_operand,
     writes_to,
@@ -238,10 +239,10 @@ class Injection(TorchFunctionMode):
         if op == "identity" or (
             written is None
             and not torch.is_grad_enabled()
-            and self._find(args[0] if args else None) is not None
+            and self._find(first_input(args, kwargs)) is not None
             and returns_its_input(func, args, kwargs)
         ):
-            return args[0]  # W itself, which autograd differentiates under no_grad too
+            return first_input(args, kwargs)  # W itself: autograd differentiates it
         if op == "view":
             if not torch.is_grad_enabled():  # autograd's constant
                 return func(*args, **kwargs)

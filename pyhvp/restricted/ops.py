@@ -262,14 +262,21 @@ RETURNS_INPUTS_IN_A_TUPLE = frozenset({torch.broadcast_tensors})
 others (``torch.broadcast_tensors(W, c)`` of equal shapes)."""
 
 
+def first_input(args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """A call's first argument, given by position or by keyword (``torch.as_tensor(data=W)``,
+    ``torch.flatten(input=W)``): the first keyword argument where there is no positional one."""
+    return args[0] if args else next(iter(kwargs.values()), None)
+
+
 def returns_its_input(
     func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
 ) -> bool:
-    """Whether eager torch returns ``args[0]`` itself from this call (``W.flatten(1, 1)``,
-    ``W.cpu()`` of a CPU tensor, ``W.to(W.dtype)``, ``+W``, ``W.type_as(W)``), which autograd
-    then differentiates even under ``no_grad``. Asked of an empty tensor with ``args[0]``'s
-    metadata in its place: of a ``torch.func`` transform's wrapper torch returns a new alias."""
-    tensor = args[0] if args else None
+    """Whether eager torch returns its first argument (:func:`first_input`) itself from this
+    call (``W.flatten(1, 1)``, ``W.cpu()`` of a CPU tensor, ``W.to(W.dtype)``, ``+W``,
+    ``W.type_as(W)``), which autograd then differentiates even under ``no_grad``. Asked of an
+    empty tensor with its metadata in its place: of a ``torch.func`` transform's wrapper torch
+    returns a new alias."""
+    tensor = first_input(args, kwargs)
     if (
         func not in MAY_RETURN_INPUT
         or not isinstance(tensor, Tensor)
