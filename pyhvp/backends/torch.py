@@ -949,8 +949,10 @@ class TorchBackend:
         if first_call:  # eager's result to check the compiled one by, and what f changes
             expected, entry.changes = _noting_changes(eager, inputs)
             random_states.restore(random_state)  # random ops draw the same values
-        # a rerun starts where the compiled run did, f's running statistics and generators too
-        before = entry.changes.snapshot(inputs)
+        # a rerun starts where the compiled run did, f's running statistics and generators
+        # too: copied on a first call (a later one's retrace, rare, notes them in its check
+        # instead; copying a written buffer every call cost a 32 MB buffer 5x the call)
+        before = entry.changes.snapshot(inputs) if first_call else Snapshot([], [])
 
         def again() -> None:
             before.restore()
