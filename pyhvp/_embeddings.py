@@ -71,7 +71,7 @@ def embedding_bag_by_embedding(
             [2., 3.]])
     """
     if input.dim() == 2:  # fixed-length bags, one per row
-        if input.shape[1] == 0 and input.shape[0]:
+        if input.shape[1] == 0:
             raise ValueError("embedding_bag's 2-D input has bags of no tokens, which torch "
                              f"refuses: got input of shape {tuple(input.shape)}")  # fmt: skip
         bag = torch.arange(input.shape[0], device=input.device).repeat_interleave(input.shape[1])
@@ -84,6 +84,8 @@ def embedding_bag_by_embedding(
         tokens, bags = input, len(starts)
         positions = torch.arange(len(input), device=input.device)
         bag = torch.searchsorted(starts, positions, right=True) - 1
+    if not tokens.numel():  # no rows (F.embedding's double backward fails on no tokens)
+        return weight[:0].sum(0).expand(bags, -1)  # (zeros, differentiable like torch's)
     rows = F.embedding(tokens, weight, None, max_norm, norm_type, scale_grad_by_freq)
     if per_sample_weights is not None:
         rows = rows * per_sample_weights.reshape(-1, 1)
@@ -109,8 +111,14 @@ def _check_offsets(offsets: torch.Tensor, tokens: int, include_last_offset: bool
     if offsets.dim() != 1:
         raise ValueError(f"embedding_bag's offsets must be 1-D, got shape {tuple(offsets.shape)}")
     if not len(offsets):
+        if include_last_offset or tokens:  # (torch indexes past the end, or crashes)
+            raise ValueError(f"embedding_bag's offsets are empty for an input of {tokens} "
+                             f"tokens{' with include_last_offset=True' * include_last_offset}")  # fmt: skip
         return
     values = offsets.tolist()
+    if values[-1] > tokens:
+        raise ValueError(f"embedding_bag's offsets must not pass the input's length {tokens}, "
+                         f"got {values[-1]}")  # fmt: skip
     if values[0] != 0:
         raise ValueError(f"embedding_bag's offsets must start at 0, got {values[0]}")
     if any(later < earlier for earlier, later in itertools.pairwise(values)):

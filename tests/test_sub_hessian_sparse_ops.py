@@ -857,6 +857,8 @@ BAG_LAYOUTS = {
     ),
     "int32 offsets": (BAG_TOKENS, {"offsets": torch.tensor(BAG_STARTS, dtype=torch.int32)}),
     "one bag per row": (BAG_TOKENS[:8].reshape(2, 4), {}),
+    "no tokens (its double backward crashed)": (BAG_TOKENS[:0], {"offsets": torch.tensor([0, 0])}),
+    "no rows": (BAG_TOKENS[:0].reshape(0, 4), {}),
 }  # fmt: skip
 
 
@@ -868,6 +870,11 @@ BAGS_OUTSIDE_TORCHS_CONTRACT = {
         "must end at the input's length 9, got 6"),
     "2-D offsets": (BAG_TOKENS, {"offsets": torch.tensor([[0, 2]])}, "must be 1-D"),
     "rows of no tokens": (BAG_TOKENS[:0].reshape(3, 0), {}, "bags of no tokens"),
+    "no rows of no tokens": (BAG_TOKENS[:0].reshape(0, 0), {}, "bags of no tokens"),
+    "offsets past the input": (
+        BAG_TOKENS[:4], {"offsets": torch.tensor([0, 2, 6])}, "must not pass the input's length 4"),
+    "no offsets for tokens": (
+        BAG_TOKENS, {"offsets": torch.tensor([], dtype=torch.long)}, "offsets are empty"),
 }  # fmt: skip
 """Bags whose values torch's kernels make up (or refuse), with the rewrite's refusal: it
 differentiated another function silently (the last offset short: 0.37 off)."""
