@@ -775,8 +775,12 @@ def _choose_routes(
     if key is not None and not fresh and key in _ROUTES:
         _ROUTES.move_to_end(key)
         cached = _ROUTES[key]
-        if cached.state.alive() and not any(
-            _masked(plan, i, entries) for i, entries in enumerate(cached.model.masked_entries)
+        if (
+            cached.state.alive()
+            and cached.modes_hold()
+            and not any(
+                _masked(plan, i, entries) for i, entries in enumerate(cached.model.masked_entries)
+            )
         ):
             return cached
     checked = not nested.inside_transform()  # (where the survey may differentiate the loss)
@@ -823,7 +827,7 @@ def _choose_routes(
     if auto and backend.compile != "auto":
         numels = [t.numel() for t in plan.tensors]
         plans += _alternatives(found, sizes, numels, joint, compiled, together, chosen, forward)
-    trial = Trial(tuple(plans), state=found.changes.held())
+    trial = Trial(tuple(plans), state=found.changes.held(), modes=found.modes)
     if key is not None:
         _ROUTES[key] = trial
         if len(_ROUTES) > compile_policy.CACHE_SIZE:

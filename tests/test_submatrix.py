@@ -337,14 +337,35 @@ def doubling():
     return DoublingNet().double()
 
 
-def test_a_model_switched_to_training_after_calls_in_eval_is_surveyed_anew():
+class Holding:
+    """A loss as a method of an object that holds the model (keyed by the object alone)."""
+
+    def __init__(self, model, criterion, X, y):
+        self.model, self.criterion, self.X, self.y = model, criterion, X, y
+
+    def loss(self, params):
+        return self.criterion(torch.func.functional_call(self.model, params, self.X), self.y)
+
+
+REACHING_THE_MODEL = {
+    "module_loss": lambda model, criterion, X, y: pyhvp.module_loss(model, criterion, X, y)[0],
+    "a method of an object holding it": lambda *given: Holding(*given).loss,
+    "a lambda over a list holding it": lambda model, criterion, X, y: (
+        lambda p, box=[model]: criterion(torch.func.functional_call(box[0], p, X), y)),
+}  # fmt: skip
+"""How a loss reaches the model: the route cache's key holds a module's training flags where
+the key sees the module (module_loss), not through an object or a list."""
+
+
+@pytest.mark.parametrize("reach", REACHING_THE_MODEL.values(), ids=REACHING_THE_MODEL.keys())
+def test_a_model_switched_to_training_after_calls_in_eval_is_surveyed_anew(reach):
     """The routes surveyed in eval mode (no state changed) served the module after
     ``model.train()``: its kernels failed on the batch norm after the scale was doubled, and the
     seed's loop ran from the doubled scale (193 off, the scale doubled twice)."""
     torch.manual_seed(1)
     X, y = torch.randn(10, 5, dtype=torch.float64), torch.randn(10, 2, dtype=torch.float64)
     model, criterion = doubling(), nn.MSELoss(reduction="sum")
-    loss, params = pyhvp.module_loss(model, criterion, X, y)
+    loss, params = reach(model, criterion, X, y), dict(model.named_parameters())
     index = {"lin1.weight": torch.arange(0, 30, 3), "lin2.weight": torch.tensor([1, 7, 11])}
     got, expected = [], []
     for training in (False,) * 4 + (True,) * 3:

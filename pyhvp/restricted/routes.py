@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -304,6 +305,8 @@ class Survey(TorchFunctionMode):
         self._first = 0
         self.changes = Changes(inputs)
         """What the run of ``loss(*inputs)`` changes beyond its values (put back once it ran)."""
+        self.modes: tuple[tuple[weakref.ref[torch.nn.Module], bool], ...] = ()
+        """The modules the run called, with their ``training`` flags then."""
 
     def _source(self, value: object) -> int | None:
         return _held(self._sources, value)
@@ -723,9 +726,15 @@ def survey(
     leaves = [t.detach().requires_grad_() for t in tensors] if unseen else list(tensors)
     mode = Survey(leaves, (*tensors, *args))
     devices = sorted({t.device for t in tensors if t.device.type == "cuda"}, key=str)
+    called: dict[int, tuple[weakref.ref[torch.nn.Module], bool]] = {}
+
+    def note_module(module: torch.nn.Module, inputs: object) -> None:
+        called.setdefault(id(module), (weakref.ref(module), module.training))
+
     # the loss's random draws, if any, are the kernels' to make, as is what else it changes
     # (mode.changes): the survey leaves the state as is
     with torch.random.fork_rng(devices=devices):
+        hook = torch.nn.modules.module.register_module_forward_pre_hook(note_module)
         try:
             with torch.enable_grad(), mode:
                 value = loss(*leaves, *args)
@@ -736,7 +745,9 @@ def survey(
         else:
             mode.refuse_unseen_uses(value)
         finally:
+            hook.remove()
             mode.changes.undo()
+    mode.modes = tuple(called.values())
     return mode
 
 

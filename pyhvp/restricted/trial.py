@@ -23,7 +23,10 @@ settled on eager times would keep the loop where the compiled routes beat it lat
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Sequence
+
+import torch
 
 from pyhvp.restricted.routes import Routes
 from pyhvp.restricted.state import Held
@@ -69,6 +72,15 @@ class Trial:
     state: Held = dataclasses.field(default_factory=Held)
     """What the loss changes beyond its values, as the survey found it: put back before each
     run of a call but its first."""
+    modes: tuple[tuple[weakref.ref[torch.nn.Module], bool], ...] = ()
+    """The modules the loss called in the survey, with their ``training`` flags."""
+
+    def modes_hold(self) -> bool:
+        """Whether every module the survey saw is still in the mode it was in: one switched
+        since (``model.train()``, however the loss reaches it) runs other code, which may
+        change state the survey did not see -- surveyed anew."""
+        return all((module := ref()) is not None and module.training == training
+                   for ref, training in self.modes)  # fmt: skip
 
     @property
     def model(self) -> Routes:
