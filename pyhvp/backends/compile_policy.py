@@ -39,11 +39,8 @@ a Python function is its code object and the keys of its defaults and captured o
 of a bound method, its function and the identity of its ``self``; of a ``functools.partial``, its
 function, arguments and keywords; of a frozen dataclass (pyhvp's own wrappers), its type and the
 keys of its attributes; of a pytree spec (a batch's structure), the spec; of an immutable scalar
-(int, float, str, dtype, ...), its type and exact value; of a module, its identity and every
-submodule's ``training`` flag (``model.train()`` after ``model.eval()`` makes a batch norm update
-its statistics: another computation, whose state a plan surveyed in eval mode would not put
-back); anything else -- tensors, lists, mutable dataclasses -- is keyed by identity, held weakly
-(a key never keeps captured data alive).
+(int, float, str, dtype, ...), its type and exact value; anything else -- tensors, modules, lists,
+mutable dataclasses -- is keyed by identity, held weakly (a key never keeps captured data alive).
 Python numbers among the inputs are keyed by value too: each value is a signature of its own,
 rather than a recompile of one. A compiled kernel runs the function it was compiled for; before
 it serves an equal-keyed other function, that function's key is computed again, so state changed
@@ -117,8 +114,6 @@ def function_key(f: object, _seen: frozenset[int] = frozenset()) -> Hashable:
         return ("dataclass", type(f), tuple((k, function_key(v, seen)) for k, v in state.items()))
     if isinstance(f, tuple):
         return ("tuple", tuple(function_key(item, seen) for item in f))
-    if isinstance(f, torch.nn.Module):
-        return ("module", Identity(f), tuple(m.training for m in f.modules()))
     return Identity(f)
 
 
