@@ -16,7 +16,7 @@ reverse-mode derivatives of ``layer_norm`` are wrong, its nested ones of ``insta
 ``group_norm`` fails, and its nested ones of ``logcumsumexp`` are NaN (the backward takes the
 log of the cotangent). Attention takes its math path, as under the recorder: its fused kernels
 have no second derivative. The Hessian-vector products inside a transform run ``f`` the same
-way (:func:`written_out`): a ``grad`` around them makes a third derivative.
+way (``written_out``): a ``grad`` around them makes a third derivative.
 A determinant's third is wrong too: refused where it would be differentiated more than twice
 -- the operator's order and the ``grad`` / ``jvp`` levels around it, or an outer operator's
 record --, as an op without a derivative is (the note says to call the operator outside the

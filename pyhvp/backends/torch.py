@@ -46,7 +46,7 @@ Compilation (``TorchBackend(compile=...)``; the rule itself is :mod:`.compile_po
   gradients of its compiled backward in a training step; one that disagrees never serves
   (``compile_policy.disagreement``). The eager run comes first, under a mode that notes what
   ``f`` changes beyond its values (a batch norm's running statistics, a generator of its own:
-  :mod:`pyhvp.restricted.state`), which is put back before each further run: the call makes
+  ``pyhvp.restricted.state``), which is put back before each further run: the call makes
   those changes once, as one eager call does.
 * If compilation or a compiled run fails while the eager run succeeds, pyhvp warns once per
   signature and runs that signature eagerly from then on; errors of ``f`` itself are raised as
