@@ -89,7 +89,7 @@ from pyhvp.distributed import Fingerprint, check_group, sum_over_ranks
 from pyhvp.restricted import NotSparse, WritesSelected, routes
 from pyhvp.restricted.forward import forward_hessian
 from pyhvp.restricted.mode import PADDING_ROW
-from pyhvp.restricted.state import Snapshot, recorded
+from pyhvp.restricted.state import Recording, Snapshot, recorded
 from pyhvp.restricted.trial import MODEL, TIMED_RUNS, Trial
 
 if TYPE_CHECKING:
@@ -1399,9 +1399,9 @@ def _loop_rows(
     takes its math path throughout (fused kernels have no second derivative). A loss whose
     graph holds an embedding with sparse gradients, or an embedding bag (:func:`~pyhvp.
     backends.torch.refuse_compiled_backward` says), runs again with the same draws, under
-    :class:`~pyhvp._embeddings.TwiceDifferentiableEmbeddings`:
-    a mode that costs a Python call per op (5% of the seed's 1 ms call) where none is needed,
-    and the loss's side effects (a batch norm's running statistics) twice where one is."""
+    :class:`~pyhvp._embeddings.TwiceDifferentiableEmbeddings` (a mode that costs a Python call
+    per op, 5% of the seed's 1 ms call, where none is needed), its changes beyond its values (a
+    batch norm's running statistics) put back after it: the first run made them."""
     with torch.inference_mode(False), torch.enable_grad(), math_attention:
         ys = [cast(torch.Tensor, t).detach().requires_grad_() for t in _normal(tuple(leaves))]
         args = _normal(args)
@@ -1410,9 +1410,16 @@ def _loop_rows(
         if not refuse_compiled_backward(total):
             return _rows_by_loop(total, ys, row_flats, column_flats)
         draws.begin()
-        with TwiceDifferentiableEmbeddings():
+        # what the run changes was changed by the first run already, and is put back after the
+        # backward passes (which may read it), unless the call puts back its state itself
+        recording = Recording((*ys, *args))
+        with TwiceDifferentiableEmbeddings(), recording:
             total = loss(*ys, *args)
-        return _rows_by_loop(total, ys, row_flats, column_flats)
+        try:
+            return _rows_by_loop(total, ys, row_flats, column_flats)
+        finally:
+            if draws.held is None:
+                recording.changes.undo()
 
 
 def _rows_by_loop(

@@ -539,6 +539,40 @@ def test_a_compile_failure_warns_naming_the_module_not_its_data(compiler_fails):
     ]
 
 
+class NormedBags(nn.Module):
+    """Bags of tokens pooled by mean, then a batch norm in training: with ``bagged=False`` the
+    same function, its pool written as an embedding's mean (twice differentiable by autograd)."""
+
+    def __init__(self, bagged=True):
+        super().__init__()
+        self.bagged = bagged
+        self.bag = nn.EmbeddingBag(20, 6, mode="mean") if bagged else nn.Embedding(20, 6)
+        self.norm, self.head = nn.BatchNorm1d(6), nn.Linear(6, 3)
+
+    def forward(self, tokens):
+        pooled = self.bag(tokens) if self.bagged else self.bag(tokens).mean(1)
+        return self.head(torch.tanh(self.norm(pooled)))
+
+
+@pytest.mark.parametrize(("method", "components"), [("auto", 4), ("reverse", 4), ("auto", 12)],
+                         ids=["auto, unsurveyed", "reverse", "auto, surveyed"])  # fmt: skip
+def test_the_seeds_loop_run_again_for_an_embedding_bag_updates_the_statistics_once(
+    method, components
+):
+    """The loop runs such a loss a second time (its first graph cannot be differentiated
+    twice): the batch norm's statistics were updated twice."""
+    torch.manual_seed(0)
+    bags, pooled = NormedBags().double(), NormedBags(bagged=False).double()
+    pooled.load_state_dict(bags.state_dict())
+    tokens = torch.randint(0, 20, (8, 4), generator=torch.Generator().manual_seed(1))
+    y, index = torch.arange(8) % 3, {"bag.weight": torch.arange(0, 120, 7)[:components]}
+    expected = (loop_sub_hessians(pooled, nn.CrossEntropyLoss(), tokens, y, index),
+                dict(pooled.named_buffers()))  # fmt: skip
+    got = pyhvp.sub_hessian(*pyhvp.module_loss(bags, nn.CrossEntropyLoss(), tokens, y), index,
+                            method=method, backend=pyhvp.TorchBackend(compile=False))  # fmt: skip
+    torch.testing.assert_close((got, dict(bags.named_buffers())), expected)
+
+
 class DroppedEmbeddings(nn.Module):
     def __init__(self, sparse):
         super().__init__()
