@@ -532,3 +532,23 @@ def test_an_hvp_of_a_half_precision_layer_norm_is_torchs_within_half_rounding(re
     got = pyhvp.hvp(f, x.half().requires_grad_(requires_grad), v.half())
     scale = expected.abs().max().item()
     torch.testing.assert_close(got.double(), expected, rtol=0, atol=1e-2 * scale)
+
+
+def test_the_gradient_of_an_hvp_through_a_batch_norm_with_running_statistics_is_the_formulas():
+    """``nn.BatchNorm1d()`` in training (running statistics given) was left to torch's third
+    derivative (0.5 off): it is written out too, torch's op updating the statistics once."""
+    torch.manual_seed(0)
+    norm = torch.nn.BatchNorm1d(5).double().train()
+    x = torch.randn(8, 5, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(8, 5, dtype=torch.float64)
+
+    def f(z, normalise):
+        return normalise(z).pow(3).sum(-1)
+
+    def by_formula(z):
+        centred = z - z.mean(0)
+        return centred / ((centred * centred).mean(0) + norm.eps).sqrt()
+
+    (expected,) = torch.autograd.grad(pyhvp.hvp(f, x, v, by_formula).pow(2).sum(), x)
+    (got,) = torch.autograd.grad(pyhvp.hvp(f, x, v, norm).pow(2).sum(), x)
+    torch.testing.assert_close((got, int(norm.num_batches_tracked)), (expected, 1))

@@ -452,6 +452,9 @@ MADE_UNDER_NO_GRAD = {  # what a loss makes of its selected tensor under no_grad
     "torch.flatten(input=p, ...) of one dim, p itself": lambda p: torch.flatten(
         input=p, start_dim=1, end_dim=1
     ),
+    "torch.flatten(..., input=p) of one dim, p itself": lambda p: torch.flatten(
+        start_dim=1, end_dim=1, input=p
+    ),
     "torch.feature_dropout in eval, p itself": lambda p: torch.feature_dropout(p, 0.5, False),
 }
 

@@ -173,18 +173,18 @@ def _written_norm(
     """A layer, group, instance or batch norm of its input's own statistics in elementary ops,
     in float32 at least (as torch's kernels accumulate: a half variance overflows past 256),
     once torch's own op has checked the arguments (a group count that does not divide the
-    channels, one value per channel); None for a norm with running statistics, or of nothing."""
+    channels, one value per channel) and updated the running statistics it is given; None for
+    a norm of its running statistics (in eval), or of nothing."""
     bound = dict(zip(_NORMS[func], args, strict=False)) | kwargs
     input, weight, bias = bound["input"], bound.get("weight"), bound.get("bias")
-    running = bound.get("running_mean") is not None or bound.get("running_var") is not None
-    if func in _BATCH_NORMS and (running or not bound.get("training", False)):
-        return None
-    if func in _INSTANCE_NORMS and (running or not bound.get("use_input_stats", True)):
+    if func in _BATCH_NORMS and not bound.get("training", False):
+        return None  # (of its running statistics: an affine map, which torch gets right)
+    if func in _INSTANCE_NORMS and not bound.get("use_input_stats", True):
         return None
     if not input.numel():
         return None
-    with torch.no_grad():
-        func(*args, **kwargs)  # (torch's argument checks; its value is not differentiated)
+    with torch.no_grad():  # torch's argument checks, and its one update of running statistics
+        func(*args, **kwargs)  # (its value is not differentiated)
     wide = input.to(torch.promote_types(input.dtype, torch.float32))
     eps = bound.get("eps", 1e-5)
     if func in _LAYER_NORMS:

@@ -262,10 +262,17 @@ RETURNS_INPUTS_IN_A_TUPLE = frozenset({torch.broadcast_tensors})
 others (``torch.broadcast_tensors(W, c)`` of equal shapes)."""
 
 
+FIRST_ARGUMENT_NAMES = ("input", "data", "obj", "self")
+"""What torch functions name their first argument (``torch.as_tensor(data=W)``,
+``torch.asarray(obj=W)``, ``torch.flatten(input=W)``)."""
+
+
 def first_input(args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-    """A call's first argument, given by position or by keyword (``torch.as_tensor(data=W)``,
-    ``torch.flatten(input=W)``): the first keyword argument where there is no positional one."""
-    return args[0] if args else next(iter(kwargs.values()), None)
+    """A call's first argument, given by position or by keyword in any order
+    (``torch.flatten(start_dim=1, input=W)``)."""
+    if args:
+        return args[0]
+    return next((kwargs[name] for name in FIRST_ARGUMENT_NAMES if name in kwargs), None)
 
 
 def returns_its_input(
