@@ -63,7 +63,6 @@ import torch
 from torch.utils import _pytree as pytree
 
 from pyhvp._keys import Identity, value_key
-from pyhvp.restricted.state import Held
 
 COLD_COMPILE_SECONDS = 20.0
 """Expected first compile in a fresh environment: the seed-000 per-instance example's first compiled call took
@@ -247,7 +246,6 @@ class Entry:
     judged: bool = False
     checked: bool = False  # the compiled kernel's first result agreed with eager's
     backward_checked: bool = False  # the compiled kernel's backward agreed with eager's once
-    changes: Held = field(default_factory=Held)  # what f changes beyond its values
 
     def on_trial(self) -> bool:
         """Still timing the compiled kernel: not judged yet, and fewer than :data:`TRIAL_CALLS`

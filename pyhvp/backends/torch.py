@@ -78,7 +78,7 @@ from pyhvp._checks import check_output, fmt_shape
 from pyhvp._user_errors import note, quiet_tracing, stacklevel_outside_pyhvp
 from pyhvp.backends import Blocks, compile_policy, inductor, nested
 from pyhvp.backends.compile_policy import CompileCache
-from pyhvp.restricted.state import Held, Recording, Snapshot
+from pyhvp.restricted.state import Recording, Snapshot
 
 CompileMode = Literal["auto"] | bool
 
@@ -579,18 +579,18 @@ KERNELS = {
 
 
 def _noting_changes(
-    eager: Callable[..., object], inputs: tuple[object, ...], keep: Snapshot | None = None
-) -> tuple[object, Held]:
+    eager: Callable[..., object], inputs: tuple[object, ...]
+) -> tuple[object, Snapshot]:
     """``eager(*inputs)`` without grad, and what it changes beyond its values (a batch norm's
-    running statistics, a generator of f's own; :mod:`pyhvp.restricted.state`), put back: the
-    compiled kernel's run that follows makes those changes once. ``keep``: the state put back
-    before this run (a compiled run made its changes already), whose changes stay made."""
+    running statistics, a generator of f's own; :mod:`pyhvp.restricted.state`) as it was
+    before, which is put back: the compiled kernel's run that follows makes those changes
+    once, and a rerun after it starts from the snapshot again."""
     recording = Recording(inputs)
     try:
         with torch.no_grad(), recording:
-            return eager(*inputs), recording.changes.held()
+            return eager(*inputs), recording.changes.snapshot()
     finally:
-        recording.changes.undo(keep)
+        recording.changes.undo()
 
 
 def _describe(kernel: Callable[..., object], f: object, inputs: Sequence[object]) -> str:
@@ -650,7 +650,8 @@ class TorchBackend:
         wrong (``layer_norm``: a gradient of an HVP was 45 off)."""
         _require_torch_function(f)
         summed: Callable[..., torch.Tensor] = InstanceSum(f, event_dims)
-        if _needs_autograd((x, tangents, *args)) and not taylor.recording():
+        outside = not (nested.inside_transform() or taylor.recording())  # (written out inside)
+        if outside and _needs_autograd((x, tangents, *args)):
             summed = nested.written_out(summed, cumulative=False)
         try:
             (g,), (hv,) = self.grad_and_block_hvps(summed, (x,), (tangents,), args, chunk_size)
@@ -945,14 +946,14 @@ class TorchBackend:
         first_call = not entry.checked
         random_state = random_states.save(device)
         graphs = _graphs_traced()
-        expected = None
-        if first_call:  # eager's result to check the compiled one by, and what f changes
-            expected, entry.changes = _noting_changes(eager, inputs)
-            random_states.restore(random_state)  # random ops draw the same values
         # a rerun starts where the compiled run did, f's running statistics and generators
-        # too: copied on a first call (a later one's retrace, rare, notes them in its check
-        # instead; copying a written buffer every call cost a 32 MB buffer 5x the call)
-        before = entry.changes.snapshot(inputs) if first_call else Snapshot([], [])
+        # too: known on a first call, from its eager check (a later call's retrace, rare, notes
+        # them in its check instead; copying a written buffer every call cost a 32 MB buffer
+        # 5x the call)
+        expected, before = None, Snapshot([], [])
+        if first_call:  # eager's result to check the compiled one by, and what f changes
+            expected, before = _noting_changes(eager, inputs)
+            random_states.restore(random_state)  # random ops draw the same values
 
         def again() -> None:
             before.restore()
@@ -1009,9 +1010,9 @@ class TorchBackend:
         if retraced:
             entry.backward_checked = False
         if first_call or retraced:  # a compiled graph serves only once its result is eager's
-            if retraced:  # (f's state may have changed with its graph: noted anew)
+            if retraced:  # (its changes put back: the compiled run made them)
                 again()
-                expected, entry.changes = _noting_changes(eager, inputs, keep=before)
+                expected, _ = _noting_changes(eager, inputs)
             difference = compile_policy.disagreement(out, expected)
             if difference is not None:
                 where = "on a graph traced anew" if retraced else "on its first call"

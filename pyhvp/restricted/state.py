@@ -87,18 +87,13 @@ class Changes:
             if start is not None and start not in given:
                 self._made.add(start)
 
-    def undo(self, keep: Snapshot | None = None) -> None:
-        """Put every noted memory and generator back as it was before the run, but for those
-        ``keep`` holds."""
-        snapshot = self._snapshot()
-        if keep is not None:
-            kept = {s.data_ptr() for s, _ in keep.storages}
-            ours = {id(g) for g, _ in keep.generators}
-            snapshot = Snapshot([(s, d) for s, d in snapshot.storages if s.data_ptr() not in kept],
-                                [(g, t) for g, t in snapshot.generators if id(g) not in ours])  # fmt: skip
-        snapshot.restore()
+    def undo(self) -> None:
+        """Put every noted memory and generator back as it was before the run."""
+        self.snapshot().restore()
 
-    def _snapshot(self) -> Snapshot:
+    def snapshot(self) -> Snapshot:
+        """The noted memory and generators as they were before the run (what :meth:`undo`
+        restores, and may restore again)."""
         saved = [(owner.untyped_storage(), data) for owner, data in self.storages.values()]
         return Snapshot(saved, list(self.generators.values()))
 
