@@ -95,7 +95,7 @@ from pyhvp.restricted.ops import (
     writes_operand,
     writes_to,
 )
-from pyhvp.restricted.state import Changes
+from pyhvp.restricted.state import Changes, putting_back
 
 MIN_COMPONENTS = 8
 """Fewest selected components for which ``method="auto"`` surveys the loss unless the backend
@@ -282,6 +282,10 @@ def _held(table: dict[int, tuple[torch.Tensor, int]], value: object) -> int | No
     return found[1] if found is not None and found[0] is value else None
 
 
+Modes = tuple[tuple[weakref.ref[torch.nn.Module], bool], ...]
+"""Modules, held weakly, with a ``training`` flag each."""
+
+
 class Survey(TorchFunctionMode):
     """Runs the loss once, recording every selected tensor's :class:`Usage` and the forward's
     cost (see the module docstring)."""
@@ -305,7 +309,7 @@ class Survey(TorchFunctionMode):
         self._first = 0
         self.changes = Changes(inputs)
         """What the run of ``loss(*inputs)`` changes beyond its values (put back once it ran)."""
-        self.modes: tuple[tuple[weakref.ref[torch.nn.Module], bool], ...] = ()
+        self.modes: Modes = ()
         """The modules the run called, with their ``training`` flags then."""
 
     def _source(self, value: object) -> int | None:
@@ -724,16 +728,16 @@ def survey(
     (:meth:`Survey.refuse_unseen_uses`). Call outside inference mode, with no inference
     tensors."""
     leaves = [t.detach().requires_grad_() for t in tensors] if unseen else list(tensors)
-    mode = Survey(leaves, (*tensors, *args))
-    devices = sorted({t.device for t in tensors if t.device.type == "cuda"}, key=str)
+    inputs = (*tensors, *args)
+    mode = Survey(leaves, inputs)
     called: dict[int, tuple[weakref.ref[torch.nn.Module], bool]] = {}
 
-    def note_module(module: torch.nn.Module, inputs: object) -> None:
+    def note_module(module: torch.nn.Module, given: object) -> None:
         called.setdefault(id(module), (weakref.ref(module), module.training))
 
     # the loss's random draws, if any, are the kernels' to make, as is what else it changes
     # (mode.changes): the survey leaves the state as is
-    with torch.random.fork_rng(devices=devices):
+    with putting_back(mode.changes, inputs):
         hook = torch.nn.modules.module.register_module_forward_pre_hook(note_module)
         try:
             with torch.enable_grad(), mode:
@@ -746,7 +750,6 @@ def survey(
             mode.refuse_unseen_uses(value)
         finally:
             hook.remove()
-            mode.changes.undo()
     mode.modes = tuple(called.values())
     return mode
 

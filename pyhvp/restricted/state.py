@@ -19,7 +19,8 @@ runs, :func:`recorded`) sees through torch functions is found: a write in a cust
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, NamedTuple, cast
 
 import torch
@@ -170,17 +171,25 @@ class Recording(TorchFunctionMode):
         return out
 
 
-def recorded(loss: Callable[..., object], inputs: Sequence[object]) -> Held:
-    """What ``loss(*inputs)`` changes beyond its values, found by one run (with grad on, on a
-    forked random state) and put back: for routes that run the loss more than once where no
-    survey ran (the reverse route pass after pass with ``chunk_size``)."""
-    mode = Recording(inputs)
+@contextmanager
+def putting_back(changes: Changes, inputs: Sequence[object]) -> Iterator[None]:
+    """A run of a loss of ``inputs`` that leaves the state as it found it: on a forked random
+    state (the CPU's and the CUDA devices' of ``inputs``), its noted ``changes`` put back after
+    it, whether it returns or raises."""
     devices = sorted({t.device for t in inputs
                       if isinstance(t, torch.Tensor) and t.device.type == "cuda"}, key=str)  # fmt: skip
     with torch.random.fork_rng(devices=devices):
         try:
-            with torch.enable_grad(), mode:
-                loss(*inputs)
+            yield
         finally:
-            mode.changes.undo()
+            changes.undo()
+
+
+def recorded(loss: Callable[..., object], inputs: Sequence[object]) -> Held:
+    """What ``loss(*inputs)`` changes beyond its values, found by one run (with grad on) and put
+    back: for routes that run the loss more than once where no survey ran (the reverse route
+    pass after pass with ``chunk_size``)."""
+    mode = Recording(inputs)
+    with putting_back(mode.changes, inputs), torch.enable_grad(), mode:
+        loss(*inputs)
     return mode.changes.held()

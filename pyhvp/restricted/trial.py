@@ -23,12 +23,9 @@ settled on eager times would keep the loop where the compiled routes beat it lat
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from collections.abc import Sequence
 
-import torch
-
-from pyhvp.restricted.routes import Routes
+from pyhvp.restricted.routes import Modes, Routes
 from pyhvp.restricted.state import Held
 
 TIMED_RUNS = 2
@@ -72,7 +69,7 @@ class Trial:
     state: Held = dataclasses.field(default_factory=Held)
     """What the loss changes beyond its values, as the survey found it: put back before each
     run of a call but its first."""
-    modes: tuple[tuple[weakref.ref[torch.nn.Module], bool], ...] = ()
+    modes: Modes = ()
     """The modules the loss called in the survey, with their ``training`` flags."""
 
     def modes_hold(self) -> bool:
