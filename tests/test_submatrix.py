@@ -322,19 +322,24 @@ class Doubling(nn.Module):
 
 
 class DoublingNet(nn.Module):
-    def __init__(self):
+    """With ``by_forward``, the scale and the norm run by their ``.forward()`` (no hooks)."""
+
+    def __init__(self, by_forward=False):
         super().__init__()
         self.lin1, self.doubling = nn.Linear(5, 6), Doubling()
         self.norm, self.lin2 = nn.BatchNorm1d(6), nn.Linear(6, 2)
+        self.by_forward = by_forward
 
     def forward(self, x):
-        h = self.doubling(self.lin1(x))  # (written before the batch norm's kernel fails)
-        return self.lin2(torch.tanh(h) + self.norm(h))
+        doubling, norm = ((self.doubling.forward, self.norm.forward) if self.by_forward
+                          else (self.doubling, self.norm))  # fmt: skip
+        h = doubling(self.lin1(x))  # (written before the batch norm's kernel fails)
+        return self.lin2(torch.tanh(h) + norm(h))
 
 
-def doubling():
+def doubling(by_forward=False):
     torch.manual_seed(0)
-    return DoublingNet().double()
+    return DoublingNet(by_forward).double()
 
 
 class Holding:
@@ -357,22 +362,42 @@ REACHING_THE_MODEL = {
 the key sees the module (module_loss), not through an object or a list."""
 
 
+def switch_model(model, training):
+    model.train(training)
+
+
+def switch_submodules_alone(model, training):
+    model.doubling.train(training)
+    model.norm.train(training)
+
+
+SWITCHES = {
+    "model.train()": (False, switch_model),
+    "submodules run by .forward(), alone": (True, switch_submodules_alone),
+}
+"""Whether the model runs its stateful submodules through ``.forward()``, which calls no hook,
+and how it is switched between modes."""
+
+
+@pytest.mark.parametrize("switch", SWITCHES.values(), ids=SWITCHES.keys())
 @pytest.mark.parametrize("reach", REACHING_THE_MODEL.values(), ids=REACHING_THE_MODEL.keys())
-def test_a_model_switched_to_training_after_calls_in_eval_is_surveyed_anew(reach):
+def test_a_model_switched_to_training_after_calls_in_eval_is_surveyed_anew(reach, switch):
     """The routes surveyed in eval mode (no state changed) served the module after
     ``model.train()``: its kernels failed on the batch norm after the scale was doubled, and the
-    seed's loop ran from the doubled scale (193 off, the scale doubled twice)."""
+    seed's loop ran from the doubled scale (193 off, the scale doubled twice). A submodule run
+    by ``.forward()`` is switched unseen by the survey's module hook."""
+    by_forward, switched = switch
     torch.manual_seed(1)
     X, y = torch.randn(10, 5, dtype=torch.float64), torch.randn(10, 2, dtype=torch.float64)
-    model, criterion = doubling(), nn.MSELoss(reduction="sum")
+    model, criterion = doubling(by_forward), nn.MSELoss(reduction="sum")
     loss, params = reach(model, criterion, X, y), dict(model.named_parameters())
     index = {"lin1.weight": torch.arange(0, 30, 3), "lin2.weight": torch.tensor([1, 7, 11])}
     got, expected = [], []
     for training in (False,) * 4 + (True,) * 3:
-        model.train(training)
-        seeds = doubling()
+        switched(model, training)
+        seeds = doubling(by_forward)
         seeds.load_state_dict(model.state_dict())
-        seeds.train(training)
+        switched(seeds, training)
         expected.append((loop_sub_hessians(seeds, criterion, X, y, index),
                          {n: b.clone() for n, b in seeds.named_buffers()}))  # fmt: skip
         got.append((pyhvp.sub_hessian(loss, params, index,

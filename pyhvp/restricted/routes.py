@@ -310,7 +310,7 @@ class Survey(TorchFunctionMode):
         self.changes = Changes(inputs)
         """What the run of ``loss(*inputs)`` changes beyond its values (put back once it ran)."""
         self.modes: Modes = ()
-        """The modules the run called, with their ``training`` flags then."""
+        """The modules the run called and their submodules, with their ``training`` flags then."""
 
     def _source(self, value: object) -> int | None:
         return _held(self._sources, value)
@@ -733,7 +733,10 @@ def survey(
     called: dict[int, tuple[weakref.ref[torch.nn.Module], bool]] = {}
 
     def note_module(module: torch.nn.Module, given: object) -> None:
-        called.setdefault(id(module), (weakref.ref(module), module.training))
+        # with its submodules: one it runs by ``.forward()`` calls no hook
+        if id(module) not in called:
+            for each in module.modules():
+                called.setdefault(id(each), (weakref.ref(each), each.training))
 
     # the loss's random draws, if any, are the kernels' to make, as is what else it changes
     # (mode.changes): the survey leaves the state as is

@@ -70,7 +70,8 @@ class Trial:
     """What the loss changes beyond its values, as the survey found it: put back before each
     run of a call but its first."""
     modes: Modes = ()
-    """The modules the loss called in the survey, with their ``training`` flags."""
+    """The modules the loss called in the survey and their submodules, with their ``training``
+    flags."""
 
     def modes_hold(self) -> bool:
         """Whether every module the survey saw is still in the mode it was in: one switched
