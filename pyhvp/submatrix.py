@@ -89,7 +89,7 @@ from pyhvp.distributed import Fingerprint, check_group, sum_over_ranks
 from pyhvp.restricted import NotSparse, WritesSelected, routes
 from pyhvp.restricted.forward import forward_hessian
 from pyhvp.restricted.mode import PADDING_ROW
-from pyhvp.restricted.state import Recording, Snapshot, recorded
+from pyhvp.restricted.state import Held, Snapshot, recorded
 from pyhvp.restricted.trial import MODEL, TIMED_RUNS, Trial
 
 if TYPE_CHECKING:
@@ -775,12 +775,8 @@ def _choose_routes(
     if key is not None and not fresh and key in _ROUTES:
         _ROUTES.move_to_end(key)
         cached = _ROUTES[key]
-        if (
-            cached.state.alive()
-            and cached.modes_hold()
-            and not any(
-                _masked(plan, i, entries) for i, entries in enumerate(cached.model.masked_entries)
-            )
+        if cached.state.holds() and not any(
+            _masked(plan, i, entries) for i, entries in enumerate(cached.model.masked_entries)
         ):
             return cached
     checked = not nested.inside_transform()  # (where the survey may differentiate the loss)
@@ -827,7 +823,7 @@ def _choose_routes(
     if auto and backend.compile != "auto":
         numels = [t.numel() for t in plan.tensors]
         plans += _alternatives(found, sizes, numels, joint, compiled, together, chosen, forward)
-    trial = Trial(tuple(plans), state=found.changes.held(), modes=found.modes)
+    trial = Trial(tuple(plans), state=found.changes.held())
     if key is not None:
         _ROUTES[key] = trial
         if len(_ROUTES) > compile_policy.CACHE_SIZE:
@@ -1016,8 +1012,8 @@ def _sums(
             else:
                 parts, reverse, inner = [], every, None
                 loop = _by_loop(plan, reverse, backend)
-                if not loop and _passes(plan, chunk_size) > 1:  # each pass from the same state
-                    draws.hold(_recorded(plan, spec, batch_values).restore)
+                # each pass, or the seed's loop where a kernel fails, from the call's state
+                draws.hold(_state(plan, spec, batch_values).restore)
                 _log.debug("sub_hessian: reverse route%s (%s)", f" {BY_LOOP}" if loop else "",
                            refusal)  # fmt: skip
             # the reverse route adds its rows once all are computed, the sparse groups after it:
@@ -1267,21 +1263,33 @@ def _sparse_pass(
     return block
 
 
-def _passes(plan: _Plan, chunk_size: int | None) -> int:
-    """How many times the reverse route's batched passes run the loss on one batch: once per
-    ``chunk_size`` rows of the tensor with the most (of every tensor, for one block)."""
-    sizes = [len(flat) for flat in plan.flats]
-    rows = sum(sizes) if plan.one_block else max(sizes, default=0)
-    return -(-rows // chunk_size) if chunk_size else 1
+_STATES: OrderedDict[Hashable, Held] = OrderedDict()
+"""What the loss changes beyond its values, by the key of :data:`_ROUTES` (without the options),
+for calls no survey runs before: found by one recording run of the first call."""
 
 
-def _recorded(plan: _Plan, spec: Any, batch_values: list[Any]) -> Snapshot:
-    """What the loss changes beyond its values on this batch (:func:`~pyhvp.restricted.state.
-    recorded`: one run, put back), as it is now: for passes no survey ran before."""
+def _state(plan: _Plan, spec: Any, batch_values: list[Any]) -> Snapshot:
+    """The state the loss changes beyond its values, as it is now (:func:`~pyhvp.restricted.
+    state.recorded`, found by one run on the first equal call, or anew where it no longer
+    :meth:`~pyhvp.restricted.state.Held.holds`): for routes that may run the loss more than
+    once where no survey ran before (pass after pass, or the seed's loop again where a kernel
+    failed or an embedding bag's graph cannot be differentiated twice)."""
     loss = dataclasses.replace(plan.sparse, batch_spec=spec)
     inputs = (*plan.tensors, *plan.others, *batch_values)
-    with torch.inference_mode(False):  # (as the survey runs it)
-        held = recorded(loss, _normal(inputs))
+    try:
+        key: Hashable = compile_policy.signature("sub_hessian state", loss, (), inputs)
+        held = _STATES.get(key)
+    except TypeError:  # an unhashable loss: recorded every call
+        key, held = None, None
+    if held is None or not held.holds():
+        with torch.inference_mode(False):  # (as the survey runs it)
+            held = recorded(loss, _normal(inputs))
+        if key is not None:
+            _STATES[key] = held
+            if len(_STATES) > compile_policy.CACHE_SIZE:
+                _STATES.popitem(last=False)
+    elif key is not None:
+        _STATES.move_to_end(key)
     return held.snapshot(inputs)
 
 
@@ -1400,8 +1408,8 @@ def _loop_rows(
     graph holds an embedding with sparse gradients, or an embedding bag (:func:`~pyhvp.
     backends.torch.refuse_compiled_backward` says), runs again with the same draws, under
     :class:`~pyhvp._embeddings.TwiceDifferentiableEmbeddings` (a mode that costs a Python call
-    per op, 5% of the seed's 1 ms call, where none is needed), its changes beyond its values (a
-    batch norm's running statistics) put back after it: the first run made them."""
+    per op, 1.5% of the seed's 1 ms call, where none is needed), from the state the first run
+    started from (``draws`` puts it back)."""
     with torch.inference_mode(False), torch.enable_grad(), math_attention:
         ys = [cast(torch.Tensor, t).detach().requires_grad_() for t in _normal(tuple(leaves))]
         args = _normal(args)
@@ -1410,16 +1418,9 @@ def _loop_rows(
         if not refuse_compiled_backward(total):
             return _rows_by_loop(total, ys, row_flats, column_flats)
         draws.begin()
-        # what the run changes was changed by the first run already, and is put back after the
-        # backward passes (which may read it), unless the call puts back its state itself
-        recording = Recording((*ys, *args))
-        with TwiceDifferentiableEmbeddings(), recording:
+        with TwiceDifferentiableEmbeddings():
             total = loss(*ys, *args)
-        try:
-            return _rows_by_loop(total, ys, row_flats, column_flats)
-        finally:
-            if draws.held is None:
-                recording.changes.undo()
+        return _rows_by_loop(total, ys, row_flats, column_flats)
 
 
 def _rows_by_loop(

@@ -67,7 +67,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -282,10 +281,6 @@ def _held(table: dict[int, tuple[torch.Tensor, int]], value: object) -> int | No
     return found[1] if found is not None and found[0] is value else None
 
 
-Modes = tuple[tuple[weakref.ref[torch.nn.Module], bool], ...]
-"""Modules, held weakly, with a ``training`` flag each."""
-
-
 class Survey(TorchFunctionMode):
     """Runs the loss once, recording every selected tensor's :class:`Usage` and the forward's
     cost (see the module docstring)."""
@@ -309,8 +304,6 @@ class Survey(TorchFunctionMode):
         self._first = 0
         self.changes = Changes(inputs)
         """What the run of ``loss(*inputs)`` changes beyond its values (put back once it ran)."""
-        self.modes: Modes = ()
-        """The modules the run called and their submodules, with their ``training`` flags then."""
 
     def _source(self, value: object) -> int | None:
         return _held(self._sources, value)
@@ -730,18 +723,9 @@ def survey(
     leaves = [t.detach().requires_grad_() for t in tensors] if unseen else list(tensors)
     inputs = (*tensors, *args)
     mode = Survey(leaves, inputs)
-    called: dict[int, tuple[weakref.ref[torch.nn.Module], bool]] = {}
-
-    def note_module(module: torch.nn.Module, given: object) -> None:
-        # with its submodules: one it runs by ``.forward()`` calls no hook
-        if id(module) not in called:
-            for each in module.modules():
-                called.setdefault(id(each), (weakref.ref(each), each.training))
-
     # the loss's random draws, if any, are the kernels' to make, as is what else it changes
     # (mode.changes): the survey leaves the state as is
     with putting_back(mode.changes, inputs):
-        hook = torch.nn.modules.module.register_module_forward_pre_hook(note_module)
         try:
             with torch.enable_grad(), mode:
                 value = loss(*leaves, *args)
@@ -751,9 +735,6 @@ def survey(
                     usage.refusal = "was not surveyed: the loss writes to a selected tensor first"
         else:
             mode.refuse_unseen_uses(value)
-        finally:
-            hook.remove()
-    mode.modes = tuple(called.values())
     return mode
 
 

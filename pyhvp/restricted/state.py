@@ -59,6 +59,9 @@ class Changes:
         """By storage: a tensor over memory the run writes but did not make, and its bytes."""
         self.generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
         """By ``id``: a generator the run draws from, and its state before."""
+        self.modes: dict[int, tuple[weakref.ref[torch.nn.Module], bool]] = {}
+        """By ``id``: a module the run called, or a submodule of one, and its ``training`` flag
+        then (:func:`putting_back` notes them)."""
 
     def before(self, func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
                values: Sequence[object], written: object) -> None:  # fmt: skip
@@ -107,7 +110,8 @@ class Changes:
                 positions.extend(self._inputs[start])
             else:
                 owners.append(weakref.ref(owner))
-        return Held(tuple(positions), tuple(owners), tuple(g for g, _ in self.generators.values()))
+        return Held(tuple(positions), tuple(owners), tuple(g for g, _ in self.generators.values()),
+                    tuple(self.modes.values()))  # fmt: skip
 
 
 class Held(NamedTuple):
@@ -117,11 +121,18 @@ class Held(NamedTuple):
     """Inputs of the loss (the selected tensors, the other params, the batch's tensors)."""
     owners: tuple[weakref.ref[torch.Tensor], ...] = ()
     generators: tuple[torch.Generator, ...] = ()
+    modes: tuple[tuple[weakref.ref[torch.nn.Module], bool], ...] = ()
+    """The modules the run called and their submodules, with their ``training`` flags."""
 
-    def alive(self) -> bool:
+    def holds(self) -> bool:
         """Whether every tensor over the other memory still exists (where one is gone, the loss
-        reads a rebuilt model or global: its state is another, to be surveyed anew)."""
-        return all(ref() is not None for ref in self.owners)
+        reads a rebuilt model or global: its state is another) and every module is in the mode
+        it was in (one switched since, by ``model.train()`` however the loss reaches it, runs
+        other code, which may change other state): else found anew."""
+        return all(ref() is not None for ref in self.owners) and all(
+            (module := ref()) is not None and module.training == training
+            for ref, training in self.modes
+        )
 
     def snapshot(self, inputs: Sequence[object]) -> Snapshot:
         """The state now, of this call's ``inputs`` and of the other memory and generators."""
@@ -175,20 +186,29 @@ class Recording(TorchFunctionMode):
 def putting_back(changes: Changes, inputs: Sequence[object]) -> Iterator[None]:
     """A run of a loss of ``inputs`` that leaves the state as it found it: on a forked random
     state (the CPU's and the CUDA devices' of ``inputs``), its noted ``changes`` put back after
-    it, whether it returns or raises."""
+    it, whether it returns or raises. The modules it calls are noted in ``changes.modes``."""
     devices = sorted({t.device for t in inputs
                       if isinstance(t, torch.Tensor) and t.device.type == "cuda"}, key=str)  # fmt: skip
+
+    def note(module: torch.nn.Module, given: object) -> None:
+        # with its submodules: one it runs by ``.forward()`` calls no hook
+        if id(module) not in changes.modes:
+            for each in module.modules():
+                changes.modes.setdefault(id(each), (weakref.ref(each), each.training))
+
     with torch.random.fork_rng(devices=devices):
+        hook = torch.nn.modules.module.register_module_forward_pre_hook(note)
         try:
             yield
         finally:
+            hook.remove()
             changes.undo()
 
 
 def recorded(loss: Callable[..., object], inputs: Sequence[object]) -> Held:
     """What ``loss(*inputs)`` changes beyond its values, found by one run (with grad on) and put
-    back: for routes that run the loss more than once where no survey ran (the reverse route
-    pass after pass with ``chunk_size``)."""
+    back: for routes that may run the loss more than once where no survey ran (the reverse
+    route pass after pass, or again by the seed's loop where its kernel fails)."""
     mode = Recording(inputs)
     with putting_back(mode.changes, inputs), torch.enable_grad(), mode:
         loss(*inputs)

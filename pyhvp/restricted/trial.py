@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from pyhvp.restricted.routes import Modes, Routes
+from pyhvp.restricted.routes import Routes
 from pyhvp.restricted.state import Held
 
 TIMED_RUNS = 2
@@ -68,17 +68,7 @@ class Trial:
     """Plans whose first run in this process is past (:data:`RUN_IN_THIS_PROCESS`)."""
     state: Held = dataclasses.field(default_factory=Held)
     """What the loss changes beyond its values, as the survey found it: put back before each
-    run of a call but its first."""
-    modes: Modes = ()
-    """The modules the loss called in the survey and their submodules, with their ``training``
-    flags."""
-
-    def modes_hold(self) -> bool:
-        """Whether every module the survey saw is still in the mode it was in: one switched
-        since (``model.train()``, however the loss reaches it) runs other code, which may
-        change state the survey did not see -- surveyed anew."""
-        return all((module := ref()) is not None and module.training == training
-                   for ref, training in self.modes)  # fmt: skip
+    run of a call but its first, while it :meth:`~pyhvp.restricted.state.Held.holds`."""
 
     @property
     def model(self) -> Routes:
