@@ -475,6 +475,45 @@ def test_a_graph_traced_anew_over_new_state_changes_it_once():
     torch.testing.assert_close(got, expected)
 
 
+@pytest.mark.parametrize("compiled_disagrees", [False, True], ids=["agrees", "disagrees"])
+def test_a_graph_traced_anew_that_starts_drawing_is_checked_from_one_state(
+    monkeypatch, compile_cache, compiled_disagrees
+):
+    """A function that draws from its own generator only once a flag flips: dynamo traces a
+    graph anew, whose check ran eager from the state the compiled run had left (another draw),
+    so a compiled kernel that agrees was taken to disagree, and the eager fallback served that
+    other draw (a sub-Hessian 37.8 off, the generator two draws on). The check runs both from
+    one state; a kernel that disagrees is said to serve f's state one run on."""
+    noise, drawing, traced = torch.Generator().manual_seed(3), [False], [0]
+
+    def kernel(f, x):
+        return x + torch.rand(1, generator=noise) if drawing[0] else x
+
+    def fake_compile(kernel_, f, static):
+        def run(x):
+            traced[0] += drawing[0]  # the flag's first call traces anew
+            return kernel(f, x) + int(compiled_disagrees and drawing[0])
+
+        return run
+
+    monkeypatch.setattr(torch_backend, "_compile_bound", fake_compile)
+    monkeypatch.setattr(torch_backend, "_graphs_traced", lambda: traced[0])
+    backend, x = pyhvp.TorchBackend(compile=True), torch.zeros(1)
+    backend._run(kernel, kernel, scaled, (), (x,))
+    drawing[0], before = True, noise.get_state()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = backend._run(kernel, kernel, scaled, (), (x,))
+    once = torch.Generator().set_state(before)  # one eager run's draw
+    expected = torch.rand(1, generator=once)
+    warned = [str(w.message) for w in caught]
+    if compiled_disagrees:
+        assert len(warned) == 1 and "one run on" in warned[0]
+    else:
+        assert not warned
+        torch.testing.assert_close((got, noise.get_state()), (expected, once.get_state()))
+
+
 def test_under_autocast_kernels_agree_within_the_autocast_dtypes_rounding():
     """A float32 result of bfloat16 intermediates: eager and compiled kernels round them
     differently (1e-2 apart), which is no miscompile -- outside autocast it would be one."""

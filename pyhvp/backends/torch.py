@@ -959,12 +959,12 @@ class TorchBackend:
             before.restore()
             random_states.restore(random_state)
 
-        def failed(error: Exception) -> None:  # compile is an optimisation: say so once
+        def failed(error: Exception, note: str = "") -> None:  # an optimisation: say so once
             entry.failed = True
             reason = str(error).split("\n\n")[0]  # (dynamo's debug context and stack after)
             warnings.warn(
                 f"pyhvp: torch.compile failed for {_describe(traced_kernel, f, inputs)} "
-                f"({type(error).__name__}: {reason}); running this signature eagerly",
+                f"({type(error).__name__}: {reason}); running this signature eagerly{note}",
                 RuntimeWarning,
                 stacklevel=stacklevel_outside_pyhvp(),
             )
@@ -1010,13 +1010,34 @@ class TorchBackend:
         if retraced:
             entry.backward_checked = False
         if first_call or retraced:  # a compiled graph serves only once its result is eager's
-            if retraced:  # (its changes put back: the compiled run made them)
-                again()
-                expected, _ = _noting_changes(eager, inputs)
-            difference = compile_policy.disagreement(out, expected)
+            checked, note = out, ""
+            if retraced:  # f's state is the compiled run's now, the check's put back
+                after = random_states.save(device)
+                random_states.restore(random_state)  # random ops draw the same values
+                expected, noted = _noting_changes(eager, inputs)
+                if noted.storages or noted.generators:
+                    # f changes state (a generator first drawn from in this graph): the graph
+                    # runs again from the check's state, which is then put back
+                    random_states.restore(random_state)
+                    try:
+                        with quiet_tracing():
+                            checked = run()
+                    except Exception as caught:  # (a disagreement too)
+                        checked = caught
+                    noted.restore()
+                    note = (
+                        "; this call's result is eager's from the state the compiled run left "
+                        "(f changes state beyond its values): one run on"
+                    )
+                random_states.restore(after)
+            difference = (
+                f"it raised {type(checked).__name__}: {checked}"
+                if isinstance(checked, Exception)
+                else compile_policy.disagreement(checked, expected)
+            )
             if difference is not None:
                 where = "on a graph traced anew" if retraced else "on its first call"
-                failed(CompiledKernelDisagrees(difference, where))
+                failed(CompiledKernelDisagrees(difference, where), note)
                 again()
                 return eager(*inputs)  # with autograd history where the call needs it
             entry.checked = True
