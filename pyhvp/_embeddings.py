@@ -8,6 +8,7 @@ sparse or not. Under the mode both run as ops that have one, with the same value
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -46,6 +47,23 @@ class TwiceDifferentiableEmbeddings(TorchFunctionMode):
             else:
                 kwargs["sparse"] = False
         return func(*args, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class TwiceDifferentiable:
+    """``f`` run under :class:`TwiceDifferentiableEmbeddings`: the same values, and derivatives
+    autograd can differentiate again."""
+
+    f: Callable[..., Any]
+
+    @property
+    def __name__(self) -> str:
+        """``f``'s, as messages name it."""
+        return getattr(self.f, "__name__", type(self.f).__name__)
+
+    def __call__(self, *args: Any) -> Any:
+        with TwiceDifferentiableEmbeddings():
+            return self.f(*args)
 
 
 def embedding_bag_by_embedding(

@@ -29,7 +29,7 @@ rule on a tensor over ``restricted.DENSE_LIMIT`` entries, a write, an embedding'
 use its mode does not see, found by the survey; all, under ``"auto"`` inside a ``torch.func``
 transform, where the survey cannot look for those) take the reverse route; below
 ``routes.MIN_COMPONENTS`` in all, every tensor does without a survey (unless the backend
-compiles from the first call). The reverse route runs as the seed's
+compiles from the first call), by the seed's loop eagerly. The reverse route runs as the seed's
 loop itself (one backward per component: no one-hot tangents, no batching setup) eagerly at most
 ``FEW_TANGENTS`` (4) components per tensor, and where the cost model prices it cheaper. With
 ``joint=True`` the reverse route's rows fill the cross blocks of its tensors. An equal call made
@@ -79,7 +79,7 @@ from pyhvp._checks import (
     require_like,
     require_tensor,
 )
-from pyhvp._embeddings import TwiceDifferentiableEmbeddings
+from pyhvp._embeddings import TwiceDifferentiable, TwiceDifferentiableEmbeddings
 from pyhvp._progress import progress_bar
 from pyhvp._public import public_operator
 from pyhvp._user_errors import PACKAGE, stacklevel_outside_pyhvp
@@ -727,12 +727,16 @@ def _loops(plan: _Plan, chosen: routes.Routes, backend: Backend) -> bool:
     return chosen.loop or _by_loop(plan, chosen.reverse, backend)
 
 
-def _by_loop(plan: _Plan, members: Iterable[int], backend: Backend) -> bool:
+def _by_loop(plan: _Plan, members: Iterable[int], backend: Backend, unsurveyed: bool = False
+             ) -> bool:  # fmt: skip
     """Whether the reverse route runs the seed's loop for the selected tensors ``members``:
-    eagerly (``compile=False``) at most :data:`FEW_TANGENTS` components of each, outside
-    ``torch.func`` transforms (``vmap`` around the call: autograd's loop cannot run inside)."""
+    eagerly (``compile=False``) at most :data:`FEW_TANGENTS` components of each, or any number
+    where ``"auto"`` runs no survey (``unsurveyed``: fewer than :data:`~pyhvp.restricted.routes.
+    MIN_COMPONENTS` in all; the loop runs the loss once, where a failing batched kernel would
+    leave its changes to the state for the loop's run), outside ``torch.func`` transforms
+    (``vmap`` around the call: autograd's loop cannot run inside)."""
     eager = isinstance(backend, TorchBackend) and backend.compile is False
-    few = max((len(plan.flats[i]) for i in members), default=0) <= FEW_TANGENTS
+    few = unsurveyed or max((len(plan.flats[i]) for i in members), default=0) <= FEW_TANGENTS
     return eager and few and not nested.inside_transform()
 
 
@@ -1011,9 +1015,13 @@ def _sums(
                 _log_routes(plan, chosen, backend)
             else:
                 parts, reverse, inner = [], every, None
-                loop = _by_loop(plan, reverse, backend)
-                # each pass, or the seed's loop where a kernel fails, from the call's state
-                draws.hold(_state(plan, spec, batch_values).restore)
+                # unsurveyed, "auto" runs the loss once (the seed's loop: fewer than
+                # routes.MIN_COMPONENTS components in all); several passes, each from the state
+                # one recording run finds first (a forward's cost, and only then)
+                loop = _by_loop(plan, reverse, backend, method == "auto")
+                if not loop and _passes(plan, chunk_size) > 1:
+                    inputs = (*plan.tensors, *plan.others, *batch_values)
+                    draws.hold(_recorded(plan, spec, batch_values).snapshot(inputs).restore)
                 _log.debug("sub_hessian: reverse route%s (%s)", f" {BY_LOOP}" if loop else "",
                            refusal)  # fmt: skip
             # the reverse route adds its rows once all are computed, the sparse groups after it:
@@ -1042,6 +1050,9 @@ def _sums(
             # a loss that fails by itself (a torch error in its own frame) raises it here
             refused = (f"method={method!r} does not apply: its kernels cannot run this loss "
                        f"({type(error).__name__}: {error})")  # fmt: skip
+            # unsurveyed (method="reverse" in one pass), the kernel's run changed the state the
+            # loop runs from: found by one recording run, said, and left as that run left it
+            changed = None if draws.held is not None else _changed(plan, spec, batch_values)
             try:
                 total = _reverse_blocks(plan, every, batch_values, spec, chunk_size, backend,
                                         total, blocks, None, True, draws)  # fmt: skip
@@ -1054,6 +1065,17 @@ def _sums(
                     raise
                 raise ValueError(f"{refused}, nor can the seed's loop "
                                  f"({type(loop_error).__name__}: {loop_error})") from loop_error  # fmt: skip
+            if changed is not None:
+                changed.restore()
+                warnings.warn(
+                    f"pyhvp: sub_hessian's batched kernel failed ({type(error).__name__}) after "
+                    "the loss changed state beyond its values (running statistics, a generator "
+                    "of its own, a buffer it writes); the seed's loop ran from that state, so "
+                    "this result is taken one run of the loss later; method='auto' finds that "
+                    "state first",
+                    RuntimeWarning,
+                    stacklevel=stacklevel_outside_pyhvp(),
+                )
             if method in FORCED:
                 raise ValueError(f"{refused}; method='auto' takes the seed's loop") from error
         for position, (t, version) in enumerate(zip(watched, versions, strict=True)):
@@ -1263,34 +1285,30 @@ def _sparse_pass(
     return block
 
 
-_STATES: OrderedDict[Hashable, Held] = OrderedDict()
-"""What the loss changes beyond its values, by the key of :data:`_ROUTES` (without the options),
-for calls no survey runs before: found by one recording run of the first call."""
+def _passes(plan: _Plan, chunk_size: int | None) -> int:
+    """How many times the reverse route's batched passes run the loss on one batch: once per
+    ``chunk_size`` rows of the tensor with the most (of every tensor, for one block)."""
+    sizes = [len(flat) for flat in plan.flats]
+    rows = sum(sizes) if plan.one_block else max(sizes, default=0)
+    return -(-rows // chunk_size) if chunk_size else 1
 
 
-def _state(plan: _Plan, spec: Any, batch_values: list[Any]) -> Snapshot:
-    """The state the loss changes beyond its values, as it is now (:func:`~pyhvp.restricted.
-    state.recorded`, found by one run on the first equal call, or anew where it no longer
-    :meth:`~pyhvp.restricted.state.Held.holds`): for routes that may run the loss more than
-    once where no survey ran before (pass after pass, or the seed's loop again where a kernel
-    failed or an embedding bag's graph cannot be differentiated twice)."""
+def _recorded(plan: _Plan, spec: Any, batch_values: list[Any]) -> Held:
+    """What the loss changes beyond its values on this batch (:func:`~pyhvp.restricted.state.
+    recorded`: one run, put back): for runs no survey ran before."""
     loss = dataclasses.replace(plan.sparse, batch_spec=spec)
     inputs = (*plan.tensors, *plan.others, *batch_values)
-    try:
-        key: Hashable = compile_policy.signature("sub_hessian state", loss, (), inputs)
-        held = _STATES.get(key)
-    except TypeError:  # an unhashable loss: recorded every call
-        key, held = None, None
-    if held is None or not held.holds():
-        with torch.inference_mode(False):  # (as the survey runs it)
-            held = recorded(loss, _normal(inputs))
-        if key is not None:
-            _STATES[key] = held
-            if len(_STATES) > compile_policy.CACHE_SIZE:
-                _STATES.popitem(last=False)
-    elif key is not None:
-        _STATES.move_to_end(key)
-    return held.snapshot(inputs)
+    with torch.inference_mode(False):  # (as the survey runs it)
+        return recorded(loss, _normal(inputs))
+
+
+def _changed(plan: _Plan, spec: Any, batch_values: list[Any]) -> Snapshot | None:
+    """What the loss changes beyond its values on this batch, as it is now (one recording run),
+    or None where it changes nothing."""
+    held = _recorded(plan, spec, batch_values)
+    if not (held.positions or held.owners or held.generators):
+        return None
+    return held.snapshot((*plan.tensors, *plan.others, *batch_values))
 
 
 def _reverse_blocks(
@@ -1368,6 +1386,8 @@ def _reverse_rows(
     if loop:
         return _loop_rows(loss, leaves, row_flats, column_flats, (*others, *batch_values), draws)
     primitive = require_primitive(backend, "grad_and_block_hvps", "sub_hessian")
+    eager = isinstance(backend, TorchBackend) and backend.compile is False
+    run = TwiceDifferentiable(loss) if eager and not nested.inside_transform() else loss
     row_flats = [flat.to(t.device) for flat, t in zip(row_flats, leaves, strict=True)]
     column_flats = [flat.to(t.device) for flat, t in zip(column_flats, leaves, strict=True)]
     # each leaf's rows, chunk after chunk (joined at the end: under vmap they are batched)
@@ -1382,7 +1402,7 @@ def _reverse_rows(
         tangents = [_one_hot(chunk, t) for chunk, t in zip(chunks, leaves, strict=True)]
         # a few tangents: one plain backward each (vmap's setup costs more than it batches)
         one_by_one = 1 if max(len(chunk) for chunk in chunks) <= FEW_TANGENTS else inner
-        _, products = primitive(loss, leaves, tangents, (*others, *batch_values), one_by_one)
+        _, products = primitive(run, leaves, tangents, (*others, *batch_values), one_by_one)
         for rows, chunk, columns, product in zip(
             pieces, chunks, column_flats, products, strict=True
         ):
@@ -1404,22 +1424,18 @@ def _loop_rows(
     row read at the columns. At a few components per tensor this costs less than any batched
     pass (no one-hot tangents, no ``vmap`` nor compile-cache lookup): on the benchmark's models
     at k = 2 per tensor the reverse route's fixed cost made it 1.05-1.3x this loop. Attention
-    takes its math path throughout (fused kernels have no second derivative). A loss whose
-    graph holds an embedding with sparse gradients, or an embedding bag (:func:`~pyhvp.
-    backends.torch.refuse_compiled_backward` says), runs again with the same draws, under
-    :class:`~pyhvp._embeddings.TwiceDifferentiableEmbeddings` (a mode that costs a Python call
-    per op, 1.5% of the seed's 1 ms call, where none is needed), from the state the first run
-    started from (``draws`` puts it back)."""
+    takes its math path throughout (fused kernels have no second derivative), and embeddings
+    with sparse gradients and embedding bags run as ops autograd can differentiate twice
+    (:class:`~pyhvp._embeddings.TwiceDifferentiableEmbeddings`: a Python call per op, 1.5% of
+    the seed's 1 ms call). Before, such a loss ran a second time, from the state its first run
+    had changed."""
     with torch.inference_mode(False), torch.enable_grad(), math_attention:
         ys = [cast(torch.Tensor, t).detach().requires_grad_() for t in _normal(tuple(leaves))]
         args = _normal(args)
         draws.begin()
-        total = loss(*ys, *args)
-        if not refuse_compiled_backward(total):
-            return _rows_by_loop(total, ys, row_flats, column_flats)
-        draws.begin()
         with TwiceDifferentiableEmbeddings():
             total = loss(*ys, *args)
+        refuse_compiled_backward(total)
         return _rows_by_loop(total, ys, row_flats, column_flats)
 
 

@@ -589,23 +589,22 @@ class NormedBags(nn.Module):
 
 
 BAG_CALLS = {
-    "auto, unsurveyed, by the loop": ("auto", 4),
-    "auto, unsurveyed, its batched kernel failing": ("auto", 5),
+    "auto, unsurveyed, 4 components": ("auto", 4),
+    "auto, unsurveyed, 5 components": ("auto", 5),
     "reverse, by the loop": ("reverse", 4),
-    "reverse, its batched kernel failing": ("reverse", 5),
+    "reverse, batched": ("reverse", 5),
     "auto, surveyed": ("auto", 12),
 }
-"""How sub_hessian runs the seed's loop a second time for an embedding bag (method,
-components): the surveyed call put the state back before, the others after it."""
+"""How sub_hessian takes an embedding bag's sub-Hessian (method, components): unsurveyed, the
+seed's loop (4 components) or the batched reverse kernel, which failed on it."""
 
 
 @pytest.mark.parametrize(("method", "components"), BAG_CALLS.values(), ids=BAG_CALLS.keys())
-def test_the_seeds_loop_run_again_for_an_embedding_bag_starts_from_the_calls_state(
-    method, components
-):
-    """The loop runs such a loss a second time (its first graph cannot be differentiated
-    twice), as it does after a batched kernel failed: where no survey ran before, from the state
-    the first run left (the scale doubled: 0.05 to 0.09 off, the statistics updated twice)."""
+def test_an_embedding_bag_is_differentiated_at_the_calls_state(method, components):
+    """The seed's loop ran such a loss a second time (its first graph cannot be differentiated
+    twice), as it did after the batched kernel failed on it: where no survey ran before, from
+    the state the first run left (the scale doubled: 0.05 to 0.09 off, the statistics updated
+    twice). Both run the embedding bag as ops autograd differentiates twice, once."""
     torch.manual_seed(0)
     bags, pooled = NormedBags().double(), NormedBags(bagged=False).double()
     pooled.load_state_dict(bags.state_dict())
@@ -616,6 +615,24 @@ def test_the_seeds_loop_run_again_for_an_embedding_bag_starts_from_the_calls_sta
     got = pyhvp.sub_hessian(*pyhvp.module_loss(bags, nn.CrossEntropyLoss(), tokens, y), index,
                             method=method, backend=pyhvp.TorchBackend(compile=False))  # fmt: skip
     torch.testing.assert_close((got, dict(bags.named_buffers())), expected)
+
+
+def test_a_failed_batched_kernel_after_a_change_of_state_warns_and_changes_it_once():
+    """method="reverse" in one pass runs no survey: where its batched kernel fails (group_norm's
+    double backward takes no batched gradients) after the loss doubled its scale, the seed's
+    loop ran from the doubled scale, silently, and doubled it again."""
+    scale = torch.ones((), dtype=torch.float64)
+
+    def loss(p):
+        with torch.no_grad():
+            scale.mul_(2)
+        images = torch.linspace(-1, 1, 192, dtype=torch.float64).reshape(4, 3, 4, 4)
+        return torch.tanh(F.group_norm(F.conv2d(images, p), 2)).pow(2).sum() * scale
+
+    p = torch.randn(4, 3, 2, 2, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match="one run of the loss later"):
+        pyhvp.sub_hessian(loss, p, torch.arange(0, 48, 4), method="reverse", backend=EAGER)
+    assert scale.item() == 2.0
 
 
 class DroppedEmbeddings(nn.Module):

@@ -233,37 +233,26 @@ def _writes_x(f: Callable[..., torch.Tensor], x: torch.Tensor, args: Sequence[ob
     return copy._version > 0
 
 
-def refuse_compiled_backward(total: torch.Tensor) -> bool:
+def refuse_compiled_backward(total: torch.Tensor) -> None:
     """Raise ``ValueError`` where autograd's graph of ``total`` holds a backward compiled by
     ``torch.compile`` (aot_autograd's ``CompiledFunctionBackward``, a function the caller
     compiled itself): autograd cannot differentiate it again, and a second backward that allows
-    unused inputs reads its second derivatives as zero, silently. Otherwise, whether it holds an
-    embedding's backward that a second pass cannot differentiate: one with sparse gradients
-    (``sparse=True``; reshape is not implemented for sparse tensors), or any embedding bag's
-    (its backward has no derivative): one walk answers both."""
+    unused inputs reads its second derivatives as zero, silently."""
     stack = [total.grad_fn] if total.grad_fn is not None else []
     seen = set(stack)
-    sparse = False
     while stack:
         node = stack.pop()
-        name = type(node).__name__
-        if name == "CompiledFunctionBackward":
+        if type(node).__name__ == "CompiledFunctionBackward":
             raise ValueError(
                 "the function differentiated calls one compiled by torch.compile, whose "
                 "backward autograd cannot differentiate again (its second derivatives would "
                 "read as zero): pass it uncompiled (pyhvp compiles the whole function: "
                 "backend=pyhvp.TorchBackend(compile=True))"
             )
-        sparse = (
-            sparse
-            or name.startswith("EmbeddingBagBackward")
-            or (name.startswith("EmbeddingBackward") and bool(cast(Any, node)._saved_sparse))
-        )
         for child, _ in node.next_functions:  # (a loop: 60% of a generator's time)
             if child is not None and child not in seen:
                 seen.add(child)
                 stack.append(child)
-    return sparse
 
 
 def _differentiable_alias(y: torch.Tensor) -> torch.Tensor:
