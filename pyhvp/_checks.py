@@ -68,9 +68,16 @@ def check_args(args: Sequence[object], x: torch.Tensor) -> None:
     ``args[0]``, ``args[1]['weight']``."""
     leaves, _ = pytree.tree_flatten_with_path(tuple(args))
     for path, arg in leaves:
-        if not isinstance(arg, torch.Tensor):
-            continue
         name = "args" + pytree.keystr(path)
+        if not isinstance(arg, torch.Tensor):
+            if getattr(arg, "ndim", 0) and hasattr(arg, "__array__"):  # an array, not a scalar
+                raise TypeError(
+                    f"{name} must be a torch.Tensor, got a {type(arg).__module__}."
+                    f"{type(arg).__qualname__}: pass torch.as_tensor({name}, dtype=x.dtype, "
+                    f"device=x.device). With x, an array makes NumPy compute the result, which "
+                    f"carries no derivative"
+                )
+            continue
         if arg.device != x.device:
             raise ValueError(f"{name} must be on x's device {x.device}, got {name} on {arg.device}")
         if arg.is_floating_point() and arg.dtype != x.dtype:

@@ -89,7 +89,55 @@ def test_numpy_inside_f_is_told_to_use_torch_functions():
 
 def test_f_returning_a_numpy_array_is_told_to_use_torch_functions():
     with pytest.raises(TypeError, match=re.escape("got ndarray: pyhvp differentiates f")):
-        pyhvp.laplacian(lambda x: np.sin(x.numpy()).sum(-1), X)
+        pyhvp.laplacian(lambda x: np.ones(len(x)), X)
+
+
+CENTRE = np.linspace(-1.0, 1.0, 3, dtype=np.float32)
+"""A NumPy array, as loaded from a file."""
+
+OPERATORS_ON_F = {
+    "hvp": lambda f, *args: pyhvp.hvp(f, X, torch.ones_like(X), *args),
+    "laplacian": lambda f, *args: pyhvp.laplacian(f, X, *args),
+    "hessian_diagonal": lambda f, *args: pyhvp.hessian_diagonal(f, X, *args),
+    "bilaplacian": lambda f, *args: pyhvp.bilaplacian(f, X, *args),
+    "directional_derivatives": lambda f, *args: pyhvp.directional_derivatives(
+        f, X, torch.ones(3), *args, order=2),
+    "differential_operator": lambda f, *args: pyhvp.differential_operator(
+        f, X, {(0, 0): 1.0}, *args),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("call", OPERATORS_ON_F.values(), ids=OPERATORS_ON_F.keys())
+def test_a_numpy_array_among_the_args_is_refused_by_name(call):
+    """``x - centre`` with a NumPy centre is NumPy's subtraction, whose result torch never saw
+    made: the Taylor operators returned zeros, and hvp blamed f for calling NumPy."""
+    with pytest.raises(TypeError, match=re.escape("args[0] must be a torch.Tensor, got a numpy")):
+        call(lambda x, centre: ((x - centre) ** 4).sum(-1), CENTRE)
+
+
+TO_NUMPY_IN_F = {
+    "x - a captured array": lambda x: ((x - CENTRE) ** 4).sum(-1),
+    "np.sin(x)": lambda x: torch.as_tensor(np.sin(x)).pow(4).sum(-1),
+    "x.numpy()": lambda x: torch.as_tensor(x.numpy() ** 4).sum(-1),
+}
+
+
+@pytest.mark.parametrize("f", TO_NUMPY_IN_F.values(), ids=TO_NUMPY_IN_F.keys())
+@pytest.mark.parametrize("operator", list(OPERATORS_ON_F)[1:])
+def test_f_converting_x_to_numpy_is_refused_by_the_taylor_operators(operator, f):
+    """NumPy computes on x's values, and the recorder saw no op of it: the Laplacian of
+    ``((x - centre) ** 4).sum(-1)`` was zeros."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # (NumPy 2's on torch's __array_wrap__)
+        with pytest.raises(TypeError, match="f converts a tensor that depends on x to NumPy"):
+            OPERATORS_ON_F[operator](f)
+
+
+def test_f_converting_a_captured_tensor_to_numpy_is_differentiated():
+    """A constant's NumPy value is a constant: no refusal."""
+    weight = torch.tensor([1.0, 2.0, 3.0])
+    got = pyhvp.laplacian(lambda x: (x**2).sum(-1) * float(np.abs(weight.numpy()).sum()), X)
+    torch.testing.assert_close(got, torch.full((8,), 36.0))
 
 
 def uneven(reduction):

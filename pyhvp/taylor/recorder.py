@@ -495,11 +495,14 @@ def _record(f: Callable[..., Tensor], variable: Tensor, args: Sequence[object],
     recorder = Recorder(variable, watch_backward=not tell_backward_apart)
     guard = _NoAutogradInside() if tell_backward_apart else contextlib.nullcontext()
     _RECORDING.depth = recording_depth() + 1
+    recorders = _recorders()
+    recorders.append(recorder)
     try:
-        with recording_state(), guard, recorder:
+        with recording_state(), guard, recorder, _refusing_numpy():
             out = f(variable, *args)
     finally:
         _RECORDING.depth -= 1
+        recorders.pop()
     if recorder.saw_backward:
         raise BackwardInside
     return recorder, out
@@ -507,7 +510,69 @@ def _record(f: Callable[..., Tensor], variable: Tensor, args: Sequence[object],
 
 _RECORDING = threading.local()
 """How many records of ``f`` are in progress on this thread (an operator called inside ``f``
-of another is nested in it)."""
+of another is nested in it), and their recorders."""
+
+
+def _recorders() -> list[Recorder]:
+    if not hasattr(_RECORDING, "recorders"):
+        _RECORDING.recorders = []
+    return cast(list[Recorder], _RECORDING.recorders)
+
+
+TO_NUMPY = ("__array__", "numpy")
+"""The methods by which a tensor becomes a NumPy array: ``np.sin(x)``, ``x - array`` (NumPy
+computes, and its result comes back as a tensor torch never saw made), ``x.numpy()``."""
+
+_OWN = {name: Tensor.__dict__.get(name) for name in TO_NUMPY}
+"""``torch.Tensor``'s own methods (None: inherited from ``TensorBase``), put back after."""
+
+
+def _refusing(name: str) -> Callable[..., Any]:
+    original = getattr(Tensor, name)
+
+    def convert(self: Tensor, *args: Any, **kwargs: Any) -> Any:
+        recorders = _recorders()
+        if recorders and not recorders[-1]._is_constant(self):
+            raise TypeError(
+                f"f converts a tensor that depends on x to NumPy (Tensor.{name}: np.sin(x), "
+                f"x - a NumPy array, x.numpy()); {ENGINE} differentiates torch operations only, "
+                f"and NumPy's results would be constants (zero derivatives). Write f with torch "
+                f"functions and pass arrays as tensors (torch.as_tensor)"
+            )
+        return original(self, *args, **kwargs)
+
+    return convert
+
+
+_REFUSING = {name: _refusing(name) for name in TO_NUMPY}
+_INSTALL_LOCK = threading.Lock()
+_installed = 0
+"""Records in progress in any thread (the methods are replaced while there is one)."""
+
+
+@contextlib.contextmanager
+def _refusing_numpy() -> Iterator[None]:
+    """While ``f`` is recorded, a tensor that depends on ``x`` refuses to become a NumPy array:
+    the recorder sees no op of NumPy's, so its results were constants (a Laplacian of zeros).
+    The methods are replaced on ``torch.Tensor`` while any record is in progress (a function
+    mode would cost every op of every record); tensors of no record keep their behaviour."""
+    global _installed
+    with _INSTALL_LOCK:
+        if _installed == 0:
+            for name, method in _REFUSING.items():
+                setattr(Tensor, name, method)
+        _installed += 1
+    try:
+        yield
+    finally:
+        with _INSTALL_LOCK:
+            _installed -= 1
+            if _installed == 0:
+                for name, own in _OWN.items():
+                    if own is None:
+                        delattr(Tensor, name)
+                    else:
+                        setattr(Tensor, name, own)
 
 
 def recording_depth() -> int:
