@@ -42,7 +42,8 @@ def grad_and_hvp(
     ``hv`` of v's shape. ``chunk_size`` bounds how many of the k tangents are pushed at once.
     The torch backend runs reverse-over-reverse, eagerly with autograd and, once repeated calls
     pay for it, as a compiled ``vjp(grad(f))`` (see :mod:`pyhvp.backends.torch`). Inputs are
-    never modified.
+    never modified by pyhvp; an ``f`` that writes to ``x`` is refused (under ``torch.no_grad()``,
+    which autograd allows, after the write).
 
     >>> x = torch.tensor([[1.0, 2.0], [3.0, 4.0]])          # 2 instances, f = sum(x**3)
     >>> g, hv = grad_and_hvp(lambda x: (x**3).sum(-1), x, torch.ones_like(x))

@@ -28,6 +28,8 @@ from pyhvp._checks import (
     require_floating,
 )
 from pyhvp._public import public_operator
+from pyhvp.backends.torch import write_to_x_refusal
+from pyhvp.taylor import InPlaceInputError
 
 Out = TypeVar("Out")
 """What a per-instance function returns (a tensor or a tuple of tensors); batched alike."""
@@ -218,7 +220,7 @@ def check_instances(
     if math.prod(batch_shape) < 2:
         return
     with torch.inference_mode(False), torch.enable_grad():  # also inside inference mode
-        y = x.clone() if x.is_inference() else x.detach()
+        y = x.clone()  # (a write of f's never reaches the caller's x)
         run = _Runs(f, y, args, batch_shape, generator)
         message = _leak_through_derivatives(run)
         if message is not None:
@@ -258,7 +260,20 @@ class _Runs:
         ]
         self.random_state = random_states.save(y.device)
         self.y.requires_grad_()
-        self.out = check_batched_output(f(self.y, *args), batch_shape)
+        version = self.y._version
+        try:
+            out = f(self.y, *args)
+        except RuntimeError as error:
+            refusal = write_to_x_refusal(error, f, y, args)
+            if refusal is None:
+                raise
+            raise refusal from error
+        if self.y._version != version:  # under no_grad, which autograd allows
+            raise InPlaceInputError(
+                "f modifies x in place under torch.no_grad(); pyhvp's operators differentiate f "
+                "w.r.t. the x they are given: write to a copy (x.clone())"
+            )
+        self.out = check_batched_output(out, batch_shape)
 
     def random(self, shape: Sequence[int]) -> torch.Tensor:
         """Uniform draws in [0.5, 1.5) from ``generator`` (on its device), on ``y``'s."""

@@ -212,6 +212,35 @@ def test_f_writing_to_an_x_that_requires_grad_is_refused_and_x_left_unchanged(ma
     assert torch.equal(x.detach(), before)
 
 
+def writes_to_x_without_grad(x):
+    with torch.no_grad():
+        x.mul_(2.0)  # a projection step, say: autograd allows it
+    return x.pow(3).sum(-1)
+
+
+@pytest.mark.parametrize("requires_grad", [False, True], ids=["x", "x that requires grad"])
+@pytest.mark.parametrize("call", OPERATORS_ON_HVPS.values(), ids=OPERATORS_ON_HVPS.keys())
+def test_f_writing_to_x_under_no_grad_is_refused_by_the_hvps(call, requires_grad):
+    """Autograd allows the write, so it was the caller's x that doubled on every call, and the
+    HVPs were those of the written value (or torch's error about an unbind view, for an x that
+    requires grad). The write cannot be refused before it happens there: the message says that
+    x holds the written values."""
+    x = torch.randn(4, 3, requires_grad=requires_grad)
+    with pytest.raises(pyhvp.taylor.InPlaceInputError, match="x now holds the written values"):
+        call(writes_to_x_without_grad, x)
+
+
+@pytest.mark.parametrize("f", [writes_to_x, writes_to_x_without_grad], ids=["f", "f, no_grad"])
+def test_check_instances_refuses_f_writing_to_x_and_leaves_x_unchanged(f):
+    """It said autograd's 'a leaf Variable that requires grad' about an x that did not require
+    grad, and under no_grad it wrote the caller's x three times."""
+    x = torch.randn(4, 3)
+    before = x.clone()
+    with pytest.raises(pyhvp.taylor.InPlaceInputError, match=r"x\.clone\(\)"):
+        pyhvp.check_instances(f, x)
+    assert torch.equal(x, before)
+
+
 def test_f_writing_to_a_parameter_gets_autograds_own_error_not_told_to_copy_x():
     weight = torch.ones(3, requires_grad=True)
 

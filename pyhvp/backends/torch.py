@@ -224,6 +224,19 @@ of an ``x`` that does not, or a parameter of ``f``'s) and of one to an output of
 (pyhvp's alias of an ``x`` that does)."""
 
 
+def write_to_x_refusal(
+    error: RuntimeError, f: Callable[..., torch.Tensor], x: torch.Tensor, args: Sequence[object]
+) -> taylor.InPlaceInputError | None:
+    """Autograd's refusal of a write (:data:`_REFUSED_WRITES`), said as the Taylor engine says
+    it where ``f`` writes to ``x`` (not to a parameter of its own), or None."""
+    if not any(write in str(error) for write in _REFUSED_WRITES) or not _writes_x(f, x, args):
+        return None
+    return taylor.InPlaceInputError(
+        "f modifies x in place: pyhvp differentiates f w.r.t. x, which autograd does not let f "
+        "write to (write to a copy: x.clone())"
+    )
+
+
 def _writes_x(f: Callable[..., torch.Tensor], x: torch.Tensor, args: Sequence[object]) -> bool:
     """Whether ``f`` writes to its input: run once more on a copy of ``x`` that does not require
     grad (a write to a parameter that does is refused by autograd again, before any write)."""
@@ -231,6 +244,22 @@ def _writes_x(f: Callable[..., torch.Tensor], x: torch.Tensor, args: Sequence[ob
     with contextlib.suppress(Exception), torch.enable_grad():
         f(copy, *args)
     return copy._version > 0
+
+
+WRITTEN_UNDER_NO_GRAD = (
+    "f modifies x in place under torch.no_grad() (x now holds the written values, and the "
+    "derivatives would be at them); pyhvp differentiates f w.r.t. the x it is given: write to a "
+    "copy (x.clone())"
+)
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter (None for a tensor that keeps none: an inference tensor, a
+    ``torch.func`` wrapper)."""
+    try:
+        return None if t.is_inference() else t._version
+    except RuntimeError:
+        return None
 
 
 def refuse_compiled_backward(total: torch.Tensor) -> None:
@@ -642,16 +671,18 @@ class TorchBackend:
         outside = not (nested.inside_transform() or taylor.recording())  # (written out inside)
         if outside and _needs_autograd((x, tangents, *args)):
             summed = nested.written_out(summed, cumulative=False)
+        version = _version(x)
         try:
             (g,), (hv,) = self.grad_and_block_hvps(summed, (x,), (tangents,), args, chunk_size)
         except RuntimeError as error:  # x written by f: said as the Taylor engine says it
-            refused = any(write in str(error) for write in _REFUSED_WRITES)
-            if not refused or not _writes_x(f, x, args):
+            if _version(x) != version:  # (autograd's own error about the view it wrote)
+                raise taylor.InPlaceInputError(WRITTEN_UNDER_NO_GRAD) from error
+            refusal = write_to_x_refusal(error, f, x, args)
+            if refusal is None:
                 raise
-            raise taylor.InPlaceInputError(
-                "f modifies x in place: pyhvp differentiates f w.r.t. x, which autograd does not "
-                "let f write to (write to a copy: x.clone())"
-            ) from error
+            raise refusal from error
+        if _version(x) != version:  # under no_grad, which autograd allows: found after it
+            raise taylor.InPlaceInputError(WRITTEN_UNDER_NO_GRAD)
         return g, hv
 
     def grad_and_block_hvps(
