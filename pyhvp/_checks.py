@@ -66,17 +66,11 @@ def check_args(args: Sequence[object], x: torch.Tensor) -> None:
     """Extra tensor arguments, and the tensors inside container arguments (a dict of
     parameters), live on x's device; floating ones share x's dtype. Each is named by its path:
     ``args[0]``, ``args[1]['weight']``."""
+    refuse_arrays("args", tuple(args), ", dtype=x.dtype, device=x.device")
     leaves, _ = pytree.tree_flatten_with_path(tuple(args))
     for path, arg in leaves:
         name = "args" + pytree.keystr(path)
         if not isinstance(arg, torch.Tensor):
-            if getattr(arg, "ndim", 0) and hasattr(arg, "__array__"):  # an array, not a scalar
-                raise TypeError(
-                    f"{name} must be a torch.Tensor, got a {type(arg).__module__}."
-                    f"{type(arg).__qualname__}: pass torch.as_tensor({name}, dtype=x.dtype, "
-                    f"device=x.device). With x, an array makes NumPy compute the result, which "
-                    f"carries no derivative"
-                )
             continue
         if arg.device != x.device:
             raise ValueError(f"{name} must be on x's device {x.device}, got {name} on {arg.device}")
@@ -84,6 +78,22 @@ def check_args(args: Sequence[object], x: torch.Tensor) -> None:
             raise ValueError(
                 f"{name} must have x's dtype {x.dtype} (floating args are not promoted), "
                 f"got {arg.dtype}"
+            )
+
+
+def refuse_arrays(name: str, value: object, options: str = "") -> None:
+    """No NumPy array (nor another array that is not a tensor) in ``value``, a pytree named
+    ``name``: with tensors, NumPy computes the result, which carries no derivative. Scalars
+    (``np.float32(2.0)``, 0-d) are numbers to torch, and fine."""
+    leaves, _ = pytree.tree_flatten_with_path(value)
+    for path, leaf in leaves:
+        ndim: object = getattr(leaf, "ndim", None)
+        if not isinstance(leaf, torch.Tensor) and isinstance(ndim, int) and ndim > 0:
+            where = name + pytree.keystr(path)
+            raise TypeError(
+                f"{where} must be a torch.Tensor, got a {type(leaf).__module__}."
+                f"{type(leaf).__qualname__}: pass torch.as_tensor({where}{options}). With "
+                f"tensors, an array makes NumPy compute the result, which carries no derivative"
             )
 
 

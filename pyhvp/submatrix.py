@@ -75,6 +75,7 @@ from pyhvp._checks import (
     check_chunk_size,
     check_output,
     fmt_shape,
+    refuse_arrays,
     require_floating,
     require_like,
     require_tensor,
@@ -342,6 +343,10 @@ def module_loss(
         )
     if inputs is None and targets is None:
         return _ModuleBatchLoss(module, criterion), params
+    refuse_arrays("inputs", inputs)
+    refuse_arrays("targets", targets)
+    with torch.inference_mode(False):  # inference tensors: autograd cannot save them
+        inputs, targets = _normal((inputs, targets))
     return _ModuleLoss(module, criterion, inputs, targets), params
 
 

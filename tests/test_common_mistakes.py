@@ -53,6 +53,22 @@ def test_a_module_loss_without_inputs_used_without_data_says_to_pass_data():
         pyhvp.sub_hessian(loss, p, INDEX)
 
 
+def test_module_loss_refuses_numpy_inputs_by_name():
+    with pytest.raises(TypeError, match=re.escape("inputs must be a torch.Tensor, got a numpy")):
+        pyhvp.module_loss(net(), nn.MSELoss(), X.numpy(), Y)
+
+
+def test_module_loss_on_inference_tensors_gives_the_normal_sub_hessian():
+    """Inputs made under torch.inference_mode() (a data pipeline's): autograd refused to save
+    them for the backward passes ("Inference tensors cannot be saved for backward")."""
+    with torch.inference_mode():
+        inputs, targets = X.clone(), Y.clone()
+    model = net()
+    got = pyhvp.sub_hessian(*pyhvp.module_loss(model, nn.MSELoss(), inputs, targets), INDEX)
+    expected = pyhvp.sub_hessian(*pyhvp.module_loss(model, nn.MSELoss(), X, Y), INDEX)
+    torch.testing.assert_close(got, expected)
+
+
 def test_module_loss_with_model_and_criterion_swapped_says_the_order():
     with pytest.raises(ValueError, match=re.escape("takes the model first and the criterion")):
         pyhvp.module_loss(nn.MSELoss(), net(), X, Y)
