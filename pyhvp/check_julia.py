@@ -36,6 +36,7 @@ import torch
 
 from pyhvp.backends.julia import (
     INSTALL_HELP,
+    JULIACALL_DEFAULTS,
     JuliaBackendError,
     _start_julia,
     call_julia,
@@ -275,11 +276,12 @@ def run_checks(
 def child_env(env: Mapping[str, str], allow_download: bool) -> dict[str, str]:
     """``env`` for the checking process: Julia starts offline unless downloads are allowed
     (then juliacall may install Julia and the packages, as ``PYHVP_JULIA_AUTOINSTALL=yes``)."""
-    child = {
-        k: v
+    child = {**JULIACALL_DEFAULTS}  # (set before juliacall's import, as the backend sets them)
+    child.update(
+        (k, v)
         for k, v in env.items()
         if k not in ("PYTHON_JULIAPKG_OFFLINE", "PYHVP_JULIA_AUTOINSTALL")
-    }
+    )
     child.update(
         {"PYHVP_JULIA_AUTOINSTALL": "yes"} if allow_download else {"PYTHON_JULIAPKG_OFFLINE": "yes"}
     )
@@ -315,7 +317,8 @@ def check_here() -> int:
     try:
         runner = JuliaRunner()
     except JuliaCannotStart as error:
-        print(f"Julia cannot start: {error}\n{INSTALL_HELP}", flush=True)
+        help_ = "" if INSTALL_HELP in str(error) else f"\n{INSTALL_HELP}"
+        print(f"Julia cannot start: {error}{help_}", flush=True)
         return EXIT_JULIA_CANNOT_START
     except JuliaBackendError as error:
         print(f"Julia started, but the bundled PyHVP package did not load:\n{error}", flush=True)
@@ -357,8 +360,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.in_this_process:
         return check_here()
-    command = [sys.executable, "-m", "pyhvp.check_julia", "--in-this-process"]
+    command = [sys.executable, "-c", CHECKING_PROCESS]
     return supervise(command, child_env(os.environ, args.allow_download), args.timeout)
+
+
+CHECKING_PROCESS = (
+    "import sys, warnings\n"
+    "try:\n"
+    "    import juliacall  # before torch (PythonCall's FAQ: crashes otherwise)\n"
+    "except Exception:  # no Julia: the import fails again, after torch's, and says why\n"
+    "    warnings.filterwarnings('ignore', message='torch was imported before juliacall')\n"
+    "from pyhvp.check_julia import main\n"
+    "sys.exit(main(['--in-this-process']))\n"
+)
+"""The checking process's program: juliacall imported first, as the julia guide asks of users
+(where it cannot start, :func:`check_here` says why)."""
 
 
 if __name__ == "__main__":

@@ -7,7 +7,12 @@ import sys
 import pytest
 import torch
 
-from pyhvp.backends.julia import JuliaBackendError, julia_available
+from pyhvp.backends.julia import (
+    INSTALL_HELP,
+    JULIACALL_DEFAULTS,
+    JuliaBackendError,
+    julia_available,
+)
 from pyhvp.check_julia import (
     CASES,
     EXIT_FAILED,
@@ -32,6 +37,17 @@ def test_without_julia_the_check_says_why_and_exits_with_the_skip_code():
     )
     said = [line for line in done.stdout.splitlines() if line.startswith("Julia cannot start: ")]
     assert (done.returncode, len(said)) == (EXIT_JULIA_CANNOT_START, 1), done.stdout + done.stderr
+
+
+@pytest.mark.skipif(julia_available(), reason="Julia can start here: the check runs for real")
+def test_without_julia_the_check_says_how_to_install_once_and_warns_of_nothing():
+    """It printed the install paragraph twice, and juliacall's warning that torch was imported
+    before it (the check's own order, which the julia guide tells users to avoid)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pyhvp.check_julia"], capture_output=True, text=True, timeout=120
+    )
+    output = done.stdout + done.stderr
+    assert (output.count(INSTALL_HELP), "Warning" in output) == (1, False), output
 
 
 @pytest.mark.slow
@@ -179,7 +195,8 @@ ENVIRONMENTS = [  # name: (environment, allow_download, what the checking proces
     ("name", "env", "allow", "child"), ENVIRONMENTS, ids=[e[0] for e in ENVIRONMENTS]
 )
 def test_julia_starts_offline_unless_downloads_are_allowed(name, env, allow, child):
-    assert child_env({"HOME": "/home/u", **env}, allow) == {"HOME": "/home/u", **child}
+    expected = {**JULIACALL_DEFAULTS, "HOME": "/home/u", **child}
+    assert child_env({"HOME": "/home/u", **env}, allow) == expected
 
 
 PROCESSES = [  # name: (Python code of the checking process, exit code, last line printed)

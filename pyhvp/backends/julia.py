@@ -56,7 +56,8 @@ INSTALL_HELP = (
     "The julia backend needs juliacall, a Julia of 1.10.3 or newer in the range juliacall "
     "accepts, and the Julia packages in "
     "pyhvp/juliapkg.json (Enzyme, CUDA, DLPack, ForwardDiff, StaticArrays). Install with "
-    "internet: `pip install 'pyhvp[julia]'`, then once `python -c \"import juliapkg; "
+    'internet, in a checkout of pyhvp (it is not on PyPI): `pip install ".[julia]"`, then '
+    'once `python -c "import juliapkg; '
     'juliapkg.resolve()"` (downloads Julia and the packages, then precompiles), or set '
     "PYHVP_JULIA_AUTOINSTALL=yes to let juliacall install them on first use. To use a Julia "
     "you already have, set PYTHON_JULIAPKG_EXE=/path/to/julia before the install command."
