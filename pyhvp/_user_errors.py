@@ -42,7 +42,16 @@ NUMPY_HINT = (
     "(torch.sin, not np.sin). NumPy cannot be differentiated, and .detach().numpy() would make "
     "f a constant with zero derivatives"
 )
-HINTS = {"Can't call numpy() on Tensor that requires grad": NUMPY_HINT}
+NO_SECOND_DERIVATIVE_HINT = (
+    "torch has no derivative of this op's backward, which the HVPs (autograd's double backward) "
+    "differentiate: write that step with ops that have one ((a[:, None] - b[None]).pow(2)"
+    ".sum(-1).sqrt() for torch.cdist), or use the Taylor-engine operators (hessian_diagonal, "
+    "laplacian), whose rules do not need it"
+)
+HINTS = {
+    "Can't call numpy() on Tensor that requires grad": NUMPY_HINT,
+    "the derivative for '": NO_SECOND_DERIVATIVE_HINT,
+}
 """The start of an error's message -> what to do instead, added to errors raised in ``f``."""
 
 

@@ -103,6 +103,19 @@ def test_numpy_inside_f_is_told_to_use_torch_functions():
     assert "write f with torch functions on x (torch.sin, not np.sin)" in full_message(info.value)
 
 
+def test_an_op_whose_backward_torch_cannot_differentiate_is_told_the_way_out():
+    """torch.cdist's backward has no derivative: the HVPs raised torch's bare message."""
+    points = torch.randn(4, 6, dtype=torch.float64)
+
+    def f(x):
+        pairs = x.reshape(-1, 3, 2)
+        return torch.cdist(pairs, pairs).pow(3).sum((-1, -2))
+
+    with pytest.raises(NotImplementedError, match="_cdist_backward") as info:
+        pyhvp.hvp(f, points, points)
+    assert "use the Taylor-engine operators (hessian_diagonal" in full_message(info.value)
+
+
 def test_f_returning_a_numpy_array_is_told_to_use_torch_functions():
     with pytest.raises(TypeError, match=re.escape("got ndarray: pyhvp differentiates f")):
         pyhvp.laplacian(lambda x: np.ones(len(x)), X)
