@@ -1,58 +1,100 @@
-"""Embeddings that autograd can differentiate twice: :class:`TwiceDifferentiableEmbeddings`.
+"""Embeddings that autograd can differentiate twice: :func:`twice_differentiable_embeddings`.
 
 Autograd's first backward of ``embedding(..., sparse=True)`` is a sparse tensor, which a second
 backward cannot take ("reshape is not implemented for sparse tensors"); ``embedding_bag`` has no
 second derivative at all ("the derivative for '_embedding_bag_backward' is not implemented"),
-sparse or not. Under the mode both run as ops that have one, with the same values.
+sparse or not. Inside the context both run as ops that have one, with the same values.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import itertools
 import math
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
-SPARSE_ARGUMENT = {F.embedding: 6, torch.embedding: 4}
-"""Position of ``sparse`` among each embedding function's arguments (``nn.Embedding`` passes
-it so to ``F.embedding``, which calls ``torch.embedding`` with the mode off)."""
+_EMBEDDING, _EMBEDDING_BAG = torch.embedding, F.embedding_bag
+"""torch's own functions, which the context replaces (``F.embedding`` calls the first)."""
+
+_ON = threading.local()
+"""Whether this thread is inside the context (another thread's calls keep torch's functions)."""
 
 
-class TwiceDifferentiableEmbeddings(TorchFunctionMode):
-    """Runs ``F.embedding(..., sparse=True)`` as ``sparse=False``, and ``F.embedding_bag`` (as
-    ``nn.EmbeddingBag`` calls it) as :func:`embedding_bag_by_embedding`: the same values, and
-    derivatives autograd can differentiate again (an embedding bag's ``scale_grad_by_freq``,
-    whose convention the rewrite does not share, is refused)."""
+def _inside() -> bool:
+    return getattr(_ON, "depth", 0) > 0
 
-    def __torch_function__(self, func: Callable[..., Any], types: Any, args: Sequence[Any] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:  # fmt: skip
-        kwargs = dict(kwargs or {})
-        if func is F.embedding_bag:
-            if kwargs.get("scale_grad_by_freq", len(args) > 5 and args[5]):
-                raise ValueError(
-                    "embedding_bag with scale_grad_by_freq=True: torch cannot differentiate its "
-                    "backward, and pyhvp's rewrite as an embedding would scale the gradient by "
-                    "another convention than torch's; pass scale_grad_by_freq=False"
-                )
-            return embedding_bag_by_embedding(*args, **kwargs)
-        position = SPARSE_ARGUMENT.get(func)
-        if position is not None:
-            if len(args) > position:
-                args = (*args[:position], False, *args[position + 1 :])
-            else:
-                kwargs["sparse"] = False
-        return func(*args, **kwargs)
+
+@functools.wraps(_EMBEDDING)
+def _embedding(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """``torch.embedding`` (which ``F.embedding`` calls) with ``sparse=False`` inside the
+    context (its 5th argument)."""
+    if _inside():
+        if len(args) > 4:
+            args = (*args[:4], False, *args[5:])
+        else:
+            kwargs["sparse"] = False
+    return _EMBEDDING(*args, **kwargs)
+
+
+@functools.wraps(_EMBEDDING_BAG)
+def _embedding_bag(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """``F.embedding_bag`` as :func:`embedding_bag_by_embedding` inside the context, after
+    torch's own op ran without grad for its argument checks (the rewrite would compute values
+    for calls torch refuses: a ``mode="prod"``, weights with a mean); ``scale_grad_by_freq``,
+    whose convention the rewrite does not share, is refused."""
+    if not _inside():
+        return _EMBEDDING_BAG(*args, **kwargs)
+    with torch.no_grad():
+        _EMBEDDING_BAG(*args, **kwargs)
+    if kwargs.get("scale_grad_by_freq", len(args) > 5 and args[5]):
+        raise ValueError(
+            "embedding_bag with scale_grad_by_freq=True: torch cannot differentiate its "
+            "backward, and pyhvp's rewrite as an embedding would scale the gradient by "
+            "another convention than torch's; pass scale_grad_by_freq=False"
+        )
+    return embedding_bag_by_embedding(*args, **kwargs)
+
+
+_INSTALL_LOCK = threading.Lock()
+_installed = 0
+"""Contexts in progress in any thread (torch's functions are replaced while there is one)."""
+
+
+@contextlib.contextmanager
+def twice_differentiable_embeddings() -> Iterator[None]:
+    """Inside, ``F.embedding(..., sparse=True)`` runs as ``sparse=False`` and ``F.embedding_bag``
+    (as ``nn.EmbeddingBag`` calls it) as :func:`embedding_bag_by_embedding`: the same values, and
+    derivatives autograd can differentiate again. ``torch.embedding`` and ``F.embedding_bag`` are
+    replaced while any such context is in progress (a function mode cost every op
+    of the loss: 34% of a forward of 60 ops); a call bound to torch's own function before, or
+    another thread's, is torch's."""
+    global _installed
+    with _INSTALL_LOCK:
+        if _installed == 0:
+            torch.embedding, F.embedding_bag = _embedding, _embedding_bag
+        _installed += 1
+    _ON.depth = getattr(_ON, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _ON.depth -= 1
+        with _INSTALL_LOCK:
+            _installed -= 1
+            if _installed == 0:
+                torch.embedding, F.embedding_bag = _EMBEDDING, _EMBEDDING_BAG
 
 
 @dataclasses.dataclass(frozen=True)
 class TwiceDifferentiable:
-    """``f`` run under :class:`TwiceDifferentiableEmbeddings`: the same values, and derivatives
-    autograd can differentiate again."""
+    """``f`` run inside :func:`twice_differentiable_embeddings`: the same values, and
+    derivatives autograd can differentiate again."""
 
     f: Callable[..., Any]
 
@@ -62,7 +104,7 @@ class TwiceDifferentiable:
         return getattr(self.f, "__name__", type(self.f).__name__)
 
     def __call__(self, *args: Any) -> Any:
-        with TwiceDifferentiableEmbeddings():
+        with twice_differentiable_embeddings():
             return self.f(*args)
 
 

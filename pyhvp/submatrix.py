@@ -80,7 +80,7 @@ from pyhvp._checks import (
     require_like,
     require_tensor,
 )
-from pyhvp._embeddings import TwiceDifferentiable, TwiceDifferentiableEmbeddings
+from pyhvp._embeddings import TwiceDifferentiable, twice_differentiable_embeddings
 from pyhvp._progress import progress_bar
 from pyhvp._public import public_operator
 from pyhvp._user_errors import PACKAGE, stacklevel_outside_pyhvp
@@ -90,7 +90,7 @@ from pyhvp.distributed import Fingerprint, check_group, sum_over_ranks
 from pyhvp.restricted import NotSparse, WritesSelected, routes
 from pyhvp.restricted.forward import forward_hessian
 from pyhvp.restricted.mode import PADDING_ROW
-from pyhvp.restricted.state import Held, Snapshot, recorded
+from pyhvp.restricted.state import Held, recorded
 from pyhvp.restricted.trial import MODEL, TIMED_RUNS, Trial
 
 if TYPE_CHECKING:
@@ -732,16 +732,12 @@ def _loops(plan: _Plan, chosen: routes.Routes, backend: Backend) -> bool:
     return chosen.loop or _by_loop(plan, chosen.reverse, backend)
 
 
-def _by_loop(plan: _Plan, members: Iterable[int], backend: Backend, unsurveyed: bool = False
-             ) -> bool:  # fmt: skip
+def _by_loop(plan: _Plan, members: Iterable[int], backend: Backend) -> bool:
     """Whether the reverse route runs the seed's loop for the selected tensors ``members``:
-    eagerly (``compile=False``) at most :data:`FEW_TANGENTS` components of each, or any number
-    where ``"auto"`` runs no survey (``unsurveyed``: fewer than :data:`~pyhvp.restricted.routes.
-    MIN_COMPONENTS` in all; the loop runs the loss once, where a failing batched kernel would
-    leave its changes to the state for the loop's run), outside ``torch.func`` transforms
-    (``vmap`` around the call: autograd's loop cannot run inside)."""
+    eagerly (``compile=False``) at most :data:`FEW_TANGENTS` components of each, outside
+    ``torch.func`` transforms (``vmap`` around the call: autograd's loop cannot run inside)."""
     eager = isinstance(backend, TorchBackend) and backend.compile is False
-    few = unsurveyed or max((len(plan.flats[i]) for i in members), default=0) <= FEW_TANGENTS
+    few = max((len(plan.flats[i]) for i in members), default=0) <= FEW_TANGENTS
     return eager and few and not nested.inside_transform()
 
 
@@ -1020,11 +1016,9 @@ def _sums(
                 _log_routes(plan, chosen, backend)
             else:
                 parts, reverse, inner = [], every, None
-                # unsurveyed, "auto" runs the loss once (the seed's loop: fewer than
-                # routes.MIN_COMPONENTS components in all); several passes, each from the state
-                # one recording run finds first (a forward's cost, and only then)
-                loop = _by_loop(plan, reverse, backend, method == "auto")
-                if not loop and _passes(plan, chunk_size) > 1:
+                loop = _by_loop(plan, reverse, backend)
+                if not loop:  # every pass, and the seed's loop where one fails, from the state
+                    # one recording run finds first (the loop runs the loss once)
                     inputs = (*plan.tensors, *plan.others, *batch_values)
                     draws.hold(_recorded(plan, spec, batch_values).snapshot(inputs).restore)
                 _log.debug("sub_hessian: reverse route%s (%s)", f" {BY_LOOP}" if loop else "",
@@ -1055,9 +1049,6 @@ def _sums(
             # a loss that fails by itself (a torch error in its own frame) raises it here
             refused = (f"method={method!r} does not apply: its kernels cannot run this loss "
                        f"({type(error).__name__}: {error})")  # fmt: skip
-            # unsurveyed (method="reverse" in one pass), the kernel's run changed the state the
-            # loop runs from: found by one recording run, said, and left as that run left it
-            changed = None if draws.held is not None else _changed(plan, spec, batch_values)
             try:
                 total = _reverse_blocks(plan, every, batch_values, spec, chunk_size, backend,
                                         total, blocks, None, True, draws)  # fmt: skip
@@ -1070,17 +1061,6 @@ def _sums(
                     raise
                 raise ValueError(f"{refused}, nor can the seed's loop "
                                  f"({type(loop_error).__name__}: {loop_error})") from loop_error  # fmt: skip
-            if changed is not None:
-                changed.restore()
-                warnings.warn(
-                    f"pyhvp: sub_hessian's batched kernel failed ({type(error).__name__}) after "
-                    "the loss changed state beyond its values (running statistics, a generator "
-                    "of its own, a buffer it writes); the seed's loop ran from that state, so "
-                    "this result is taken one run of the loss later; method='auto' finds that "
-                    "state first",
-                    RuntimeWarning,
-                    stacklevel=stacklevel_outside_pyhvp(),
-                )
             if method in FORCED:
                 raise ValueError(f"{refused}; method='auto' takes the seed's loop") from error
         for position, (t, version) in enumerate(zip(watched, versions, strict=True)):
@@ -1300,20 +1280,13 @@ def _passes(plan: _Plan, chunk_size: int | None) -> int:
 
 def _recorded(plan: _Plan, spec: Any, batch_values: list[Any]) -> Held:
     """What the loss changes beyond its values on this batch (:func:`~pyhvp.restricted.state.
-    recorded`: one run, put back): for runs no survey ran before."""
+    recorded`: one run, put back): for the reverse route's batched passes where no survey ran
+    before (a forward's cost: 8% of the seed's model's ``method="reverse"`` call at k = 16 per
+    tensor, 1-2% of the others')."""
     loss = dataclasses.replace(plan.sparse, batch_spec=spec)
     inputs = (*plan.tensors, *plan.others, *batch_values)
     with torch.inference_mode(False):  # (as the survey runs it)
         return recorded(loss, _normal(inputs))
-
-
-def _changed(plan: _Plan, spec: Any, batch_values: list[Any]) -> Snapshot | None:
-    """What the loss changes beyond its values on this batch, as it is now (one recording run),
-    or None where it changes nothing."""
-    held = _recorded(plan, spec, batch_values)
-    if not (held.positions or held.owners or held.generators):
-        return None
-    return held.snapshot((*plan.tensors, *plan.others, *batch_values))
 
 
 def _reverse_blocks(
@@ -1431,14 +1404,13 @@ def _loop_rows(
     at k = 2 per tensor the reverse route's fixed cost made it 1.05-1.3x this loop. Attention
     takes its math path throughout (fused kernels have no second derivative), and embeddings
     with sparse gradients and embedding bags run as ops autograd can differentiate twice
-    (:class:`~pyhvp._embeddings.TwiceDifferentiableEmbeddings`: a Python call per op, 1.5% of
-    the seed's 1 ms call). Before, such a loss ran a second time, from the state its first run
-    had changed."""
+    (:func:`~pyhvp._embeddings.twice_differentiable_embeddings`), so the loss runs once. Before,
+    such a loss ran a second time, from the state its first run had changed."""
     with torch.inference_mode(False), torch.enable_grad(), math_attention:
         ys = [cast(torch.Tensor, t).detach().requires_grad_() for t in _normal(tuple(leaves))]
         args = _normal(args)
         draws.begin()
-        with TwiceDifferentiableEmbeddings():
+        with twice_differentiable_embeddings():
             total = loss(*ys, *args)
         refuse_compiled_backward(total)
         return _rows_by_loop(total, ys, row_flats, column_flats)

@@ -889,6 +889,34 @@ def test_the_loops_embedding_bag_refuses_bags_outside_torchs_contract(case):
         embedding_bag_by_embedding(tokens, table, **where)
 
 
+BAGS_TORCH_REFUSES = {
+    "per-sample weights with a mean": (BAG_TOKENS, {
+        "offsets": torch.tensor([0, 4]), "mode": "mean", "per_sample_weights": torch.ones(9)},
+        NotImplementedError),
+    "mode 'prod'": (BAG_TOKENS, {"offsets": torch.tensor([0, 4]), "mode": "prod"}, ValueError),
+    "offsets with a 2-D input": (
+        BAG_TOKENS.reshape(3, 3), {"offsets": torch.tensor([0, 1])}, ValueError),
+}  # fmt: skip
+"""Calls of ``F.embedding_bag`` torch refuses (tokens, keyword arguments, the error's type)."""
+
+
+@pytest.mark.parametrize("case", BAGS_TORCH_REFUSES.values(), ids=BAGS_TORCH_REFUSES.keys())
+@pytest.mark.parametrize("method", ["auto", "reverse"])
+def test_a_call_of_embedding_bag_torch_refuses_is_refused_by_every_route(method, case):
+    """The seed's loop and the batched reverse kernel run embedding bags rewritten as an
+    embedding and a pooling, which computed values for calls torch refuses (a 'prod' mode as a
+    sum): torch's own op checks the arguments first."""
+    tokens, where, error = case
+    (table,) = tensors((7, 4), seed=2)
+
+    def loss(weight):
+        return F.embedding_bag(tokens, weight, **where).tanh().pow(2).sum()
+
+    with pytest.raises(error):
+        pyhvp.sub_hessian(loss, table, torch.arange(5), method=method,
+                          backend=pyhvp.TorchBackend(compile=False))  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "options",
     [{"mode": m} for m in ("sum", "mean", "max")]
