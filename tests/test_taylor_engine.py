@@ -502,6 +502,35 @@ def test_a_float64_leaky_slope_is_not_rounded_to_float32(activation, slope, devi
 # --- what the engine cannot carry is refused, naming the op ------------------------------------
 
 
+SMOOTH_WITH_KINKED_DECOMPOSITIONS = {
+    "logsigmoid": lambda u: F.logsigmoid(u),
+    "multilabel_soft_margin_loss": lambda u: F.multilabel_soft_margin_loss(
+        u, torch.ones_like(u), reduction="none")[..., None],
+    "huber_loss": lambda u: F.huber_loss(u, torch.zeros_like(u), reduction="none", delta=0.5),
+    "huber_loss, mean": lambda u: torch.stack(
+        [F.huber_loss(row, torch.zeros_like(row), delta=0.5) for row in u])[..., None],
+    "smooth_l1_loss": lambda u: F.smooth_l1_loss(
+        u, torch.zeros_like(u), reduction="none", beta=0.5),
+}  # fmt: skip
+"""Functions smooth at 0 that torch decomposes with kinks there (``min(0, x) - log1p(exp(-|x|))``,
+``|d| ** 2``): each kink's zero convention made their second derivative at 0 zero (-1/4, 1)."""
+
+
+@pytest.mark.parametrize("g", SMOOTH_WITH_KINKED_DECOMPOSITIONS.values(),
+                         ids=SMOOTH_WITH_KINKED_DECOMPOSITIONS.keys())  # fmt: skip
+def test_a_function_smooth_at_0_has_autograds_derivatives_there(g, device):
+    """Entries at 0, at the quadratic zone's edges (+-0.5) and beyond: autograd's derivatives,
+    a kink's convention included."""
+    x = torch.tensor([[0.0, 0.5, -0.5], [0.0, 2.0, -0.25]], dtype=torch.float64, device=device)
+
+    def f(u):
+        return g(u).sum(-1)
+
+    got = (pyhvp.hessian_diagonal(f, x), pyhvp.laplacian(f, x))
+    diagonal = instance_hessian_diagonal(f, x)
+    torch.testing.assert_close(got, (diagonal, diagonal.sum(-1)))
+
+
 def test_an_op_autograd_cannot_differentiate_is_refused_naming_it():
     """Issue 16 item 6: heaviside raised autograd's RuntimeError from deep inside the engine."""
     x = torch.randn(3, 4)

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
 from torch import fx
 from torch._decomp import core_aten_decompositions, get_decompositions
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -104,8 +105,46 @@ def logcumsumexp_by_prefixes(input: Tensor, dim: int) -> Tensor:
     return torch.logsumexp(masked, -1).movedim(-1, dim)
 
 
+def log_sigmoid_by_softplus(input: Tensor) -> tuple[Tensor, Tensor]:
+    """``aten.log_sigmoid_forward`` as ``-softplus(-x)``, smooth at 0: torch's decomposition,
+    ``min(0, x) - log1p(exp(-|x|))``, has two kinks at 0 whose sum is smooth, each
+    differentiated by a zero convention there (the second derivative at 0 was 0 for -1/4)."""
+    return -F.softplus(-input), input.new_empty(0)
+
+
+def _reduced(loss: Tensor, reduction: int) -> Tensor:
+    """``loss`` by an aten reduction code: 0 none, 1 mean, 2 sum."""
+    return loss if reduction == 0 else loss.mean() if reduction == 1 else loss.sum()
+
+
+def huber_by_squares(input: Tensor, target: Tensor, reduction: int = 1, delta: float = 1.0
+                     ) -> Tensor:  # fmt: skip
+    """``aten.huber_loss`` with its quadratic zone as ``d * d``, not torch's ``|d| ** 2``,
+    whose second derivative at a residual of 0 took abs's zero convention (0 for 1); at
+    ``|d| = delta`` the quadratic zone's, as autograd has it."""
+    d = input - target
+    quadratic = 0.5 * d * d
+    return _reduced(torch.where(d.abs() <= delta, quadratic, delta * (d.abs() - 0.5 * delta)),
+                    reduction)  # fmt: skip
+
+
+def smooth_l1_by_squares(input: Tensor, target: Tensor, reduction: int = 1, beta: float = 1.0
+                         ) -> Tensor:  # fmt: skip
+    """``aten.smooth_l1_loss`` with its quadratic zone as ``d * d / beta``, as
+    :func:`huber_by_squares` (at a residual of 0 the second derivative was 0 for ``1 / beta``);
+    at ``|d| = beta`` the linear zone's, as autograd has it."""
+    d = input - target
+    if beta == 0:
+        return _reduced(d.abs(), reduction)
+    return _reduced(torch.where(d.abs() < beta, 0.5 * d * d / beta, d.abs() - 0.5 * beta),
+                    reduction)  # fmt: skip
+
+
 OWN_DECOMPOSITIONS: dict[torch._ops.OpOverload, Callable[..., object]] = {
     aten.logcumsumexp.default: logcumsumexp_by_prefixes,
+    aten.log_sigmoid_forward.default: log_sigmoid_by_softplus,
+    aten.huber_loss.default: huber_by_squares,
+    aten.smooth_l1_loss.default: smooth_l1_by_squares,
 }
 """pyhvp's decompositions of ops whose derivatives torch gets wrong, into ops with rules."""
 
