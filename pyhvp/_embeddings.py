@@ -65,6 +65,8 @@ def _embedding_bag(*args: Any, **kwargs: Any) -> torch.Tensor:
 _INSTALL_LOCK = threading.Lock()
 _installed = 0
 """Contexts in progress in any thread (torch's functions are replaced while there is one)."""
+_replaced: tuple[Any, Any] = (None, None)
+"""What the first context replaced (torch's functions, or a user's own), put back by the last."""
 
 
 @contextlib.contextmanager
@@ -75,9 +77,10 @@ def twice_differentiable_embeddings() -> Iterator[None]:
     replaced while any such context is in progress (a function mode cost every op
     of the loss: 34% of a forward of 60 ops); a call bound to torch's own function before, or
     another thread's, is torch's."""
-    global _installed
+    global _installed, _replaced
     with _INSTALL_LOCK:
         if _installed == 0:
+            _replaced = (torch.embedding, F.embedding_bag)
             torch.embedding, F.embedding_bag = _embedding, _embedding_bag
         _installed += 1
     _ON.depth = getattr(_ON, "depth", 0) + 1
@@ -88,7 +91,7 @@ def twice_differentiable_embeddings() -> Iterator[None]:
         with _INSTALL_LOCK:
             _installed -= 1
             if _installed == 0:
-                torch.embedding, F.embedding_bag = _EMBEDDING, _EMBEDDING_BAG
+                torch.embedding, F.embedding_bag = _replaced
 
 
 @dataclasses.dataclass(frozen=True)

@@ -164,6 +164,16 @@ def test_f_converting_x_to_numpy_is_refused_by_the_taylor_operators(operator, f)
             OPERATORS_ON_F[operator](f)
 
 
+def test_numpy_of_an_outer_operators_x_inside_a_nested_one_is_refused():
+    """To the inner record, the outer record's x looks like a constant: zeros (12 expected)."""
+
+    def outer(y):
+        return pyhvp.laplacian(lambda z: (z**2 * torch.as_tensor(np.square(y))).sum(-1), y)
+
+    with pytest.raises(TypeError, match="f converts a tensor that depends on x to NumPy"):
+        pyhvp.laplacian(outer, X)
+
+
 def test_f_converting_a_captured_tensor_to_numpy_is_differentiated():
     """A constant's NumPy value is a constant: no refusal."""
     weight = torch.tensor([1.0, 2.0, 3.0])
@@ -259,6 +269,20 @@ def test_f_writing_to_x_under_no_grad_is_refused_by_the_hvps(call, requires_grad
     x = torch.randn(4, 3, requires_grad=requires_grad)
     with pytest.raises(pyhvp.taylor.InPlaceInputError, match="x now holds the written values"):
         call(writes_to_x_without_grad, x)
+
+
+def test_a_write_to_another_view_of_xs_base_is_no_write_to_x():
+    """Views share their base's version counter: a write to another row of the base refused
+    an f that never wrote x."""
+    base = torch.randn(2, 4, 3)
+    x = base[0]
+
+    def f(y):
+        with torch.no_grad():
+            base[1].mul_(2.0)
+        return y.pow(3).sum(-1)
+
+    torch.testing.assert_close(pyhvp.hvp(f, x, torch.ones_like(x)), 6 * x)
 
 
 @pytest.mark.parametrize("f", [writes_to_x, writes_to_x_without_grad], ids=["f", "f, no_grad"])

@@ -254,10 +254,10 @@ WRITTEN_UNDER_NO_GRAD = (
 
 
 def _version(t: torch.Tensor) -> int | None:
-    """``t``'s version counter (None for a tensor that keeps none: an inference tensor, a
-    ``torch.func`` wrapper)."""
+    """``t``'s version counter (None for a tensor that keeps none of its own: an inference
+    tensor, a ``torch.func`` wrapper, a view, whose counter every view of its base shares)."""
     try:
-        return None if t.is_inference() else t._version
+        return None if t.is_inference() or t._is_view() else t._version
     except RuntimeError:
         return None
 

@@ -531,8 +531,7 @@ def _refusing(name: str) -> Callable[..., Any]:
     original = getattr(Tensor, name)
 
     def convert(self: Tensor, *args: Any, **kwargs: Any) -> Any:
-        recorders = _recorders()
-        if recorders and not recorders[-1]._is_constant(self):
+        if any(not recorder._is_constant(self) for recorder in _recorders()):  # (nested too)
             raise TypeError(
                 f"f converts a tensor that depends on x to NumPy (Tensor.{name}: np.sin(x), "
                 f"x - a NumPy array, x.numpy()); {ENGINE} differentiates torch operations only, "
