@@ -48,11 +48,20 @@ NO_SECOND_DERIVATIVE_HINT = (
     ".sum(-1).sqrt() for torch.cdist before torch 2.14), or use the Taylor-engine operators (hessian_diagonal, "
     "laplacian), whose rules do not need it"
 )
+EMBEDDING_BAG_HINT = (
+    "torch has no derivative of embedding_bag's backward. sub_hessian runs "
+    "torch.nn.functional.embedding_bag (as nn.EmbeddingBag calls it) with ops that have one, but "
+    "not a function bound before the call (from torch.nn.functional import embedding_bag): call "
+    "it through the module. Elsewhere, write the pooling with F.embedding and a sum, or use the "
+    "Taylor-engine operators (hessian_diagonal, laplacian), whose rules do not need it"
+)
 HINTS = {
     "Can't call numpy() on Tensor that requires grad": NUMPY_HINT,
+    "the derivative for '_embedding_bag_backward'": EMBEDDING_BAG_HINT,
     "the derivative for '": NO_SECOND_DERIVATIVE_HINT,
 }
-"""The start of an error's message -> what to do instead, added to errors raised in ``f``."""
+"""The start of an error's message -> what to do instead (the first that applies), added to
+errors raised in ``f``."""
 
 
 def user_errors(operator: Callable[P, R]) -> Callable[P, R]:
@@ -112,9 +121,10 @@ def stacklevel_outside_pyhvp() -> int:
 
 def _add_hint(error: BaseException) -> None:
     message = str(error)
-    for start, hint in HINTS.items():
+    for start, hint in HINTS.items():  # the first that applies
         if message.startswith(start):
             note(error, hint)
+            return
 
 
 def note(error: BaseException, text: str) -> None:

@@ -889,6 +889,23 @@ def test_the_loops_embedding_bag_refuses_bags_outside_torchs_contract(case):
         embedding_bag_by_embedding(tokens, table, **where)
 
 
+def test_an_embedding_bag_bound_before_the_call_is_told_to_go_through_the_module():
+    """sub_hessian replaces torch.nn.functional.embedding_bag while the loss runs (a function
+    mode cost every op), so a name bound before is torch's own: its backward has no
+    derivative, said with the way out."""
+    bound = F.embedding_bag
+    (table,) = tensors((7, 4), seed=2)
+
+    def loss(weight):
+        return bound(BAG_TOKENS, weight, torch.tensor([0, 4])).tanh().pow(2).sum()
+
+    with pytest.raises(NotImplementedError) as info:
+        pyhvp.sub_hessian(loss, table, torch.arange(3), backend=pyhvp.TorchBackend(compile=False))
+    assert "call it through the module" in str(info.value) + "".join(
+        getattr(info.value, "__notes__", ())
+    )
+
+
 BAGS_TORCH_REFUSES = {
     "per-sample weights with a mean": (BAG_TOKENS, {
         "offsets": torch.tensor([0, 4]), "mode": "mean", "per_sample_weights": torch.ones(9)},
