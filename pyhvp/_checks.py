@@ -7,6 +7,7 @@ floating dtype), ``ValueError`` for shapes, devices, dtypes that disagree and ou
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -51,15 +52,32 @@ def require_like(name: str, tensor: torch.Tensor, ref_name: str, ref: torch.Tens
         raise ValueError(f"{name} must have {ref_name}'s dtype {ref.dtype}, got {tensor.dtype}")
 
 
+def as_int(value: object) -> int | None:
+    """``value`` as a Python int where it is an integer -- a Python or NumPy int, not a bool --
+    else None.
+
+    >>> import numpy as np
+    >>> as_int(np.int64(2)), as_int(True), as_int(2.0)
+    (2, None, None)
+    """
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
 def check_event_dims(event_dims: object, x: torch.Tensor) -> int:
-    if isinstance(event_dims, bool) or not isinstance(event_dims, int):
+    dims = as_int(event_dims)
+    if dims is None:
         raise TypeError(f"event_dims must be an int, got {type(event_dims).__name__}")
-    if not 1 <= event_dims <= x.ndim:
+    if not 1 <= dims <= x.ndim:
         raise ValueError(
             f"event_dims must be between 1 and x.ndim={x.ndim} (x has shape {fmt_shape(x.shape)}), "
-            f"got {event_dims}"
+            f"got {dims}"
         )
-    return event_dims
+    return dims
 
 
 def check_args(args: Sequence[object], x: torch.Tensor) -> None:
@@ -186,9 +204,10 @@ def check_batched_output(
 def check_chunk_size(chunk_size: object) -> int | None:
     if chunk_size is None:
         return None
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+    size = as_int(chunk_size)
+    if size is None or size < 1:
         raise ValueError(f"chunk_size must be None or a positive int, got {chunk_size!r}")
-    return chunk_size
+    return size
 
 
 def per_arg_event_dims(

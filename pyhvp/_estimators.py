@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from pyhvp import _random_state as random_states
-from pyhvp._checks import check_batched_output, fmt_shape, require_floating, require_like
+from pyhvp._checks import as_int, check_batched_output, fmt_shape, require_floating, require_like
 from pyhvp.backends import Backend
 from pyhvp.taylor.kernel import identity
 
@@ -43,12 +43,13 @@ def check_method(method: object, samples: object, generator: object,
             )
         return 0
     least = 3 if method == sketched else 1
-    if isinstance(samples, bool) or not isinstance(samples, int) or samples < least:
+    count = as_int(samples)
+    if count is None or count < least:
         raise ValueError(
             f"samples must be an int >= {least} (probes, one Hessian-vector product each) for "
             f"method={method!r}, got {samples!r}"
         )
-    return samples
+    return count
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from pyhvp import _estimators as est
-from pyhvp._checks import check_args, fmt_shape, require_floating, require_like
+from pyhvp._checks import as_int, check_args, fmt_shape, require_floating, require_like
 from pyhvp._public import public_operator
 from pyhvp.backends import Backend, require_primitive, resolve_backend
 from pyhvp.instances import check_event_dims_of
@@ -66,9 +66,10 @@ def directional_derivatives(
 
 def check_order(order: object, least: int = 1) -> int:
     """A derivative order: an int >= ``least``."""
-    if isinstance(order, bool) or not isinstance(order, int) or order < least:
+    k = as_int(order)
+    if k is None or k < least:
         raise ValueError(f"order must be an int >= {least}, got {order!r}")
-    return order
+    return k
 
 
 def _direction(v: object, x: torch.Tensor, space: est.Space) -> torch.Tensor:

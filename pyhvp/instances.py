@@ -21,6 +21,7 @@ from torch.utils import _pytree as pytree
 
 from pyhvp import _random_state as random_states
 from pyhvp._checks import (
+    as_int,
     check_batched_output,
     check_event_dims,
     pad_arg_to_batch,
@@ -118,8 +119,10 @@ def per_instance(
     """
     if not callable(f_single):
         raise TypeError(f"f_single must be callable, got {type(f_single).__name__}")
-    if isinstance(event_dims, bool) or not isinstance(event_dims, int) or event_dims < 1:
+    dims = as_int(event_dims)
+    if dims is None or dims < 1:
         raise ValueError(f"event_dims must be a positive int, got {event_dims!r}")
+    event_dims = dims
     if isinstance(arg_event_dims, Sequence) and not isinstance(arg_event_dims, str):
         arg_event_dims = per_arg_event_dims(tuple(arg_event_dims), event_dims, len(arg_event_dims))
     elif arg_event_dims is not None:  # checked now, not at the first call

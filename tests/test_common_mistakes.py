@@ -138,6 +138,23 @@ OPERATORS_ON_F = {
 }  # fmt: skip
 
 
+def test_numpy_integers_count_as_ints():
+    """``order=np.int64(2)`` (from an array of settings) was refused: "order must be an int >= 1,
+    got np.int64(2)"; so were samples, event_dims and chunk_size."""
+
+    def cube(x):
+        return (x**3).sum(-1)
+
+    ones, two = torch.ones(3), np.int64(2)
+    got = (
+        pyhvp.directional_derivatives(cube, X, ones, order=two)[2],
+        pyhvp.hvp(cube, X, torch.ones_like(X), event_dims=np.int64(1), chunk_size=two),
+        pyhvp.laplacian(cube, X, method="hutchinson", samples=np.int32(3)).shape,
+    )
+    expected = (pyhvp.directional_derivatives(cube, X, ones, order=2)[2], 6 * X, (8,))
+    torch.testing.assert_close(got, expected)
+
+
 @pytest.mark.parametrize("call", OPERATORS_ON_F.values(), ids=OPERATORS_ON_F.keys())
 def test_a_numpy_array_among_the_args_is_refused_by_name(call):
     """``x - centre`` with a NumPy centre is NumPy's subtraction, whose result torch never saw
