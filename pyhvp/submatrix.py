@@ -977,6 +977,7 @@ def _sums(
         # the result carries no graph: batch tensors are data, never differentiated through
         batch_values = [v.detach() if isinstance(v, torch.Tensor) else v for v in batch_values]
         timed, name, start, loop = False, MODEL, 0.0, False
+        unsurveyed: _Unsurveyed | None = None
         # every kernel of the batch draws what its first drew, as the seed's one forward does
         draws = random_states.Repeated(device)
         try:
@@ -1019,7 +1020,10 @@ def _sums(
                 loop = _by_loop(plan, reverse, backend)
                 if not loop:  # every pass, and the seed's loop where one fails, from the state
                     # before the call (the loop runs the loss once)
-                    draws.hold(_unsurveyed_state(plan, spec, batch_values, chunk_size).restore)
+                    before, unsurveyed = _unsurveyed_state(plan, spec, batch_values, chunk_size)
+                    draws.hold(before.restore)
+                    loop = (unsurveyed is not None and unsurveyed.fails
+                            and not nested.inside_transform())  # fmt: skip
                 _log.debug("sub_hessian: reverse route%s (%s)", f" {BY_LOOP}" if loop else "",
                            refusal)  # fmt: skip
             # the reverse route adds its rows once all are computed, the sparse groups after it:
@@ -1039,6 +1043,8 @@ def _sums(
                 or nested.inside_transform()  # where the seed's loop cannot run
             ):
                 raise  # the loss's own error, or the seed's loop's: as autograd raises it
+            if unsurveyed is not None:  # equal calls take the loop at once
+                unsurveyed.fails = True
             if trial is not None and method not in FORCED:  # (a forced one raises every call)
                 trial.drop(name, routes.every_tensor_reverse(trial.model, len(every), loop=True))
             _log.debug("sub_hessian: %s failed (%s: %s); the seed's loop serves the batch",
@@ -1277,40 +1283,52 @@ def _passes(plan: _Plan, chunk_size: int | None) -> int:
     return -(-rows // chunk_size) if chunk_size else 1
 
 
-_STATES: OrderedDict[Hashable, Held] = OrderedDict()
-"""What the loss changes beyond its values, by the loss's key and its inputs' metadata, for
-single batched passes no survey runs before (see :func:`_unsurveyed_state`)."""
+@dataclasses.dataclass
+class _Unsurveyed:
+    """What :data:`_STATES` keeps of an unsurveyed single pass: the state the loss changes, and
+    whether the batched kernel failed on it (then the seed's loop serves, running it once)."""
+
+    held: Held
+    fails: bool = False
+
+
+_STATES: OrderedDict[Hashable, _Unsurveyed] = OrderedDict()
+"""By the loss's key and its inputs' metadata, for single batched passes no survey runs
+before (see :func:`_unsurveyed_state`)."""
 
 
 def _unsurveyed_state(plan: _Plan, spec: Any, batch_values: list[Any], chunk_size: int | None
-                      ) -> Snapshot:  # fmt: skip
+                      ) -> tuple[Snapshot, _Unsurveyed | None]:  # fmt: skip
     """The state the loss changes beyond its values, as it is before the call's first run, for
     the reverse route's batched passes where no survey ran (:func:`~pyhvp.restricted.state.
-    recorded`: one run under a mode that notes the changes, put back). Several passes find it
-    on every call (a later call may change other state: a flag flipped, a global rebound). A
-    single pass, which needs it only where its kernel fails and the seed's loop runs the loss
-    again, finds it on the first equal call (or where it no longer holds): one recording run
-    cost 1.8-2.6x a forward, +30-55% of a small call."""
+    recorded`: one run under a mode that notes the changes, put back), and for a single pass
+    what is kept of it. Several passes find it on every call (a later call may change other
+    state: a flag flipped, a generator rebound). A single pass needs it only where its kernel
+    fails and the seed's loop runs the loss again: it is found on the first equal call (or
+    where it no longer holds), and an equal call after a failure takes the loop at once,
+    which runs the loss once (one recording run cost 1.8-2.6x a forward: +30-55% of a small
+    call). State a later call first changes is seen there only where the kernel first fails
+    on that call."""
     loss = dataclasses.replace(plan.sparse, batch_spec=spec)
     inputs = (*plan.tensors, *plan.others, *batch_values)
     key: Hashable = None
-    held = None
+    kept = None
     if _passes(plan, chunk_size) == 1:
         try:
             key = compile_policy.signature("sub_hessian state", loss, (), inputs)
-            held = _STATES.get(key)
+            kept = _STATES.get(key)
         except TypeError:  # an unhashable loss: found every call
             key = None
-    if held is None or not held.holds():
+    if kept is None or not kept.held.holds():
         with torch.inference_mode(False):  # (as the survey runs it)
-            held = recorded(loss, _normal(inputs))
+            kept = _Unsurveyed(recorded(loss, _normal(inputs)))
         if key is not None:
-            _STATES[key] = held
+            _STATES[key] = kept
             if len(_STATES) > compile_policy.CACHE_SIZE:
                 _STATES.popitem(last=False)
     elif key is not None:
         _STATES.move_to_end(key)
-    return held.snapshot(inputs)
+    return kept.held.snapshot(inputs), kept if key is not None else None
 
 
 def _reverse_blocks(

@@ -644,6 +644,28 @@ def test_a_failed_batched_kernel_after_a_change_of_state_is_served_from_the_call
     torch.testing.assert_close((got, scale), (expected, torch.tensor(2.0, dtype=torch.float64)))
 
 
+def test_an_unsurveyed_pass_that_failed_before_takes_the_loop_whatever_state_appears_later():
+    """The state a single pass's fallback restores is found on the first equal call: a later
+    call whose loss first doubled a buffer saw its failing kernel's write kept, and the loop
+    doubled it again (3.6 off in reviewer A4's model). After a failure an equal call takes the
+    seed's loop at once, which runs the loss once."""
+    scale, writing = torch.ones((), dtype=torch.float64), [False]
+
+    def loss(p):
+        if writing[0]:
+            with torch.no_grad():
+                scale.mul_(2)
+        return conv_group_normed(p) * scale
+
+    p = torch.randn(4, 3, 2, 2, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    index = torch.arange(0, 48, 8)
+    pyhvp.sub_hessian(loss, p, index, method="reverse", backend=EAGER)
+    writing[0] = True
+    got = pyhvp.sub_hessian(loss, p, index, method="reverse", backend=EAGER)
+    expected = 2 * dense_sub_hessian(conv_group_normed, p, index)
+    torch.testing.assert_close((got, scale), (expected, torch.tensor(2.0, dtype=torch.float64)))
+
+
 class DroppedEmbeddings(nn.Module):
     def __init__(self, sparse):
         super().__init__()
