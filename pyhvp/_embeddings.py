@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pyhvp._replacing import Replacement
+
 _EMBEDDING, _EMBEDDING_BAG = torch.embedding, F.embedding_bag
 """torch's own functions, which the context replaces (``F.embedding`` calls the first)."""
 
@@ -62,11 +64,7 @@ def _embedding_bag(*args: Any, **kwargs: Any) -> torch.Tensor:
     return embedding_bag_by_embedding(*args, **kwargs)
 
 
-_INSTALL_LOCK = threading.Lock()
-_installed = 0
-"""Contexts in progress in any thread (torch's functions are replaced while there is one)."""
-_replaced: tuple[Any, Any] = (None, None)
-"""What the first context replaced (torch's functions, or a user's own), put back by the last."""
+_REPLACED = Replacement([(torch, "embedding", _embedding), (F, "embedding_bag", _embedding_bag)])
 
 
 @contextlib.contextmanager
@@ -74,24 +72,15 @@ def twice_differentiable_embeddings() -> Iterator[None]:
     """Inside, ``F.embedding(..., sparse=True)`` runs as ``sparse=False`` and ``F.embedding_bag``
     (as ``nn.EmbeddingBag`` calls it) as :func:`embedding_bag_by_embedding`: the same values, and
     derivatives autograd can differentiate again. ``torch.embedding`` and ``F.embedding_bag`` are
-    replaced while any such context is in progress (a function mode cost every op
-    of the loss: 34% of a forward of 60 ops); a call bound to torch's own function before, or
-    another thread's, is torch's."""
-    global _installed, _replaced
-    with _INSTALL_LOCK:
-        if _installed == 0:
-            _replaced = (torch.embedding, F.embedding_bag)
-            torch.embedding, F.embedding_bag = _embedding, _embedding_bag
-        _installed += 1
-    _ON.depth = getattr(_ON, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _ON.depth -= 1
-        with _INSTALL_LOCK:
-            _installed -= 1
-            if _installed == 0:
-                torch.embedding, F.embedding_bag = _replaced
+    replaced while any such context is in progress (:class:`~pyhvp._replacing.Replacement`: a
+    function mode cost every op of the loss, 34% of a forward of 60 ops); a call bound to
+    torch's own function before, or another thread's, is torch's."""
+    with _REPLACED.active():
+        _ON.depth = getattr(_ON, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            _ON.depth -= 1
 
 
 @dataclasses.dataclass(frozen=True)

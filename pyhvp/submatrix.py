@@ -830,9 +830,7 @@ def _choose_routes(
         plans += _alternatives(found, sizes, numels, joint, compiled, together, chosen, forward)
     trial = Trial(tuple(plans), state=found.changes.held())
     if key is not None:
-        _ROUTES[key] = trial
-        if len(_ROUTES) > compile_policy.CACHE_SIZE:
-            _ROUTES.popitem(last=False)
+        compile_policy.keep(_ROUTES, key, trial)
     return trial
 
 
@@ -1322,13 +1320,9 @@ def _unsurveyed_state(plan: _Plan, spec: Any, batch_values: list[Any], chunk_siz
     if kept is None or not kept.held.holds():
         with torch.inference_mode(False):  # (as the survey runs it)
             kept = _Unsurveyed(recorded(loss, _normal(inputs)))
-        if key is not None:
-            _STATES[key] = kept
-            if len(_STATES) > compile_policy.CACHE_SIZE:
-                _STATES.popitem(last=False)
-    elif key is not None:
-        _STATES.move_to_end(key)
-    return kept.held.snapshot(inputs), kept if key is not None else None
+    if key is None:
+        return kept.held.snapshot(inputs), None
+    return kept.held.snapshot(inputs), compile_policy.keep(_STATES, key, kept)
 
 
 def _reverse_blocks(

@@ -58,6 +58,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch.utils import _pytree as pytree
@@ -260,6 +261,20 @@ class Entry:
         return bool(self.eager.recent) and self.compiled_runs.median() > self.eager.median()
 
 
+Kept = TypeVar("Kept")
+
+
+def keep(cache: OrderedDict[Hashable, Kept], key: Hashable, value: Kept,
+         size: int = CACHE_SIZE) -> Kept:  # fmt: skip
+    """``cache[key] = value`` as its most recently used entry, the least recently used dropped
+    past ``size`` entries; returns ``value``."""
+    cache[key] = value
+    cache.move_to_end(key)
+    while len(cache) > size:
+        cache.popitem(last=False)
+    return value
+
+
 class CompileCache:
     """Signatures -> :class:`Entry`, least recently used dropped first, and the compile costs
     measured in this process."""
@@ -271,11 +286,7 @@ class CompileCache:
         self.announced = False
 
     def entry(self, key: Hashable) -> Entry:
-        entry = self.entries.pop(key, None) or Entry()
-        self.entries[key] = entry
-        while len(self.entries) > self.size:
-            self.entries.popitem(last=False)
-        return entry
+        return keep(self.entries, key, self.entries.get(key) or Entry(), self.size)
 
     def expected_compile_seconds(self) -> float:
         if self.measured_compile_seconds:

@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from pyhvp._attention import math_attention
 from pyhvp._keys import Identity, value_key
+from pyhvp._replacing import Replacement
 from pyhvp.taylor.custom_ops import DET_BY_SVD, det_needs_svd
 from pyhvp.taylor.fallbacks import UnsupportedOpError
 from pyhvp.taylor.jets import ENGINE, dense_only
@@ -494,14 +495,12 @@ def _record(f: Callable[..., Tensor], variable: Tensor, args: Sequence[object],
             tell_backward_apart: bool) -> tuple[Recorder, object]:  # fmt: skip
     recorder = Recorder(variable, watch_backward=not tell_backward_apart)
     guard = _NoAutogradInside() if tell_backward_apart else contextlib.nullcontext()
-    _RECORDING.depth = recording_depth() + 1
     recorders = _recorders()
     recorders.append(recorder)
     try:
-        with recording_state(), guard, recorder, _refusing_numpy():
+        with recording_state(), guard, recorder, _REFUSING_NUMPY.active():
             out = f(variable, *args)
     finally:
-        _RECORDING.depth -= 1
         recorders.pop()
     if recorder.saw_backward:
         raise BackwardInside
@@ -509,8 +508,8 @@ def _record(f: Callable[..., Tensor], variable: Tensor, args: Sequence[object],
 
 
 _RECORDING = threading.local()
-"""How many records of ``f`` are in progress on this thread (an operator called inside ``f``
-of another is nested in it), and their recorders."""
+"""The records of ``f`` in progress on this thread, innermost last (an operator called inside
+``f`` of another is nested in it)."""
 
 
 def _recorders() -> list[Recorder]:
@@ -522,9 +521,6 @@ def _recorders() -> list[Recorder]:
 TO_NUMPY = ("__array__", "numpy")
 """The methods by which a tensor becomes a NumPy array: ``np.sin(x)``, ``x - array`` (NumPy
 computes, and its result comes back as a tensor torch never saw made), ``x.numpy()``."""
-
-_OWN = {name: Tensor.__dict__.get(name) for name in TO_NUMPY}
-"""``torch.Tensor``'s own methods (None: inherited from ``TensorBase``), put back after."""
 
 
 def _refusing(name: str) -> Callable[..., Any]:
@@ -543,39 +539,15 @@ def _refusing(name: str) -> Callable[..., Any]:
     return convert
 
 
-_REFUSING = {name: _refusing(name) for name in TO_NUMPY}
-_INSTALL_LOCK = threading.Lock()
-_installed = 0
-"""Records in progress in any thread (the methods are replaced while there is one)."""
-
-
-@contextlib.contextmanager
-def _refusing_numpy() -> Iterator[None]:
-    """While ``f`` is recorded, a tensor that depends on ``x`` refuses to become a NumPy array:
-    the recorder sees no op of NumPy's, so its results were constants (a Laplacian of zeros).
-    The methods are replaced on ``torch.Tensor`` while any record is in progress (a function
-    mode would cost every op of every record); tensors of no record keep their behaviour."""
-    global _installed
-    with _INSTALL_LOCK:
-        if _installed == 0:
-            for name, method in _REFUSING.items():
-                setattr(Tensor, name, method)
-        _installed += 1
-    try:
-        yield
-    finally:
-        with _INSTALL_LOCK:
-            _installed -= 1
-            if _installed == 0:
-                for name, own in _OWN.items():
-                    if own is None:
-                        delattr(Tensor, name)
-                    else:
-                        setattr(Tensor, name, own)
+_REFUSING_NUMPY = Replacement([(Tensor, name, _refusing(name)) for name in TO_NUMPY])
+"""While ``f`` is recorded, a tensor that depends on ``x`` refuses to become a NumPy array: the
+recorder sees no op of NumPy's, so its results were constants (a Laplacian of zeros). The
+methods are replaced on ``torch.Tensor`` while any record is in progress (a function mode
+would cost every op of every record); tensors of no record keep their behaviour."""
 
 
 def recording_depth() -> int:
-    return getattr(_RECORDING, "depth", 0)
+    return len(_recorders())
 
 
 def recording() -> bool:

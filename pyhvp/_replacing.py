@@ -1,0 +1,52 @@
+"""Attributes replaced while any context needs them, in any thread: :class:`Replacement`.
+
+pyhvp replaces a few torch callables for the length of a run instead of intercepting every op
+with a function mode (which costs a Python call per op of the user's function): NumPy
+conversions while the Taylor engine records ``f``, the embedding functions while
+``sub_hessian`` differentiates a loss twice. A replacement decides per call, from state of its
+own thread, whether to act; another thread's calls reach it too, and get the original's
+behaviour.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+_MISSING = object()
+"""No attribute of the owner's own (an inherited one): deleted again, not set."""
+
+
+class Replacement:
+    """``setattr(owner, name, value)`` for each ``(owner, name, value)`` while any
+    :meth:`active` context is in progress, in any thread; the last to leave puts back what the
+    first found (torch's callable, a user's own replacement, or nothing of the owner's own)."""
+
+    def __init__(self, replacements: Sequence[tuple[object, str, object]]) -> None:
+        self._replacements = tuple(replacements)
+        self._lock = threading.Lock()
+        self._users = 0
+        self._found: list[object] = []
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        with self._lock:
+            if self._users == 0:
+                self._found = [vars(owner).get(name, _MISSING)
+                               for owner, name, _ in self._replacements]  # fmt: skip
+                for owner, name, value in self._replacements:
+                    setattr(owner, name, value)
+            self._users += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._users -= 1
+                if self._users == 0:
+                    for (owner, name, _), found in zip(self._replacements, self._found,
+                                                       strict=True):  # fmt: skip
+                        if found is _MISSING:
+                            delattr(owner, name)
+                        else:
+                            setattr(owner, name, found)
