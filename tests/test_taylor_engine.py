@@ -8,7 +8,13 @@ from collections import OrderedDict
 import pytest
 import torch
 import torch.nn.functional as F
-from dense import instance_hessian_diagonal, instance_jacobian, instance_laplacian, message_passing
+from dense import (
+    instance_hessian_diagonal,
+    instance_jacobian,
+    instance_laplacian,
+    message_passing,
+    nested_directional_derivatives,
+)
 
 import pyhvp
 from pyhvp import taylor
@@ -497,6 +503,34 @@ def test_a_float64_leaky_slope_is_not_rounded_to_float32(activation, slope, devi
     x = -torch.tensor([[1.0, 2.0]], dtype=torch.float64, device=device)
     got = pyhvp.hessian_diagonal(lambda y: activation(y).pow(2).sum(-1), x)
     torch.testing.assert_close(got, torch.full_like(x, 2 * slope**2), rtol=1e-15, atol=0)
+
+
+KINKED_AT_0 = {
+    "elu": F.elu,
+    "selu": F.selu,
+    "celu(u, 2)": lambda u: F.celu(u, 2.0),
+    "elu, in place": lambda u: F.elu(u.clone(), inplace=True),
+    "relu ** 2": lambda u: F.relu(u) ** 2,
+    "hardtanh ** 2": lambda u: F.hardtanh(u) ** 2,
+}
+"""Activations with a kink at 0, where autograd's derivatives follow a convention: ``elu``'s
+second derivative there is 0 (``elu_double_backward`` masks ``u < 0``), not its exponential
+side's ``alpha * scale * input_scale ** 2`` (which the engine gave: 1 for elu, 1.76 for selu)."""
+
+
+@pytest.mark.parametrize("activation", KINKED_AT_0.values(), ids=KINKED_AT_0.keys())
+@pytest.mark.parametrize("order", [2, 3, 4])
+def test_an_activation_at_its_kink_has_autograds_derivatives_there(activation, order, device):
+    x = torch.tensor([[0.0, 0.0, 1.5, -0.5]], dtype=torch.float64, device=device)
+    v = torch.tensor([1.0, -0.5, 0.25, 2.0], dtype=torch.float64, device=device)
+
+    def f(u):
+        return activation(u).sum(-1)
+
+    got = pyhvp.directional_derivatives(f, x, v, order=order)
+    torch.testing.assert_close(
+        got.cpu(), nested_directional_derivatives(f, x.cpu(), v.cpu(), order)
+    )
 
 
 # --- what the engine cannot carry is refused, naming the op ------------------------------------

@@ -230,9 +230,13 @@ def _softplus(u: Tensor, y: Tensor, beta: float = 1, threshold: float = 20, *,
 
 def _elu(u: Tensor, y: Tensor, alpha: float = 1, scale: float = 1, input_scale: float = 1, *,
          order: int) -> Sequence[Tensor | None]:  # fmt: skip
+    """At the kink ``u = 0`` autograd's convention: the slope of the exponential side, higher
+    derivatives zero (``elu_double_backward`` masks ``u < 0``). They were the exponential side's,
+    so ``elu`` and ``selu`` at 0 had a second derivative of ``alpha * scale * input_scale ** 2``
+    where autograd has 0."""
     negative = scale * alpha * input_scale * torch.exp(input_scale * u)
     return [torch.where(u > 0, scale, negative)] + [
-        torch.where(u > 0, 0.0, negative * input_scale ** (j - 1)) for j in range(2, order + 1)
+        torch.where(u < 0, negative * input_scale ** (j - 1), 0.0) for j in range(2, order + 1)
     ]
 
 
