@@ -30,6 +30,11 @@ def require_tensor(name: str, value: object) -> torch.Tensor:
             f"{name} must hold values (on the CPU or a GPU), got a tensor on the meta device, "
             "which has shapes only"
         )
+    if value.layout != torch.strided:
+        raise TypeError(
+            f"{name} must be a dense (strided) tensor, got a {str(value.layout).removeprefix('torch.')} "
+            f"one; convert it with .to_dense()"
+        )
     return value
 
 
@@ -72,6 +77,11 @@ def check_event_dims(event_dims: object, x: torch.Tensor) -> int:
     dims = as_int(event_dims)
     if dims is None:
         raise TypeError(f"event_dims must be an int, got {type(event_dims).__name__}")
+    if x.ndim == 0:
+        raise ValueError(
+            f"x must have at least one dimension (the last event_dims={dims} are one instance), "
+            "got a 0-d tensor: pass x[None] for a single scalar input"
+        )
     if not 1 <= dims <= x.ndim:
         raise ValueError(
             f"event_dims must be between 1 and x.ndim={x.ndim} (x has shape {fmt_shape(x.shape)}), "

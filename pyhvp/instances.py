@@ -29,6 +29,7 @@ from pyhvp._checks import (
     require_floating,
 )
 from pyhvp._public import public_operator
+from pyhvp.backends import nested
 from pyhvp.backends.torch import write_to_x_refusal
 from pyhvp.taylor import InPlaceInputError
 
@@ -213,6 +214,12 @@ def check_instances(
     """
     if not callable(f):
         raise TypeError(f"f must be a Python function of torch tensors, got {type(f).__name__}")
+    if nested.inside_transform():
+        raise ValueError(
+            "check_instances cannot run inside a torch.func transform (vmap, grad, jacrev, ...): "
+            "it is a check on concrete values, with autograd's reverse passes; call it once "
+            "outside the transform, on x as the transform's caller has it"
+        )
     x = require_floating("x", x)
     event_dims = check_event_dims_of(f, event_dims, x)
     if generator is not None and not isinstance(generator, torch.Generator):

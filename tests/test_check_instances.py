@@ -177,6 +177,12 @@ BAD = {
     "generator not a Generator": (lambda: pyhvp.check_instances(torch.sin, X, generator=3),
                                   TypeError, "generator must be a torch.Generator"),
     "x not floating": (lambda: pyhvp.check_instances(torch.sin, X.long()), TypeError, "x"),
+    # a check on values with autograd's passes: torch's requires_grad_() error before
+    "inside vmap": (lambda: torch.func.vmap(lambda x: pyhvp.check_instances(torch.sin, x))(
+        X[None]), ValueError, "check_instances cannot run inside a torch.func transform"),
+    "inside grad": (lambda: torch.func.grad(lambda x: (pyhvp.check_instances(torch.sin, x),
+                                                       x.sum())[1])(X),
+                    ValueError, "check_instances cannot run inside a torch.func transform"),
 }  # fmt: skip
 
 

@@ -119,6 +119,34 @@ def test_a_sub_hessian_index_on_the_meta_device_is_refused_naming_it():
                           torch.tensor([0, 4], device="meta"))  # fmt: skip
 
 
+SPARSE_CALLS = {
+    **META_CALLS,
+    "grad_and_hvp": lambda f, x, backend: pyhvp.hvp(f, x, x, backend=backend),
+    "check_instances": lambda f, x, backend: pyhvp.check_instances(f, x),
+    "KroneckerHVP": lambda f, x, backend: pyhvp.KroneckerHVP().update(x),
+}
+
+
+@pytest.mark.parametrize("call", SPARSE_CALLS.values(), ids=SPARSE_CALLS.keys())
+def test_a_sparse_x_is_refused_naming_it(call):
+    """Before: an error from deep in torch, different per operator (``aten::as_strided`` has no
+    sparse kernel, ``reshape is not implemented for sparse tensors``, ``aten::amax``)."""
+    with pytest.raises(TypeError, match=r"^(x|params|grad) must be a dense \(strided\) tensor"):
+        call(cubic, torch.randn(4, 3).to_sparse(), "torch")
+
+
+BATCHED_CALLS = {name: call for name, call in SPARSE_CALLS.items()
+                 if name not in ("sub_hessian", "KroneckerHVP")}  # fmt: skip
+"""The operators whose x is a batch of instances (a sub-Hessian's params may be one scalar)."""
+
+
+@pytest.mark.parametrize("call", BATCHED_CALLS.values(), ids=BATCHED_CALLS.keys())
+def test_a_0_d_x_is_refused_saying_it_needs_an_instance_dimension(call):
+    """Before: "event_dims must be between 1 and x.ndim=0"."""
+    with pytest.raises(ValueError, match=r"^x must have at least one dimension.*x\[None\]"):
+        call(cubic, torch.tensor(2.0), "torch")
+
+
 def frozen_first_layer():
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
