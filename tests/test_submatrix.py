@@ -1,6 +1,7 @@
 """Specification of sub_hessian / module_loss against the seed's loop and dense float64 Hessians."""
 
 import re
+import threading
 from dataclasses import dataclass, field
 from itertools import accumulate
 
@@ -722,6 +723,52 @@ def test_vmap_over_params_gives_each_ones_sub_hessian(index, device):
     got = torch.func.vmap(lambda w: pyhvp.sub_hessian(loss, w, selected, backend=EAGER))(weights)
     expected = torch.stack([dense_sub_hessian(loss, w, selected) for w in weights])
     torch.testing.assert_close(got, expected)
+
+
+class _Interleaving(nn.Module):
+    """Lets thread "second" run its forward between the two layers of thread "first"'s where
+    sub_hessian allows it (each waits at most 0.5 s for the other)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first_waits, self.second_inside, self.first_done = (threading.Event() for _ in "abc")
+
+    def forward(self, h):
+        if threading.current_thread().name not in ("first", "second"):
+            return h
+        if threading.current_thread().name == "first":
+            self.first_waits.set()
+            self.second_inside.wait(timeout=0.5)
+        else:
+            self.second_inside.set()
+            self.first_done.wait(timeout=0.5)
+        return h
+
+
+def test_two_threads_on_one_module_each_get_their_sub_hessian():
+    """A ``module_loss`` swaps the module's parameters for the call's: a second thread's call
+    between the first's two layers made the first differentiate through the second's tensors
+    (blocks 0.06 off, found with ``sys.setswitchinterval(1e-6)``); calls now run one at a time."""
+    torch.manual_seed(0)
+    gate = _Interleaving()
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), gate, nn.Linear(6, 3)).double()
+    inputs, targets = torch.randn(8, 4, dtype=torch.float64), torch.randint(0, 3, (8,))
+    index = {"0.weight": torch.tensor([0, 5, 9]), "3.weight": torch.tensor([1, 2])}
+    expected = loop_sub_hessians(model, nn.CrossEntropyLoss(), inputs, targets, index)
+    got = {}
+
+    def call(name):
+        loss, params = pyhvp.module_loss(model, nn.CrossEntropyLoss(), inputs, targets)
+        got[name] = pyhvp.sub_hessian(loss, params, index, backend=EAGER)
+        gate.first_done.set()
+
+    first = threading.Thread(target=call, args=("first",), name="first")
+    second = threading.Thread(target=call, args=("second",), name="second")
+    first.start()
+    gate.first_waits.wait(timeout=5)
+    second.start()
+    first.join(), second.join()
+    torch.testing.assert_close(got, {"first": expected, "second": expected})
 
 
 # --- errors: (case, call, exception type, text the message must contain) ---------------------
