@@ -45,8 +45,8 @@ NUMPY_HINT = (
 NO_SECOND_DERIVATIVE_HINT = (
     "torch has no derivative of this op's backward, which the HVPs (autograd's double backward) "
     "differentiate: write that step with ops that have one ((a[:, None] - b[None]).pow(2)"
-    ".sum(-1).sqrt() for torch.cdist before torch 2.14), or use the Taylor-engine operators (hessian_diagonal, "
-    "laplacian), whose rules do not need it"
+    ".sum(-1).sqrt() for torch.cdist before torch 2.14), or, outside a torch.func transform, use "
+    "the Taylor-engine operators (hessian_diagonal, laplacian), whose rules do not need it"
 )
 EMBEDDING_BAG_HINT = (
     "torch has no derivative of embedding_bag's backward. sub_hessian runs "

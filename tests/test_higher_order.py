@@ -599,6 +599,21 @@ def _standardised(z, dim):
     return centred / ((centred * centred).mean(dim, keepdim=True) + 1e-5).sqrt()
 
 
+def _differences(x):
+    """Two points in the plane from x's first entries, each less each: (2, 2, 2), zero vectors on
+    the diagonal (a pair potential's self-pairs)."""
+    points = (x[:4] * SCALES.to(x)).reshape(2, 2)
+    return points[:, None] - points[None]
+
+
+def _apart(x):
+    return _differences(x)[0, 1]
+
+
+def _saturating(r):
+    return r / (1 + r)
+
+
 TORCH_GETS_WRONG_UNDER_GRAD = {
     "batch_norm in training, of the instance's own entries": (
         lambda x: F.batch_norm(x[:4].reshape(4, 1) * SCALES.to(x)[:, None], None, None,
@@ -610,10 +625,27 @@ TORCH_GETS_WRONG_UNDER_GRAD = {
     "layer_norm (third order)": (
         lambda x: F.layer_norm(x[:4], (4,)).pow(3).sum(),
         lambda x: _standardised(x[:4], -1).pow(3).sum()),
+    "vector_norm of zero vectors (NaN)": (
+        lambda x: _saturating(torch.linalg.vector_norm(_differences(x), dim=-1)).sum(),
+        lambda x: 2 * _saturating(_apart(x).pow(2).sum().sqrt())),
+    "Tensor.norm, p = 3, of zero vectors (NaN)": (
+        lambda x: _saturating(_differences(x).norm(p=3, dim=-1)).sum(),
+        lambda x: 2 * _saturating(_apart(x).abs().pow(3).sum().pow(1 / 3))),
+    "cdist of points and themselves (no double backward)": (
+        lambda x: _saturating(torch.cdist(_differences(x)[0], _differences(x)[0])).sum(),
+        lambda x: 2 * _saturating(_apart(x).pow(2).sum().sqrt())),
+    "cdist, p = 1.5 (NaN on either path)": (
+        lambda x: _saturating(torch.cdist(_differences(x)[0], _differences(x)[0], p=1.5)).sum(),
+        lambda x: 2 * _saturating(_apart(x).abs().pow(1.5).sum().pow(1 / 1.5))),
+    "normalize of zero vectors (NaN)": (
+        lambda x: F.normalize(_differences(x), dim=-1)[..., 0].exp().sum(),
+        lambda x: (_apart(x)[0] / _apart(x).pow(2).sum().sqrt()).cosh() * 2 + 2),
 }  # fmt: skip
-"""f of one instance whose derivatives torch gets wrong (or NaN) from the third order on, and f
-written out in elementary ops: a ``grad`` around a second-order operator of f reaches the third
-(1 to 95 off, or NaN)."""
+"""f of one instance whose derivatives torch gets wrong (or NaN) from the third order on, or
+cannot take (``cdist``'s second), and f written out in elementary ops: a ``grad`` around a
+second-order operator of f reaches the third (1 to 95 off, or NaN). A norm of a zero vector has
+zero derivatives of every order (the Taylor engine's convention), so the written-out f leaves the
+zero vectors out."""
 SECOND_ORDER = {
     "directional derivative": lambda f, x: pyhvp.directional_derivatives(
         f, x, V.to(x), order=2)[2],

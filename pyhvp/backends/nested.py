@@ -9,12 +9,14 @@ cotangent ``w`` of ``<vjp(w), u>`` (linear in ``w``): reverse over reverse, ``2 
 reverse passes for order ``K`` -- eager, and exponential in the order. Not forward mode: torch
 2.13's nested forward-mode derivatives of ``det``, ``slogdet``, ``logdet``, ``solve`` and
 ``cholesky_inverse`` are wrong from the second order on, and nested forward mode under the
-recorder's dispatch mode segfaulted (``x ** 5`` inside ``torch.func.grad``). Four norms and
-``logcumsumexp`` run written out in elementary ops (``_Elementary``): torch's third and higher
-reverse-mode derivatives of ``layer_norm`` are wrong, its nested ones of ``instance_norm`` and of
-``batch_norm`` in training under ``vmap`` from the second on, its batched double backward of
-``group_norm`` fails, and its nested ones of ``logcumsumexp`` are NaN (the backward takes the
-log of the cotangent). Attention takes its math path, as under the recorder: its fused kernels
+recorder's dispatch mode segfaulted (``x ** 5`` inside ``torch.func.grad``). Four norms,
+``logcumsumexp``, vector norms and ``cdist`` run written out in elementary ops
+(``_Elementary``): torch's third and higher reverse-mode derivatives of ``layer_norm`` are wrong,
+its nested ones of ``instance_norm`` and of ``batch_norm`` in training under ``vmap`` from the
+second on, its batched double backward of ``group_norm`` fails, its nested ones of
+``logcumsumexp`` are NaN (the backward takes the log of the cotangent), those of a vector norm
+at a zero vector are NaN from the second on (the engine's convention there is zero derivatives),
+and ``cdist`` has no second. Attention takes its math path, as under the recorder: its fused kernels
 have no second derivative. The Hessian-vector products inside a transform run ``f`` the same
 way (``written_out``): a ``grad`` around them makes a third derivative.
 A determinant's third is wrong too: refused where it would be differentiated more than twice
@@ -25,6 +27,7 @@ transform, whose result autograd differentiates).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -123,9 +126,9 @@ def written_out(
 
 class _Elementary(TorchFunctionMode):
     """``f`` with ``layer_norm``, ``group_norm``, ``instance_norm`` and ``batch_norm`` (of the
-    input's own statistics) and, with ``cumulative``, ``logcumsumexp`` written out in elementary
-    ops (whose nested reverse-mode derivatives torch gets right), and a determinant refused where
-    it is differentiated more than twice."""
+    input's own statistics), vector norms, ``F.normalize``, ``cdist`` and, with ``cumulative``,
+    ``logcumsumexp`` written out in elementary ops (whose nested reverse-mode derivatives torch
+    gets right), and a determinant refused where it is differentiated more than twice."""
 
     def __init__(self, cumulative: bool = True) -> None:
         super().__init__()
@@ -138,6 +141,10 @@ class _Elementary(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in _NORMS:
             written = _written_norm(func, args, kwargs)
+            if written is not None:
+                return written
+        if func in _VECTOR_NORMS and kwargs.get("out") is None:
+            written = _written_vector_norm(func, args, kwargs)
             if written is not None:
                 return written
         if func in _CUMULATIVE_LOG_SUMS and self.cumulative and kwargs.get("out") is None:
@@ -203,6 +210,69 @@ def _written_norm(
     return out.to(input.dtype)
 
 
+def _written_vector_norm(
+    func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
+) -> torch.Tensor | None:
+    """A vector ``p``-norm (``p > 1``, finite), ``cdist`` or ``F.normalize`` with the engine's
+    convention at a zero vector, zero derivatives of every order (:func:`_zero_safe_norm`); None where ``func``
+    computes another norm (a matrix norm, ``p`` of 1, 0 or infinite: torch's derivatives are
+    finite there)."""
+    bound = dict(zip(_VECTOR_NORMS[func], args, strict=False)) | kwargs
+    if func is torch.cdist:
+        a, b = bound["x1"], bound["x2"]
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return None
+        difference = a.unsqueeze(-2) - b.unsqueeze(-3)  # (..., P, R, M)
+        p = bound.get("p", 2.0)
+        written = _zero_safe_norm(difference, p, (-1,), False, None)
+        return written if written is not None else torch.linalg.vector_norm(difference, p, -1)
+    input, dim, keepdim = bound["input"], bound.get("dim"), bound.get("keepdim", False)
+    if func is F.normalize:  # input over its norm along dim, at least eps
+        p, dim = bound.get("p", 2.0), bound.get("dim", 1)
+        norm = _zero_safe_norm(input, p, (dim,), True, None)
+        return None if norm is None else input / norm.clamp_min(bound.get("eps", 1e-12))
+    if func is torch.linalg.norm:  # a vector norm where ord is None or dim names one dim
+        ord = bound.get("ord")
+        one_dim = isinstance(dim, int) or (dim is None and input.ndim == 1)
+        if ord is not None and not (one_dim and isinstance(ord, (int, float))):
+            return None
+        ord = 2 if ord is None else ord
+    elif func is torch.linalg.vector_norm:
+        ord = bound.get("ord", 2)
+    else:  # torch.norm, Tensor.norm: "fro" over at most two dims is the 2-norm
+        ord = bound.get("p", "fro")
+        if ord == "fro" and (dim is None or isinstance(dim, int) or len(dim) <= 2):
+            ord = 2
+        ord = 2 if ord is None else ord
+    if not isinstance(ord, (int, float)) or isinstance(ord, bool):
+        return None
+    dims = None if dim is None else (dim,) if isinstance(dim, int) else tuple(dim)
+    return _zero_safe_norm(input, ord, dims, keepdim, bound.get("dtype"))
+
+
+def _zero_safe_norm(input: object, ord: float, dims: tuple[int, ...] | None, keepdim: bool,
+                    dtype: torch.dtype | None) -> torch.Tensor | None:  # fmt: skip
+    """``(sum |input|^ord) ** (1 / ord)`` over ``dims`` (None: all), accumulated in float32 at
+    least, and 0 with zero derivatives of every order where the sum is 0: the root is taken of 1
+    there, so that nested reverse mode multiplies no ``inf`` by 0 (torch's own second and higher
+    derivatives of a norm at a zero vector are NaN: the zero self-distances of a pair potential
+    made every entry of ``grad`` of its Laplacian NaN). None outside ``1 < ord < inf`` and for
+    complex or integer input."""
+    if not (isinstance(input, torch.Tensor) and input.is_floating_point()):
+        return None
+    if not 1 < ord < math.inf:
+        return None
+    x = input if dtype is None else input.to(dtype)
+    wide = x.to(torch.promote_types(x.dtype, torch.float32))
+    dims = tuple(range(x.ndim)) if dims is None else dims
+    zero_vector = (wide == 0).all(dims, keepdim=True)  # (|0| ** ord: its derivatives too)
+    base = torch.where(zero_vector, 1.0, wide if ord == 2 else wide.abs())
+    total = base.pow(ord).sum(dims, keepdim=keepdim)
+    zero = (total == 0) | (zero_vector if keepdim else zero_vector.squeeze(dims))  # (underflow)
+    root = torch.where(zero, 1.0, total).pow(1 / ord)
+    return torch.where(zero, 0.0, root).to(x.dtype)
+
+
 def _normalised(input: torch.Tensor, dims: tuple[int, ...], eps: float) -> torch.Tensor:
     """``input`` less its mean over ``dims``, over its standard deviation there (biased)."""
     centred = input - input.mean(dims, keepdim=True)
@@ -240,5 +310,13 @@ _BATCH_NORMS: dict[Callable[..., Any], Names] = {
                        "momentum", "eps", "cudnn_enabled"),
 }  # fmt: skip
 _NORMS = {**_LAYER_NORMS, **_GROUP_NORMS, **_INSTANCE_NORMS, **_BATCH_NORMS}
+_VECTOR_NORMS: dict[Callable[..., Any], Names] = {
+    torch.linalg.vector_norm: ("input", "ord", "dim", "keepdim"),
+    torch.linalg.norm: ("input", "ord", "dim", "keepdim"),
+    torch.norm: ("input", "p", "dim", "keepdim", "out", "dtype"),
+    torch.Tensor.norm: ("input", "p", "dim", "keepdim", "dtype"),
+    torch.cdist: ("x1", "x2", "p", "compute_mode"),
+    F.normalize: ("input", "p", "dim", "eps", "out"),
+}
 _CUMULATIVE_LOG_SUMS = (torch.logcumsumexp, torch.Tensor.logcumsumexp)
 _DETERMINANTS = (torch.linalg.det, torch.det, torch.Tensor.det)

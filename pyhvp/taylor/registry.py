@@ -213,7 +213,10 @@ def register_jet_rule(
 
     Without ``rule`` or a flag it returns a decorator. Registration replaces an earlier rule;
     jet kernels traced with the earlier one are not used again (each is traced anew, and
-    compiled anew where it was).
+    compiled anew where it was). Inside a ``torch.func`` transform (``grad``, ``vmap``, ...
+    around an operator) the operators differentiate ``f`` by nested reverse mode, not by jet
+    rules: there a custom op needs autograd's formula of its own
+    (``torch.library.register_autograd`` with ``setup_context``), twice differentiable.
 
     >>> import torch, pyhvp
     >>> @torch.library.custom_op("example::cube", mutates_args=())

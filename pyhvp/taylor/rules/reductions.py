@@ -388,19 +388,30 @@ def _vector_norm(
         return apply(ctx, aten.amin.default, magnitude, dims, keepdim)
     if ord == 1:
         return apply(ctx, aten.sum.dim_IntList, magnitude, dims, keepdim)
-    base = u if ord == 2 else magnitude  # |u|^2 = u^2 is smooth at 0
+    # autograd's convention: a zero norm has zero derivatives (they are unbounded there); the
+    # power and the root are taken of entries that are 1 there, so that no inf * 0 reaches the
+    # kernel's own derivatives (gradients through the Laplacian) through the unselected branch
+    # of a where (|u| ** 1.5 at a zero vector made them NaN)
+    zero = out == 0
+    vector_zero = zero if keepdim else zero.reshape(_kept_shape(u.value.shape, dims))
+    base = _where_not(vector_zero, u if ord == 2 else magnitude)  # (|u|^2 = u^2: smooth at 0)
     total = apply(ctx, aten.sum.dim_IntList, apply(ctx, aten.pow.Tensor_Scalar, base, ord), dims,
                   keepdim)  # fmt: skip
-    # autograd's convention: a zero norm has zero derivatives (they are unbounded there); the
-    # root is taken of a total that is 1 there, so that no inf * 0 reaches the kernel's own
-    # derivatives (gradients through the Laplacian) through the unselected branch of a where
-    zero = out == 0
-    safe = Jet(torch.where(zero, 1.0, total.value),
-               tuple(None if c is None else torch.where(zero, 0.0, c)
-                     for c in dense_coefficients(total)))  # fmt: skip
-    norm = apply(ctx, aten.pow.Tensor_Scalar, safe, 1 / ord)
+    norm = apply(ctx, aten.pow.Tensor_Scalar, _where_not(zero, total), 1 / ord)
     return Jet(out, tuple(None if c is None else torch.where(zero, 0.0, c)
                           for c in dense_coefficients(norm)))  # fmt: skip
+
+
+def _where_not(mask: Tensor, jet: Jet) -> Jet:
+    """``jet`` where ``mask`` is False; the constant 1 (no derivatives) where it is True."""
+    return Jet(torch.where(mask, 1.0, jet.value),
+               tuple(None if c is None else torch.where(mask, 0.0, c)
+                     for c in dense_coefficients(jet)))  # fmt: skip
+
+
+def _kept_shape(shape: torch.Size, dims: Sequence[int]) -> list[int]:
+    """``shape`` with the reduced ``dims`` kept as 1s (a ``keepdim`` result's shape)."""
+    return [1 if i in dims else n for i, n in enumerate(shape)]
 
 
 @rule(aten._cdist_forward.default, aten._euclidean_dist.default)
