@@ -44,6 +44,7 @@ from pyhvp.restricted.ops import (
     call_kind,
     contracted,
     describe,
+    draws_mask_by_layout,
     einsum_form,
     first_input,
     returns_its_input,
@@ -219,6 +220,10 @@ class Injection(TorchFunctionMode):
         if func == DATA and args and args[0].requires_grad and self._find(args[0]) is None:
             raise NotSparse("Tensor.data of a value computed from a selected tensor: torch.func, "
                             "which the sparse route runs, differentiates it unlike autograd")  # fmt: skip
+        if draws_mask_by_layout(func, args, kwargs):
+            raise NotSparse(f"{describe(func)} in training of a non-contiguous tensor: under "
+                            "torch.func, which the sparse route runs, torch draws its mask in "
+                            "another order than the loss's own forward")  # fmt: skip
         if func in HOOKS:  # on a value computed from the selected entries' z
             raise NotSparse(f"{describe(func)}: a gradient hook changes autograd's derivative, "
                             "which the sparse route does not follow")  # fmt: skip

@@ -257,6 +257,36 @@ arguments (``W.flatten(1, 1)``, ``W.cpu()`` of a CPU tensor, ``+W``, a dropout i
 ``torch.as_tensor(W)``): the only ones :func:`returns_its_input` runs again (a batch norm would
 write twice), on a forked random state (a dropout in training would draw twice)."""
 
+_MASKS_BY_LAYOUT: dict[Callable[..., Any], tuple[str, bool]] = {
+    F.dropout: ("training", True),
+    F.alpha_dropout: ("training", False),
+    torch.dropout: ("train", False),
+    torch.dropout_: ("train", False),
+    torch.alpha_dropout: ("train", False),
+    torch.alpha_dropout_: ("train", False),
+}
+"""Dropouts whose mask is drawn entry by entry in the input's memory order (``empty_like``):
+their training argument's name and default (``torch.dropout`` requires it)."""
+
+
+def draws_mask_by_layout(func: Callable[..., Any], args: Sequence[Any],
+                         kwargs: dict[str, Any]) -> bool:  # fmt: skip
+    """Whether ``func`` is a dropout in training that draws a mask for a non-contiguous input:
+    under ``torch.func`` torch draws it in the logical order instead of the memory order, so
+    the same random state gives another mask (a transposed activation's)."""
+    try:
+        known = _MASKS_BY_LAYOUT.get(func)
+    except TypeError:  # an unhashable callable
+        return False
+    if known is None:
+        return False
+    input = first_input(args, kwargs)
+    p = argument(args, kwargs, "p", 1, 0.5)
+    training = argument(args, kwargs, known[0], 2, known[1])
+    return (isinstance(input, torch.Tensor) and bool(training) and isinstance(p, (int, float))
+            and 0 < p < 1 and input.numel() > 1 and not input.is_contiguous())  # fmt: skip
+
+
 RETURNS_INPUTS_IN_A_TUPLE = frozenset({torch.broadcast_tensors})
 """Torch functions that eager torch makes return some of their arguments themselves among
 others (``torch.broadcast_tensors(W, c)`` of equal shapes)."""

@@ -898,11 +898,19 @@ def forward_fits(
     return sum(k * u.held for k, u in zip(sizes, found.usage, strict=True)) <= FORWARD_TANGENTS
 
 
-def every_tensor_reverse(model: Routes, count: int, loop: bool) -> Routes:
+def every_tensor_reverse(
+    model: Routes, count: int, loop: bool, refusal: str | None = None
+) -> Routes:
     """``model`` with all ``count`` selected tensors on the reverse route, batched or
-    (``loop``) by the seed's loop; its costs are ``model``'s."""
+    (``loop``) by the seed's loop; its costs are ``model``'s. ``refusal``: why the sparse route
+    refused the loss, the reason logged for every tensor that had none."""
+    refusals = model.refusals if refusal is None else tuple(
+        refusal if i >= len(model.refusals) or model.refusals[i] is None else model.refusals[i]
+        for i in range(count)
+    )  # fmt: skip
     return dataclasses.replace(
         model,
+        refusals=refusals,
         groups=(),
         reverse=tuple(range(count)),
         eager_only=frozenset(),
