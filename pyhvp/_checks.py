@@ -30,16 +30,24 @@ def require_tensor(name: str, value: object) -> torch.Tensor:
             f"{name} must hold values (on the CPU or a GPU), got a tensor on the meta device, "
             "which has shapes only"
         )
-    if value.layout != torch.strided:
-        raise TypeError(
-            f"{name} must be a dense (strided) tensor, got a {str(value.layout).removeprefix('torch.')} "
-            f"one; convert it with .to_dense()"
-        )
     return value
 
 
-def require_floating(name: str, value: object) -> torch.Tensor:
+def require_dense(name: str, value: object) -> torch.Tensor:
+    """A tensor of the strided layout: what an operator differentiates or indexes by (a sparse
+    one, held constant in ``args`` or an unselected parameter, is the function's business)."""
     tensor = require_tensor(name, value)
+    if tensor.layout != torch.strided:
+        layout = str(tensor.layout).removeprefix("torch.")
+        raise TypeError(
+            f"{name} must be a dense (strided) tensor, got a {layout} one; convert it with "
+            ".to_dense()"
+        )
+    return tensor
+
+
+def require_floating(name: str, value: object) -> torch.Tensor:
+    tensor = require_dense(name, value)
     if not tensor.is_floating_point():
         raise TypeError(
             f"{name} must have a floating dtype (float32/float64/...), got {tensor.dtype}"

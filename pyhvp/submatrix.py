@@ -77,6 +77,7 @@ from pyhvp._checks import (
     check_output,
     fmt_shape,
     refuse_arrays,
+    require_dense,
     require_floating,
     require_like,
     require_tensor,
@@ -201,8 +202,14 @@ def sub_hessian(
     group = check_group(group)
     options = (joint, chunk_size, backend, progress, method, group)
     local = partial(_local_sums, loss, params, index, data, *options)
-    with _ONE_CALL_AT_A_TIME:
-        sums = local()[0] if group is None else sum_over_ranks(local, group, "sub_hessian")
+
+    def one_thread_at_a_time() -> tuple[list[torch.Tensor], Fingerprint]:
+        # (the collective outside: ranks that are threads of one process wait for each other)
+        with _ONE_CALL_AT_A_TIME:
+            return local()
+
+    sums = (one_thread_at_a_time()[0] if group is None
+            else sum_over_ranks(one_thread_at_a_time, group, "sub_hessian"))  # fmt: skip
     blocks = [(s + s.mT) / 2 for s in sums]
     if isinstance(params, torch.Tensor) or joint:
         return blocks[0]
@@ -404,7 +411,7 @@ class _ModuleBatchLoss(_NamedByModule):
 def _check_index(name: str, index: object, shape: torch.Size, of: str) -> torch.Tensor:
     """A 1-D integer tensor of flat indices into a tensor of ``shape``, as int64 (no entries:
     a ``(0, 0)`` block, as no batches give zeros -- nothing selected is not an error)."""
-    index = require_tensor(name, index)
+    index = require_dense(name, index)
     if index.is_floating_point() or index.is_complex() or index.dtype == torch.bool:
         raise TypeError(
             f"{name} must have an integer dtype (flat indices, e.g. torch.long), got {index.dtype}"

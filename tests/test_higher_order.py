@@ -18,6 +18,7 @@ from torch import nn
 
 import pyhvp
 from pyhvp import TorchBackend
+from pyhvp.backends import nested
 
 EAGER = TorchBackend(compile=False)
 
@@ -637,6 +638,12 @@ TORCH_GETS_WRONG_UNDER_GRAD = {
     "cdist, p = 1.5 (NaN on either path)": (
         lambda x: _saturating(torch.cdist(_differences(x)[0], _differences(x)[0], p=1.5)).sum(),
         lambda x: 2 * _saturating(_apart(x).abs().pow(1.5).sum().pow(1 / 1.5))),
+    "vector_norm over dim=(), every dim": (
+        lambda x: x[:4].sum() * torch.linalg.vector_norm(x[:4] * SCALES.to(x), 3, dim=()),
+        lambda x: x[:4].sum() * (x[:4] * SCALES.to(x)).abs().pow(3).sum().pow(1 / 3)),
+    "normalize over a tuple of dims": (
+        lambda x: F.normalize(x[:4].reshape(2, 2), dim=(-2, -1)).pow(3).sum(),
+        lambda x: (x[:4] / x[:4].pow(2).sum().sqrt()).pow(3).sum()),
     "normalize of zero vectors (NaN)": (
         lambda x: F.normalize(_differences(x), dim=-1)[..., 0].exp().sum(),
         lambda x: (_apart(x)[0] / _apart(x).pow(2).sum().sqrt()).cosh() * 2 + 2),
@@ -695,6 +702,21 @@ def test_the_gradient_of_an_operator_of_ops_torch_differentiates_wrongly_is_the_
     x = point("cpu")[0].requires_grad_()
     (expected,) = torch.autograd.grad(operator(written_out, x), x)
     torch.testing.assert_close(torch.autograd.grad(operator(f, x), x)[0], expected)
+
+
+def test_a_cdist_of_data_inside_a_transform_is_left_to_torch(monkeypatch):
+    """Written out, a cdist builds its ``(P, R, M)`` differences: for one of data, which carries
+    no derivatives, that took 12x the memory and 190x the time of torch's own (3000 x 500
+    points of 256 dims: 4.8 GB)."""
+    written = []
+    monkeypatch.setattr(nested, "_zero_safe_norm", lambda *a: written.append(a))
+    data = torch.randn(30, 4, dtype=torch.float64)
+
+    def f(y):
+        return (y**3).sum() * torch.exp(-torch.cdist(data, data[:5])).mean()
+
+    torch.func.grad(lambda y: pyhvp.laplacian(f, y))(point("cpu")[0])
+    assert written == []
 
 
 DIFFERENTIATED_THRICE = {

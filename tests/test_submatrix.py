@@ -12,6 +12,7 @@ from dense import dense_sub_hessian, loop_sub_hessian, loop_sub_hessians
 from torch import nn
 
 import pyhvp
+from pyhvp import submatrix
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -816,6 +817,42 @@ def test_two_threads_on_one_module_each_get_their_sub_hessian():
     second.start()
     first.join(), second.join()
     torch.testing.assert_close(got, {"first": expected, "second": expected})
+
+
+def test_ranks_that_are_threads_of_one_process_do_not_wait_on_each_other(monkeypatch):
+    """The threads' lock was held across the ranks' collective: with torch's threaded process
+    group, rank 0 waited in the collective holding it and rank 1 on the lock, for good."""
+    lock, free = submatrix._ONE_CALL_AT_A_TIME, []
+
+    def another_rank():
+        free.append(lock.acquire(timeout=5))
+        if free[-1]:
+            lock.release()
+
+    def collective(local, group, name):  # another rank's thread calls while this one collects
+        probe = threading.Thread(target=another_rank)
+        probe.start(), probe.join()
+        return local()[0]
+
+    monkeypatch.setattr(submatrix, "check_group", lambda group: group)
+    monkeypatch.setattr(submatrix, "sum_over_ranks", collective)
+    x = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    got = pyhvp.sub_hessian(lambda p: (p**3).sum(), x, torch.tensor([0, 2]), group=object())
+    assert free == [True]
+    torch.testing.assert_close(got, torch.diag(6 * x[[0, 2]]))
+
+
+def test_an_unselected_sparse_tensor_in_params_is_held_constant():
+    sparse = torch.eye(4, dtype=torch.float64).to_sparse()
+    X, W = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    index = torch.tensor([0, 5])
+
+    def loss(p):
+        return (torch.sparse.mm(p["A"], X @ p["W"].T) ** 2).sum()
+
+    got = pyhvp.sub_hessian(loss, {"W": W, "A": sparse}, {"W": index})["W"]
+    expected = dense_sub_hessian(lambda w: loss({"W": w, "A": sparse}), W, index)
+    torch.testing.assert_close(got, expected)
 
 
 # --- errors: (case, call, exception type, text the message must contain) ---------------------

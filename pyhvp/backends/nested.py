@@ -213,11 +213,14 @@ def _written_norm(
 def _written_vector_norm(
     func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
 ) -> torch.Tensor | None:
-    """A vector ``p``-norm (``p > 1``, finite), ``cdist`` or ``F.normalize`` with the engine's
-    convention at a zero vector, zero derivatives of every order (:func:`_zero_safe_norm`); None where ``func``
-    computes another norm (a matrix norm, ``p`` of 1, 0 or infinite: torch's derivatives are
-    finite there)."""
+    """A vector ``p``-norm (``p > 1``, finite), ``cdist`` or ``F.normalize`` of tensors that
+    carry derivatives, with the engine's convention at a zero vector: zero derivatives of every
+    order (:func:`_zero_safe_norm`). None where ``func`` computes another norm (a matrix norm,
+    ``p`` of 1, 0 or infinite: torch's derivatives are finite there) or one of constants (no
+    ``(P, R, M)`` differences for a ``cdist`` of data)."""
     bound = dict(zip(_VECTOR_NORMS[func], args, strict=False)) | kwargs
+    if not any(_carries_derivatives(bound.get(name)) for name in ("input", "x1", "x2")):
+        return None
     if func is torch.cdist:
         a, b = bound["x1"], bound["x2"]
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
@@ -228,12 +231,13 @@ def _written_vector_norm(
         return written if written is not None else torch.linalg.vector_norm(difference, p, -1)
     input, dim, keepdim = bound["input"], bound.get("dim"), bound.get("keepdim", False)
     if func is F.normalize:  # input over its norm along dim, at least eps
-        p, dim = bound.get("p", 2.0), bound.get("dim", 1)
-        norm = _zero_safe_norm(input, p, (dim,), True, None)
+        norm = _zero_safe_norm(input, bound.get("p", 2.0), _dims(bound.get("dim", 1)), True, None)
         return None if norm is None else input / norm.clamp_min(bound.get("eps", 1e-12))
     if func is torch.linalg.norm:  # a vector norm where ord is None or dim names one dim
         ord = bound.get("ord")
         one_dim = isinstance(dim, int) or (dim is None and input.ndim == 1)
+        if isinstance(dim, (tuple, list)) and not dim:
+            return None  # (torch refuses it)
         if ord is not None and not (one_dim and isinstance(ord, (int, float))):
             return None
         ord = 2 if ord is None else ord
@@ -246,8 +250,21 @@ def _written_vector_norm(
         ord = 2 if ord is None else ord
     if not isinstance(ord, (int, float)) or isinstance(ord, bool):
         return None
-    dims = None if dim is None else (dim,) if isinstance(dim, int) else tuple(dim)
-    return _zero_safe_norm(input, ord, dims, keepdim, bound.get("dtype"))
+    return _zero_safe_norm(input, ord, _dims(dim), keepdim, bound.get("dtype"))
+
+
+def _carries_derivatives(value: object) -> bool:
+    """Whether ``value`` is a tensor autograd or the innermost ``torch.func`` level
+    differentiates (a view of captured data there is wrapped too, but does not require grad)."""
+    return isinstance(value, torch.Tensor) and value.requires_grad
+
+
+def _dims(dim: object) -> tuple[int, ...] | None:
+    """A reduction's ``dim`` as a tuple; None for every dim (``None``, and torch's ``()``)."""
+    if dim is None:
+        return None
+    dims = (dim,) if isinstance(dim, int) else tuple(cast(Sequence[int], dim))
+    return dims or None
 
 
 def _zero_safe_norm(input: object, ord: float, dims: tuple[int, ...] | None, keepdim: bool,
