@@ -15,9 +15,9 @@ recorder's dispatch mode segfaulted (``x ** 5`` inside ``torch.func.grad``). Fou
 its nested ones of ``instance_norm`` and of ``batch_norm`` in training under ``vmap`` from the
 second on, its batched double backward of ``group_norm`` fails, its nested ones of
 ``logcumsumexp`` are NaN (the backward takes the log of the cotangent), those of a vector norm
-at a zero vector are NaN from the second on (the engine's convention there is zero derivatives),
-and ``cdist`` has no second. Attention takes its math path, as under the recorder: its fused kernels
-have no second derivative. The Hessian-vector products inside a transform run ``f`` the same
+at a zero vector are NaN from the second on (the engine's convention there is zero
+derivatives), and ``cdist`` has no second. Attention takes its math path, as under the
+recorder: its fused kernels have no second derivative. The Hessian-vector products inside a transform run ``f`` the same
 way (``written_out``): a ``grad`` around them makes a third derivative.
 A determinant's third is wrong too: refused where it would be differentiated more than twice
 -- the operator's order and the ``grad`` / ``jvp`` levels around it, or an outer operator's

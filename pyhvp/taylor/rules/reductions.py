@@ -389,12 +389,12 @@ def _vector_norm(
     if ord == 1:
         return apply(ctx, aten.sum.dim_IntList, magnitude, dims, keepdim)
     # autograd's convention: a zero norm has zero derivatives (they are unbounded there); the
-    # power and the root are taken of entries that are 1 there, so that no inf * 0 reaches the
-    # kernel's own derivatives (gradients through the Laplacian) through the unselected branch
-    # of a where (|u| ** 1.5 at a zero vector made them NaN)
+    # root, and the power of |u| (not u^2: smooth at 0), are taken of entries that are 1 there,
+    # so that no inf * 0 reaches the kernel's own derivatives (gradients through the Laplacian)
+    # through the unselected branch of a where (|u| ** 1.5 at a zero vector made them NaN)
     zero = out == 0
     vector_zero = zero if keepdim else zero.reshape(_kept_shape(u.value.shape, dims))
-    base = _where_not(vector_zero, u if ord == 2 else magnitude)  # (|u|^2 = u^2: smooth at 0)
+    base = u if ord == 2 else _where_not(vector_zero, magnitude)
     total = apply(ctx, aten.sum.dim_IntList, apply(ctx, aten.pow.Tensor_Scalar, base, ord), dims,
                   keepdim)  # fmt: skip
     norm = apply(ctx, aten.pow.Tensor_Scalar, _where_not(zero, total), 1 / ord)
