@@ -15,12 +15,13 @@ from pyhvp.instances import InstanceCouplingError, PerInstance, check_instances,
 from pyhvp.kronecker import KroneckerHVP
 from pyhvp.laplacian import GradAndLaplacian, grad_and_laplacian, laplacian
 from pyhvp.submatrix import module_loss, sub_hessian
-from pyhvp.taylor import UnsupportedOpError, register_jet_rule
+from pyhvp.taylor import InPlaceInputError, UnsupportedOpError, register_jet_rule
 
 __all__ = [
     "Backend",
     "BackendUnavailableError",
     "GradAndLaplacian",
+    "InPlaceInputError",
     "InstanceCouplingError",
     "JuliaBackendError",
     "JuliaFunction",

@@ -125,7 +125,9 @@ def storage_id(t: Tensor) -> int:
 
 
 class InPlaceInputError(ValueError):
-    """f modified x or a tensor it reads in place."""
+    """``f`` wrote in place to ``x`` (or to a tensor it reads, where that changes what is
+    differentiated), which every operator refuses: write to a copy, ``x.clone()``. A
+    ``ValueError``."""
 
 
 def _grad_disabled_by_f() -> bool:
