@@ -1021,10 +1021,10 @@ def _sums(
                         parts = _sparse_parts(
                             plan, chosen, coords, batch_values, spec, chunk_size, backend, draws
                         )
-                    except NotSparse as refused:  # the survey saw what the kernel refuses:
-                        # autograd's route for every tensor, in this call and equal ones
+                    except NotSparse as not_sparse:  # the survey saw what the kernel
+                        # refuses: autograd's route for every tensor, in this call and equal ones
                         chosen = routes.every_tensor_reverse(trial.model, len(every), False,
-                                                             str(refused))  # fmt: skip
+                                                             str(not_sparse))  # fmt: skip
                         trial.drop(MODEL, chosen)
                         parts = []
                 reverse, inner = chosen.reverse, None if chunk_size else chosen.chunk
