@@ -240,6 +240,13 @@ def _elu(u: Tensor, y: Tensor, alpha: float = 1, scale: float = 1, input_scale: 
     ]
 
 
+def _celu(u: Tensor, y: Tensor, alpha: float = 1.0, *, order: int) -> Sequence[Tensor | None]:
+    """``elu(u, alpha, 1, 1 / alpha)``, as torch defines it: the same convention at 0 on every
+    torch (torch 2.5's forward-mode derivatives of ``celu``, which the fallback took, differed
+    from its reverse-mode ones there)."""
+    return _elu(u, y, alpha, 1, 1 / alpha, order=order)
+
+
 def _piecewise_linear(slope: Callable[..., Tensor]) -> Derivatives:
     """An op linear between kinks: its slope, then zeros (autograd's convention at the kinks)."""
 
@@ -344,6 +351,7 @@ UNARY: dict[torch._ops.OpOverload, Derivatives] = {
         lambda u, slope=0.01: torch.where(u > 0, u.new_ones(()), u.new_full((), slope))
     ),
     aten.elu.default: _elu,
+    aten.celu.default: _celu,
     aten.hardtanh.default: _piecewise_linear(
         lambda u, lo=-1, hi=1: ((u > lo) & (u < hi)).to(u.dtype)
     ),
