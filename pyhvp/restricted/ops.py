@@ -274,10 +274,7 @@ def draws_mask_by_layout(func: Callable[..., Any], args: Sequence[Any],
     """Whether ``func`` is a dropout in training that draws a mask for a non-contiguous input:
     under ``torch.func`` torch draws it in the logical order instead of the memory order, so
     the same random state gives another mask (a transposed activation's)."""
-    try:
-        known = _MASKS_BY_LAYOUT.get(func)
-    except TypeError:  # an unhashable callable
-        return False
+    known = _MASKS_BY_LAYOUT.get(func)
     if known is None:
         return False
     input = first_input(args, kwargs)

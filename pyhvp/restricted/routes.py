@@ -904,10 +904,8 @@ def every_tensor_reverse(
     """``model`` with all ``count`` selected tensors on the reverse route, batched or
     (``loop``) by the seed's loop; its costs are ``model``'s. ``refusal``: why the sparse route
     refused the loss, the reason logged for every tensor that had none."""
-    refusals = model.refusals if refusal is None else tuple(
-        refusal if i >= len(model.refusals) or model.refusals[i] is None else model.refusals[i]
-        for i in range(count)
-    )  # fmt: skip
+    known = (*model.refusals, *(None,) * (count - len(model.refusals)))
+    refusals = tuple(refusal if r is None else r for r in known)
     return dataclasses.replace(
         model,
         refusals=refusals,

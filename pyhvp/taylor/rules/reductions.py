@@ -393,7 +393,7 @@ def _vector_norm(
     # so that no inf * 0 reaches the kernel's own derivatives (gradients through the Laplacian)
     # through the unselected branch of a where (|u| ** 1.5 at a zero vector made them NaN)
     zero = out == 0
-    vector_zero = zero if keepdim else zero.reshape(_kept_shape(u.value.shape, dims))
+    vector_zero = _kept(zero, u.value.shape, dims)
     base = u if ord == 2 else _where_not(vector_zero, magnitude)
     total = apply(ctx, aten.sum.dim_IntList, apply(ctx, aten.pow.Tensor_Scalar, base, ord), dims,
                   keepdim)  # fmt: skip
@@ -407,11 +407,6 @@ def _where_not(mask: Tensor, jet: Jet) -> Jet:
     return Jet(torch.where(mask, 1.0, jet.value),
                tuple(None if c is None else torch.where(mask, 0.0, c)
                      for c in dense_coefficients(jet)))  # fmt: skip
-
-
-def _kept_shape(shape: torch.Size, dims: Sequence[int]) -> list[int]:
-    """``shape`` with the reduced ``dims`` kept as 1s (a ``keepdim`` result's shape)."""
-    return [1 if i in dims else n for i, n in enumerate(shape)]
 
 
 @rule(aten._cdist_forward.default, aten._euclidean_dist.default)
