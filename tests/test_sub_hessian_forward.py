@@ -111,6 +111,18 @@ def test_networks_equal_the_dense_sub_hessian_joint_and_per_tensor(name, device)
     torch.testing.assert_close(blocks, per_tensor(expected, index), **F64)
 
 
+@pytest.mark.parametrize("name", NETWORKS)
+def test_streams_pushed_apart_give_the_same_matrix(name, device, monkeypatch):
+    # past forward.JOIN_LIMIT tangent elements an op pushes one value's streams (a layer's
+    # weight and bias, every layer behind it) each as it is instead of joining them: with no
+    # limit, every op that takes several streams of one value does
+    loss, params, index = network(name, device)
+    expected = dense_sub_hessian(loss, params, index)
+    monkeypatch.setattr(forward, "JOIN_LIMIT", 0)
+    blocks = pyhvp.sub_hessian(loss, params, index, method="forward")
+    torch.testing.assert_close(blocks, per_tensor(expected, index), **F64)
+
+
 W = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
 V = torch.randn(4, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
 PRODUCTS = {  # two selected tensors meeting in one op: its cross terms are second-order

@@ -83,6 +83,18 @@ CASES = [
         {"w": W_INDEX, "b": [3, 0, 3]},
     ),
     Case(
+        "F.linear of one vector, with bias",
+        on(X[0], lambda x, p: squash(F.linear(x, p["w"], p["b"]))),
+        {"w": (4, 6), "b": (4,)},
+        {"w": W_INDEX, "b": [2, 2, 1]},
+    ),
+    Case(
+        "F.linear with a bias of one entry, broadcast",
+        on(X, lambda x, p: squash(F.linear(x, p["w"], p["b"]))),
+        {"w": (4, 6), "b": (1,)},
+        {"w": W_INDEX, "b": [0, 0]},
+    ),
+    Case(
         "F.linear without bias",
         on(X, lambda x, p: squash(F.linear(x, p["w"]))),
         {"w": (4, 6)},
@@ -206,9 +218,9 @@ CASES = [
     ),
     Case(
         "conv2d, unbatched input",
-        lambda p: squash(F.conv2d(IMAGES[0].to(p["w"].device), p["w"], None, 1, 1)),
-        {"w": (3, 4, 3, 3)},
-        {"w": [107, 0, 50, 50, 9]},
+        lambda p: squash(F.conv2d(IMAGES[0].to(p["w"].device), p["w"], p["b"], 1, 1)),
+        {"w": (3, 4, 3, 3), "b": (3,)},
+        {"w": [107, 0, 50, 50, 9], "b": [2, 0, 2]},
     ),
     Case(
         "conv_transpose1d, stride and output padding",

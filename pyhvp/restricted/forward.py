@@ -138,6 +138,11 @@ _TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-3}
 largest entry) before the route refuses: rounding, not a missed use (bfloat16 and half: 0.1)."""
 
 
+JOIN_LIMIT = 1 << 20
+"""Tangent elements (4 MB of float32) from which an op taking several streams of one value
+pushes each apart rather than joining them by a copy (:meth:`Tangents._large_streams`)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Stream:
     """Tangents of one value: the rows of ``groups`` (each :attr:`Tangents.sizes` rows, in this
@@ -175,14 +180,12 @@ class Seed:
             self.stream = Stream((self.group,), tangents.view(-1, *self.tensor.shape))
         return self.stream
 
-    def dense(self, found: rules.Contribution, out: Tensor) -> Tensor:
-        """A :class:`~pyhvp.restricted.contributions.Contribution` of its entries to ``out``,
-        as their tangents of it, ``(rows, *out.shape)``."""
-        dense = out.new_zeros(self.rows, *out.shape)
-        own = rules.tangents(found, dense[self.offset : self.offset + len(self.flat)])
+    def dense(self, found: rules.Contribution, into: Tensor) -> None:
+        """Writes a :class:`~pyhvp.restricted.contributions.Contribution` of its entries to an
+        output as their tangents of it into ``into``, zeros of shape ``(rows, *out.shape)``."""
+        own = rules.tangents(found, into[self.offset : self.offset + len(self.flat)])
         if self.held is not None:
             own[~self.held] = 0
-        return dense
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,10 +278,12 @@ class Tangents(TorchFunctionMode):
         made: dict[tuple[int, ...], _Node] = {}  # the op as a function of each argument set
         pointwise = pointwise_in(func, leaves, carrying, outputs)
         slope = None  # a pointwise op's derivative, f'(x)
-        for groups, positions in self._buckets(leaves, carrying, pointwise).items():
-            by_rule = self._by_rule(op, args, kwargs, leaves, positions, outputs)
-            if by_rule is not None:  # linear in the one selected tensor: no term
-                pushed[0].append(Stream(groups, by_rule))
+        by_rule: list[tuple[tuple[int, ...], Seed, rules.Contribution]] = []
+        apart = pointwise or self._large_streams(leaves, carrying)
+        for groups, positions in self._buckets(leaves, carrying, apart).items():
+            found = self._by_rule(op, args, kwargs, leaves, positions, outputs)
+            if found is not None:  # linear in the one selected tensor: no term
+                by_rule.append((groups, *found))
                 continue
             rows = tuple(self._rows(leaves[i], groups) for i in positions)
             zeroed = None if pointwise else _constant_terms(func, op, args, kwargs, leaves,
@@ -308,6 +313,8 @@ class Tangents(TorchFunctionMode):
                     self.nodes.append(dataclasses.replace(node, tangents=rows, groups=groups))
             for streams, tangent in zip(pushed, tangents, strict=True):
                 streams.append(Stream(groups, tangent))
+        if by_rule:
+            pushed[0].append(_one_stream(by_rule, outputs[0]))
         for value, streams in zip(outputs, pushed, strict=True):
             self.streams[id(value)] = (value, streams)
         return out
@@ -404,6 +411,17 @@ class Tangents(TorchFunctionMode):
             buckets.setdefault((positions, alone), []).append(group)
         return {tuple(groups): key[0] for key, groups in buckets.items()}
 
+    def _large_streams(self, leaves: Sequence[Any], carrying: Sequence[int]) -> bool:
+        """Whether one value carries every tangent into this op, in several streams of
+        :data:`JOIN_LIMIT` elements or more together: each is then pushed as it is, as a
+        pointwise op's are, where joining them would copy them all (LeNet-5's second max-pool
+        at k = 16 per tensor: 14 MB, against a max-pool of one image batch per stream)."""
+        values = {id(leaves[i]): leaves[i] for i in carrying}
+        if len(values) != 1:
+            return False
+        streams = self.of(next(iter(values.values())))
+        return len(streams) > 1 and sum(s.tangents.numel() for s in streams) >= JOIN_LIMIT
+
     def _stream_index(self, value: object, group: int) -> int:
         """Which of ``value``'s streams carries ``group``."""
         return next(i for i, s in enumerate(self.of(value)) if group in s.groups)
@@ -416,21 +434,21 @@ class Tangents(TorchFunctionMode):
         leaves: Sequence[Any],
         positions: Sequence[int],
         outputs: Sequence[Tensor],
-    ) -> Tensor | None:
-        """A selected tensor's tangents of this contraction's output by its sparse rule, where it
-        alone carries its group's tangents into it; else None."""
+    ) -> tuple[Seed, rules.Contribution] | None:
+        """A selected tensor and its entries' contribution to this contraction's output by its
+        sparse rule, where it alone carries its group's tangents into it; else None."""
         seed = self._seed(leaves[positions[0]]) if len(positions) == 1 else None
         if seed is None or op not in _RULES or len(outputs) != 1:
             return None
         bound = bind(op, args, kwargs)
-        key = None if bound is None else next(
-            (k for k, v in contracted(op, bound) if v is seed.tensor), None)  # fmt: skip
-        if bound is None or key is None or autograd_convention(op, bound):
+        if bound is None or autograd_convention(op, bound):
             return None
+        key = next((k for k, v in contracted(op, bound) if v is seed.tensor), None)
+        if key is None:
+            bias = _bias_contribution(op, bound, seed, outputs[0])
+            return None if bias is None else (seed, bias)
         found = contribution_of(op, bound, key, seed.coords)
-        if isinstance(found, str):
-            return None
-        return seed.dense(found, outputs[0])
+        return None if isinstance(found, str) else (seed, found)
 
     def _rows(self, value: Any, groups: tuple[int, ...]) -> Tensor:
         """``value``'s tangents of ``groups``, stacked in that order."""
@@ -445,6 +463,40 @@ class Tangents(TorchFunctionMode):
                     start = sum(self.sizes[g] for g in stream.groups[: stream.groups.index(group)])
                     parts.append(stream.tangents[start : start + self.sizes[group]])
         return torch.cat(parts)
+
+
+def _bias_contribution(
+    op: str, bound: dict[str, Any], seed: Seed, out: Tensor
+) -> rules.Contribution | None:
+    """A selected 1-D bias of ``F.linear`` or a convolution: entry ``j``'s tangent of the output
+    is 1 at its feature (channel) ``j``, everywhere else 0 -- written in place, where the op as a
+    function of the bias, pushed by ``jvp``, ran the whole convolution again. None for any
+    other use."""
+    if op not in ("linear", "conv", "conv_transpose") or bound.get("bias") is not seed.tensor:
+        return None
+    # the feature dim: the last of F.linear's output; a convolution's channels, after the batch
+    # dim where the input has one (the weight has the spatial dims and two more)
+    dim = out.ndim - 1 if op == "linear" else out.ndim - bound["weight"].ndim + 1
+    if seed.tensor.ndim != 1 or not 0 <= dim < out.ndim or len(seed.tensor) != out.shape[dim]:
+        return None
+    rest = [size for d, size in enumerate(out.shape) if d != dim]
+    return rules.Contribution(dim, seed.flat, out.new_ones(()).expand(len(seed.flat), *rest))
+
+
+def _one_stream(
+    by_rule: Sequence[tuple[tuple[int, ...], Seed, rules.Contribution]], out: Tensor
+) -> Stream:
+    """The tangents of ``out`` of the selected tensors entering it by their sparse rules (a
+    layer's weight and bias), their groups' rows stacked in group order in ONE tensor, written
+    in place: a stream per tensor would be joined by a copy of them all at the next op that
+    takes both (LeNet-5's first max-pool: 20 MB)."""
+    parts = sorted(by_rule, key=lambda part: part[0])
+    dense = out.new_zeros(sum(seed.rows for _, seed, _ in parts), *out.shape)
+    start = 0
+    for _, seed, found in parts:
+        seed.dense(found, dense[start : start + seed.rows])
+        start += seed.rows
+    return Stream(tuple(group for groups, _, _ in parts for group in groups), dense)
 
 
 def _node(
