@@ -419,7 +419,10 @@ class Tangents(TorchFunctionMode):
         values = {id(leaves[i]): leaves[i] for i in carrying}
         if len(values) != 1:
             return False
-        streams = self.of(next(iter(values.values())))
+        (value,) = values.values()
+        if self._seed(value) is not None:  # one stream, made only where it is pushed
+            return False
+        streams = self.of(value)
         return len(streams) > 1 and sum(s.tangents.numel() for s in streams) >= JOIN_LIMIT
 
     def _stream_index(self, value: object, group: int) -> int:
