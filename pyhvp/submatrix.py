@@ -263,6 +263,9 @@ def _local_sums(
     averaging = _averaging_criterion(loss)
     if batches is not None and averaging is not None:
         batches = _warn_on_uneven_batches(batches, averaging)
+    batch = None
+    if batches is None and isinstance(loss, _ModuleLoss):
+        loss, batch = loss.on_batch()
     if isinstance(params, torch.Tensor):
         tensor = require_floating("params", params).detach()
         flat = _check_index("index", index, tensor.shape, "params")
@@ -271,7 +274,8 @@ def _local_sums(
             "params' shape, dtype": (tuple(tensor.shape), str(tensor.dtype)),
             "index": flat.tolist(),
         })  # fmt: skip
-        plan = _Plan(selection, [tensor], [flat], [], selection, [tensor], [flat], one_block=True)
+        plan = _Plan(selection, [tensor], [flat], [], selection, [tensor], [flat], one_block=True,
+                     batch=batch)  # fmt: skip
         return _sums(plan, batches, chunk_size, resolved, method), fingerprint
     fixed, flats = _check_named(params, index, joint)
     fingerprint = _compared(group, lambda: {
@@ -296,6 +300,7 @@ def _local_sums(
             tensors,
             list(flats.values()),
             one_block=False,
+            batch=batch,
         )
         return _sums(plan, batches, chunk_size, resolved, method), fingerprint
     shapes = tuple(fixed[name].shape for name in names)
@@ -312,6 +317,7 @@ def _local_sums(
         [vector],
         [joint_index],
         one_block=True,
+        batch=batch,
     )
     return _sums(plan, batches, chunk_size, resolved, method), fingerprint
 
@@ -385,7 +391,26 @@ class _ModuleLoss(_NamedByModule):
     targets: Any
 
     def __call__(self, params: Params) -> torch.Tensor:
-        return self.criterion(functional_call(self.module, params, self.inputs), self.targets)
+        return _ModuleOnBatch(self.module, self.criterion)(params, (self.inputs, self.targets))
+
+    def on_batch(self) -> tuple[_ModuleOnBatch, tuple[Any, Any]]:
+        """This loss as a function of ``params`` and its batch, and the batch."""
+        return _ModuleOnBatch(self.module, self.criterion), (self.inputs, self.targets)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ModuleOnBatch(_NamedByModule):
+    """A :class:`_ModuleLoss` with its inputs and targets passed as a batch, as ``sub_hessian``'s
+    kernels run it: equal for every batch of a training loop (one compiled kernel, one routes'
+    trial for all batches of a shape), where the loss itself is keyed by its batch's identity
+    (``compile=True`` compiled anew for every batch, 1.2 s a call for a 2-layer MLP)."""
+
+    module: torch.nn.Module
+    criterion: Callable[[Any, Any], torch.Tensor]
+
+    def __call__(self, params: Params, batch: tuple[Any, Any]) -> torch.Tensor:
+        inputs, targets = batch
+        return self.criterion(functional_call(self.module, params, inputs), targets)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -405,7 +430,7 @@ class _ModuleBatchLoss(_NamedByModule):
         inputs, targets = batch
         if isinstance(inputs, list):  # a DataLoader collates a tuple of inputs into a list
             inputs = tuple(inputs)
-        return self.criterion(functional_call(self.module, params, inputs), targets)
+        return _ModuleOnBatch(self.module, self.criterion)(params, (inputs, targets))
 
 
 def _check_index(name: str, index: object, shape: torch.Size, of: str) -> torch.Tensor:
@@ -677,6 +702,9 @@ class _Plan:
     leaves: list[torch.Tensor]
     leaf_flats: list[torch.Tensor]
     one_block: bool
+    batch: Any = None
+    """Without ``data``, the batch a :func:`module_loss` closes over, which the kernels take as
+    an input (its loss then takes it as ``data``'s batches are taken); ``None``: none."""
 
 
 def _static_refusal(plan: _Plan, backend: Backend, method: str) -> str | None:
@@ -986,8 +1014,10 @@ def _sums(
     watched = [*plan.tensors, *plan.others]  # every tensor of params
     versions = [_version(t) for t in watched]
     every = tuple(range(len(plan.tensors)))
-    for batch in [None] if batches is None else batches:
-        batch_values, spec = ([], None) if batches is None else pytree.tree_flatten(batch)
+    for batch in [plan.batch] if batches is None else batches:
+        batch_values, spec = (
+            ([], None) if batches is None and plan.batch is None else pytree.tree_flatten(batch)
+        )
         # the result carries no graph: batch tensors are data, never differentiated through
         batch_values = [v.detach() if isinstance(v, torch.Tensor) else v for v in batch_values]
         timed, name, start, loop = False, MODEL, 0.0, False

@@ -132,6 +132,24 @@ def test_repeated_calls_compile_once_whether_the_loss_is_reused_or_rebuilt(
     torch.testing.assert_close(results[-1], results[0])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["reverse", "sparse"])
+def test_a_new_batch_per_step_reuses_the_compiled_kernel(method, compiled, compile_after_eager_calls):
+    """module_loss's inputs and targets reach the kernels as inputs, not as part of the loss's
+    key: a training loop's next batch (new tensors of the same shapes) runs the kernel compiled
+    for the first (before, compile=True compiled every batch anew, and "auto" never compiled)."""
+    compile_after_eager_calls(2)
+    net, criterion = mlp().double(), nn.CrossEntropyLoss()
+    index = {"0.weight": torch.tensor([0, 5, 19, 3, 8]), "2.bias": torch.tensor([1, 2])}
+    for _ in range(5):
+        inputs = torch.randn(8, 5, dtype=torch.float64)
+        loss, params = pyhvp.module_loss(net, criterion, inputs, torch.randint(0, 3, (8,)))
+        joint = pyhvp.sub_hessian(loss, params, index, joint=True, method=method)
+        torch.testing.assert_close(joint, dense_sub_hessian(loss, params, index))
+    kernels = [kernel.__name__ for kernel in compiled]  # (the sparse method: a route per tensor)
+    assert kernels and len(kernels) == len(set(kernels)), kernels
+
+
 def coupled(x):
     """Cross terms between entries of a (3, 4) matrix."""
     return (torch.tanh(x @ x.T) ** 2).sum() + x.prod(0).sum()
