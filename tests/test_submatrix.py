@@ -134,7 +134,9 @@ def test_repeated_calls_compile_once_whether_the_loss_is_reused_or_rebuilt(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["reverse", "sparse"])
-def test_a_new_batch_per_step_reuses_the_compiled_kernel(method, compiled, compile_after_eager_calls):
+def test_a_new_batch_per_step_reuses_the_compiled_kernel(
+    method, compiled, compile_after_eager_calls
+):
     """module_loss's inputs and targets reach the kernels as inputs, not as part of the loss's
     key: a training loop's next batch (new tensors of the same shapes) runs the kernel compiled
     for the first (before, compile=True compiled every batch anew, and "auto" never compiled)."""
