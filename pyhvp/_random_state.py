@@ -1,28 +1,52 @@
 """The random state ``f`` draws from, saved and restored: how pyhvp runs ``f`` again with the
-very draws of an earlier run (dropout in train mode), on the CPU and on CUDA."""
+very draws of an earlier run (dropout in train mode, an augmentation by Python's ``random``), on
+the CPU and on CUDA."""
 
 from __future__ import annotations
 
+import random
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 
 class RandomState(NamedTuple):
-    """The CPU generator's state, and ``device``'s on CUDA (None elsewhere)."""
+    """The CPU generator's state, ``device``'s on CUDA (None elsewhere), and the host's:
+    Python's ``random`` and NumPy's global generator (None where NumPy is not imported)."""
 
     cpu: torch.Tensor
     cuda: torch.Tensor | None
     device: torch.device
+    host: HostState
+
+
+class HostState(NamedTuple):
+    """Python's ``random`` state, and NumPy's global generator's (None where NumPy is not
+    imported: nothing of it can be drawn from)."""
+
+    python: Any
+    numpy: Any
+
+    @staticmethod
+    def save() -> HostState:
+        numpy = sys.modules.get("numpy")
+        return HostState(random.getstate(), None if numpy is None else numpy.random.get_state())
+
+    def restore(self) -> None:
+        random.setstate(self.python)
+        if self.numpy is not None:
+            sys.modules["numpy"].random.set_state(self.numpy)
 
 
 def save(device: torch.device) -> RandomState:
     """The state the next random draws on the CPU and on ``device`` start from."""
     on_cuda = device.type == "cuda"
     return RandomState(torch.get_rng_state(),
-                       torch.cuda.get_rng_state(device) if on_cuda else None, device)  # fmt: skip
+                       torch.cuda.get_rng_state(device) if on_cuda else None, device,
+                       HostState.save())  # fmt: skip
 
 
 def restore(state: RandomState) -> None:
@@ -30,6 +54,7 @@ def restore(state: RandomState) -> None:
     torch.set_rng_state(state.cpu)
     if state.cuda is not None:
         torch.cuda.set_rng_state(state.cuda, state.device)
+    state.host.restore()
 
 
 @contextmanager

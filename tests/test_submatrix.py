@@ -1,5 +1,6 @@
 """Specification of sub_hessian / module_loss against the seed's loop and dense float64 Hessians."""
 
+import random
 import re
 import threading
 from dataclasses import dataclass, field
@@ -272,6 +273,34 @@ def test_with_dropout_in_training_every_block_is_of_one_draw(method, chunk_size)
                             method=method, chunk_size=chunk_size)  # fmt: skip
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
     assert torch.equal(torch.rand(1), next_draw)
+
+
+@pytest.mark.parametrize(
+    ("method", "chunk_size"),
+    [("auto", None), ("auto", 4), ("sparse", None), ("sparse", 4), ("forward", None),
+     ("reverse", None), ("reverse", 4)],
+)  # fmt: skip
+def test_a_loss_drawing_from_pythons_and_numpys_generators_is_of_one_draw(method, chunk_size):
+    """An augmentation by ``random`` or ``numpy.random`` draws, as dropout does, what the seed's
+    one forward draws, on every run of the call (the state-noting run and each chunk drew anew:
+    9.3 off where entries reach 19), and the generators go on from one forward's draws."""
+    numpy = pytest.importorskip("numpy")
+    X = torch.randn(7, 5, dtype=torch.float64)
+    params = {"w": torch.randn(3, 5, dtype=torch.float64)}
+    index = {"w": torch.tensor([11, 0, 4, 9, 2, 7])}
+
+    def loss(p):
+        scale = 1.0 + random.random() + numpy.random.rand()
+        return (torch.tanh(scale * X @ p["w"].T) ** 2).sum()
+
+    random.seed(3), numpy.random.seed(3)
+    expected = dense_sub_hessian(loss, params, index)
+    next_draws = random.random(), numpy.random.rand()
+    random.seed(3), numpy.random.seed(3)
+    got = pyhvp.sub_hessian(loss, params, index, method=method, chunk_size=chunk_size,
+                            backend=EAGER)["w"]  # fmt: skip
+    torch.testing.assert_close(got, expected)
+    assert (random.random(), numpy.random.rand()) == next_draws
 
 
 class _TransposedDropout(nn.Module):
