@@ -3,6 +3,7 @@
 import re
 import subprocess
 import sys
+import threading
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -1218,3 +1219,26 @@ def test_compiled_results_are_differentiable_in_x_args_factor_and_captured_tenso
     assert len(kernel_entries(needs_grad=True)) == before + 1
     for g, e in zip(got, gradients(TorchBackend(compile=False)), strict=True):
         torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("operator", [pyhvp.laplacian, pyhvp.hessian_diagonal])
+def test_first_calls_from_several_threads_each_give_their_own_result(operator):
+    """Each thread's first call traces its kernel with make_fx, whose patching is global: two at
+    once raised "CURRENT_PATCHER is None in finally block" in 2-3 of 4 threads, eager too."""
+    W = torch.randn(4, 4, dtype=torch.float64)
+    functions = [lambda x: (torch.tanh(x @ W) ** 2).sum(-1), lambda x: (x**3).sum(-1) * x[..., 0]]
+    x = torch.randn(3, 4, dtype=torch.float64)
+    results, errors = {}, []
+
+    def call(i):
+        try:
+            for _ in range(3):
+                results[i] = operator(functions[i % 2], x, backend=TorchBackend(compile=False))
+        except Exception as error:  # (a thread's exception would not fail the test)
+            errors.append(error)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+    [t.start() for t in threads], [t.join() for t in threads]
+    assert not errors, errors
+    for i, result in results.items():
+        torch.testing.assert_close(result, operator(functions[i % 2], x))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -194,6 +195,13 @@ class JetKernel:
         return self.graph.forward(*inputs)
 
 
+FX_TRACING = threading.RLock()
+"""Held while ``make_fx`` traces (a kernel here, a program's replay in :mod:`.program`): fx's
+tracer patches module-level state (``_symbolic_trace``'s patcher), so two threads tracing at
+once failed ("CURRENT_PATCHER is None in finally block": the first calls of laplacian from
+four threads, eager too)."""
+
+
 def build_kernel(
     program: fx.GraphModule,
     mode: JetMode,
@@ -218,6 +226,7 @@ def build_kernel(
         torch.no_grad(),
         strong_zeros() if mode.strong else contextlib.nullcontext(),
         _one_fake_mode(),
+        FX_TRACING,
     ):
         graph = make_fx(jets)(*map(traceable, inputs))
     _drop_identical_views(graph.graph)

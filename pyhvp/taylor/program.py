@@ -51,7 +51,14 @@ from pyhvp._keys import Value
 from pyhvp._user_errors import quiet_tracing
 from pyhvp.taylor import guards
 from pyhvp.taylor.custom_ops import STOP_GRADIENT, WITH_DERIVATIVES_OF
-from pyhvp.taylor.kernel import JetKernel, JetMode, basis_event, build_kernel, traceable
+from pyhvp.taylor.kernel import (
+    FX_TRACING,
+    JetKernel,
+    JetMode,
+    basis_event,
+    build_kernel,
+    traceable,
+)
 from pyhvp.taylor.recorder import (
     BY_CONDITIONING,
     KEEP,
@@ -312,7 +319,7 @@ def _functional_graph(recorder: Recorder, output: Hashable, x: Tensor) -> fx.Gra
         # forward, not the module's __call__: the user's global module hooks are in the record
         # (a lambda: make_fx counts a bound method's self among the inputs)
         functional = torch.func.functionalize(lambda *inputs: raw.forward(*inputs))
-        with torch.no_grad():
+        with torch.no_grad(), FX_TRACING:
             return make_fx(functional, decomposition_table=decompositions(),
                            tracing_mode=tracing_mode)(*inputs)  # fmt: skip
 
