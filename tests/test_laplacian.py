@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from dense import (
     TAYLOR_CASES,
+    instance_hessian_diagonal,
     instance_hessians,
     instance_jacobian,
     instance_laplacian,
@@ -1242,3 +1243,37 @@ def test_first_calls_from_several_threads_each_give_their_own_result(operator):
     assert not errors, errors
     for i, result in results.items():
         torch.testing.assert_close(result, operator(functions[i % 2], x))
+
+
+NORMS_AT_ZERO_VECTORS = {  # a function through a norm, and the same written by sums of squares
+    "exp(-|x|^2), by x.norm": (
+        lambda x: torch.exp(-(x.norm(dim=-1) ** 2)),
+        lambda x: torch.exp(-(x * x).sum(-1)),
+    ),
+    "|x|^2, by vector_norm": (
+        lambda x: torch.linalg.vector_norm(x, dim=-1) ** 2,
+        lambda x: (x * x).sum(-1),
+    ),
+    "pairwise_distance^2 of coincident particles": (
+        lambda x: F.pairwise_distance(x[..., :3], x[..., 3:], eps=0.0) ** 2,
+        lambda x: ((x[..., :3] - x[..., 3:]) ** 2).sum(-1),
+    ),
+    "cdist^2 summed over pairs, self-pairs included": (
+        lambda x: torch.cdist(x.view(-1, 2, 3), x.view(-1, 2, 3)).pow(2).sum((-1, -2)),
+        lambda x: 2 * ((x[..., :3] - x[..., 3:]) ** 2).sum(-1),
+    ),
+}
+
+
+@pytest.mark.parametrize("operator", ["laplacian", "hessian_diagonal"])
+@pytest.mark.parametrize("case", NORMS_AT_ZERO_VECTORS.values(), ids=NORMS_AT_ZERO_VECTORS.keys())
+def test_a_norm_of_a_zero_vector_keeps_the_curvature_of_its_square(case, operator, device):
+    """At a zero vector ``|x + eps v| = eps |v|`` (eps >= 0): the one-sided jet, which the
+    square makes smooth again. The engine took every derivative of the norm there as 0: the
+    Laplacian of exp(-|x|^2) at 0 was 0 for -6 (autograd's Hessian is NaN there)."""
+    by_norm, by_squares = case
+    x = torch.tensor([[0.0] * 6, [0.3, -0.1, 0.2, 0.3, -0.1, 0.2], [0.1, 0.2, -0.3, 0.4, 0.0, 0.5]],
+                     dtype=torch.float64, device=device)  # fmt: skip
+    reference = instance_laplacian if operator == "laplacian" else instance_hessian_diagonal
+    got = getattr(pyhvp, operator)(by_norm, x)
+    torch.testing.assert_close(got, reference(by_squares, x))

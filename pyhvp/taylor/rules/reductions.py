@@ -398,8 +398,29 @@ def _vector_norm(
     total = apply(ctx, aten.sum.dim_IntList, apply(ctx, aten.pow.Tensor_Scalar, base, ord), dims,
                   keepdim)  # fmt: skip
     norm = apply(ctx, aten.pow.Tensor_Scalar, _where_not(zero, total), 1 / ord)
-    return Jet(out, tuple(None if c is None else torch.where(zero, 0.0, c)
-                          for c in dense_coefficients(norm)))  # fmt: skip
+    coefficients = [None if c is None else torch.where(zero, 0.0, c)
+                    for c in dense_coefficients(norm)]  # fmt: skip
+    if ord > 0 and not ctx.collapses(1) and all(c is None for c in u.coefficients[1:]):
+        # an affine argument (x, x_i - x_j) at a zero vector: |u(eps)| = eps |u_1| exactly for
+        # eps >= 0, the one-sided jet along each direction, which |u| ** 2 squares back into
+        # its smooth curvature (the Laplacian of exp(-|x| ** 2) at 0 was 0 for -6). Where u_1
+        # is zero too (a self-pair), all stay 0.
+        first = u.first.expand(u.first.shape[0], *u.value.shape)
+        along = _norm_or_zero(first, ord, [d + 1 for d in dims], keepdim)
+        coefficients[0] = torch.where(zero, along, cast(Tensor, coefficients[0]))
+    return Jet(out, tuple(coefficients))
+
+
+def _norm_or_zero(t: Tensor, ord: float, dims: list[int], keepdim: bool) -> Tensor:
+    """``torch.linalg.vector_norm(t, ord, dims, keepdim)`` (``ord > 0``), 0 with zero
+    derivatives of every order where the vector is zero (no ``inf * 0`` in a gradient through
+    it)."""
+    entry_zero = t == 0
+    powered = t * t if ord == 2 else torch.where(
+        entry_zero, 0.0, torch.where(entry_zero, 1.0, t.abs()) ** ord)  # fmt: skip
+    total = powered.sum(dims, keepdim)
+    vector_zero = total == 0
+    return torch.where(vector_zero, 0.0, torch.where(vector_zero, 1.0, total) ** (1 / ord))
 
 
 def _where_not(mask: Tensor, jet: Jet) -> Jet:
