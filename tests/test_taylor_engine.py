@@ -807,3 +807,30 @@ def test_a_random_op_that_varies_with_f_s_tensors_is_refused_naming_it(device):
     gamma = torch.distributions.Gamma
     with pytest.raises(pyhvp.UnsupportedOpError, match=r"aten._standard_gamma.*randn_like"):
         pyhvp.laplacian(lambda y: gamma(torch.exp(y), 1.0).rsample().sum(-1), x)
+
+
+NOT_DIFFERENTIATED_BY_TORCH = {
+    "special.bessel_j0": lambda x: torch.special.bessel_j0(x).sum(-1),
+    "special.airy_ai": lambda x: torch.special.airy_ai(x).sum(-1),
+    "special.modified_bessel_k1, with a differentiable term": lambda x: (
+        torch.special.modified_bessel_k1(x + 2) + x**2
+    ).sum(-1),
+    "special.legendre_polynomial_p(x, 3)": lambda x: torch.special.legendre_polynomial_p(x, 3).sum(
+        -1
+    ),
+}
+
+
+@pytest.mark.parametrize("operator", [pyhvp.laplacian, pyhvp.hessian_diagonal, pyhvp.bilaplacian])
+@pytest.mark.parametrize(
+    "f", NOT_DIFFERENTIATED_BY_TORCH.values(), ids=NOT_DIFFERENTIATED_BY_TORCH.keys()
+)
+def test_an_op_torch_does_not_differentiate_is_refused_by_name(f, operator):
+    """torch marks these non-differentiable: their outputs carry no gradient and torch.func
+    takes their derivatives as zeros, which the engine returned (the Laplacian of
+    legendre_polynomial_p(x, 3): 0 for 15 x)."""
+    x = torch.tensor([[0.3, 0.7]], dtype=torch.float64)
+    with pytest.raises(
+        pyhvp.UnsupportedOpError, match=r"torch does not differentiate aten\.special_"
+    ):
+        operator(f, x)

@@ -69,6 +69,23 @@ def _substitute(
     return fn, tuple(j.value for j in jets), jets
 
 
+def _refuse_undifferentiated(op: object, fn: Callable[..., Any], primals: tuple[Tensor, ...]
+                             ) -> None:  # fmt: skip
+    """Raise where torch marks ``op`` non-differentiable (``special.bessel_j0``, the Airy and
+    orthogonal-polynomial functions): its output carries no gradient, and ``torch.func`` takes
+    its derivatives as zeros, which the fallbacks returned as the op's (the Laplacian of
+    ``legendre_polynomial_p(x, 3)``: 0 for 15 x)."""
+    with torch.enable_grad():
+        outputs = pytree.tree_leaves(fn(*(p.detach().requires_grad_() for p in primals)))
+    floating = [o for o in outputs if isinstance(o, Tensor) and o.is_floating_point()]
+    if floating and not any(o.requires_grad for o in floating):
+        raise UnsupportedOpError(
+            f"pyhvp: torch does not differentiate {op} (autograd and torch.func take its "
+            f"derivatives as 0, which are not its own). Register a jet rule for it "
+            f"(pyhvp.register_jet_rule), or write f without it"
+        )
+
+
 def _elementwise_derivatives(
     fn: Callable[..., Tensor], primals: tuple[Tensor, ...], shape: Sequence[int]
 ) -> tuple[list[Tensor], dict[tuple[int, int], Tensor]]:
@@ -106,6 +123,7 @@ def pointwise_fallback(ctx: Context, op: Callable[..., Any], out: Tensor, args: 
     """An elementwise op of one or more jet inputs, by the chain rule with its elementwise
     gradient and Hessian (from ``torch.func`` on the op alone)."""
     fn, primals, jets = _substitute(op, args, kwargs)
+    _refuse_undifferentiated(op, fn, primals)
     if ctx.order > 2:
         if len(jets) > 1:
             try:
@@ -233,6 +251,7 @@ def general_fallback(ctx: Context, op: Callable[..., Any], out: Any, args: tuple
     computation would hold more than :data:`REVERSE_FALLBACK_LIMIT` numbers
     (:func:`_reverse_work`) is refused, naming it."""
     fn, primals, jets = _substitute(op, args, kwargs)
+    _refuse_undifferentiated(op, fn, primals)
     outputs, spec = pytree.tree_flatten(out)
     smooth = [i for i, o in enumerate(outputs) if isinstance(o, Tensor) and o.is_floating_point()]
 
