@@ -1258,6 +1258,14 @@ NORMS_AT_ZERO_VECTORS = {  # a function through a norm, and the same written by 
         lambda x: F.pairwise_distance(x[..., :3], x[..., 3:], eps=0.0) ** 2,
         lambda x: ((x[..., :3] - x[..., 3:]) ** 2).sum(-1),
     ),
+    "std^2 of an instance of equal entries (its centred vector is zero)": (
+        lambda x: x.std(-1) ** 2,
+        lambda x: x.var(-1),
+    ),
+    "std_mean's std^2, correction 0": (
+        lambda x: torch.std_mean(x, -1, correction=0)[0] ** 2,
+        lambda x: x.var(-1, correction=0),
+    ),
     "cdist^2 summed over pairs, self-pairs included": (
         lambda x: torch.cdist(x.view(-1, 2, 3), x.view(-1, 2, 3)).pow(2).sum((-1, -2)),
         lambda x: 2 * ((x[..., :3] - x[..., 3:]) ** 2).sum(-1),

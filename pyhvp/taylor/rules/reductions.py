@@ -196,12 +196,15 @@ def _variance(root: bool) -> Rule:
         dims = axes(dim, u.value.ndim)
         mean = apply(ctx, aten.mean.dim, u, dims, True)
         centred = apply(ctx, aten.sub.Tensor, u, mean)
-        squares = apply(ctx, aten.mul.Tensor, centred, centred)
-        count = math.prod(u.value.shape[d] for d in dims)
-        spread = apply(ctx, aten.div.Tensor, apply(ctx, aten.sum.dim_IntList, squares, dims,
-                                                   keepdim), max(count - correction, 0))  # fmt: skip
-        if root:
-            spread = apply(ctx, aten.sqrt.default, spread)
+        count = max(math.prod(u.value.shape[d] for d in dims) - correction, 0)
+        if root:  # the norm's rule: at an instance of equal entries, its one-sided jet (the
+            # root of the variance's jet was NaN there, and std ** 2 NaN for var's 2)
+            norm = apply(ctx, aten.linalg_vector_norm.default, centred, 2, dims, keepdim)
+            spread = apply(ctx, aten.div.Tensor, norm, math.sqrt(count))
+        else:
+            squares = apply(ctx, aten.mul.Tensor, centred, centred)
+            spread = apply(ctx, aten.div.Tensor, apply(ctx, aten.sum.dim_IntList, squares, dims,
+                                                       keepdim), count)  # fmt: skip
         if not isinstance(out, tuple):
             return Jet(out, spread.coefficients)
         if not keepdim:
