@@ -552,3 +552,28 @@ def test_the_gradient_of_an_hvp_through_a_batch_norm_with_running_statistics_is_
     (expected,) = torch.autograd.grad(pyhvp.hvp(f, x, v, by_formula).pow(2).sum(), x)
     (got,) = torch.autograd.grad(pyhvp.hvp(f, x, v, norm).pow(2).sum(), x)
     torch.testing.assert_close((got, int(norm.num_batches_tracked)), (expected, 1))
+
+
+UNDER_ANOMALY_DETECTION = {
+    "hvp, 3 tangents": lambda x: pyhvp.hvp(coupled, x, torch.ones(3, *x.shape, dtype=x.dtype)),
+    "hessian_diagonal, hutchinson": lambda x: pyhvp.hessian_diagonal(
+        coupled, x, method="hutchinson", samples=4
+    ),
+    "laplacian, hutch++": lambda x: pyhvp.laplacian(coupled, x, method="hutch++", samples=6),
+    "sub_hessian, forward route": lambda x: pyhvp.sub_hessian(
+        lambda p: coupled(p).sum(), x, torch.tensor([0, 5, 2]), method="forward"
+    ),
+}
+
+
+@pytest.mark.parametrize("call", UNDER_ANOMALY_DETECTION.values(), ids=UNDER_ANOMALY_DETECTION)
+def test_anomaly_detection_gives_the_results_without_it(call):
+    """Its NaN check reads every gradient's value, which autograd's batched backward
+    (is_grads_batched) cannot: "Batching rule not implemented for aten::item" before."""
+    x = torch.randn(2, 4, dtype=torch.float64)
+    torch.manual_seed(1)
+    expected = call(x)
+    torch.manual_seed(1)
+    with warnings.catch_warnings(), torch.autograd.detect_anomaly():
+        warnings.simplefilter("ignore")  # (torch says the mode is slow)
+        torch.testing.assert_close(call(x), expected)

@@ -190,7 +190,9 @@ def _grad_and_block_hvps_eager(
             (y, g, part)
             for y, g, leaf_tangents in zip(ys, grads, tangents, strict=True)
             if g.requires_grad and len(leaf_tangents)  # not requiring grad: f affine in leaf
-            for part in torch.split(leaf_tangents, chunk_size or len(leaf_tangents))
+            for part in torch.split(
+                leaf_tangents, _batched_backward_size(chunk_size, leaf_tangents)
+            )
         ]
         products: dict[int, list[torch.Tensor]] = {}
         for n, (y, g, part) in enumerate(passes):
@@ -212,6 +214,14 @@ def _grad_and_block_hvps_eager(
         for y, t in zip(ys, tangents, strict=True)
     )
     return tuple(g if keep_graph else g.detach() for g in grads), hvs
+
+
+def _batched_backward_size(chunk_size: int | None, tangents: torch.Tensor) -> int:
+    """Tangents per backward pass: ``chunk_size`` (None: all), or one at a time under
+    ``torch.autograd.detect_anomaly()``, whose NaN check reads each gradient's value, which a
+    batched backward (``is_grads_batched``, a ``vmap``) cannot ("Batching rule not implemented
+    for aten::item")."""
+    return 1 if torch.is_anomaly_enabled() else chunk_size or len(tangents)
 
 
 _REFUSED_WRITES = (

@@ -794,8 +794,17 @@ def _hessian_products(
                   if g is not None and g.requires_grad]  # fmt: skip
         if not curved:  # linear in every input: no second derivative
             return None
-        products = torch.autograd.grad([g for g, _ in curved], inputs, [t for _, t in curved],
-                                       is_grads_batched=True, allow_unused=True)  # fmt: skip
+        if torch.is_anomaly_enabled():  # (its NaN check reads values: no batched backward)
+            rows = [torch.autograd.grad([g for g, _ in curved], inputs, [t[i] for _, t in curved],
+                                        retain_graph=True, allow_unused=True)
+                    for i in range(len(curved[0][1]))]  # fmt: skip
+            products = tuple(
+                None if row[0] is None else torch.stack(row) for row in zip(*rows, strict=True)
+            )
+        else:
+            products = torch.autograd.grad([g for g, _ in curved], inputs,
+                                           [t for _, t in curved], is_grads_batched=True,
+                                           allow_unused=True)  # fmt: skip
     return [torch.zeros_like(t) if u is None else u.detach()
             for u, t in zip(products, tangents, strict=True)]  # fmt: skip
 
