@@ -7,6 +7,7 @@ floating dtype), ``ValueError`` for shapes, devices, dtypes that disagree and ou
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Sequence
 
@@ -79,6 +80,18 @@ def as_int(value: object) -> int | None:
         return operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         return None
+
+
+def require_instance_variables(x: torch.Tensor, event_dims: int) -> int:
+    """The number of variables per instance (the product of ``x``'s last ``event_dims`` dims),
+    which must be at least one."""
+    n_vars = math.prod(x.shape[x.ndim - event_dims :])
+    if n_vars == 0:
+        raise ValueError(
+            f"x must have at least one variable per instance, got x of shape "
+            f"{fmt_shape(x.shape)} with event_dims={event_dims}"
+        )
+    return n_vars
 
 
 def check_event_dims(event_dims: object, x: torch.Tensor) -> int:

@@ -14,7 +14,14 @@ from typing import NamedTuple
 import torch
 
 from pyhvp import _random_state as random_states
-from pyhvp._checks import as_int, check_batched_output, fmt_shape, require_floating, require_like
+from pyhvp._checks import (
+    as_int,
+    check_batched_output,
+    fmt_shape,
+    require_floating,
+    require_instance_variables,
+    require_like,
+)
 from pyhvp.backends import Backend
 from pyhvp.taylor.kernel import identity
 
@@ -116,12 +123,7 @@ class Space:
         self.batch = tuple(x.shape[: x.ndim - event_dims])
         self.event = tuple(x.shape[x.ndim - event_dims :])
         self.like = x
-        n_vars = math.prod(self.event)
-        if n_vars == 0:
-            raise ValueError(
-                f"x must have at least one variable per instance, got x of shape "
-                f"{fmt_shape(x.shape)} with event_dims={event_dims}"
-            )
+        n_vars = require_instance_variables(x, event_dims)
         self.factor = None if factor is None else self._check_factor(factor, n_vars)
         self.dim = n_vars if factor is None else factor.shape[-1]
 

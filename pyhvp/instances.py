@@ -27,6 +27,7 @@ from pyhvp._checks import (
     pad_arg_to_batch,
     per_arg_event_dims,
     require_floating,
+    require_instance_variables,
 )
 from pyhvp._public import public_operator
 from pyhvp.backends import nested
@@ -222,6 +223,7 @@ def check_instances(
         )
     x = require_floating("x", x)
     event_dims = check_event_dims_of(f, event_dims, x)
+    require_instance_variables(x, event_dims)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(
             f"generator must be a torch.Generator or None, got {type(generator).__name__}"

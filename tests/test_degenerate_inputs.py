@@ -147,6 +147,17 @@ def test_a_0_d_x_is_refused_saying_it_needs_an_instance_dimension(call):
         call(cubic, torch.tensor(2.0), "torch")
 
 
+TRACES = {name: call for name, call in BATCHED_CALLS.items() if name != "grad_and_hvp"}
+"""The operators that sum or compare over an instance's variables (an HVP of none is empty)."""
+
+
+@pytest.mark.parametrize("call", TRACES.values(), ids=TRACES.keys())
+def test_instances_without_variables_are_refused_by_name(call):
+    """check_instances raised amax's "Expected reduction dim -1 to have non-zero size"."""
+    with pytest.raises(ValueError, match=r"^x must have at least one variable per instance"):
+        call(cubic, torch.randn(3, 0), "torch")
+
+
 def frozen_first_layer():
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
