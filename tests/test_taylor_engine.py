@@ -533,6 +533,30 @@ def test_an_activation_at_its_kink_has_autograds_derivatives_there(activation, o
     )
 
 
+KINKED_ELSEWHERE = {
+    "hardswish at -3 and 3": (F.hardswish, [-3.0, 3.0, 1.0, -4.0]),
+    "softplus(u, threshold=1) at 1": (lambda u: F.softplus(u, threshold=1.0), [1.0, 0.5, 2.0]),
+}
+"""Kinks away from 0: torch's derivatives there (torch 2.13-2.14, autograd's and torch.func's
+alike) are the outer side's -- hardswish's slope 0 at -3 and 1 at 3, curvature 0 at both, where
+its decomposition gave -1/2, 3/2 and 1/3 -- and softplus's curvature 0 at its threshold (s')."""
+
+
+@pytest.mark.parametrize(("activation", "at"), KINKED_ELSEWHERE.values(), ids=KINKED_ELSEWHERE)
+@pytest.mark.parametrize("order", [1, 2])  # (autograd's third derivative of hardswish: none)
+def test_an_activation_at_a_kink_away_from_0_has_torchs_derivatives_there(activation, at, order):
+    if order == 1 and torch.__version__ < "2.6":
+        pytest.skip("torch 2.5's hardswish slope at -3 and 3 is the inner side's")
+    x = torch.tensor([at], dtype=torch.float64)
+    v = torch.ones_like(x[0])
+
+    def f(u):
+        return activation(u).sum(-1)
+
+    got = pyhvp.directional_derivatives(f, x, v, order=order)
+    torch.testing.assert_close(got, nested_directional_derivatives(f, x, v, order))
+
+
 # --- what the engine cannot carry is refused, naming the op ------------------------------------
 
 

@@ -128,7 +128,8 @@ def huber_by_squares(input: Tensor, target: Tensor, reduction: int = 1, delta: f
                      ) -> Tensor:  # fmt: skip
     """``aten.huber_loss`` with its quadratic zone as ``d * d``, not torch's ``|d| ** 2``,
     whose second derivative at a residual of 0 took abs's zero convention (0 for 1); at
-    ``|d| = delta`` the quadratic zone's, as autograd has it."""
+    ``|d| = delta`` the quadratic zone's, as ``torch.func.hessian`` has it (autograd's double
+    backward takes the linear zone's 0 there, torch 2.5-2.14)."""
     d = input - target
     quadratic = 0.5 * d * d
     return _reduced(torch.where(d.abs() <= delta, quadratic, delta * (d.abs() - 0.5 * delta)),

@@ -221,11 +221,22 @@ def _softplus(u: Tensor, y: Tensor, beta: float = 1, threshold: float = 20, *,
     """``log(1 + exp(beta u)) / beta``: ``softplus^(j) = beta^(j-1) s^(j-1)(beta u)``, and
     ``u`` itself where ``beta u > threshold`` (as torch computes it)."""
     s = torch.sigmoid(beta * u)
-    linear_part = beta * u > threshold
     ds = [s, *cast(Sequence[Tensor], _SIGMOID(u, s, order=order - 1))] if order > 1 else [s]
-    out: list[Tensor | None] = [torch.where(linear_part, 1.0, s)]
-    out += [torch.where(linear_part, 0.0, beta ** (j - 1) * ds[j - 1]) for j in range(2, order + 1)]
+    out: list[Tensor | None] = [torch.where(beta * u > threshold, 1.0, s)]
+    # at beta u = threshold autograd's double backward is the linear part's, 0 (it was s')
+    out += [torch.where(beta * u >= threshold, 0.0, beta ** (j - 1) * ds[j - 1])
+            for j in range(2, order + 1)]  # fmt: skip
     return out
+
+
+def _hardswish(u: Tensor, y: Tensor, *, order: int) -> Sequence[Tensor | None]:
+    """``u relu6(u + 3) / 6``: slope ``u / 3 + 1 / 2`` and curvature ``1 / 3`` strictly inside
+    ``(-3, 3)``; at the kinks autograd's sides, slope 0 at -3 and 1 at 3 and curvature 0 (torch's
+    decomposition, which the engine took, gave the inner side's -1/2, 3/2 and 1/3)."""
+    inside = (u > -3) & (u < 3)
+    slope = torch.where(inside, u / 3 + 0.5, (u >= 3).to(u.dtype))
+    return [slope, *([torch.where(inside, 1 / 3, 0.0)] if order > 1 else []),
+            *[None] * (order - 2)]  # fmt: skip
 
 
 def _elu(u: Tensor, y: Tensor, alpha: float = 1, scale: float = 1, input_scale: float = 1, *,
@@ -347,6 +358,7 @@ UNARY: dict[torch._ops.OpOverload, Derivatives] = {
     aten.silu.default: _silu,
     aten.gelu.default: _gelu,
     aten.softplus.default: _softplus,
+    aten.hardswish.default: _hardswish,
     aten.leaky_relu.default: _piecewise_linear(
         lambda u, slope=0.01: torch.where(u > 0, u.new_ones(()), u.new_full((), slope))
     ),
