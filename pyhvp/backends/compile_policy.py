@@ -105,7 +105,7 @@ def function_key(f: object, _seen: frozenset[int] = frozenset()) -> Hashable:
         keywords = tuple((k, function_key(v, seen)) for k, v in f.keywords.items())
         return ("partial", function_key(f.func, seen), arguments, keywords)
     if isinstance(f, pytree.TreeSpec):  # a batch's structure: structural equality
-        return ("value", pytree.TreeSpec, f)
+        return ("value", pytree.TreeSpec, _hashable_spec(f))
     # typeshed's DataclassInstance declares __dataclass_fields__ only; every dataclass has params
     if is_dataclass(f) and not isinstance(f, type) and f.__dataclass_params__.frozen:  # type: ignore[attr-defined]
         state = (
@@ -115,6 +115,17 @@ def function_key(f: object, _seen: frozenset[int] = frozenset()) -> Hashable:
     if isinstance(f, tuple):
         return ("tuple", tuple(function_key(item, seen) for item in f))
     return Identity(f)
+
+
+def _hashable_spec(spec: pytree.TreeSpec) -> Hashable:
+    """``spec`` where it hashes; else (torch 2.5, whose specs hold lists: every call with a
+    batch ran eagerly and surveyed anew) its structure as nested tuples."""
+    try:
+        hash(spec)
+        return spec
+    except TypeError:
+        context = tuple(spec.context) if isinstance(spec.context, list) else spec.context
+        return (spec.type, context, tuple(_hashable_spec(c) for c in spec.children_specs))
 
 
 def _cell_key(cell: types.CellType, seen: frozenset[int]) -> Hashable:
