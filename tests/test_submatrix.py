@@ -280,27 +280,25 @@ def test_with_dropout_in_training_every_block_is_of_one_draw(method, chunk_size)
     [("auto", None), ("auto", 4), ("sparse", None), ("sparse", 4), ("forward", None),
      ("reverse", None), ("reverse", 4)],
 )  # fmt: skip
-def test_a_loss_drawing_from_pythons_and_numpys_generators_is_of_one_draw(method, chunk_size):
-    """An augmentation by ``random`` or ``numpy.random`` draws, as dropout does, what the seed's
-    one forward draws, on every run of the call (the state-noting run and each chunk drew anew:
-    9.3 off where entries reach 19), and the generators go on from one forward's draws."""
-    numpy = pytest.importorskip("numpy")
+def test_a_loss_drawing_from_pythons_generator_is_of_one_draw(method, chunk_size):
+    """An augmentation by ``random`` draws, as dropout does, what the seed's one forward draws,
+    on every run of the call (the state-noting run and each chunk drew anew: 9.3 off where
+    entries reach 19), and the generator goes on from one forward's draws."""
     X = torch.randn(7, 5, dtype=torch.float64)
     params = {"w": torch.randn(3, 5, dtype=torch.float64)}
     index = {"w": torch.tensor([11, 0, 4, 9, 2, 7])}
 
     def loss(p):
-        scale = 1.0 + random.random() + numpy.random.rand()
-        return (torch.tanh(scale * X @ p["w"].T) ** 2).sum()
+        return (torch.tanh((1.0 + random.random()) * X @ p["w"].T) ** 2).sum()
 
-    random.seed(3), numpy.random.seed(3)
+    random.seed(3)
     expected = dense_sub_hessian(loss, params, index)
-    next_draws = random.random(), numpy.random.rand()
-    random.seed(3), numpy.random.seed(3)
+    next_draw = random.random()
+    random.seed(3)
     got = pyhvp.sub_hessian(loss, params, index, method=method, chunk_size=chunk_size,
                             backend=EAGER)["w"]  # fmt: skip
     torch.testing.assert_close(got, expected)
-    assert (random.random(), numpy.random.rand()) == next_draws
+    assert random.random() == next_draw
 
 
 class _TransposedDropout(nn.Module):
