@@ -74,6 +74,7 @@ from torch.utils import _pytree as pytree
 from pyhvp import _random_state as random_states
 from pyhvp import restricted, taylor
 from pyhvp._attention import math_attention
+from pyhvp._batched_backward import batched_grad
 from pyhvp._checks import check_output, fmt_shape
 from pyhvp._user_errors import note, quiet_tracing, stacklevel_outside_pyhvp
 from pyhvp.backends import Blocks, compile_policy, inductor, nested
@@ -190,38 +191,26 @@ def _grad_and_block_hvps_eager(
             (y, g, part)
             for y, g, leaf_tangents in zip(ys, grads, tangents, strict=True)
             if g.requires_grad and len(leaf_tangents)  # not requiring grad: f affine in leaf
-            for part in torch.split(
-                leaf_tangents, _batched_backward_size(chunk_size, leaf_tangents)
-            )
+            for part in torch.split(leaf_tangents, chunk_size or len(leaf_tangents))
         ]
         products: dict[int, list[torch.Tensor]] = {}
         for n, (y, g, part) in enumerate(passes):
-            (hv,) = torch.autograd.grad(
+            (hv,) = batched_grad(
                 g,
                 y,
-                part if len(part) > 1 else part[0],
+                part,
                 retain_graph=keep_graph or n < len(passes) - 1,
                 create_graph=keep_graph,
-                is_grads_batched=len(part) > 1,
                 allow_unused=True,
                 materialize_grads=True,
             )
-            # expand: a single tangent's product, or a leaf's unbatched zeros when f's gradient
-            # in it does not depend on it
-            products.setdefault(id(y), []).append(hv.expand_as(part))
+            # expand: a leaf's unbatched zeros when f's gradient in it does not depend on it
+            products.setdefault(id(y), []).append(cast(torch.Tensor, hv).expand_as(part))
     hvs = tuple(
         torch.cat(products[id(y)]) if id(y) in products else torch.zeros_like(t)
         for y, t in zip(ys, tangents, strict=True)
     )
     return tuple(g if keep_graph else g.detach() for g in grads), hvs
-
-
-def _batched_backward_size(chunk_size: int | None, tangents: torch.Tensor) -> int:
-    """Tangents per backward pass: ``chunk_size`` (None: all), or one at a time under
-    ``torch.autograd.detect_anomaly()``, whose NaN check reads each gradient's value, which a
-    batched backward (``is_grads_batched``, a ``vmap``) cannot ("Batching rule not implemented
-    for aten::item")."""
-    return 1 if torch.is_anomaly_enabled() else chunk_size or len(tangents)
 
 
 _REFUSED_WRITES = (

@@ -49,6 +49,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from pyhvp._attention import math_attention
+from pyhvp._batched_backward import batched_grad
 from pyhvp.restricted import contributions as rules
 from pyhvp.restricted import selected_entries
 from pyhvp.restricted.mode import contribution_of, view_positions
@@ -794,17 +795,8 @@ def _hessian_products(
                   if g is not None and g.requires_grad]  # fmt: skip
         if not curved:  # linear in every input: no second derivative
             return None
-        if torch.is_anomaly_enabled():  # (its NaN check reads values: no batched backward)
-            rows = [torch.autograd.grad([g for g, _ in curved], inputs, [t[i] for _, t in curved],
-                                        retain_graph=True, allow_unused=True)
-                    for i in range(len(curved[0][1]))]  # fmt: skip
-            products = tuple(
-                None if row[0] is None else torch.stack(row) for row in zip(*rows, strict=True)
-            )
-        else:
-            products = torch.autograd.grad([g for g, _ in curved], inputs,
-                                           [t for _, t in curved], is_grads_batched=True,
-                                           allow_unused=True)  # fmt: skip
+        products = batched_grad([g for g, _ in curved], inputs, [t for _, t in curved],
+                                allow_unused=True)  # fmt: skip
     return [torch.zeros_like(t) if u is None else u.detach()
             for u, t in zip(products, tangents, strict=True)]  # fmt: skip
 
