@@ -15,25 +15,12 @@ import torch
 
 class RandomState(NamedTuple):
     """The CPU generator's state, ``device``'s on CUDA (None elsewhere), and Python's
-    ``random``'s."""
+    ``random``'s (``random.getstate()``)."""
 
     cpu: torch.Tensor
     cuda: torch.Tensor | None
     device: torch.device
-    host: HostState
-
-
-class HostState(NamedTuple):
-    """Python's ``random`` state."""
-
     python: Any
-
-    @staticmethod
-    def save() -> HostState:
-        return HostState(random.getstate())
-
-    def restore(self) -> None:
-        random.setstate(self.python)
 
 
 def save(device: torch.device) -> RandomState:
@@ -41,7 +28,7 @@ def save(device: torch.device) -> RandomState:
     on_cuda = device.type == "cuda"
     return RandomState(torch.get_rng_state(),
                        torch.cuda.get_rng_state(device) if on_cuda else None, device,
-                       HostState.save())  # fmt: skip
+                       random.getstate())  # fmt: skip
 
 
 def restore(state: RandomState) -> None:
@@ -49,7 +36,7 @@ def restore(state: RandomState) -> None:
     torch.set_rng_state(state.cpu)
     if state.cuda is not None:
         torch.cuda.set_rng_state(state.cuda, state.device)
-    state.host.restore()
+    random.setstate(state.python)
 
 
 @contextmanager

@@ -18,6 +18,7 @@ runs, :func:`recorded`) sees through torch functions is found: a write in a cust
 
 from __future__ import annotations
 
+import random
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -27,7 +28,6 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from pyhvp import _random_state as random_states
 from pyhvp.restricted.ops import call_kind, hidden_writes, writes_to
 
 
@@ -197,7 +197,7 @@ def putting_back(changes: Changes, inputs: Sequence[object]) -> Iterator[None]:
             for each in module.modules():
                 changes.modes.setdefault(id(each), (weakref.ref(each), each.training))
 
-    host = random_states.HostState.save()  # (fork_rng forks torch's generators alone)
+    python = random.getstate()  # (fork_rng forks torch's generators alone)
     with torch.random.fork_rng(devices=devices):
         hook = torch.nn.modules.module.register_module_forward_pre_hook(note)
         try:
@@ -205,7 +205,7 @@ def putting_back(changes: Changes, inputs: Sequence[object]) -> Iterator[None]:
         finally:
             hook.remove()
             changes.undo()
-            host.restore()
+            random.setstate(python)
 
 
 def recorded(loss: Callable[..., object], inputs: Sequence[object]) -> Held:
