@@ -1067,8 +1067,8 @@ PROPERTY_VIEWS = {
 @pytest.mark.parametrize("loss", PROPERTY_VIEWS.values(), ids=PROPERTY_VIEWS.keys())
 def test_a_wide_tensor_viewed_through_a_property_takes_the_sparse_route_compiled(loss):
     """``compile=True``, forced sparse: compiled where dynamo hands the property to the mode
-    (torch 2.14, as ``aten.numpy_T``, ``aten.mT``), eagerly where it traces it past the mode
-    (2.13); both give the dense sub-Hessian."""
+    (torch 2.14, as ``aten.numpy_T``, ``aten.mT``; 2.13 with the handlers pyhvp lends it),
+    eagerly where it would trace it past the mode; both give the dense sub-Hessian."""
     (w,) = tensors((5, 1300), seed=4)
     index = {"w": torch.tensor([4, 1300, 2, 4, 6499])}
     got = pyhvp.sub_hessian(loss, {"w": w}, index, method="sparse", joint=True,
@@ -1080,9 +1080,9 @@ def test_a_property_views_kernel_compiles_whole_exactly_where_dynamo_hands_it_to
     compiled,
 ):
     """Compiled in one graph where dynamo hands ``W.T`` to the mode as ``aten.numpy_T`` (torch
-    2.14; a graph break there ran the loss eagerly: 4.3 ms a call where whole takes 0.6);
-    never compiled where dynamo traces it past the mode (2.13: ``W.T`` would be a constant):
-    :func:`pyhvp.restricted.compiles_property_views`."""
+    2.14, and 2.13 with the handlers pyhvp lends it; a graph break there ran the loss eagerly:
+    4.3 ms a call where whole takes 0.6); never compiled where dynamo would trace it past the
+    mode (``W.T`` would be a constant): :func:`pyhvp.restricted.compiles_property_views`."""
     expected = pyhvp.restricted.compiles_property_views()  # its probe compiles before the count
     compiled.clear()
     counters.clear()
@@ -1090,6 +1090,26 @@ def test_a_property_views_kernel_compiles_whole_exactly_where_dynamo_hands_it_to
     pyhvp.sub_hessian(PROPERTY_VIEWS["x @ W.T"], {"w": w}, {"w": torch.arange(8)},
                       method="sparse", backend=pyhvp.TorchBackend(compile=True))  # fmt: skip
     assert (len(compiled) == 1 and not counters["graph_break"]) == expected
+
+
+def test_a_property_view_compiles_on_every_torch_that_compiles_the_sparse_kernel():
+    """Torch 2.13's dynamo traces ``W.T`` past the mode; the handlers pyhvp lends it while its
+    kernels trace make it hand ``W.T`` to the mode as 2.14 does, so ``x @ W.T`` compiles
+    wherever ``F.linear`` does (on 2.13 it ran eagerly: the seed's model written with ``W.T``,
+    k = 16, took 0.54x the seed's loop where ``mm(X, W.t())`` took 0.22x)."""
+    assert pyhvp.restricted.compiles_property_views() == pyhvp.restricted.compiles()
+
+
+def test_dynamo_traces_the_users_own_code_as_before_once_a_kernel_over_w_t_ran():
+    """The handlers are lent only while pyhvp's sparse kernels run: dynamo's ``TensorVariable``
+    has them after a compiled ``x @ W.T`` sub-Hessian exactly where it had them before."""
+    from torch._dynamo.variables.tensor import TensorVariable
+
+    before = {name: hasattr(TensorVariable, f"method_attr_{name}") for name in ("T", "mT", "H")}
+    (w,) = tensors((5, 1300), seed=4)
+    pyhvp.sub_hessian(PROPERTY_VIEWS["x @ W.T"], {"w": w}, {"w": torch.arange(8)},
+                      method="sparse", backend=pyhvp.TorchBackend(compile=True))  # fmt: skip
+    assert {name: hasattr(TensorVariable, f"method_attr_{name}") for name in before} == before
 
 
 # --- how a placed tangent enters ----------------------------------------------------------

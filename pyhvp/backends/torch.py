@@ -729,7 +729,11 @@ class TorchBackend:
         kernel = restricted.restricted_hessian
         static = (len(tensors), chunk_size)
         inputs = (*tensors, *entries, *args)
-        return self._run(kernel, kernel, f, static, inputs, compilable=restricted.compiles)
+        views = (
+            contextlib.nullcontext() if self.compile is False else restricted.handed_to_the_mode()
+        )
+        with views:  # (W.T seen by the mode where dynamo traces the kernel)
+            return self._run(kernel, kernel, f, static, inputs, compilable=restricted.compiles)
 
     def second_directional(
         self,

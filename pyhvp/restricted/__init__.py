@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pyhvp.restricted.dynamo_views import handed_to_the_mode
 from pyhvp.restricted.mode import DENSE_LIMIT, Injection, NotSparse, WritesSelected
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "WritesSelected",
     "compiles",
     "compiles_property_views",
+    "handed_to_the_mode",
     "restricted_hessian",
     "selected_entries",
 ]
@@ -107,11 +109,13 @@ def compiles() -> bool:
 @functools.cache
 def compiles_property_views() -> bool:
     """Whether dynamo traces :func:`restricted_hessian` as it runs eagerly on a selected tensor
-    viewed through a tensor property, ``x @ W.T``: asked once per process, where a compiled
-    kernel would take one. Torch 2.14 hands the mode ``W.T`` as ``aten.numpy_T``; 2.13 traces it
-    past the mode (a kernel over it then runs eagerly: compiled, its ``W.T`` would be a
-    constant)."""
-    return compiles() and _traces_as_eager(lambda x, weight, bias: x @ weight.T + bias)
+    viewed through a tensor property, ``x @ W.T``, with the handlers
+    :func:`~pyhvp.restricted.dynamo_views.handed_to_the_mode` lends it: asked once per process,
+    where a compiled kernel would take one. Torch 2.14 hands the mode ``W.T`` as
+    ``aten.numpy_T``, and so does 2.13 with the lent handlers; where it still does not, a kernel
+    over it runs eagerly (compiled, its ``W.T`` would be a constant)."""
+    with handed_to_the_mode():
+        return compiles() and _traces_as_eager(lambda x, weight, bias: x @ weight.T + bias)
 
 
 def _traces_as_eager(layer: Callable[..., torch.Tensor]) -> bool:

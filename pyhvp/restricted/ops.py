@@ -178,7 +178,7 @@ refuse a loss that registers one."""
 PROPERTIES = ("T", "mT", "H", "mH")
 _TRACED_PROPERTIES = ("numpy_T", "mT", "matrix_H", "mH")
 """The aten ops dynamo hands a ``TorchFunctionMode`` for ``W.T``, ``W.mT``, ``W.H`` and ``W.mH``
-(torch 2.14; 2.13 traces the properties past the mode)."""
+(torch 2.14, and 2.13 with :mod:`~pyhvp.restricted.dynamo_views`' handlers)."""
 
 
 def functions(owners: Sequence[object], names: Sequence[str]) -> frozenset[Callable[..., Any]]:

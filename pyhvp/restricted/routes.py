@@ -56,8 +56,9 @@ programming over that order. With ``joint=True`` the sparse tensors form one gro
 need one pass) and the reverse route gives full rows for the others. A compiled backend
 (``compile=True``) pays :data:`COMPILED_SETUP` instead of either setup, and its elements cost
 :data:`COMPILED_ELEMENTS` of eager ones, but for a sparse group over a tensor viewed through a
-property (``W.T``), which runs eagerly where dynamo traces the property past the mode (torch
-2.13; 2.14 hands it to the mode), and a group over an embedding, whose compiled injection
+property (``W.T``), which runs eagerly where dynamo traces the property past the mode (2.14
+hands it to the mode, and so does 2.13 with the handlers of
+:mod:`~pyhvp.restricted.dynamo_views`), and a group over an embedding, whose compiled injection
 costs :data:`INDICATOR_NS` per token and entry and direction: it runs eagerly where that is
 cheaper. A convolution's multiply-adds count :data:`CONVOLUTION` times (in a compiled sparse
 kernel :data:`COMPILED_CONVOLUTION`).
@@ -226,7 +227,7 @@ class Usage:
     """The work downstream of it, per direction."""
     property_view: str | None = None
     """A tensor property it is viewed through (``W.T``): where dynamo traces those past the mode
-    (torch 2.13, :func:`~pyhvp.restricted.compiles_property_views`), a kernel over it runs
+    (:func:`~pyhvp.restricted.compiles_property_views` is False), a kernel over it runs
     eagerly."""
     indicator: int = 0
     """Tokens of the embeddings it enters sparsely (see :data:`INDICATOR_NS`)."""
