@@ -299,6 +299,34 @@ def test_a_registered_rule_gives_the_dense_derivatives(f, reference, device):
     torch.testing.assert_close(pyhvp.laplacian(f, x), instance_laplacian(reference, x))
 
 
+@torch.library.custom_op("pyhvp_test::times", mutates_args=())
+def times(t: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return t * s
+
+
+@torch.library.custom_op("pyhvp_test::shifted", mutates_args=())
+def shifted(t: torch.Tensor) -> torch.Tensor:
+    return t + 1
+
+
+for _op in (times, shifted):
+    _op.register_fake(lambda t, *rest: torch.empty_like(t))
+pyhvp.register_jet_rule(times, linear=True)
+pyhvp.register_jet_rule(shifted, indexing=True)
+NOT_LINEAR = {
+    "linear=True on a product of two inputs that depend on x": lambda x: times(x, x.sin()).sum(-1),
+    "indexing=True on an added constant": lambda x: shifted(x).pow(2).sum(-1),
+}
+
+
+@pytest.mark.parametrize("f", NOT_LINEAR.values(), ids=NOT_LINEAR.keys())
+def test_a_flag_on_an_op_that_is_not_linear_is_refused(f):
+    """Each flag's rule sends coefficients through the op itself: on a product it gave the
+    Laplacian of ``x sin x`` as 0 (``2 cos x - x sin x``); with a constant added, a wrong one."""
+    with pytest.raises(pyhvp.UnsupportedOpError, match="not linear in its inputs that depend on x"):
+        pyhvp.laplacian(f, torch.randn(3, 4, dtype=torch.float64))
+
+
 def test_register_jet_rule_refuses_what_is_not_an_op_and_a_rule_with_a_flag():
     with pytest.raises(TypeError, match=r"wrap one with torch\.library\.custom_op"):
         pyhvp.register_jet_rule(torch.sin, linear=True)

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 from torch.utils import _pytree as pytree
 
 from pyhvp.taylor.custom_ops import DET_BY_SVD, STOP_GRADIENT, WITH_DERIVATIVES_OF
@@ -193,6 +194,10 @@ def register_jet_rule(
       (once per direction where ``op`` has no batching rule).
     * ``indexing=True``: linear, and ``op`` only moves, selects or repeats the elements of its
       one floating input, so the engine can keep coefficients factored.
+
+    Either flag is checked where a kernel is traced: doubling the op's inputs that depend on
+    ``x`` must double its output there, else ``UnsupportedOpError`` (it cannot tell at an input
+    where the op's output is zero).
     * ``rule(ctx, out, *args, **kwargs)``: ``out`` is the op's value, ``args`` / ``kwargs`` the
       op's arguments with a ``pyhvp.taylor.Jet`` wherever an input depends on ``x``; it
       returns the output's jet(s) (constants where an output does not depend on ``x``). A jet
@@ -244,7 +249,10 @@ def register_jet_rule(
         return fn
 
     if linear or indexing:
-        _register(ops, lambda overload: linear_rule(overload, indexing))
+        flag = "indexing" if indexing else "linear"
+        _register(
+            ops, lambda overload: _homogeneous(overload, flag, linear_rule(overload, indexing))
+        )
         return None
     return register if rule is None else register(rule)
 
@@ -263,6 +271,37 @@ def _register(ops: list[Any], make: Callable[[Any], Rule]) -> None:
     for overload in ops:
         RULES[overload] = make(overload)
     _generation += 1
+
+
+def _homogeneous(op: Callable[..., Any], flag: str, rule: Rule) -> Rule:
+    """The rule of a flag (``linear=True``, ``indexing=True``), which first checks at the values
+    it is traced at that ``op`` is linear in its inputs that depend on ``x``: doubling them
+    doubles its floating outputs. A product of two such inputs (4 times) or an additive constant
+    (a bias) declared linear gave silently wrong derivatives (0 for a product's curvature)."""
+
+    def checked(ctx: Context, out: Any, *args: Any, **kwargs: Any) -> Any:
+        with disable_proxy_modes_tracing():  # (a check at trace time, not part of the kernel)
+            twice_args, twice_kwargs = pytree.tree_map_only(
+                Jet, lambda jet: 2 * jet.value, (args, kwargs)
+            )
+            doubled = op(*twice_args, **twice_kwargs)
+            for twice, once in zip(pytree.tree_leaves(doubled), pytree.tree_leaves(out),
+                                   strict=True):  # fmt: skip
+                if not (isinstance(once, Tensor) and once.is_floating_point()):
+                    continue
+                tolerance = 16 * torch.finfo(once.dtype).eps
+                scale = float(once.abs().nan_to_num(0.0, 0.0, 0.0).amax()) if once.numel() else 0.0
+                if not torch.allclose(twice, 2 * once, rtol=tolerance, atol=tolerance * scale,
+                                      equal_nan=True):  # fmt: skip
+                    raise UnsupportedOpError(
+                        f"pyhvp: {op} was registered with {flag}=True, but it is not linear in "
+                        f"its inputs that depend on x: doubling them does not double its output "
+                        f"at this input (a product of two such inputs, or an added constant "
+                        f"such as a bias, is not linear); register a rule= for it"
+                    )
+        return rule(ctx, out, *args, **kwargs)
+
+    return checked
 
 
 def _checked(op: object, rule: Rule) -> Rule:
