@@ -277,7 +277,8 @@ def _local_sums(
         plan = _Plan(selection, [tensor], [flat], [], selection, [tensor], [flat], one_block=True,
                      batch=batch)  # fmt: skip
         return _sums(plan, batches, chunk_size, resolved, method), fingerprint
-    fixed, flats = _check_named(params, index, joint)
+    module = loss.module if isinstance(loss, _NamedByModule) else None
+    fixed, flats = _check_named(params, index, joint, module)
     fingerprint = _compared(group, lambda: {
         "joint": joint,
         "params' names": list(fixed),
@@ -483,9 +484,10 @@ def _compared(group: ProcessGroup | None, fingerprint: Callable[[], Fingerprint]
 
 
 def _check_named(
-    params: object, index: object, joint: bool
+    params: object, index: object, joint: bool, module: torch.nn.Module | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Detached ``params`` and the checked flat indices per selected name, in ``index``'s order."""
+    """Detached ``params`` and the checked flat indices per selected name, in ``index``'s order
+    (``module``: :func:`module_loss`'s, whose tied parameters its params hold once)."""
     if not isinstance(params, Mapping):
         raise TypeError(
             f"params must be a torch.Tensor or a dict[str, Tensor], got {type(params).__name__}"
@@ -506,6 +508,7 @@ def _check_named(
         if name not in fixed:
             raise ValueError(
                 f"index names {name!r}, which is not a key of params (keys: {list(fixed)})"
+                + _tied_to(module, name)
             )
         tensor = require_floating(f"params[{name!r}]", fixed[name])
         if joint:  # one concatenated vector: one dtype, one device
@@ -514,6 +517,21 @@ def _check_named(
             f"index[{name!r}]", index[name], tensor.shape, f"params[{name!r}]"
         )
     return fixed, flats
+
+
+def _tied_to(module: torch.nn.Module | None, name: str) -> str:
+    """Where ``name`` is a parameter of ``module`` tied to another (one tensor under two names,
+    which ``named_parameters`` gives once): which name ``module_loss``'s params hold it under."""
+    if module is None:
+        return ""
+    kept = {id(p): kept_name for kept_name, p in module.named_parameters()}
+    for alias, p in module.named_parameters(remove_duplicate=False):
+        if alias == name and id(p) in kept:
+            return (
+                f": {name!r} is tied to {kept[id(p)]!r} (one tensor, which module_loss's params "
+                f"hold once, under its first name); select it as {kept[id(p)]!r}"
+            )
+    return ""
 
 
 def _check_data(data: object) -> Iterable[Any] | None:

@@ -928,6 +928,15 @@ class HvpOnlyBackend:
         raise NotImplementedError("hvp-only backend")
 
 
+def tied_module_loss():
+    """A module whose decoder's weight is its encoder's (tied): ``named_parameters``, and so
+    ``module_loss``'s params, hold it once, under ``encoder.weight``."""
+    model = nn.ModuleDict({"encoder": nn.Linear(3, 3, bias=False), "decoder": nn.Linear(3, 3)})
+    model.decoder.weight = model.encoder.weight
+    model.forward = lambda x: model.decoder(model.encoder(x))
+    return pyhvp.module_loss(model, nn.MSELoss(), torch.randn(2, 3), torch.randn(2, 3))
+
+
 ERRORS = {
     "index out of range": (
         lambda: pyhvp.sub_hessian(square, W, torch.tensor([0, 6])),
@@ -970,6 +979,11 @@ ERRORS = {
         lambda: pyhvp.sub_hessian(dict_loss, DICT, {"nope": torch.tensor([0])}),
         ValueError,
         "'nope'",
+    ),
+    "index key a tied parameter's second name": (
+        lambda: pyhvp.sub_hessian(*tied_module_loss(), {"decoder.weight": torch.tensor([0])}),
+        ValueError,
+        "'decoder.weight' is tied to 'encoder.weight'",
     ),
     "out of range in one tensor": (
         lambda: pyhvp.sub_hessian(
