@@ -333,7 +333,10 @@ def _leak_through_derivatives(run: _Runs) -> str | None:
         """Per instance, the largest gradient of sum over receivers of w_b f_b (random w > 0:
         no two receivers' dependences cancel; each divided by its receiver's scale)."""
         weights = run.random(per_instance_out.shape) / scale[:, None]
-        return gradient_sizes(weights * receivers[:, None])
+        # zero where not received, by selection: a weight that overflowed (float16, an instance
+        # whose own gradient is below 2^-16) times 0 was a NaN cotangent, a NaN gradient at an
+        # instance outside the receivers, read as a leak of an independent f (until 2026-12-06)
+        return gradient_sizes(torch.where(receivers[:, None], weights, 0))
 
     sizes = [leak_sizes(receivers) for receivers in run.sides]
     # an instance whose own derivative is infinite gets 0 * inf = NaN from a zero cotangent: no

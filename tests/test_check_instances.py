@@ -190,3 +190,14 @@ BAD = {
 def test_bad_input_is_refused_naming_it(call, error, text):
     with pytest.raises(error, match=re.escape(text)):
         call()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_an_instance_with_a_tiny_gradient_is_no_leak_in_float16(seed):
+    """The README's Gaussian with one particle far from its centre: its own gradient (about 1e-5)
+    is below float16's 2^-16, its weight 1 / gradient overflowed, and inf * 0 = NaN in the
+    cotangent of an instance outside the receivers read as a leak (until 2026-12-06)."""
+    x = X.to(torch.float16).clone()
+    x[0] = torch.tensor([2.2, 2.2, 2.2])  # |x - mu|^2 about 15 from mu = 0: f about 3e-7
+    assert pyhvp.check_instances(gaussian, x, torch.zeros(3, dtype=torch.float16),
+                                 generator=torch.Generator().manual_seed(seed)) is None  # fmt: skip
