@@ -193,6 +193,17 @@ def test_bad_input_is_refused_naming_it(call, error, text):
 
 
 @pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_a_coupling_as_strong_as_the_own_dependence_is_caught_in_half_precision(dtype, seed):
+    """Until 2026-12-06 a leak was rounding below 64 ulps of the largest derivative: 50% of it in
+    bfloat16 (6% in float16), so instance 5 reading x[1] as strongly as its own x passed."""
+    with pytest.raises(
+        pyhvp.InstanceCouplingError, match=re.escape("(5,) depends on x at instance (1,)")
+    ):
+        pyhvp.check_instances(one_pair, X.to(dtype), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("seed", range(4))
 def test_an_instance_with_a_tiny_gradient_is_no_leak_in_float16(seed):
     """The README's Gaussian with one particle far from its centre: its own gradient (about 1e-5)
     is below float16's 2^-16, its weight 1 / gradient overflowed, and inf * 0 = NaN in the
