@@ -345,7 +345,7 @@ def _leak_through_derivatives(run: _Runs) -> str | None:
     # rounding scale from the finite sizes; a non-finite size outside the receivers leaks
     finite = [size[size.isfinite()] for size in sizes]
     largest = max((float(size.max()) for size in finite if size.numel()), default=0.0)
-    threshold = _rounding(run.y.dtype) * largest
+    threshold = _rounding(run.y.dtype, 2**-10) * largest
     leakers = torch.zeros(run.count, dtype=torch.bool, device=run.y.device)
     for receivers, size in zip(run.sides, sizes, strict=True):
         leakers |= ~(size <= threshold) & ~receivers & ~unreadable
@@ -379,7 +379,7 @@ def _leak_through_values(run: _Runs) -> str | None:
     # rounding, per receiving instance: relative to its own finite values (a stiff instance's
     # do not hide another's change)
     finite = torch.where(base.isfinite(), base, torch.zeros_like(base))
-    threshold = 64 * torch.finfo(base.dtype).eps * (1 + finite.abs().amax(-1, keepdim=True))
+    threshold = _rounding(base.dtype, 2**-4) * (1 + finite.abs().amax(-1, keepdim=True))
 
     def changed(moved: torch.Tensor | None) -> torch.Tensor:
         """Per instance, whether f's value changed with the instances in ``moved`` shifted."""
@@ -416,13 +416,13 @@ def _leak_through_values(run: _Runs) -> str | None:
     )
 
 
-def _rounding(dtype: torch.dtype) -> float:
-    """The size of a leak through derivatives taken for rounding, relative to the largest:
-    64 ulps, at most 2^-10. An independent ``f`` leaks nothing there (a zero cotangent gives
-    exact zeros), while float16's 64 ulps are 6% and bfloat16's 50%, which hid a coupling as
-    strong as an instance's own dependence (until 2026-12-06). Values keep 64 ulps: a batch
-    statistic added and taken away again changes them by rounding."""
-    return min(64 * torch.finfo(dtype).eps, 2**-10)
+def _rounding(dtype: torch.dtype, cap: float) -> float:
+    """The relative change taken for rounding: 64 ulps, at most ``cap``. float16's 64 ulps are
+    6% and bfloat16's 50%, which hid couplings as strong as an instance's own dependence (until
+    2026-12-06). Through derivatives the cap is 2^-10: an independent ``f`` leaks nothing there
+    (a zero cotangent gives exact zeros). Through values it is 2^-4: a batch statistic added
+    and taken away again changes them by a few ulps."""
+    return min(64 * torch.finfo(dtype).eps, cap)
 
 
 def _at(flat: int, batch_shape: torch.Size) -> tuple[int, ...]:

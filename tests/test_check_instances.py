@@ -212,3 +212,28 @@ def test_an_instance_with_a_tiny_gradient_is_no_leak_in_float16(seed):
     x[0] = torch.tensor([2.2, 2.2, 2.2])  # |x - mu|^2 about 15 from mu = 0: f about 3e-7
     assert pyhvp.check_instances(gaussian, x, torch.zeros(3, dtype=torch.float16),
                                  generator=torch.Generator().manual_seed(seed)) is None  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize(
+    "name", ["one pair through .item(): 1 -> 5", "scaled by a maximum taken under no_grad"]
+)
+def test_a_coupling_through_values_is_caught_in_bfloat16(name, seed):
+    """Values changed within 64 ulps were rounding: 50% of (1 + |f|) in bfloat16 (until
+    2026-12-06), so instance 5 reading x[1] through .item() passed."""
+    f, x, _ = COUPLED[name]
+    with pytest.raises(pyhvp.InstanceCouplingError, match="carries no derivative"):
+        pyhvp.check_instances(
+            f, x.to(torch.bfloat16), generator=torch.Generator().manual_seed(seed)
+        )
+
+
+def test_a_statistic_added_and_taken_away_is_no_coupling_in_half_precision():
+    """Rounding of a batch mean that cancels changes the values by a few ulps: no coupling."""
+    for dtype in (torch.bfloat16, torch.float16):
+        for seed in range(4):
+            x = torch.randn(16, 3, generator=torch.Generator().manual_seed(seed)).to(dtype)
+            f = lambda x: ((x - x.mean(0) + x.mean(0)) ** 2).sum(-1)  # noqa: E731
+            assert (
+                pyhvp.check_instances(f, x, generator=torch.Generator().manual_seed(seed)) is None
+            )
