@@ -204,6 +204,10 @@ def check_instances(
       Skipped when ``f`` is not deterministic (two runs from one random state differ: a
       generator of its own); ``f``'s side effects (Python state it changes) happen once per run.
 
+    Rounding is a change below 64 ulps of ``x``'s dtype, and at most 2^-10 of the largest
+    gradient (through derivatives) or 2^-4 of an output's magnitude (through values): bfloat16's
+    64 ulps are 50%, which would hide a coupling as strong as an instance's own dependence.
+
     The message names one instance that leaked into another, verified by one more pass. ``f``
     may return any ``batch_shape + out_shape``; args are held constant.
 
@@ -335,7 +339,7 @@ def _leak_through_derivatives(run: _Runs) -> str | None:
         weights = run.random(per_instance_out.shape) / scale[:, None]
         # zero where not received, by selection: a weight that overflowed (float16, an instance
         # whose own gradient is below 2^-16) times 0 was a NaN cotangent, a NaN gradient at an
-        # instance outside the receivers, read as a leak of an independent f (until 2026-12-06)
+        # instance outside the receivers, read as a leak of an independent f
         return gradient_sizes(torch.where(receivers[:, None], weights, 0))
 
     sizes = [leak_sizes(receivers) for receivers in run.sides]
@@ -418,10 +422,10 @@ def _leak_through_values(run: _Runs) -> str | None:
 
 def _rounding(dtype: torch.dtype, cap: float) -> float:
     """The relative change taken for rounding: 64 ulps, at most ``cap``. float16's 64 ulps are
-    6% and bfloat16's 50%, which hid couplings as strong as an instance's own dependence (until
-    2026-12-06). Through derivatives the cap is 2^-10: an independent ``f`` leaks nothing there
-    (a zero cotangent gives exact zeros). Through values it is 2^-4: a batch statistic added
-    and taken away again changes them by a few ulps."""
+    6% and bfloat16's 50%, which hid couplings as strong as an instance's own dependence.
+    Through derivatives the cap is 2^-10: an independent ``f`` leaks nothing there (a zero
+    cotangent gives exact zeros). Through values it is 2^-4: a batch statistic added and taken
+    away again changes them by a few ulps."""
     return min(64 * torch.finfo(dtype).eps, cap)
 
 
