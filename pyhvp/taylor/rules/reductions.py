@@ -512,3 +512,31 @@ def _product_tree(ctx: Context, u: Jet) -> Jet:
     if u.value.shape[-1] == 0:  # the empty product: 1, a constant
         raise NotAtThisOrder("the product of no elements")
     return u
+
+
+@rule(aten.cumprod.default)
+def _cumprod(ctx: Context, out: Tensor, u: Jet, dim: int, *,
+             dtype: torch.dtype | None = None) -> Any:  # fmt: skip
+    """``y_i = prod_{k <= i} u_k`` along ``dim`` by a Hillis-Steele scan: at shift ``s`` =
+    1, 2, 4, ... each entry from ``s`` on is multiplied by the one ``s`` before it, ``ceil(log2
+    n)`` levels of one product each (Leibniz, any order; exact where factors are zero, no
+    division). Without it ``cumprod`` took the dense reverse-mode fallback over the whole tensor
+    (its batch is no instance of the op's), refused past about 90 elements at second order and
+    12 at fourth: an operator of order 3 or more, or a Laplacian nested in a Laplacian, over an
+    ``f`` with a product was refused at any batch size, since the second-order ``prod`` rule's
+    kernel (:func:`products_but`) holds ``cumprod``."""
+    if dtype is not None:
+        u = apply(ctx, aten._to_copy.default, u, dtype=dtype)
+    if u.value.ndim == 0:  # one element: the product is the element
+        return Jet(out, u.coefficients)
+    d = axis(dim, u.value.ndim)
+    n = u.value.shape[d]
+    scanned: Any = u
+    shift = 1
+    while shift < n:
+        head = apply(ctx, aten.slice.Tensor, scanned, d, 0, shift)
+        tail = apply(ctx, aten.mul.Tensor, apply(ctx, aten.slice.Tensor, scanned, d, shift, n),
+                     apply(ctx, aten.slice.Tensor, scanned, d, 0, n - shift))  # fmt: skip
+        scanned = apply(ctx, aten.cat.default, [head, tail], d)
+        shift *= 2
+    return Jet(out, scanned.coefficients) if isinstance(scanned, Jet) else out
