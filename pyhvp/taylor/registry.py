@@ -221,7 +221,9 @@ def register_jet_rule(
     compiled anew where it was). Inside a ``torch.func`` transform (``grad``, ``vmap``, ...
     around an operator) the operators differentiate ``f`` by nested reverse mode, not by jet
     rules: there a custom op needs autograd's formula of its own
-    (``torch.library.register_autograd`` with ``setup_context``), twice differentiable.
+    (``torch.library.register_autograd`` with ``setup_context``), twice differentiable; so does
+    differentiating an operator's result with autograd (w.r.t. parameters), which runs autograd
+    through the jet kernel's calls of the op.
 
     >>> import torch, pyhvp
     >>> @torch.library.custom_op("example::cube", mutates_args=())
