@@ -109,6 +109,25 @@ def test_a_derivative_that_is_not_finite_stays_at_its_entry(f, device):
     torch.testing.assert_close(got[got.isfinite()], expected[expected.isfinite()])
 
 
+WITH_NAN = [[float("nan"), 1.0, -2.0, 0.5], [1.0, -0.5, 3.0, float("nan")]]
+THROUGH_ABS = {
+    "|x| ** 1.5": lambda x: (x.abs() ** 1.5).sum(-1),
+    "sin |x|": lambda x: torch.sin(x.abs()).sum(-1),
+    "|x| x": lambda x: (x.abs() * x).sum(-1),
+}
+
+
+@pytest.mark.parametrize("f", THROUGH_ABS.values(), ids=THROUGH_ABS.keys())
+def test_a_nan_in_x_through_abs_makes_that_entrys_derivatives_nan_as_autograds(f, device):
+    """``abs``'s slope at a NaN was ``sign(nan) = 0``, an exact zero that dropped the NaN: the
+    diagonal there was finite (0), and so was the Laplacian, where autograd's are NaN."""
+    x = torch.tensor(WITH_NAN, dtype=torch.float64, device=device)
+    expected = instance_hessian_diagonal(f, x)
+    got = pyhvp.hessian_diagonal(f, x)
+    assert torch.equal(got.isnan(), x.isnan()) and torch.equal(expected.isnan(), x.isnan())
+    torch.testing.assert_close(got, expected, equal_nan=True)
+
+
 def test_entropy_of_a_masked_softmax_is_that_of_the_kept_entries(device):
     """Autograd's diagonal is NaN at every kept entry (its softmax backward sums 0 * -inf over
     the masked ones); pyhvp's is the derivative of the entropy over the kept entries alone (0 at

@@ -353,7 +353,9 @@ UNARY: dict[torch._ops.OpOverload, Derivatives] = {
     aten.asinh.default: _by_autograd(aten.asinh.default, _asinh),
     aten.atanh.default: _by_autograd(aten.atanh.default, _atanh),
     aten.erf.default: _erf,
-    aten.abs.default: _piecewise_linear(lambda u: torch.sign(u)),
+    # NaN at NaN, as the value: sign(nan) is 0, an exact zero that dropped the NaN from every
+    # derivative downstream (autograd's are NaN there, sum(|x| ** 1.5)'s Laplacian included)
+    aten.abs.default: _piecewise_linear(lambda u: torch.where(u.isnan(), u, torch.sign(u))),
     aten.relu.default: _piecewise_linear(lambda u: (u > 0).to(u.dtype)),
     aten.silu.default: _silu,
     aten.gelu.default: _gelu,
