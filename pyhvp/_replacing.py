@@ -3,7 +3,8 @@
 pyhvp replaces a few torch callables for the length of a run instead of intercepting every op
 with a function mode (which costs a Python call per op of the user's function): NumPy
 conversions while the Taylor engine records ``f``, the embedding functions while
-``sub_hessian`` differentiates a loss twice. A replacement decides per call, from state of its
+``sub_hessian`` differentiates a loss twice, dynamo's handlers of tensor properties while the
+sparse route's kernels trace (:mod:`pyhvp.restricted.dynamo_views`). A replacement decides per call, from state of its
 own thread, whether to act; another thread's calls reach it too, and get the original's
 behaviour.
 """

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from pyhvp._replacing import Replacement
 
 VIEW_OPS = {
     "T": torch.ops.aten.numpy_T,
@@ -35,9 +36,9 @@ VIEW_OPS = {
 
 
 @functools.cache
-def _lent() -> tuple[type, dict[str, Callable[..., Any]]] | None:
-    """Dynamo's ``TensorVariable`` and the handlers to lend it; None where it has them (torch
-    >= 2.14) or lacks what they are built from."""
+def _lent() -> Replacement | None:
+    """Dynamo's ``TensorVariable`` given the handlers while any kernel (of any thread) needs
+    them; None where it has them (torch >= 2.14) or lacks what they are built from."""
     try:
         from torch._dynamo.variables.tensor import TensorVariable
         from torch._dynamo.variables.torch import TorchInGraphFunctionVariable
@@ -52,42 +53,13 @@ def _lent() -> tuple[type, dict[str, Callable[..., Any]]] | None:
 
         return method_attr
 
-    return TensorVariable, {f"method_attr_{name}": handler(op) for name, op in VIEW_OPS.items()}
-
-
-class _Lender:
-    """Lends the handlers while at least one kernel (of any thread) needs them."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.borrowers = 0
-
-    @contextlib.contextmanager
-    def lending(self) -> Iterator[None]:
-        lent = _lent()
-        if lent is None:
-            yield
-            return
-        owner, handlers = lent
-        with self.lock:
-            if not self.borrowers:
-                for name, method in handlers.items():
-                    setattr(owner, name, method)
-            self.borrowers += 1
-        try:
-            yield
-        finally:
-            with self.lock:
-                self.borrowers -= 1
-                if not self.borrowers:
-                    for name in handlers:
-                        delattr(owner, name)
-
-
-_LENDER = _Lender()
+    return Replacement(
+        [(TensorVariable, f"method_attr_{name}", handler(op)) for name, op in VIEW_OPS.items()]
+    )
 
 
 def handed_to_the_mode() -> contextlib.AbstractContextManager[None]:
     """While it is entered, dynamo traces ``W.T``, ``W.mT``, ``W.H`` and ``W.mH`` as their aten
     ops, which the sparse route's mode sees (as torch 2.14's does)."""
-    return _LENDER.lending()
+    lent = _lent()
+    return contextlib.nullcontext() if lent is None else lent.active()
