@@ -487,6 +487,58 @@ def test_batch_norm_in_training_mode_matches_autograd_and_updates_its_statistics
     torch.testing.assert_close(diagonal, dense.diagonal()[None])
 
 
+@pytest.fixture
+def real_replay(monkeypatch):
+    """The program's replay on fake tensors fails, as for an op whose output shape depends on
+    values (torch 2.5: ``repeat_interleave`` by a tensor of repeats): it runs on real values."""
+    make_fx = program.make_fx
+
+    def fake_fails(fn, *args, tracing_mode="real", **kwargs):
+        if tracing_mode == "fake":
+            raise RuntimeError("data-dependent output shape")
+        return make_fx(fn, *args, tracing_mode=tracing_mode, **kwargs)
+
+    monkeypatch.setattr(program, "make_fx", fake_fails)
+
+
+def test_a_replay_on_real_values_makes_none_of_f_s_writes_again(real_replay):
+    """Functionalization ends the replay with copy_ of the new values into the tensors f wrote:
+    on real values those were f's own, written a second time (running statistics updated
+    twice, dropout's scaled mask scaled again: twice f's value)."""
+    torch.manual_seed(0)
+    norm = torch.nn.BatchNorm1d(3).double().train()
+    x = torch.randn(6, 3, dtype=torch.float64)
+    pyhvp.hessian_diagonal(lambda y: norm(y.reshape(6, 3)).pow(3).sum()[None], x.reshape(1, 18))
+    statistics = norm.running_mean.clone()
+    norm.reset_running_stats()
+    norm(x)
+    torch.testing.assert_close(statistics, norm.running_mean)
+
+    def f(y):
+        return F.dropout(torch.sin(y), 0.5, training=True).sum(-1)
+
+    torch.manual_seed(1)
+    value, _, _ = pyhvp.grad_and_laplacian(f, x)
+    torch.manual_seed(1)
+    torch.testing.assert_close(value, f(x))
+
+
+def test_f_runs_once_when_dynamo_runs_frames_eagerly(monkeypatch):
+    """Dynamo disabled (or left so: torch 2.5.1 after first calls from several threads) ran the
+    guards' trampoline, and so f, eagerly; f was then recorded too: its write made twice."""
+    monkeypatch.setattr(torch._dynamo.config, "disable", True)
+    state, calls = torch.ones(3, dtype=torch.float64), []
+
+    def f(y):
+        calls.append(1)
+        state.mul_(2.0)
+        return (y.pow(3) * state).sum(-1)
+
+    pyhvp.laplacian(f, torch.randn(4, 3, dtype=torch.float64))
+    assert len(calls) == 1
+    torch.testing.assert_close(state, torch.full((3,), 2.0, dtype=torch.float64))
+
+
 # --- mixed dtypes ---------------------------------------------------------------------------------
 
 

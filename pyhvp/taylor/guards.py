@@ -86,8 +86,15 @@ TRAMPOLINE = "pyhvp_guarded_call"
 """The name of each route's copy of the trampoline, which dynamo traces."""
 
 
+class _RanEagerly(Exception):
+    """Dynamo ran the trampoline itself, not a graph (dynamo disabled, or left so: torch 2.5.1
+    after calls from several threads): ``f`` is not called, its record runs it once."""
+
+
 def _trampoline(f: Callable[..., Tensor], after: Callable[..., Tensor], after_args: tuple[object, ...],
                 x: Tensor, *args: object) -> Tensor:  # fmt: skip
+    if not torch.compiler.is_compiling():  # (True while dynamo traces: not in its graph)
+        raise _RanEagerly  # f's writes and draws would be made twice, here and by its record
     return after(f(x, *args), *after_args)
 
 
@@ -311,6 +318,9 @@ def capture(f: Callable[..., Tensor], variable: Tensor, args: Sequence[object], 
             route.compiled(*parts, variable, *args)
     except _Unchecked:
         pass
+    except _RanEagerly:
+        route.declined = "dynamo ran f eagerly"
+        return None
     except Exception as error:  # dynamo cannot take f whole, or f raised
         recorder, out = record(f, variable, args)  # raises f's own error as eager code would
         route.declined = f"dynamo: {type(error).__name__}: {error}"  # f ran fine: not its error

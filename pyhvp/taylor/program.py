@@ -320,9 +320,14 @@ def _functional_graph(recorder: Recorder, output: Hashable, x: Tensor) -> fx.Gra
         # forward, not the module's __call__: the user's global module hooks are in the record
         # (a lambda: make_fx counts a bound method's self among the inputs)
         functional = torch.func.functionalize(lambda *inputs: raw.forward(*inputs))
+        # on real values, a copy of the inputs: the replay runs the record's ops, and
+        # functionalization ends with copy_ of the new values into the inputs f wrote -- into
+        # f's own tensors, a second time (running statistics updated twice, a captured tensor
+        # written twice, dropout's scaled mask scaled again)
+        replayed = inputs if tracing_mode == "fake" else _copies(inputs)
         with torch.no_grad(), FX_TRACING:
             return make_fx(functional, decomposition_table=decompositions(),
-                           tracing_mode=tracing_mode)(*inputs)  # fmt: skip
+                           tracing_mode=tracing_mode)(*replayed)  # fmt: skip
 
     with quiet_tracing():  # a fake replay that fails logs the failure: an expected one
         try:  # on fake tensors: shapes are all it needs, and f's intermediates are not held
@@ -333,6 +338,26 @@ def _functional_graph(recorder: Recorder, output: Hashable, x: Tensor) -> fx.Gra
     functional.graph.eliminate_dead_code()
     functional.recompile()
     return functional
+
+
+def _copies(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """Copies of ``tensors`` that alias one another as they do: one copy of each storage, each
+    tensor a view of its storage's copy with its own size, strides and offset (so a write
+    through one is seen through the others, as in ``f``)."""
+    storages: dict[int, torch.UntypedStorage] = {}
+    copies = []
+    for t in tensors:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key == 0:  # no elements to share: a copy of its own
+            copies.append(t.clone())
+            continue
+        if key not in storages:
+            storages[key] = storage.clone()  # type: ignore[no-untyped-call]
+        copy = t.new_empty(0)
+        copy.set_(storages[key], t.storage_offset(), t.shape, t.stride())
+        copies.append(copy)
+    return copies
 
 
 def _drop_input_writes(graph: fx.Graph) -> None:
