@@ -70,7 +70,11 @@ def test_a_bug_in_f_raises_the_users_error_and_prints_nothing(call, f, args, mes
 
 
 def test_torch_logs_that_the_user_asked_for_still_show(capfd):
-    """A level set on a torch logger (TORCH_LOGS, set_logs) is the user's: its records pass."""
+    """A level set on a torch logger (TORCH_LOGS, set_logs) is the user's: its records pass.
+    Dynamo starts afresh (``reset``): after the suite's earlier compiles in this process it may
+    run frames eagerly, tracing and logging nothing (the operators then record ``f`` without
+    it, running it once)."""
+    torch._dynamo.reset()
     torch._logging.set_logs(dynamo=logging.DEBUG)
     try:
         with pytest.raises(RuntimeError):
