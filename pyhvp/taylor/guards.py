@@ -318,13 +318,11 @@ def capture(f: Callable[..., Tensor], variable: Tensor, args: Sequence[object], 
             route.compiled(*parts, variable, *args)
     except _Unchecked:
         pass
-    except _RanEagerly:
-        route.declined = "dynamo ran f eagerly"
-        return None
-    except Exception as error:  # dynamo cannot take f whole, or f raised
+    except Exception as error:  # dynamo cannot take f whole, ran it eagerly, or f raised
         recorder, out = record(f, variable, args)  # raises f's own error as eager code would
-        route.declined = f"dynamo: {type(error).__name__}: {error}"  # f ran fine: not its error
-        return build(recorder, out, variable)
+        route.declined = ("dynamo ran f eagerly" if isinstance(error, _RanEagerly)
+                          else f"dynamo: {type(error).__name__}: {error}")  # fmt: skip
+        return build(recorder, out, variable)  # f ran fine: not its error
     pending, _pending.value = _pending.value, None
     if pending is None:  # dynamo ran f itself
         route.declined = route.declined or "dynamo ran f eagerly"
