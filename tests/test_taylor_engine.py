@@ -523,10 +523,10 @@ def test_a_replay_on_real_values_makes_none_of_f_s_writes_again(real_replay):
     torch.testing.assert_close(value, f(x))
 
 
-def test_f_runs_once_when_dynamo_runs_frames_eagerly(monkeypatch):
+def test_f_runs_once_when_dynamo_runs_frames_eagerly():
     """Dynamo disabled (or left so: torch 2.5.1 after first calls from several threads) ran the
-    guards' trampoline, and so f, eagerly; f was then recorded too: its write made twice."""
-    monkeypatch.setattr(torch._dynamo.config, "disable", True)
+    guards' trampoline, and so f, eagerly; f was then recorded too: its write made twice.
+    (Dynamo is reset after: what it cached while disabled stays eager in this process.)"""
     state, calls = torch.ones(3, dtype=torch.float64), []
 
     def f(y):
@@ -534,7 +534,11 @@ def test_f_runs_once_when_dynamo_runs_frames_eagerly(monkeypatch):
         state.mul_(2.0)
         return (y.pow(3) * state).sum(-1)
 
-    pyhvp.laplacian(f, torch.randn(4, 3, dtype=torch.float64))
+    try:
+        with torch._dynamo.config.patch(disable=True):
+            pyhvp.laplacian(f, torch.randn(4, 3, dtype=torch.float64))
+    finally:
+        torch._dynamo.reset()
     assert len(calls) == 1
     torch.testing.assert_close(state, torch.full((3,), 2.0, dtype=torch.float64))
 
