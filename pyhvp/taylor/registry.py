@@ -193,11 +193,9 @@ def register_jet_rule(
       not): each coefficient goes through ``op`` itself, batched over directions with ``vmap``
       (once per direction where ``op`` has no batching rule).
     * ``indexing=True``: linear, and ``op`` only moves, selects or repeats the elements of its
-      one floating input, so the engine can keep coefficients factored.
-
-    Either flag is checked where a kernel is traced: doubling the op's inputs that depend on
-    ``x`` must double its output there, else ``UnsupportedOpError`` (it cannot tell at an input
-    where the op's output is zero).
+      one floating input, so the engine can keep coefficients factored. Either flag is checked
+      where a kernel is traced: doubling the op's inputs that depend on ``x`` must double its
+      output there, else ``UnsupportedOpError`` (it cannot tell where the output is zero).
     * ``rule(ctx, out, *args, **kwargs)``: ``out`` is the op's value, ``args`` / ``kwargs`` the
       op's arguments with a ``pyhvp.taylor.Jet`` wherever an input depends on ``x``; it
       returns the output's jet(s) (constants where an output does not depend on ``x``). A jet
