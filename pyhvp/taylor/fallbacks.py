@@ -43,7 +43,7 @@ class UnsupportedOpError(RuntimeError):
     what to do instead."""
 
 
-def _substitute(
+def substitute(
     op: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
     zero_constants: bool = False,
 ) -> tuple[Callable[..., Any], tuple[Tensor, ...], list[Jet]]:  # fmt: skip
@@ -122,7 +122,7 @@ def pointwise_fallback(ctx: Context, op: Callable[..., Any], out: Tensor, args: 
                        kwargs: dict[str, Any]) -> Jet:  # fmt: skip
     """An elementwise op of one or more jet inputs, by the chain rule with its elementwise
     gradient and Hessian (from ``torch.func`` on the op alone)."""
-    fn, primals, jets = _substitute(op, args, kwargs)
+    fn, primals, jets = substitute(op, args, kwargs)
     _refuse_undifferentiated(op, fn, primals)
     if ctx.order > 2:
         if len(jets) > 1:
@@ -250,7 +250,7 @@ def general_fallback(ctx: Context, op: Callable[..., Any], out: Any, args: tuple
     tested path) -- one matrix at a time for batched matrix ops; an op whose Hessian's
     computation would hold more than :data:`REVERSE_FALLBACK_LIMIT` numbers
     (:func:`_reverse_work`) is refused, naming it."""
-    fn, primals, jets = _substitute(op, args, kwargs)
+    fn, primals, jets = substitute(op, args, kwargs)
     _refuse_undifferentiated(op, fn, primals)
     outputs, spec = pytree.tree_flatten(out)
     smooth = [i for i, o in enumerate(outputs) if isinstance(o, Tensor) and o.is_floating_point()]
@@ -632,7 +632,7 @@ def linear_rule(
     coefficient stays factored. No autograd is involved, and nothing is dense."""
 
     def rule(ctx: Context, out: Any, *args: object, **kwargs: object) -> Any:
-        on, _, jets = _substitute(op, args, kwargs, zero_constants=jointly)
+        on, _, jets = substitute(op, args, kwargs, zero_constants=jointly)
         floating = [o.is_floating_point() for o in pytree.tree_leaves(out)]
         if indexing and len(jets) == 1 and isinstance(out, Tensor):
             u = jets[0]

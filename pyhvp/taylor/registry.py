@@ -17,6 +17,7 @@ from pyhvp.taylor.fallbacks import (
     general_fallback,
     linear_rule,
     pointwise_fallback,
+    substitute,
 )
 from pyhvp.taylor.jets import ENGINE, Context, Jet, NotAtThisOrder, dense_only, value_of
 
@@ -281,10 +282,8 @@ def _homogeneous(op: Callable[..., Any], flag: str, rule: Rule) -> Rule:
 
     def checked(ctx: Context, out: Any, *args: Any, **kwargs: Any) -> Any:
         with disable_proxy_modes_tracing():  # (a check at trace time, not part of the kernel)
-            twice_args, twice_kwargs = pytree.tree_map_only(
-                Jet, lambda jet: 2 * jet.value, (args, kwargs)
-            )
-            doubled = op(*twice_args, **twice_kwargs)
+            of_jets, values, _ = substitute(op, args, kwargs)
+            doubled = of_jets(*(2 * value for value in values))
             for twice, once in zip(pytree.tree_leaves(doubled), pytree.tree_leaves(out),
                                    strict=True):  # fmt: skip
                 if not (isinstance(once, Tensor) and once.is_floating_point()):
