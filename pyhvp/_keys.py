@@ -7,7 +7,9 @@ program cache (:mod:`pyhvp.taylor.program`), which both key what a function comp
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import Generic, TypeVar
 
 import torch
 
@@ -74,3 +76,46 @@ class Identity:
     def obj(self) -> object:
         """The object (``None`` once it died)."""
         return self._ref()
+
+
+Derived = TypeVar("Derived")
+
+
+class TensorMemo(Generic[Derived]):
+    """Values derived from a tensor (and ``about`` it, hashable), kept while it is the same live
+    object at the same version (an in-place write bumps it): a call repeated on the same index
+    tensors checks and converts them once. Tensors without a version counter of their own
+    (inference tensors, ``torch.func`` wrappers) are never kept. At most ``size`` entries, least
+    recently used dropped first."""
+
+    def __init__(self, size: int = 64) -> None:
+        self._size = size
+        self._entries: OrderedDict[
+            tuple[int, Hashable], tuple[weakref.ref[torch.Tensor], int, Derived]
+        ] = OrderedDict()
+
+    def get(self, tensor: torch.Tensor, about: Hashable) -> Derived | None:
+        key = (id(tensor), about)
+        found = self._entries.get(key)
+        if found is None or found[0]() is not tensor or found[1] != _version(tensor):
+            return None
+        self._entries.move_to_end(key)
+        return found[2]
+
+    def keep(self, tensor: torch.Tensor, about: Hashable, value: Derived) -> Derived:
+        version = _version(tensor)
+        if version is not None:
+            self._entries[(id(tensor), about)] = (weakref.ref(tensor), version, value)
+            while len(self._entries) > self._size:
+                self._entries.popitem(last=False)
+        return value
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    """``tensor``'s version counter, or None where it keeps none of its own."""
+    if tensor.is_inference() or torch._C._functorch.is_functorch_wrapped_tensor(tensor):
+        return None
+    try:
+        return tensor._version
+    except RuntimeError:
+        return None

@@ -83,6 +83,7 @@ from pyhvp._checks import (
     require_tensor,
 )
 from pyhvp._embeddings import TwiceDifferentiable, twice_differentiable_embeddings
+from pyhvp._keys import TensorMemo
 from pyhvp._progress import progress_bar
 from pyhvp._public import public_operator
 from pyhvp._user_errors import PACKAGE, stacklevel_outside_pyhvp
@@ -448,16 +449,24 @@ def _check_index(name: str, index: object, shape: torch.Size, of: str) -> torch.
             + _flat_index_hint(index, shape, of)
         )
     numel = shape.numel()
-    index = index if index.dtype == torch.long else index.long()
-    if index.numel() == 0:
-        return index
-    low, high = map(int, torch.aminmax(index))
+    known = _CHECKED_INDICES.get(index, numel)
+    if known is not None:
+        return known
+    checked = index if index.dtype == torch.long else index.long()
+    if checked.numel() == 0:
+        return checked
+    low, high = map(int, torch.aminmax(checked))  # (on a GPU, a sync: once per index tensor)
     if low < 0 or high >= numel:
         raise ValueError(
             f"{name} must hold flat indices in [0, {numel}) ({of} has {numel} entries; negative "
             f"indices are not accepted), got {low if low < 0 else high}"
         )
-    return index
+    return _CHECKED_INDICES.keep(index, numel, checked)
+
+
+_CHECKED_INDICES: TensorMemo[torch.Tensor] = TensorMemo()
+"""Index tensors :func:`_check_index` found in range, as int64, by the size they index: the
+same unchanged tensor is not read back again (which costs a GPU a sync)."""
 
 
 def _flat_index_hint(index: torch.Tensor, shape: torch.Size, of: str) -> str:
@@ -839,13 +848,15 @@ def _choose_routes(
         hash(key)
     except TypeError:  # an unhashable loss: survey every call
         key = None
-    if key is not None and not fresh and key in _ROUTES:
-        _ROUTES.move_to_end(key)
-        cached = _ROUTES[key]
-        if cached.state.holds() and not any(
+    cached = compile_policy.recall(_ROUTES, key) if key is not None and not fresh else None
+    if (
+        cached is not None
+        and cached.state.holds()
+        and not any(
             _masked(plan, i, entries) for i, entries in enumerate(cached.model.masked_entries)
-        ):
-            return cached
+        )
+    ):
+        return cached
     checked = not nested.inside_transform()  # (where the survey may differentiate the loss)
     try:
         with torch.inference_mode(False):  # (the survey differentiates, normal tensors)

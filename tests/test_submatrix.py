@@ -249,6 +249,29 @@ def test_result_carries_no_graph_when_params_or_batches_require_grad(device):
     assert not H.requires_grad
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32], ids=["int64", "int32"])
+@pytest.mark.parametrize("method", ["auto", "sparse", "reverse", "forward"])
+def test_an_index_written_in_place_between_calls_selects_its_new_entries(method, dtype, device):
+    """Checked and converted index tensors are kept for calls that pass them again, while they
+    are the same tensor at the same version: a write in place is a new selection."""
+    model, criterion, inputs, targets, _ = DENSE_CASES[0].make(device, torch.float64)
+    loss, params = pyhvp.module_loss(model, criterion, inputs, targets)
+    index = {"0.weight": torch.tensor([3, 0, 19], device=device, dtype=dtype)}
+    for entries in ([3, 0, 19], [7, 1, 2]):
+        index["0.weight"].copy_(torch.tensor(entries))
+        H = pyhvp.sub_hessian(loss, params, index, backend=EAGER, method=method)
+        expected = dense_sub_hessian(loss, params, {"0.weight": torch.tensor(entries)})
+        torch.testing.assert_close(H["0.weight"], expected, rtol=1e-9, atol=1e-11)
+
+
+def test_an_index_written_out_of_range_between_calls_is_refused(device):
+    x, index = torch.randn(3, 4, device=device), torch.tensor([0, 1], device=device)
+    pyhvp.sub_hessian(coupled, x, index)
+    index[1] = 12
+    with pytest.raises(ValueError, match=r"index must hold flat indices in \[0, 12\).*got 12"):
+        pyhvp.sub_hessian(coupled, x, index)
+
+
 EAGER = pyhvp.TorchBackend(compile=False)
 VMAP_INDEX = {"a few (the seed's loop outside vmap)": [0, 7, 3], "many": list(range(12))}
 

@@ -253,6 +253,7 @@ class Entry:
     compiled_runs: Account = field(default_factory=Account)
     compiled: Callable[..., object] | None = None
     compiled_for: Callable[..., object] | None = None  # the function the kernel runs
+    compiled_for_may_change: bool = True  # its key can change (compile_policy.may_change)
     failed: bool = False
     declined: bool = False
     judged: bool = False
@@ -286,6 +287,24 @@ def keep(cache: OrderedDict[Hashable, Kept], key: Hashable, value: Kept,
     return value
 
 
+def recall(cache: OrderedDict[Hashable, Kept], key: Hashable) -> Kept | None:
+    """``cache[key]``, now its most recently used entry, or ``None``: one lookup, then one move
+    (a key is a deep tuple, compared anew by each dict operation)."""
+    value = cache.get(key)
+    if value is not None:
+        cache.move_to_end(key)
+    return value
+
+
+def may_change(key: Hashable) -> bool:
+    """Whether a :func:`function_key` can change while its object lives: where it holds a
+    Python function's (whose closure cells and defaults can be reassigned). Frozen dataclasses,
+    partials, methods and tuples cannot change what they hold; identities stay equal."""
+    if not isinstance(key, tuple):
+        return False
+    return (bool(key) and key[0] == "function") or any(map(may_change, key))
+
+
 class CompileCache:
     """Signatures -> :class:`Entry`, least recently used dropped first, and the compile costs
     measured in this process."""
@@ -297,7 +316,8 @@ class CompileCache:
         self.announced = False
 
     def entry(self, key: Hashable) -> Entry:
-        return keep(self.entries, key, self.entries.get(key) or Entry(), self.size)
+        found = recall(self.entries, key)
+        return found if found is not None else keep(self.entries, key, Entry(), self.size)
 
     def expected_compile_seconds(self) -> float:
         if self.measured_compile_seconds:

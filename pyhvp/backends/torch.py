@@ -953,9 +953,12 @@ class TorchBackend:
                           reusable=True)  # fmt: skip
             return entry.eager.timed(lambda: detour(eager, hooks), device)
         # the kernel runs the function it was compiled for: an equal-keyed other one only while
-        # that function still has the key (its captured state may have changed since)
-        stale = entry.compiled_for is not f and (
-            compile_policy.function_key(entry.compiled_for) != key[1]
+        # that function still has the key (its captured state may have changed since; a key
+        # without a Python function's cannot: a module_loss's)
+        stale = (
+            entry.compiled_for is not f
+            and entry.compiled_for_may_change
+            and compile_policy.function_key(entry.compiled_for) != key[1]
         )
         compiled = None if stale else entry.compiled
         if compiled is None:
@@ -963,6 +966,7 @@ class TorchBackend:
                 _CACHE.announce(entry, _describe(traced_kernel, f, inputs))
             compiled = _compile_bound(traced_kernel, f, static)
             entry.compiled, entry.compiled_for = compiled, f
+            entry.compiled_for_may_change = compile_policy.may_change(key[1])
             entry.checked = entry.backward_checked = False
         # until a result was checked: a first run that raised a BaseException (the sparse
         # route's NotSparse, an interrupt) returned nothing to check, so the next run is first
