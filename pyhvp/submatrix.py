@@ -449,11 +449,8 @@ def _check_index(name: str, index: object, shape: torch.Size, of: str) -> torch.
             + _flat_index_hint(index, shape, of)
         )
     numel = shape.numel()
-    known = _CHECKED_INDICES.get(index, numel)
-    if known is not None:
-        return known
     checked = index if index.dtype == torch.long else index.long()
-    if checked.numel() == 0:
+    if checked.numel() == 0 or _IN_RANGE.get(index, numel):
         return checked
     low, high = map(int, torch.aminmax(checked))  # (on a GPU, a sync: once per index tensor)
     if low < 0 or high >= numel:
@@ -461,12 +458,13 @@ def _check_index(name: str, index: object, shape: torch.Size, of: str) -> torch.
             f"{name} must hold flat indices in [0, {numel}) ({of} has {numel} entries; negative "
             f"indices are not accepted), got {low if low < 0 else high}"
         )
-    return _CHECKED_INDICES.keep(index, numel, checked)
+    _IN_RANGE.keep(index, numel, True)
+    return checked
 
 
-_CHECKED_INDICES: TensorMemo[torch.Tensor] = TensorMemo()
-"""Index tensors :func:`_check_index` found in range, as int64, by the size they index: the
-same unchanged tensor is not read back again (which costs a GPU a sync)."""
+_IN_RANGE: TensorMemo[bool] = TensorMemo()
+"""Index tensors :func:`_check_index` found in range, by the size they index: the same unchanged
+tensor is not read back again (which costs a GPU a sync)."""
 
 
 def _flat_index_hint(index: torch.Tensor, shape: torch.Size, of: str) -> str:
