@@ -84,9 +84,9 @@ Derived = TypeVar("Derived")
 class TensorMemo(Generic[Derived]):
     """Values derived from a tensor (and ``about`` it, hashable), kept while it is the same live
     object at the same version (an in-place write bumps it): a call repeated on the same index
-    tensors checks them once. Holds no reference to the tensor itself. Tensors without a version counter of their own
-    (inference tensors, ``torch.func`` wrappers) are never kept. At most ``size`` entries, least
-    recently used dropped first."""
+    tensors checks them once. Holds no reference to the tensor itself. Tensors without a version
+    counter of their own (inference tensors, ``torch.func`` wrappers) are never kept. At most
+    ``size`` entries, least recently used dropped first."""
 
     def __init__(self, size: int = 64) -> None:
         self._size = size
