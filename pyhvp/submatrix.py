@@ -63,7 +63,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from functools import partial
 from itertools import accumulate
-from typing import TYPE_CHECKING, Any, Literal, cast, overload
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, cast, overload
 
 import torch
 from torch.func import functional_call
@@ -305,8 +305,8 @@ def _local_sums(
             batch=batch,
         )
         return _sums(plan, batches, chunk_size, resolved, method), fingerprint
-    shapes = tuple(fixed[name].shape for name in names)
-    reverse = _Selection(loss, tuple(fixed), tuple(names), joint_shapes=shapes)
+    layouts = tuple(_Layout.of(fixed[name]) for name in names)
+    reverse = _Selection(loss, tuple(fixed), tuple(names), joint_layouts=layouts)
     vector = torch.cat([t.reshape(-1) for t in tensors])
     offsets = accumulate([0, *(t.numel() for t in tensors)])
     joint_index = torch.cat([flats[name] + o for name, o in zip(names, offsets, strict=False)])
@@ -667,12 +667,35 @@ def _accepts(loss: Callable[..., Any], n_args: int) -> bool | None:
     return accepts
 
 
+class _Layout(NamedTuple):
+    """A selected tensor's shape and the order of its dims in memory, largest stride first."""
+
+    shape: torch.Size
+    order: tuple[int, ...]
+
+    @staticmethod
+    def of(tensor: torch.Tensor) -> _Layout:
+        strides = tensor.stride()
+        order = sorted(range(tensor.ndim), key=lambda dim: -strides[dim])
+        return _Layout(tensor.shape, tuple(order))
+
+    def holding(self, values: torch.Tensor) -> torch.Tensor:
+        """The flat row-major ``values`` as a tensor of this shape in storage of its own, laid
+        out in memory as the tensor (its strides, offset 0): a loss that reads memory
+        (``as_strided``) reads there what it reads of the tensor, not of the joint vector (a
+        view of it at the tensor's offset in it: other tensors' entries)."""
+        inverse = sorted(range(len(self.order)), key=self.order.__getitem__)
+        moved = values.view(self.shape).permute(self.order)
+        return moved.clone(memory_format=torch.contiguous_format).permute(inverse)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Selection:
     """``loss`` as a function of the leaves, then the other params, then the batch's tensors.
 
-    The leaves are the selected tensors, or with ``joint_shapes`` ONE vector holding them
-    concatenated; ``names`` are all params' names in their order (``()``: params is a single
+    The leaves are the selected tensors, or with ``joint_layouts`` ONE vector holding them
+    concatenated (each then passed to the loss laid out as the tensor it stands for: see
+    :class:`_Layout`); ``names`` are all params' names in their order (``()``: params is a single
     tensor); ``batch_spec`` is the structure of the batch passed flat (``None``: no data). Equal
     for equal inputs, so the backend's compile cache serves repeated calls.
     """
@@ -680,7 +703,7 @@ class _Selection:
     loss: Callable[..., torch.Tensor]
     names: tuple[str, ...]
     selected: tuple[str, ...]
-    joint_shapes: tuple[torch.Size, ...] | None = None
+    joint_layouts: tuple[_Layout, ...] | None = None
     batch_spec: pytree.TreeSpec | None = None
 
     @property
@@ -689,16 +712,18 @@ class _Selection:
         return getattr(self.loss, "__name__", type(self.loss).__name__)
 
     def __call__(self, *values: Any) -> torch.Tensor:
-        n_leaves = 1 if not self.names or self.joint_shapes is not None else len(self.selected)
+        n_leaves = 1 if not self.names or self.joint_layouts is not None else len(self.selected)
         n_params = n_leaves + len(self.names) - len(self.selected)
         leaves, others, batch = values[:n_leaves], values[n_leaves:n_params], values[n_params:]
         if not self.names:
             params: Any = leaves[0]
         else:
-            if self.joint_shapes is not None:
-                sizes = [shape.numel() for shape in self.joint_shapes]
-                parts = leaves[0].split(sizes)
-                leaves = tuple(p.view(s) for p, s in zip(parts, self.joint_shapes, strict=True))
+            if self.joint_layouts is not None:
+                parts = leaves[0].split([layout.shape.numel() for layout in self.joint_layouts])
+                leaves = tuple(
+                    layout.holding(part)
+                    for part, layout in zip(parts, self.joint_layouts, strict=True)
+                )
             others_names = [name for name in self.names if name not in self.selected]
             given = dict(zip(self.selected, leaves, strict=True))
             given.update(zip(others_names, others, strict=True))

@@ -77,6 +77,12 @@ def on(data, f):
 W_INDEX = [13, 0, 23, 13, 7]  # unsorted, with a repeat
 CASES = [
     Case(
+        "as_strided of a contiguous tensor (a view, followed)",
+        on(X, lambda x, p: squash(x[:, :3] @ p["w"].as_strided((3, 4), (1, 5), 2))),
+        {"w": (4, 6)},
+        {"w": W_INDEX},
+    ),
+    Case(
         "F.linear with bias",
         on(X, lambda x, p: squash(F.linear(x, p["w"], p["b"]))),
         {"w": (4, 6), "b": (4,)},
@@ -735,6 +741,59 @@ def test_a_forced_sparse_route_it_does_not_cover_names_the_op_and_the_route_take
     with pytest.raises(ValueError, match=rf"params\['w'\].*{named}.*reverse route") as error:
         pyhvp.sub_hessian(loss, {"w": BIG.clone()}, {"w": torch.tensor([0, 5])}, method="sparse")
     assert "getset_descriptor" not in str(error.value)
+
+
+STORAGE = torch.randn(40, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+NOT_FROM_THE_STORAGES_START = {
+    "transposed": STORAGE[:24].view(6, 4).T,
+    "at an offset": STORAGE[3:27].view(4, 6),
+}
+STRIDED_READ = (3, 4), (1, 5)  # as_strided's size and strides, from the tensor's own offset
+
+
+@pytest.mark.parametrize(
+    "w", NOT_FROM_THE_STORAGES_START.values(), ids=NOT_FROM_THE_STORAGES_START.keys()
+)
+def test_as_strided_of_a_tensor_not_contiguous_from_its_storages_start_follows_autograd(w):
+    """``as_strided`` reads memory: the sparse route's stand-ins for ``w`` (contiguous, offset
+    0) would read other entries. The sparse route refuses it; ``"auto"`` is autograd's."""
+
+    def loss(p):
+        return squash(X[:, :3] @ p["w"].as_strided(*STRIDED_READ))
+
+    params, index = {"w": w}, {"w": torch.tensor([0, 5, 11, 2, 7, 13])}
+    with pytest.raises(ValueError, match=r"params\['w'\] is read by Tensor.as_strided"):
+        pyhvp.sub_hessian(loss, params, index, method="sparse")
+    H = pyhvp.sub_hessian(loss, params, index)
+    torch.testing.assert_close(H["w"], dense_sub_hessian(loss, params, index), **F64)
+
+
+AS_STRIDED_READS = {  # the selected tensor (its own storage), and the loss's read of it
+    "of a transposed tensor": (
+        STORAGE[:24].view(6, 4).clone().T,
+        lambda w: w.as_strided((3, 4), (1, 5)),
+    ),
+    "at offset 2 of a contiguous tensor's storage": (
+        STORAGE[:24].view(4, 6).clone(),
+        lambda w: w.as_strided((3, 4), (1, 5), 2),
+    ),
+}
+
+
+@pytest.mark.parametrize("method", ["auto", "reverse", "forward"])
+@pytest.mark.parametrize(("w", "read"), AS_STRIDED_READS.values(), ids=AS_STRIDED_READS.keys())
+def test_joint_blocks_of_a_loss_reading_memory_are_of_the_tensors_own_layout(w, read, method):
+    """Joint, the reverse route passes the loss its tensors from ONE vector: each is laid out
+    as the tensor it stands for, not a view at its offset in the vector (whose memory holds the
+    tensors before it)."""
+    params = {"a": STORAGE[:3].clone(), "w": w}
+
+    def loss(p):
+        return squash(p["a"] * (X[:, :3] @ read(p["w"])).sum(-1, keepdim=True))
+
+    index = {"a": torch.tensor([2, 0]), "w": torch.tensor([0, 5, 11, 2, 7, 13])}
+    H = pyhvp.sub_hessian(loss, params, index, joint=True, method=method)
+    torch.testing.assert_close(H, dense_sub_hessian(loss, params, index), **F64)
 
 
 MAX_NORM_CALLS = {

@@ -47,6 +47,7 @@ from pyhvp.restricted.ops import (
     draws_mask_by_layout,
     einsum_form,
     first_input,
+    reads_memory_layout,
     returns_its_input,
     writes_operand,
     writes_to,
@@ -55,6 +56,14 @@ from pyhvp.restricted.ops import (
 DENSE_LIMIT = 4096
 """Most entries a selected tensor may have and still enter an op without a sparse rule densely
 (``W + scatter(z)``): a bias, a small table; larger ones are refused there."""
+
+
+LAYOUT = (
+    "{} read by {} through its memory (it is not contiguous from the start of its storage), "
+    "which the sparse route's stand-in for it lays out otherwise"
+)
+"""Why the sparse route refuses a use that reads a selected tensor's memory layout
+(:func:`~pyhvp.restricted.ops.reads_memory_layout`)."""
 
 
 class NotSparse(BaseException):
@@ -238,6 +247,8 @@ class Injection(TorchFunctionMode):
         written = writes_to(op, func, args, kwargs)
         if any(self._find(v) is not None for v in pytree.tree_leaves(written)):
             raise NotSparse(f"{describe(func)} writes to a selected tensor")
+        if reads_memory_layout(func, args, kwargs) and self._find(first_input(args, kwargs)):
+            raise NotSparse(LAYOUT.format("a selected tensor is", describe(func)))
         if func in RETURNS_INPUTS_IN_A_TUPLE and not torch.is_grad_enabled():
             raise NotSparse(f"{describe(func)} under no_grad may return a selected tensor itself "
                             "(which autograd differentiates) among other tensors")  # fmt: skip

@@ -302,6 +302,24 @@ def first_input(args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     return next((kwargs[name] for name in FIRST_ARGUMENT_NAMES if name in kwargs), None)
 
 
+_STRIDED = functions((Tensor, torch), ("as_strided", "as_strided_copy"))
+
+
+def reads_memory_layout(
+    func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
+) -> bool:
+    """Whether ``func`` reads its first argument's memory -- its strides and storage offset --
+    rather than its entries in order: ``as_strided`` of a tensor that is not contiguous from the
+    start of its storage (``W.T``, ``W[1:]``). The sparse route's stand-ins for a selected
+    tensor (``W`` shifted by ``z``, an index tensor) are, so they would read other entries."""
+    tensor = first_input(args, kwargs)
+    return (
+        func in _STRIDED
+        and isinstance(tensor, Tensor)
+        and not (tensor.is_contiguous() and tensor.storage_offset() == 0)
+    )
+
+
 def returns_its_input(
     func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
 ) -> bool:

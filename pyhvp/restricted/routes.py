@@ -79,7 +79,13 @@ from torch.utils import _pytree as pytree
 from pyhvp.restricted import compiles_property_views
 from pyhvp.restricted import contributions as rules
 from pyhvp.restricted.forward import linear_in, pointwise_in, refusal
-from pyhvp.restricted.mode import DENSE_LIMIT, NotSparse, WritesSelected, view_positions
+from pyhvp.restricted.mode import (
+    DENSE_LIMIT,
+    LAYOUT,
+    NotSparse,
+    WritesSelected,
+    view_positions,
+)
 from pyhvp.restricted.ops import (
     BIASES,
     CONTRACTED,
@@ -91,7 +97,9 @@ from pyhvp.restricted.ops import (
     contracted,
     describe,
     einsum_form,
+    first_input,
     kind,
+    reads_memory_layout,
     writes_operand,
     writes_to,
 )
@@ -504,6 +512,10 @@ class Survey(TorchFunctionMode):
         """Note how each selected tensor in ``direct`` enters ``func``; True for a view that
         follows one (its outputs are then selected tensors, not activations)."""
         name = describe(func)
+        if reads_memory_layout(func, args, kwargs):
+            source = self._source(first_input(args, kwargs))
+            if source is not None:
+                self._note(source, name, LAYOUT.format("is", name))
         if op == "view" and args and self._source(args[0]) is not None:
             source = self._source(args[0])
             assert source is not None
