@@ -402,6 +402,11 @@ REFUSED = {  # a loss the route cannot follow as autograd does, and what the ref
     "an entry in an embedding's padding row": (padded_embedding, "padding_idx"),
     "an embedding scaling gradients by frequency": (scaled_embedding, "scale_grad_by_freq"),
     "an in-place write to an activation": (writes_an_activation, "writes in place"),
+    "PReLU at its kink (a zero-initialised layer's)": (
+        lambda p: squash(F.prelu(p["w"] - W, torch.tensor([0.25], dtype=W.dtype)) @ V), "kink"),
+    "clamp at a tensor bound": (lambda p: squash(torch.clamp(p["w"], max=W) @ V), "bound"),
+    "clamp_min at a tensor bound": (lambda p: squash(p["w"].clamp_min(W) @ V), "bound"),
+    "fmax of two equal inputs": (lambda p: squash(torch.fmax(W, p["w"]) @ V), "kink"),
 }  # fmt: skip
 
 

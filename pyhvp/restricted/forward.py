@@ -64,6 +64,7 @@ from pyhvp.restricted.ops import (
     call_kind,
     contracted,
     describe,
+    first_input,
     functions,
     writes_operand,
     writes_to,
@@ -128,6 +129,34 @@ _STATEFUL = functions((F,), ("batch_norm", "instance_norm"))
 
 _WRONG_FORWARD_DERIVATIVES = functions((torch, Tensor), ("scatter_reduce",))
 """Ops whose forward derivative torch computes wrongly in some mode (``reduce="prod"``)."""
+
+_TIES = functions((torch, Tensor), ("prelu", "clamp", "clip", "clamp_min", "clamp_max"))
+_PAIRS = functions((torch, Tensor), ("fmax", "fmin"))
+"""Ops whose forward derivative torch takes at a tie -- ``prelu``'s input at 0, ``clamp``'s at a
+tensor bound, ``fmax``'s two inputs equal -- from another side than autograd's backward (whose
+own Hessian there mixes both sides: ``prelu``'s is its forward slope times its backward one),
+so no forward push matches autograd there: the route refuses a tie (a zero-initialised
+layer's PReLU gave blocks 4x autograd's)."""
+
+
+def _at_a_tie(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether this call of a :data:`_TIES` or :data:`_PAIRS` op has an input at its tie."""
+    if func not in _TIES and func not in _PAIRS:
+        return False
+    input = first_input(args, kwargs)
+    if not isinstance(input, Tensor):
+        return False
+    name = getattr(func, "__name__", "")
+    if func in _PAIRS:
+        ties = [argument(args, kwargs, "other", 1, None)]
+    elif name == "prelu":  # its kink
+        ties = [input.new_zeros(())]
+    elif name == "clamp_max":
+        ties = [argument(args, kwargs, "max", 1, None)]
+    else:  # a scalar bound's derivative is autograd's either way
+        ties = [argument(args, kwargs, bound, i, None) for i, bound in ((1, "min"), (2, "max"))]
+    return any(isinstance(tie, Tensor) and bool((input == tie).any()) for tie in ties)
+
 
 _DROPOUTS = functions(
     (F,), ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
@@ -606,6 +635,9 @@ def refusal(func: Callable[..., Any], op: str, args: Sequence[Any], kwargs: dict
                 "tensor changes autograd's derivative, not the op's")  # fmt: skip
     if func in _WRONG_FORWARD_DERIVATIVES and "prod" in (*args[4:5], kwargs.get("reduce")):
         return f"{describe(func)} with reduce='prod': torch's forward derivative of it is wrong"
+    if _at_a_tie(func, args, kwargs):
+        return (f"{describe(func)} has an input at its kink or on its tensor bound, where "
+                "torch's forward derivative is not autograd's")  # fmt: skip
     bound = bind(op, args, kwargs) if op == "embedding" else None
     if bound is not None and (autograd_convention(op, bound) or writes_operand(op, bound)):
         return (f"{describe(func)} with scale_grad_by_freq or max_norm: autograd's derivative "
