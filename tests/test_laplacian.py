@@ -18,6 +18,8 @@ from dense import (
     instance_jacobian,
     instance_laplacian,
     instance_weighted_trace,
+    nested_bilaplacian,
+    nested_mixed_partial,
 )
 from torch import nn
 from torch.func import functional_call, grad, hessian, vmap
@@ -687,6 +689,52 @@ def test_gradient_in_x_is_the_third_derivative(device):
         lambda y: instance_laplacian(net, y).sum() + instance_jacobian(net, y).pow(2).sum()
     )(x.detach())
     torch.testing.assert_close(dx, expected)
+
+
+def _detached_factors(x, w):
+    return torch.sin(x).sum(-1) * x.detach().pow(2).sum(-1) * w.sum() / w.norm().detach()
+
+
+def _factors_made_under_no_grad(x, w):
+    with torch.no_grad():
+        scale = w.norm() * x.pow(2).sum(-1)
+    return torch.sin(x).sum(-1) * scale * w.sum()
+
+
+STOPS = {"detach()": _detached_factors, "torch.no_grad()": _factors_made_under_no_grad}
+
+
+def _nested_laplacian(f, x, *args):
+    n = x.shape[-1]
+    return sum(nested_mixed_partial(f, x, (i, i), *args, create_graph=True) for i in range(n))
+
+
+STOPPING_OPERATORS = {  # name -> (pyhvp's, its reference by nested autograd)
+    "laplacian": (pyhvp.laplacian, _nested_laplacian),
+    "hessian_diagonal": (lambda f, x, w, backend: pyhvp.hessian_diagonal(
+        f, x, w, backend=backend).sum(-1), _nested_laplacian),
+    "bilaplacian": (pyhvp.bilaplacian,
+                    lambda f, x, w: nested_bilaplacian(f, x, w, create_graph=True)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("compile_mode", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(("operator", "reference"), STOPPING_OPERATORS.values(),
+                         ids=STOPPING_OPERATORS.keys())  # fmt: skip
+@pytest.mark.parametrize("f", STOPS.values(), ids=STOPS.keys())
+def test_a_stop_gradient_in_f_is_a_constant_to_the_gradients_of_the_result(
+    f, operator, reference, compile_mode, device
+):
+    """A PINN's loss differentiates the operator's result: what ``f`` detaches, or computes
+    under ``no_grad``, stays a constant there, as in autograd (``spectral_norm``'s power
+    iteration)."""
+    x = torch.tensor([[0.5, -1.0], [0.2, 0.7]], dtype=torch.float64, device=device)
+    w = torch.tensor([1.0, 2.0], dtype=torch.float64, device=device)
+    x, w = x.requires_grad_(), w.requires_grad_()
+    backend = TorchBackend(compile=compile_mode)
+    got = torch.autograd.grad(operator(f, x, w, backend=backend).sum(), (x, w))
+    expected = torch.autograd.grad(reference(f, x, w).sum(), (x, w))
+    torch.testing.assert_close(got, expected)
 
 
 def test_results_are_detached_when_nothing_needs_a_graph(device):

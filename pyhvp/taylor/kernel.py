@@ -249,10 +249,15 @@ def _drop_identical_views(graph: fx.Graph) -> None:
     """Views that give their input back unchanged (an ``expand`` or ``view`` to the same shape
     and strides, which rules emit where a coefficient already has the full shape) are replaced
     by their input: eagerly each still costs an op call (several percent of a small kernel).
-    Exact for this kernel's inputs, whose shapes and strides are part of its key."""
+    Exact for this kernel's inputs, whose shapes and strides are part of its key. Not a
+    ``detach``: the same view, but a constant to autograd where a kernel's result is
+    differentiated (``f``'s ``detach()`` and ``no_grad``; dropped, a PINN's gradients went
+    through them)."""
     for node in list(graph.nodes):
         target = node.target
         if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+            continue
+        if target.overloadpacket is torch.ops.aten.detach:
             continue
         returns = target._schema.returns
         alias = returns[0].alias_info if len(returns) == 1 else None
