@@ -608,6 +608,14 @@ def test_a_float64_leaky_slope_is_not_rounded_to_float32(activation, slope, devi
     torch.testing.assert_close(got, torch.full_like(x, 2 * slope**2), rtol=1e-15, atol=0)
 
 
+def test_a_float64_hardswish_curvature_is_not_rounded_to_float32(device):
+    """Inside (-3, 3) hardswish is ``u (u + 3) / 6``: curvature exactly 1/3 (a float32 1/3
+    was 1e-8 relative off, a hundred times the float64 contract)."""
+    x = torch.linspace(-2.5, 2.5, 5, dtype=torch.float64, device=device)[:, None]
+    got = pyhvp.hessian_diagonal(lambda y: F.hardswish(y).sum(-1), x)
+    torch.testing.assert_close(got, torch.full_like(x, 1 / 3), rtol=1e-15, atol=0)
+
+
 KINKED_AT_0 = {
     "elu": F.elu,
     "selu": F.selu,

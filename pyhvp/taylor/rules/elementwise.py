@@ -235,7 +235,8 @@ def _hardswish(u: Tensor, y: Tensor, *, order: int) -> Sequence[Tensor | None]:
     decomposition, which the engine took, gave the inner side's -1/2, 3/2 and 1/3)."""
     inside = (u > -3) & (u < 3)
     slope = torch.where(inside, u / 3 + 0.5, (u >= 3).to(u.dtype))
-    return [slope, *([torch.where(inside, 1 / 3, 0.0)] if order > 1 else []),
+    curvature = torch.where(inside, u.new_full((), 1 / 3), u.new_zeros(()))  # (u's dtype)
+    return [slope, *([curvature] if order > 1 else []),
             *[None] * (order - 2)]  # fmt: skip
 
 
