@@ -543,6 +543,33 @@ def test_f_runs_once_when_dynamo_runs_frames_eagerly():
     torch.testing.assert_close(state, torch.full((3,), 2.0, dtype=torch.float64))
 
 
+HELD = torch.arange(12.0, dtype=torch.float64).reshape(4, 3)
+WITHOUT_TENSOR_OPS = {  # f, and its gradient per instance
+    "x itself": (lambda y: y, torch.eye(3, dtype=torch.float64).expand(4, 3, 3)),
+    "a tensor it holds": (lambda y: HELD, torch.zeros(4, 3, 3, dtype=torch.float64)),
+}
+
+
+@pytest.mark.parametrize(("g", "gradient"), WITHOUT_TENSOR_OPS.values(),
+                         ids=WITHOUT_TENSOR_OPS.keys())  # fmt: skip
+def test_f_without_tensor_ops_runs_once_a_call_and_has_its_derivatives(g, gradient):
+    """Dynamo's frame of such an f has no graph: it made f's Python side effects, and f was
+    then recorded, run a second time (the first call of each f)."""
+    calls = []
+
+    def f(y):
+        calls.append(1)
+        return g(y)
+
+    x = torch.randn(4, 3, dtype=torch.float64)
+    for _ in range(2):
+        calls.clear()
+        value, got, laplacian = pyhvp.grad_and_laplacian(f, x)
+        assert len(calls) == 1
+        torch.testing.assert_close((value, got, laplacian),
+                                   (g(x), gradient, torch.zeros_like(x)))  # fmt: skip
+
+
 # --- mixed dtypes ---------------------------------------------------------------------------------
 
 

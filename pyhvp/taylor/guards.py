@@ -313,9 +313,10 @@ def capture(f: Callable[..., Tensor], variable: Tensor, args: Sequence[object], 
     if route.declined is not None:
         return None
     _pending.value = None
+    returned: object = None
     try:
         with recording_state(), quiet_tracing(), _HookGuards():  # f's errors: its record's
-            route.compiled(*parts, variable, *args)
+            returned = route.compiled(*parts, variable, *args)
     except _Unchecked:
         pass
     except Exception as error:  # dynamo cannot take f whole, ran it eagerly, or f raised
@@ -324,9 +325,15 @@ def capture(f: Callable[..., Tensor], variable: Tensor, args: Sequence[object], 
                           else f"dynamo: {type(error).__name__}: {error}")  # fmt: skip
         return build(recorder, out, variable)  # f ran fine: not its error
     pending, _pending.value = _pending.value, None
-    if pending is None:  # dynamo ran f itself
-        route.declined = route.declined or "dynamo ran f eagerly"
-        return None
+    if pending is None:  # no graph: f made no tensor op, and dynamo made its Python side
+        # effects (they are made once: f itself is not run again). Its result is x itself or a
+        # tensor it holds (any tensor op, even a view, is in a graph)
+        route.declined = route.declined or "f makes no tensor op"
+
+        def made(x: Tensor, *_: object) -> Tensor:
+            return x if returned is variable else cast(Tensor, returned)
+
+        return build(*record(made, variable, ()), variable)
     graph, inputs = pending
     if graph.program is not None:
         return graph.program, tuple(inputs[s] if isinstance(s, int) else s for s in graph.sources)
