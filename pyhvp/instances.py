@@ -303,7 +303,9 @@ class _Runs:
         (None: none), from the random state ``f`` started from at its first run."""
         x = self.y.detach()
         if moved is not None:
-            shift = self.random(x.shape) * (1 + float(x.abs().amax())) / 4
+            finite = x[x.isfinite()]  # (a NaN or infinite entry's scale: every shift NaN)
+            scale = 1 + (float(finite.abs().amax()) if finite.numel() else 0.0)
+            shift = self.random(x.shape) * scale / 4
             x = x + shift * moved.reshape(
                 *self.batch_shape, *(1,) * (x.ndim - len(self.batch_shape))
             )

@@ -69,6 +69,16 @@ INDEPENDENT = {
         (),
     ),
     "a stiff instance among others": (stiff_plus(lambda x: 0.1 * (x * x).sum(-1)), STIFF_X, ()),
+    "one instance with a NaN in x (it scaled every shift: NaN everywhere)": (
+        lambda x: (x**2).sum(-1),
+        torch.cat([X[:2], X[2:3].clone().fill_diagonal_(torch.nan), X[3:]]),
+        (),
+    ),
+    "one instance with an infinite x": (
+        lambda x: (x**2).sum(-1),
+        torch.cat([X[:2], X[2:3].clone().fill_diagonal_(torch.inf), X[3:]]),
+        (),
+    ),
     "dropout in training mode (each run draws from one state)": (
         lambda x: nn.functional.dropout(x, 0.5).sum(-1),
         X,
@@ -105,6 +115,11 @@ COUPLED = {
     "detached mean-field coupling next to a stiff instance": (
         stiff_plus(lambda x: 0.1 * (x * x.mean(0).detach()).sum(-1)),
         STIFF_X,
+        None,
+    ),
+    "mean-centring by a detached mean, next to a NaN in x": (
+        lambda x: ((x - x[:, 1:].mean(0).detach().sum()) ** 2).sum(-1),
+        torch.cat([X[:2], X[2:3].clone().fill_diagonal_(torch.nan), X[3:]]),
         None,
     ),
     "mean-centring by a detached mean, next to an infinite own value": (
