@@ -26,7 +26,7 @@ rather than NaNs or a failed eigh.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -132,7 +132,8 @@ class KroneckerHVP:
         for root in roots:  # cycle: the next mode to the end, contract it with its root
             out = out.movedim(lead, -1)
             shape = out.shape
-            out = (out.reshape(*shape[:lead], -1, shape[-1]) @ root).reshape(shape)
+            rows = math.prod(shape[lead:-1])  # (not -1: an empty extra dim has no size to infer)
+            out = (out.reshape(*shape[:lead], rows, shape[-1]) @ root).reshape(shape)
         return out
 
     def _statistics(self) -> torch.Tensor:
@@ -216,9 +217,13 @@ class KroneckerHVP:
             # up to the rounding of U U^T products, relative to the factor's largest entry
             if f.numel() and float((f - f.mT).abs().max()) > 1e-5 * float(f.abs().max()):
                 raise ValueError(f"state['factors'][{i}] must be symmetric, got an asymmetric one")
+        mean = mean.detach().to(torch.float64, copy=True)
+        factors = [f.detach().to(torch.float64, copy=True) for f in factors]
+        decay = self.beta**step
+        for i, (cov, f) in enumerate(zip(_covariances(mean, factors, decay), factors, strict=True)):
+            _check_covariance(i, cov, f.abs().amax((-2, -1)) / (1 - decay))
         self.reset()
-        self._step, self._mean, self._dtype = step, mean.to(torch.float64, copy=True), dtype
-        self._factors = [f.to(torch.float64, copy=True) for f in factors]
+        self._step, self._mean, self._dtype, self._factors = step, mean, dtype, factors
 
     def _check_grad(self, grad: object) -> torch.Tensor:
         grad = require_floating("grad", grad)
@@ -246,19 +251,48 @@ class KroneckerHVP:
 
     def _compute_roots(self) -> list[torch.Tensor]:
         assert self._mean is not None
-        d = len(self._factors)
-        power = 1 / d if self.power is None else self.power
-        correction = 1 - self.beta**self._step
-        mean = self._mean.unsqueeze(-1)  # a trailing 1 keeps the dim list below non-empty
+        power = 1 / len(self._factors) if self.power is None else self.power
         roots = []
-        for i, factor in enumerate(self._factors):
-            others = [1 + j for j in range(d) if j != i] + [-1]  # mean(dim=[]) reduces all dims
-            mu = mean.mean(dim=others) / correction  # (n, m_i)
-            cov = factor / correction - mu[:, :, None] * mu[:, None, :]
+        for cov in _covariances(self._mean, self._factors, self.beta**self._step):
             vals, vecs = torch.linalg.eigh(cov)
             root = (vecs * vals.abs().add(self.damping).pow(power)[:, None, :]) @ vecs.mT
             roots.append(((root + root.mT) / 2).to(self._dtype))
         return roots
+
+
+def _covariances(
+    mean: torch.Tensor, factors: list[torch.Tensor], decay: float
+) -> Iterator[torch.Tensor]:
+    """Each mode's bias-corrected covariance ``F_i / c - mu_i mu_i^T``, ``c = 1 - decay`` (the EMA
+    weight ``beta ** step`` not yet given to gradients), ``mu_i`` the corrected mean over the other
+    modes: ``(n, m_i, m_i)``."""
+    correction = 1 - decay
+    d = len(factors)
+    trailing = mean.unsqueeze(-1)  # a trailing 1 keeps the dim list below non-empty
+    for i, factor in enumerate(factors):
+        others = [1 + j for j in range(d) if j != i] + [-1]  # mean(dim=[]) reduces all dims
+        mu = trailing.mean(dim=others) / correction  # (n, m_i)
+        yield factor / correction - mu[:, :, None] * mu[:, None, :]
+
+
+def _check_covariance(i: int, cov: torch.Tensor, moments: torch.Tensor) -> None:
+    """A loaded state's mode-``i`` covariance must be finite and positive semi-definite up to
+    the rounding of its second ``moments`` (per system, the largest: a constant gradient's
+    covariance is 0 by cancellation) -- as every state :meth:`KroneckerHVP.update` makes is, an
+    average of outer products minus its mean's: else a negated factor's root, taken of
+    ``|eigenvalues|``, looked plausible."""
+    if not bool(cov.isfinite().all()):
+        raise ValueError(
+            f"state['factors'][{i}] and state['mean'] give a covariance that is not finite "
+            f"(beyond float64's range): not a state update() makes"
+        )
+    values = torch.linalg.eigvalsh(cov)
+    if bool((values.amin(-1) < -1e-5 * moments).any()):
+        raise ValueError(
+            f"state['factors'][{i}] with state['mean'] must give a positive semi-definite "
+            f"covariance (second moments at least the mean's square), got a negative eigenvalue "
+            f"{float(values.amin()):.3g}: not a state update() makes"
+        )
 
 
 def _unfold(tensor: torch.Tensor, mode: int) -> torch.Tensor:

@@ -323,6 +323,18 @@ def test_reset_starts_over_with_any_shape(device):
     assert torch.equal(kron(grad, v), fresh(grad, v))
 
 
+def test_an_empty_extra_dim_of_v_gives_an_empty_result(device):
+    v = torch.randn(0, 2, 3, 4, device=device)
+    assert fitted(device).apply(v).shape == (0, 2, 3, 4)
+
+
+def test_a_loaded_state_that_requires_grad_gives_results_without_a_graph(device):
+    state = state_with(device)
+    kron = KroneckerHVP()
+    kron.load_state_dict({**state, "mean": state["mean"].clone().requires_grad_()})
+    assert kron.apply(torch.randn(2, 3, 4, device=device)).grad_fn is None
+
+
 # --- errors: type, and a message that names the argument -----------------------------------------
 
 
@@ -340,6 +352,11 @@ def with_factor(device, i, value):
     factors = state_with(device)["factors"]
     factors[i] = factors[i].clone().fill_(value)
     return state_with(device, factors=factors)
+
+
+def with_factors(device, change):
+    state = state_with(device)
+    return {**state, "factors": [change(f) for f in state["factors"]]}
 
 
 def asymmetric_factors(device):
@@ -366,6 +383,21 @@ BAD_STATES = {
         lambda d: state_with(d, mean=torch.ones(2, 4, 3, device=d)),
         ValueError,
         "factors",
+    ),
+    "factors-negated (their roots, of |eigenvalues|, looked plausible)": (
+        lambda d: with_factors(d, lambda f: -f),
+        ValueError,
+        r"factors'\]\[0\].*semi-definite",
+    ),
+    "factors-zero-under-a-nonzero-mean": (
+        lambda d: with_factors(d, torch.zeros_like),
+        ValueError,
+        "semi-definite",
+    ),
+    "mean-whose-square-overflows": (
+        lambda d: {**(s := state_with(d)), "mean": s["mean"] * 1e200},
+        ValueError,
+        "not finite",
     ),
 }
 
