@@ -26,11 +26,12 @@ rather than NaNs or a failed eigh.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Iterator
 
 import torch
 
-from pyhvp._checks import fmt_shape, require_floating, require_like, require_tensor
+from pyhvp._checks import as_int, fmt_shape, require_floating, require_like, require_tensor
 
 
 class KroneckerHVP:
@@ -70,13 +71,10 @@ class KroneckerHVP:
             if power is None
             else _real_option("power", power, "None or a float > 0", lambda p: p > 0)
         )
-        if (
-            isinstance(refresh_every, bool)
-            or not isinstance(refresh_every, int)
-            or refresh_every < 1
-        ):
+        every = as_int(refresh_every)  # a NumPy int too, as samples= and chunk_size= take
+        if every is None or every < 1:
             raise ValueError(f"refresh_every must be a positive int, got {refresh_every!r}")
-        self.refresh_every = refresh_every
+        self.refresh_every = every
         self.reset()
 
     def reset(self) -> None:
@@ -301,14 +299,12 @@ def _unfold(tensor: torch.Tensor, mode: int) -> torch.Tensor:
 
 
 def _real_option(name: str, value: object, expected: str, ok: Callable[[float], bool]) -> float:
-    """``value`` as a finite float accepted by ``ok``, else ValueError naming ``name``."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not (math.isfinite(value) and ok(float(value)))
-    ):
+    """``value`` as a finite float accepted by ``ok`` (a NumPy scalar too), else ValueError
+    naming ``name``."""
+    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not (real and math.isfinite(float(value)) and ok(float(value))):  # type: ignore[arg-type]
         raise ValueError(f"{name} must be {expected}, got {value!r}")
-    return float(value)
+    return float(value)  # type: ignore[arg-type]
 
 
 def _checked_v(v: object, shape: torch.Size) -> torch.Tensor:

@@ -323,6 +323,15 @@ def test_reset_starts_over_with_any_shape(device):
     assert torch.equal(kron(grad, v), fresh(grad, v))
 
 
+def test_numpy_scalars_are_options_as_python_numbers_are():
+    """As ``samples=`` and ``chunk_size=`` of the other operators take them (a NumPy int from a
+    config file or an array's size)."""
+    numpy = pytest.importorskip("numpy")
+    kron = KroneckerHVP(beta=numpy.float64(0.9), damping=numpy.float32(0.5),
+                        refresh_every=numpy.int64(2))  # fmt: skip
+    assert (kron.beta, kron.damping, kron.refresh_every) == (0.9, 0.5, 2)
+
+
 def test_an_empty_extra_dim_of_v_gives_an_empty_result(device):
     v = torch.randn(0, 2, 3, 4, device=device)
     assert fitted(device).apply(v).shape == (0, 2, 3, 4)
