@@ -391,6 +391,7 @@ def writes_an_activation(p):
     return squash(y)
 
 
+SLOTS = torch.tensor([[0, 1, 0, 1], [1, 1, 0, 0], [0, 0, 1, 1]])  # W's rows' aggregation slots
 REFUSED = {  # a loss the route cannot follow as autograd does, and what the refusal names
     "a straight-through estimator": (
         lambda p: squash(StraightThrough.apply(p["w"]) @ V), "did not see"),
@@ -407,6 +408,13 @@ REFUSED = {  # a loss the route cannot follow as autograd does, and what the ref
     "clamp at a tensor bound": (lambda p: squash(torch.clamp(p["w"], max=W) @ V), "bound"),
     "clamp_min at a tensor bound": (lambda p: squash(p["w"].clamp_min(W) @ V), "bound"),
     "fmax of two equal inputs": (lambda p: squash(torch.fmax(W, p["w"]) @ V), "kink"),
+    "clamp between equal tensor bounds": (lambda p: squash(torch.clamp(
+        -torch.ones_like(W), min=p["w"] - W, max=p["w"] - W) @ V), "bound"),
+    "a max-aggregation meeting the zeros it lands on": (lambda p: squash(torch.zeros(2, 4,
+        dtype=W.dtype).scatter_reduce(0, SLOTS, p["w"] - W, "amax", include_self=False) @ V),
+        "reduce='amax'"),
+    "index_put writing one slot twice": (lambda p: squash(torch.zeros(4, 4, dtype=W.dtype)
+        .index_put((torch.tensor([0, 2, 0]),), p["w"] - W) @ V), "one position twice"),
 }  # fmt: skip
 
 

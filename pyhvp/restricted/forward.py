@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from itertools import accumulate
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -127,8 +127,14 @@ of the tangents weighted by ``d f''(x)`` (a ReLU's none: :data:`ADDITIVE`)."""
 
 _STATEFUL = functions((F,), ("batch_norm", "instance_norm"))
 
+_TIE_SIDE = "takes another side of a tie than autograd's"
+
 _WRONG_FORWARD_DERIVATIVES = functions((torch, Tensor), ("scatter_reduce",))
-"""Ops whose forward derivative torch computes wrongly in some mode (``reduce="prod"``)."""
+"""Ops whose forward derivative torch computes wrongly in some mode (``reduce="prod"``), or
+takes another side of a tie than autograd's backward (``"amax"``, ``"amin"``: a max-aggregation
+of a zero-initialised layer's messages at the zeros they land on, blocks 18.8 off)."""
+
+_WRONG_REDUCTIONS = {"prod": "is wrong", "amax": _TIE_SIDE, "amin": _TIE_SIDE}
 
 _TIES = functions((torch, Tensor), ("prelu", "clamp", "clip", "clamp_min", "clamp_max"))
 _PAIRS = functions((torch, Tensor), ("fmax", "fmin"))
@@ -155,7 +161,53 @@ def _at_a_tie(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, A
         ties = [argument(args, kwargs, "max", 1, None)]
     else:  # a scalar bound's derivative is autograd's either way
         ties = [argument(args, kwargs, bound, i, None) for i, bound in ((1, "min"), (2, "max"))]
+        low, high = ties  # min == max: forward, min's tangent passes; backward, none does
+        bounded = any(isinstance(t, Tensor) for t in ties) and all(t is not None for t in ties)
+        if bounded and bool(torch.eq(torch.as_tensor(low), torch.as_tensor(high)).any()):
+            return True
     return any(isinstance(tie, Tensor) and bool((input == tie).any()) for tie in ties)
+
+
+_WRITES = functions((torch, Tensor), ("index_put", "index_copy", "scatter")) | functions(
+    (F,), ("max_unpool1d", "max_unpool2d", "max_unpool3d")
+)
+"""Ops writing values into positions: where two write to one position, torch's forward
+derivative follows the last write, autograd's backward sends the gradient to every writer
+(``index_put`` of a zero-initialised layer's outputs, blocks 36 off)."""
+
+
+def _writes_twice(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether this call of a :data:`_WRITES` op writes to one position twice."""
+    if func not in _WRITES:
+        return False
+    name = getattr(func, "__name__", "")
+    input = first_input(args, kwargs)
+    if name.startswith("max_unpool"):
+        indices = argument(args, kwargs, "indices", 1, None)
+        if not isinstance(indices, Tensor) or indices.numel() < 2:
+            return False
+        spatial = int(name[-2])  # max_unpool2d: the last 2 dims index one plane
+        ordered = indices.flatten(max(indices.ndim - spatial, 0)).sort(-1).values
+        return bool((ordered[..., 1:] == ordered[..., :-1]).any())
+    if not isinstance(input, Tensor):
+        return False
+    if name == "index_put":
+        indices = argument(args, kwargs, "indices", 1, ())
+        if argument(args, kwargs, "accumulate", 3, False):
+            return False
+        counts = torch.zeros(input.shape, dtype=torch.int64, device=input.device)
+        one = torch.ones((), dtype=torch.int64, device=input.device)
+        written = counts.index_put_(tuple(cast(Sequence[Tensor], indices)), one, accumulate=True)
+        return bool((written > 1).any())
+    dim, index = argument(args, kwargs, "dim", 1, 0), argument(args, kwargs, "index", 2, None)
+    if not isinstance(index, Tensor):
+        return False
+    if name == "index_copy":
+        return bool(index.sort().values.diff().eq(0).any()) if index.numel() > 1 else False
+    if argument(args, kwargs, "reduce", 4, None) is not None:  # scatter with reduce=
+        return False
+    counts = torch.zeros(input.shape, dtype=torch.int64, device=input.device)
+    return bool((counts.scatter_add_(cast(int, dim), index, torch.ones_like(index)) > 1).any())
 
 
 _DROPOUTS = functions(
@@ -633,8 +685,13 @@ def refusal(func: Callable[..., Any], op: str, args: Sequence[Any], kwargs: dict
     if func in HOOKS:
         return (f"{describe(func)}: a gradient hook on a value that depends on a selected "
                 "tensor changes autograd's derivative, not the op's")  # fmt: skip
-    if func in _WRONG_FORWARD_DERIVATIVES and "prod" in (*args[4:5], kwargs.get("reduce")):
-        return f"{describe(func)} with reduce='prod': torch's forward derivative of it is wrong"
+    reduce = argument(args, kwargs, "reduce", 4, None)
+    if func in _WRONG_FORWARD_DERIVATIVES and reduce in _WRONG_REDUCTIONS:
+        return (f"{describe(func)} with reduce={reduce!r}: torch's forward derivative of it "
+                f"{_WRONG_REDUCTIONS[reduce]}")  # fmt: skip
+    if _writes_twice(func, args, kwargs):
+        return (f"{describe(func)} writes to one position twice: torch's forward derivative "
+                "follows the last write, autograd's backward every writer")  # fmt: skip
     if _at_a_tie(func, args, kwargs):
         return (f"{describe(func)} has an input at its kink or on its tensor bound, where "
                 "torch's forward derivative is not autograd's")  # fmt: skip
