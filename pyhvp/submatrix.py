@@ -1369,7 +1369,19 @@ def _sparse_pass(
         (*others, *batch_values),
         chunk_size,
     )
+    if not bool(block.isfinite().all()):
+        raise NotSparse(NOT_FINITE)
     return block
+
+
+NOT_FINITE = (
+    "its Hessian is not finite: a NaN or infinite adjoint (a where() over sqrt or log at the "
+    "masked entries) reaches every direction of a dense contraction, where autograd's backward "
+    "reads the adjoint at the entry's own positions; the reverse route gives autograd's value"
+)
+"""Why a sparse block that is not finite is refused (the reverse route then serves the batch):
+a loss finite in the selected entries whose other adjoints are NaN gave a sparse block all NaN
+where autograd's is finite."""
 
 
 def _passes(plan: _Plan, chunk_size: int | None) -> int:

@@ -796,6 +796,28 @@ def test_joint_blocks_of_a_loss_reading_memory_are_of_the_tensors_own_layout(w, 
     torch.testing.assert_close(H, dense_sub_hessian(loss, params, index), **F64)
 
 
+def test_a_nan_adjoint_elsewhere_is_refused_by_the_sparse_route_and_auto_gives_autograds():
+    """``where(h > 0, sqrt(h), 0)`` has NaN adjoints at the masked entries; a dense contraction
+    of the directions (a layer of at most 16 outputs) reached them all: a block all NaN, where
+    autograd's rows of the other entries are finite."""
+    x = torch.linspace(0.5, 1.5, 6, dtype=torch.float64)[None]
+    w = torch.ones(3, 6, dtype=torch.float64) * torch.tensor([[1.0], [-1.0], [1.0]])  # h[1] < 0
+
+    def loss(p):
+        h = F.linear(x, p["w"])
+        return (torch.where(h > 0, h.sqrt(), 0.0) ** 3).sum()
+
+    params, index = {"w": w}, {"w": torch.tensor([*range(6), *range(12, 18)])}  # rows 0, 2
+    eager = pyhvp.TorchBackend(compile=False)
+    with pytest.raises(ValueError, match="not finite"):
+        pyhvp.sub_hessian(loss, params, index, method="sparse", backend=eager)
+    expected = dense_sub_hessian(loss, params, index)
+    assert bool(expected.isfinite().all())
+    for _ in range(12):  # past the trial
+        got = pyhvp.sub_hessian(loss, params, index, backend=eager)["w"]
+        torch.testing.assert_close(got, expected, **F64)
+
+
 MAX_NORM_CALLS = {
     "sparse": ("sparse", torch.arange(2), True),
     "auto, surveyed (12 components)": ("auto", torch.arange(12), True),
