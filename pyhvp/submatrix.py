@@ -1369,7 +1369,7 @@ def _sparse_pass(
         (*others, *batch_values),
         chunk_size,
     )
-    if not bool(block.isfinite().all()):
+    if not nested.inside_transform() and not bool(block.isfinite().all()):  # (vmap: unread)
         raise NotSparse(NOT_FINITE)
     return block
 
