@@ -228,7 +228,9 @@ def build_kernel(
         _one_fake_mode(),
         FX_TRACING,
     ):
-        graph = make_fx(jets)(*map(traceable, inputs))
+        # an explicit table, even empty: without one, torch 2.14's make_fx traces detach as
+        # alias, which autograd differentiates through (f's detach() and no_grad lost)
+        graph = make_fx(jets, decomposition_table={})(*map(traceable, inputs))
     _drop_identical_views(graph.graph)
     graph.graph.eliminate_dead_code()
     graph.recompile()
