@@ -68,6 +68,7 @@ from pyhvp.taylor.recorder import (
     X,
     argument_kinds,
     record,
+    storage_id,
 )
 from pyhvp.taylor.registry import RULES, ZERO_DERIVATIVE, rules_generation
 
@@ -347,13 +348,12 @@ def _copies(tensors: Sequence[Tensor]) -> list[Tensor]:
     storages: dict[int, torch.UntypedStorage] = {}
     copies = []
     for t in tensors:
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
+        key = storage_id(t)
         if key == 0:  # no elements to share: a copy of its own
             copies.append(t.clone())
             continue
         if key not in storages:
-            storages[key] = storage.clone()  # type: ignore[no-untyped-call]
+            storages[key] = t.untyped_storage().clone()  # type: ignore[no-untyped-call]
         copy = t.new_empty(0)
         copy.set_(storages[key], t.storage_offset(), t.shape, t.stride())
         copies.append(copy)
