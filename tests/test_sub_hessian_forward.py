@@ -15,7 +15,7 @@ from torch import nn
 
 import pyhvp
 from pyhvp import submatrix
-from pyhvp.restricted import forward, routes
+from pyhvp.restricted import closed_forms, forward, routes
 
 F64 = {"rtol": 1e-9, "atol": 1e-11}
 EAGER = pyhvp.TorchBackend(compile=False)
@@ -47,11 +47,12 @@ def test_each_op_equals_the_dense_sub_hessian_joint_and_per_tensor(case, device)
 
 
 class Block(nn.Module):
-    """A transformer block: attention by ``scaled_dot_product_attention``, LayerNorms, a GELU
-    MLP, a mean over tokens and a linear head."""
+    """A transformer block: attention by ``scaled_dot_product_attention`` (or ``written_out``,
+    softmax and products), LayerNorms, a GELU MLP, a mean over tokens and a linear head."""
 
-    def __init__(self, d=8, heads=2):
+    def __init__(self, d=8, heads=2, written_out=False):
         super().__init__()
+        self.written_out = written_out
         self.heads, self.qkv, self.out = heads, nn.Linear(d, 3 * d), nn.Linear(d, d)
         self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
         self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
@@ -60,7 +61,11 @@ class Block(nn.Module):
     def forward(self, x):
         b, n, d = x.shape
         q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-        attended = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, d)
+        if self.written_out:
+            attended = torch.softmax(q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5, -1) @ v
+        else:
+            attended = F.scaled_dot_product_attention(q, k, v)
+        attended = attended.transpose(1, 2).reshape(b, n, d)
         x = self.norm1(x + self.out(attended))
         return self.head(self.norm2(x + self.mlp(x)).mean(1))
 
@@ -80,6 +85,9 @@ class Classifier(nn.Module):
 NETWORKS = {
     "LeNet": (lenet, lambda g: torch.rand(4, 1, 12, 12, generator=g, dtype=torch.float64)),
     "transformer block": (Block, lambda g: torch.randn(2, 5, 8, generator=g, dtype=torch.float64)),
+    "transformer block, attention written out": (
+        lambda: Block(written_out=True),
+        lambda g: torch.randn(2, 5, 8, generator=g, dtype=torch.float64)),
     "embedding classifier": (Classifier, lambda g: torch.randint(0, 20, (4, 6), generator=g)),
 }  # fmt: skip
 
@@ -191,6 +199,50 @@ PUSHES = {  # ops that push tangents without jvp: linear ones as the op with con
 @pytest.mark.parametrize("loss", PUSHES.values(), ids=PUSHES.keys())
 def test_ops_pushed_without_jvp_equal_the_dense_sub_hessian(loss):
     assert_forward_equals_dense(loss)
+
+
+def _product(a, b):
+    return squash(a @ b)
+
+
+CLOSED_FORMS = {  # ops whose tangents and term pyhvp.restricted.closed_forms writes out
+    "layer_norm over the last dim, weight and bias": lambda p: squash(
+        F.layer_norm(hidden(p), (4,), C[0], C[1])),
+    "layer_norm over two dims, no weight or bias": lambda p: squash(
+        F.layer_norm(hidden(p), (3, 4))),
+    "layer_norm by keyword, a weight alone, eps 0.5": lambda p: squash(
+        F.layer_norm(input=hidden(p), normalized_shape=[4], weight=C[0], eps=0.5)),
+    "layer_norm whose weight and bias are selected": lambda p: squash(
+        F.layer_norm(torch.tanh(p["v"].T.repeat(2, 1)[:3]), (4,), p["w"][0], p["w"][1])),
+    "layer_norm of a selected tensor": lambda p: squash(F.layer_norm(p["w"], (4,)) * C),
+    "softmax over each dim, three spellings": lambda p: squash(
+        torch.softmax(hidden(p), 0) + F.softmax(hidden(p), dim=-1) + hidden(p).softmax(1)),
+    "softmax at a masked entry": lambda p: squash(torch.softmax(hidden(p) + MASK, -1)),
+    "a product of two values (attention's scores)": lambda p: _product(hidden(p), hidden(p).T),
+    "bmm of two values": lambda p: squash(torch.bmm(
+        torch.stack([hidden(p), 2 * hidden(p)]), torch.stack([hidden(p).T, hidden(p).T.flip(0)]))),
+    "h @ h, one object both operands": lambda p: _product(hidden(p)[:, :3], hidden(p)[:, :3]),
+    "a selected tensor times a value": lambda p: _product(p["w"], hidden(p).T),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("loss", CLOSED_FORMS.values(), ids=CLOSED_FORMS.keys())
+def test_ops_in_closed_form_equal_the_dense_sub_hessian(loss):
+    assert_forward_equals_dense(loss)
+
+
+def test_a_transformer_blocks_norms_softmax_and_products_take_their_closed_forms(monkeypatch):
+    taken = set()
+    for kind in (closed_forms.LayerNorm, closed_forms.Softmax, closed_forms.Product):
+
+        def terms(self, *args, terms=kind.terms):
+            taken.add(type(self).__name__)
+            return terms(self, *args)
+
+        monkeypatch.setattr(kind, "terms", terms)
+    loss, params, index = network("transformer block, attention written out", "cpu")
+    pyhvp.sub_hessian(loss, params, index, method="forward")
+    assert taken == {"LayerNorm", "Softmax", "Product"}
 
 
 EDGES = {  # loss, index: selections and points where a route may trip
