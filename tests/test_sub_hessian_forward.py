@@ -167,6 +167,7 @@ B = torch.randn(3, dtype=torch.float64, generator=torch.Generator().manual_seed(
 
 
 MASK = torch.tensor([0.0, -torch.inf, 0.0, 0.0], dtype=torch.float64)
+LABELS = torch.tensor([2, 0, 1])
 
 
 def hidden(p):
@@ -223,6 +224,15 @@ CLOSED_FORMS = {  # ops whose tangents and term pyhvp.restricted.closed_forms wr
         torch.stack([hidden(p), 2 * hidden(p)]), torch.stack([hidden(p).T, hidden(p).T.flip(0)]))),
     "h @ h, one object both operands": lambda p: _product(hidden(p)[:, :3], hidden(p)[:, :3]),
     "a selected tensor times a value": lambda p: _product(p["w"], hidden(p).T),
+    "cross_entropy, mean": lambda p: F.cross_entropy(hidden(p), LABELS),
+    "cross_entropy, sum, a row ignored": lambda p: F.cross_entropy(
+        hidden(p), LABELS.where(LABELS != 2, -100), reduction="sum"),
+    "cross_entropy, mean, ignore_index a class": lambda p: F.cross_entropy(
+        hidden(p), LABELS, ignore_index=1),
+    "cross_entropy, ignore_index past the classes": lambda p: F.cross_entropy(
+        hidden(p), LABELS.where(LABELS != 0, 255), ignore_index=255),
+    "nn.CrossEntropyLoss, class weights and label smoothing (by jvp)": lambda p: nn.CrossEntropyLoss(
+        weight=C[0], label_smoothing=0.1)(hidden(p), LABELS),
 }  # fmt: skip
 
 
@@ -231,9 +241,11 @@ def test_ops_in_closed_form_equal_the_dense_sub_hessian(loss):
     assert_forward_equals_dense(loss)
 
 
-def test_a_transformer_blocks_norms_softmax_and_products_take_their_closed_forms(monkeypatch):
+def test_a_transformer_blocks_norms_softmax_products_and_loss_take_their_closed_forms(monkeypatch):
     taken = set()
-    for kind in (closed_forms.LayerNorm, closed_forms.Softmax, closed_forms.Product):
+    kinds = (closed_forms.LayerNorm, closed_forms.Softmax, closed_forms.Product,
+             closed_forms.CrossEntropy)  # fmt: skip
+    for kind in kinds:
 
         def terms(self, *args, terms=kind.terms):
             taken.add(type(self).__name__)
@@ -242,7 +254,7 @@ def test_a_transformer_blocks_norms_softmax_and_products_take_their_closed_forms
         monkeypatch.setattr(kind, "terms", terms)
     loss, params, index = network("transformer block, attention written out", "cpu")
     pyhvp.sub_hessian(loss, params, index, method="forward")
-    assert taken == {"LayerNorm", "Softmax", "Product"}
+    assert taken == {"LayerNorm", "Softmax", "Product", "CrossEntropy"}
 
 
 EDGES = {  # loss, index: selections and points where a route may trip

@@ -1,5 +1,6 @@
 """Ops whose tangents and second-order term the forward-tangent route writes in closed form:
-a layer norm, a softmax and a product of two matrices that both carry tangents.
+a layer norm, a softmax, a product of two matrices that both carry tangents and the
+cross-entropy of class indices.
 
 For each, :func:`closed_form` gives a :class:`ClosedForm` where the arguments carrying a
 bucket's tangents are the ones written here (else None: ``vmap(jvp)`` pushes them, autograd's
@@ -23,9 +24,15 @@ sum ``d . f''[t_i, t_j]``. ``<u, v>`` below sums over the op's reduced dim, then
 * ``A @ B``, both carrying tangents (attention's scores and its average of the values), with
   one batch shape: ``d(AB)[t] = t_A B + A t_B``, ``term = <d, t_A u_B> + <d, u_A t_B>``.
 
+* ``F.cross_entropy(z, y)`` of ``(N, C)`` logits and class indices, its mean or sum over the
+  ``M`` rows whose class is not ``ignore_index`` (``M = 1`` for the sum), no class weights or
+  label smoothing: ``p = softmax(z)`` per row, ``dL[t] = <p - onehot(y), t> / M`` over those
+  rows and ``term = d (<t, p u> - <p, t> <p, u>) / M``.
+
 Autograd's batched double backward gave the same terms at 3-9x the cost, ``vmap(jvp)`` the
 tangents at up to 2x: a one-block transformer encoder's two layer norms, softmax and two
-attention products took half the route's time at k = 16 per tensor.
+attention products took half the route's time at k = 16 per tensor, the cross-entropy a third
+of the seed's ``Linear(784, 10)`` at k = 2.
 
 >>> x, e_2 = torch.tensor([[-1.0, 0.0, 1.0]]), torch.tensor([[[0.0, 1.0, 0.0]]])
 >>> norm = LayerNorm(x, (3,), None, eps=1 / 3)  # s = 1, n = x, <n, e_2> = 0
@@ -161,6 +168,35 @@ class Product:
         return crossed + crossed.mT
 
 
+@dataclasses.dataclass(frozen=True)
+class CrossEntropy:
+    """``F.cross_entropy(logits, target)`` along the logits' tangents: ``counted``, 1 for each
+    row whose class counts and 0 for the others, over their number for a mean."""
+
+    logits: Tensor
+    target: Tensor
+    counted: Tensor
+
+    @functools.cached_property
+    def _probabilities(self) -> Tensor:
+        return torch.softmax(self.logits.detach(), -1)
+
+    def push(self, *tangents: Tensor) -> Tensor:
+        (given,) = tangents
+        p = self._probabilities
+        gradient = p.scatter_add(1, self.target[:, None], -torch.ones_like(p[:, :1]))
+        gradient = gradient * self.counted[:, None]
+        return (given * gradient).sum((1, 2))
+
+    def terms(self, adjoint: Tensor, *tangents: Tensor) -> Tensor:
+        (given,) = tangents
+        p, weight = self._probabilities, adjoint * self.counted
+        along_p = (given * p).sum(-1)  # <p, t> per row, (K, N)
+        weighted = (given * (p * weight[:, None])).reshape(len(given), -1)
+        gram = weighted @ given.reshape(len(given), -1).mT
+        return gram - (along_p * weight) @ along_p.mT
+
+
 def closed_form(
     func: Callable[..., Any],
     op: str,
@@ -174,6 +210,8 @@ def closed_form(
         return _layer_norm(args, kwargs, carrying)
     if func in _SOFTMAXES:
         return _softmax(func, args, kwargs, carrying)
+    if func is F.cross_entropy:
+        return _cross_entropy(args, kwargs, carrying)
     if op == "matmul":
         bound = bind(op, args, kwargs) or {}
         a, b = bound.get("input"), bound.get("other")
@@ -222,3 +260,34 @@ def _softmax(
     if len(carrying) != 1 or carrying[0] is not input or input.ndim == 0:
         return None
     return Softmax(input, dim)
+
+
+_CROSS_ENTROPY_PARAMETERS = ("input", "target", "weight", "size_average", "ignore_index",
+                             "reduce", "reduction", "label_smoothing")  # fmt: skip
+
+
+def _cross_entropy(
+    args: Sequence[Any], kwargs: dict[str, Any], carrying: Sequence[Any]
+) -> CrossEntropy | None:
+    names = _CROSS_ENTROPY_PARAMETERS
+    if len(args) > len(names) or not set(kwargs) <= set(names):
+        return None
+    bound = dict(zip(names, args, strict=False)) | kwargs
+    logits, target = bound.get("input"), bound.get("target")
+    if not _floating(logits) or len(carrying) != 1 or carrying[0] is not logits:
+        return None
+    if not isinstance(target, Tensor) or target.dtype != torch.int64 or logits.ndim != 2:
+        return None
+    options = [bound.get(name) for name in ("weight", "size_average", "reduce")]
+    reduction = bound.get("reduction", "mean")
+    if any(o is not None for o in options) or bound.get("label_smoothing", 0.0) != 0.0:
+        return None
+    if reduction not in ("mean", "sum") or target.shape != logits.shape[:1]:
+        return None
+    counted = (target != bound.get("ignore_index", -100)).to(logits.dtype)
+    if reduction == "mean":
+        total = counted.sum()
+        if not bool(total > 0):
+            return None  # no row counts: NaN, as autograd has it
+        counted = counted / total
+    return CrossEntropy(logits, torch.where(counted > 0, target, 0), counted)
