@@ -14,10 +14,13 @@ of the other ops):
 * ``product``: what a *dense* one-hot direction pays in the ops it enters and the sparse rule does
   not -- the op's product with it and the weight gradient (twice the contraction), or for an
   embedding a gradient the size of the whole table;
-* ``pairs`` and ``curved``: the elements of the pointwise ops downstream of it with a
-  second-order term (``tanh``, ``gelu``), and the work of the others (a softmax, a product of two
-  activations), which the forward route (:mod:`pyhvp.restricted.forward`) pays as Gram matrices
-  (``k^2`` per element) and as the ops' own Hessian-vector products (per direction).
+* ``pairs`` and ``curved``: the elements of the ops downstream of it whose second-order term is
+  a Gram matrix of the tangents -- pointwise ones (``tanh``, ``gelu``) and those written in
+  closed form (:mod:`pyhvp.restricted.closed_forms`: a layer norm, a softmax, a product of two
+  activations, a cross-entropy), their inputs' elements --, and the work of the others
+  (``log_softmax``, a group norm), which the forward route (:mod:`pyhvp.restricted.forward`)
+  pays as Gram matrices (``k^2`` per element) and as the ops' own Hessian-vector products (per
+  direction).
 
 **The model** (:func:`choose`), in nanoseconds of one CPU core, measured on LeNet-5, a
 transformer block, an embedding classifier and the seed's model (``benchmarks/
@@ -78,6 +81,7 @@ from torch.utils import _pytree as pytree
 
 from pyhvp.restricted import compiles_property_views
 from pyhvp.restricted import contributions as rules
+from pyhvp.restricted.closed_forms import closed_form
 from pyhvp.restricted.forward import linear_in, pointwise_in, refusal
 from pyhvp.restricted.mode import (
     DENSE_LIMIT,
@@ -248,7 +252,8 @@ class Usage:
     tensors the op's other operands depend on."""
     pairs: float = 0.0
     """Elements of the pointwise ops downstream of it with a second-order term (``tanh``,
-    ``gelu``): on the forward route, its ``k^2`` weighted Gram matrices there."""
+    ``gelu``), and of the inputs of those in closed form (a layer norm, a softmax): on the
+    forward route, its ``k^2`` weighted Gram matrices there."""
     held: int = 0
     """Elements of the outputs downstream of it: what the forward route holds per direction
     (every activation's tangents, at once)."""
@@ -447,6 +452,8 @@ class Survey(TorchFunctionMode):
                 continue
             if pointwise_in(func, leaves, positions, floating):
                 self.usage[source].pairs += sum(v.numel() for v in floating)
+            elif closed_form(func, op, args, kwargs, [leaves[i] for i in positions]):
+                self.usage[source].pairs += sum(leaves[i].numel() for i in positions)
             else:
                 self.usage[source].curved.add(cost)
 
@@ -871,7 +878,9 @@ FORWARD_MARGIN = 0.6
 split's cost: its time depends on the allocator more than the other routes' (it holds every
 activation's tangents: LeNet-5 at k = 128 per tensor, 0.69 s with glibc's default malloc against
 0.34 s with its thresholds raised) and its model errs most where its pairwise terms are small
-(the transformer block at k = 16: modelled at 0.78x the split, measured at 1.8x eagerly)."""
+(the transformer block at k = 16, before its layer norms, softmax and attention products were
+written in closed form: modelled at 0.78x the split, measured at 1.8x eagerly; since, modelled
+at 213 ms, measured at 321)."""
 
 
 def forward_cost(found: Survey, sizes: Sequence[int], joint: bool) -> float:
