@@ -10,9 +10,10 @@ along the ``i``-th selected entry's direction and ``d(y) = dL/dy`` the adjoint o
 exactly (the chain rule's second-order terms; the first-order ones cancel into the adjoints). An
 op linear in the inputs that carry tangents (a view, a sum, a convolution with a constant input,
 ``F.linear`` with a constant weight, a ReLU or a max-pool, piecewise) has no term; a pointwise one
-(``tanh``, ``gelu``) has ``sum_x t_i w t_j`` with ``w = d f''(x)``, one weighted Gram matrix; any
-other op the Hessian-vector products of ``d . f`` alone along its tangents (autograd's batched
-double backward). A selected tensor, or a view of it (``W.T``), entering a contraction gives
+(``tanh``, ``gelu``) has ``sum_x t_i w t_j`` with ``w = d f''(x)``, one weighted Gram matrix; a
+layer norm, a softmax, a product of two activations and a cross-entropy theirs in closed form
+(:mod:`pyhvp.restricted.closed_forms`); any other op the Hessian-vector products of ``d . f``
+alone along its tangents (autograd's batched double backward). A selected tensor, or a view of it (``W.T``), entering a contraction gives
 its entries' tangents by the sparse route's rule (:mod:`pyhvp.restricted.contributions`: a
 shifted input slice, an input column), never a product with a one-hot tensor. A direction thus
 costs its tangent's forward push, never a reverse pass through the network: LeNet-5 at k = 16
