@@ -82,16 +82,21 @@ Derived = TypeVar("Derived")
 
 
 class TensorMemo(Generic[Derived]):
-    """Values derived from a tensor (and ``about`` it, hashable), kept while it is the same live
-    object at the same version (an in-place write bumps it): a call repeated on the same index
-    tensors checks them once. Holds no reference to the tensor itself. Tensors without a version
-    counter of their own (inference tensors, ``torch.func`` wrappers) are never kept. At most
-    ``size`` entries, least recently used dropped first."""
+    """Values derived from a CPU tensor (and ``about`` it, hashable), kept while it is the same
+    live object at the same version holding the same values: a call repeated on the same index
+    tensors checks them once. The values are compared with a copy (4 us for an index tensor,
+    against 60 us for :func:`~pyhvp.restricted.selected_entries`) because some writes bypass the
+    version counter -- through ``t.data``, the array ``torch.from_numpy`` shares, ``apply_``,
+    the untyped storage: with the version alone, a selection written so kept the old one's
+    coordinates (blocks 0.05 off). Off the CPU that comparison would synchronise with the device,
+    as recomputing does, so nothing is kept there; nor for tensors without a version counter of
+    their own (inference tensors, ``torch.func`` wrappers). Holds no reference to the tensor
+    itself. At most ``size`` entries, least recently used dropped first."""
 
     def __init__(self, size: int = 64) -> None:
         self._size = size
         self._entries: OrderedDict[
-            tuple[int, Hashable], tuple[weakref.ref[torch.Tensor], int, Derived]
+            tuple[int, Hashable], tuple[weakref.ref[torch.Tensor], int, torch.Tensor, Derived]
         ] = OrderedDict()
 
     def get(self, tensor: torch.Tensor, about: Hashable) -> Derived | None:
@@ -99,13 +104,16 @@ class TensorMemo(Generic[Derived]):
         found = self._entries.get(key)
         if found is None or found[0]() is not tensor or found[1] != _version(tensor):
             return None
+        if not torch.equal(found[2], tensor):  # a write the version counter missed
+            return None
         self._entries.move_to_end(key)
-        return found[2]
+        return found[3]
 
     def keep(self, tensor: torch.Tensor, about: Hashable, value: Derived) -> Derived:
         version = _version(tensor)
-        if version is not None:
-            self._entries[(id(tensor), about)] = (weakref.ref(tensor), version, value)
+        if version is not None and tensor.device.type == "cpu":
+            copy = tensor.detach().clone()
+            self._entries[(id(tensor), about)] = (weakref.ref(tensor), version, copy, value)
             while len(self._entries) > self._size:
                 self._entries.popitem(last=False)
         return value

@@ -57,6 +57,8 @@ class KroneckerHVP:
     True
     """
 
+    _roots: list[torch.Tensor] | None  # per mode, cached (see the class doc)
+
     def __init__(
         self,
         beta: float = 0.99,
@@ -64,18 +66,46 @@ class KroneckerHVP:
         power: float | None = None,
         refresh_every: int = 1,
     ) -> None:
-        self.beta = _real_option("beta", beta, "a float in (0, 1)", lambda b: 0 < b < 1)
-        self.damping = _real_option("damping", damping, "a float >= 0", lambda d: d >= 0)
-        self.power = (
-            None
-            if power is None
-            else _real_option("power", power, "None or a float > 0", lambda p: p > 0)
-        )
+        self.beta, self.damping, self.power = beta, damping, power
         every = as_int(refresh_every)  # a NumPy int too, as samples= and chunk_size= take
         if every is None or every < 1:
             raise ValueError(f"refresh_every must be a positive int, got {refresh_every!r}")
         self.refresh_every = every
         self.reset()
+
+    # The options may be set between calls (dampings tried on the same statistics): each is
+    # checked as the constructor checks it, and the cached roots are computed anew with it.
+
+    @property
+    def beta(self) -> float:
+        return self._beta
+
+    @beta.setter
+    def beta(self, value: float) -> None:
+        self._beta = _real_option("beta", value, "a float in (0, 1)", lambda b: 0 < b < 1)
+        self._roots = None
+
+    @property
+    def damping(self) -> float:
+        return self._damping
+
+    @damping.setter
+    def damping(self, value: float) -> None:
+        self._damping = _real_option("damping", value, "a float >= 0", lambda d: d >= 0)
+        self._roots = None
+
+    @property
+    def power(self) -> float | None:
+        return self._power
+
+    @power.setter
+    def power(self, value: float | None) -> None:
+        self._power = (
+            None
+            if value is None
+            else _real_option("power", value, "None or a float > 0", lambda p: p > 0)
+        )
+        self._roots = None
 
     def reset(self) -> None:
         """Forget all statistics; the next ``update`` starts afresh (any shape, device, dtype)."""
@@ -83,7 +113,7 @@ class KroneckerHVP:
         self._dtype = torch.float64  # the gradients' (roots and results have it)
         self._mean: torch.Tensor | None = None
         self._factors: list[torch.Tensor] = []
-        self._roots: list[torch.Tensor] | None = None
+        self._roots = None
         self._updates_since_roots = 0
 
     @torch.no_grad()

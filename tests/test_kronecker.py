@@ -579,3 +579,26 @@ def test_a_call_refused_for_its_v_folds_nothing_in(make_v, message):
     with pytest.raises(ValueError, match=message):
         kron(grad, make_v())
     assert kron.state_dict()["step"] == 0
+
+
+@pytest.mark.parametrize("option, value", [("damping", 10.0), ("power", 1.0), ("beta", 0.5)])
+def test_an_option_set_after_the_roots_were_cached_gives_its_own_roots(option, value):
+    """The roots are cached until refresh_every updates; an option set since (a damping tried
+    on the same statistics) was applied with the old one's roots (21.8 off for damping 0.1 ->
+    10), until the roots remembered the options they were computed with."""
+    torch.manual_seed(0)
+    kron = KroneckerHVP(damping=0.1, refresh_every=3)
+    for _ in range(4):
+        kron.update(torch.randn(2, 3, 4, dtype=F64))
+    v = torch.randn(2, 3, 4, dtype=F64)
+    kron.apply(v)
+    setattr(kron, option, value)
+    fresh = KroneckerHVP(**{"damping": 0.1, option: value})
+    fresh.load_state_dict(kron.state_dict())
+    torch.testing.assert_close(kron.apply(v), fresh.apply(v), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("option, value", [("damping", -1.0), ("power", 0.0), ("beta", 1.0)])
+def test_an_option_set_after_construction_is_checked_as_the_constructor_checks_it(option, value):
+    with pytest.raises(ValueError, match=f"{option} must be"):
+        setattr(KroneckerHVP(), option, value)
