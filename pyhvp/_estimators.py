@@ -53,7 +53,7 @@ def check_method(method: object, samples: object, generator: object,
     count = as_int(samples)
     if count is None or count < least:
         raise ValueError(
-            f"samples must be an int >= {least} (probes, one Hessian-vector product each) for "
+            f"samples must be an int >= {least} (random probes per instance) for "
             f"method={method!r}, got {samples!r}"
         )
     return count

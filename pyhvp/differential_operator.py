@@ -88,7 +88,7 @@ def differential_operator(
             w = _weights(weights[k], directions, x)
             total = total + torch.tensordot(w, coefficients[k], dims=1)
     if value_weight:
-        total = total + coefficients[0] * float(value_weight)
+        total = total + coefficients[0].to(x.dtype) * float(value_weight)  # x's dtype, as above
     return total
 
 

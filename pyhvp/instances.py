@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 from pyhvp import _random_state as random_states
 from pyhvp._checks import (
     as_int,
+    check_args,
     check_batched_output,
     check_event_dims,
     pad_arg_to_batch,
@@ -228,6 +229,7 @@ def check_instances(
     x = require_floating("x", x)
     event_dims = check_event_dims_of(f, event_dims, x)
     require_instance_variables(x, event_dims)
+    check_args(args, x)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(
             f"generator must be a torch.Generator or None, got {type(generator).__name__}"

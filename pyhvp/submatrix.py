@@ -1160,6 +1160,8 @@ def _sums(
                 # refused by name
                 if not (method in FORCED and _in_loop_backward(loop_error)
                         and _kernel_failure(loop_error)):  # fmt: skip
+                    if type(loop_error) is type(error) and str(loop_error) == str(error):
+                        raise loop_error from None  # the loss's own error: one traceback
                     raise
                 raise ValueError(f"{refused}, nor can the seed's loop "
                                  f"({type(loop_error).__name__}: {loop_error})") from loop_error  # fmt: skip

@@ -2,6 +2,7 @@
 
 import re
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -192,6 +193,12 @@ BAD = {
     "generator not a Generator": (lambda: pyhvp.check_instances(torch.sin, X, generator=3),
                                   TypeError, "generator must be a torch.Generator"),
     "x not floating": (lambda: pyhvp.check_instances(torch.sin, X.long()), TypeError, "x"),
+    "a NumPy arg": (lambda: pyhvp.check_instances(lambda x, m: (x - m).sum(-1), X,
+                                                  np.zeros(X.shape[-1])),
+                    TypeError, "args[0] must be a torch.Tensor, got a numpy"),
+    "an arg of another dtype": (lambda: pyhvp.check_instances(lambda x, m: (x - m).sum(-1), X,
+                                                              torch.zeros(X.shape[-1]).float()),
+                                ValueError, "args[0] must have x's dtype"),
     # a check on values with autograd's passes: torch's requires_grad_() error before
     "inside vmap": (lambda: torch.func.vmap(lambda x: pyhvp.check_instances(torch.sin, x))(
         X[None]), ValueError, "check_instances cannot run inside a torch.func transform"),

@@ -138,6 +138,13 @@ OPERATORS_ON_F = {
 }  # fmt: skip
 
 
+def test_the_backend_class_itself_is_told_to_pass_an_instance():
+    """``backend=pyhvp.TorchBackend`` passed the protocol check (the class has the methods),
+    failed on a missing argument, and was then accepted as any class."""
+    with pytest.raises(TypeError, match=re.escape("pass an instance, TorchBackend()")):
+        pyhvp.hvp(lambda x: (x**3).sum(-1), X, torch.ones_like(X), backend=pyhvp.TorchBackend)
+
+
 def test_numpy_integers_count_as_ints():
     """``order=np.int64(2)`` (from an array of settings) was refused: "order must be an int >= 1,
     got np.int64(2)"; so were samples, event_dims and chunk_size."""

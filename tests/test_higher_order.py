@@ -375,10 +375,16 @@ def value_only(f, x):
     return pyhvp.differential_operator(f, x, {(): 2.0}, backend=EAGER)
 
 
+def value_and_derivatives(f, x):
+    return pyhvp.differential_operator(f, x, {(): 2.0, (0, 0): 1.0}, backend=EAGER)
+
+
 @pytest.mark.parametrize("operator",
-                         [*OPERATORS.values(), whole_directional_derivatives, value_only],
+                         [*OPERATORS.values(), whole_directional_derivatives, value_only,
+                          value_and_derivatives],
                          ids=[*OPERATORS, "directional derivatives, value included",
-                              "a differential operator of f itself"])  # fmt: skip
+                              "a differential operator of f itself",
+                              "a differential operator of f and its derivatives"])  # fmt: skip
 def test_results_have_xs_dtype_whatever_f_computes_in(operator):
     """A derivative w.r.t. ``x`` has ``x``'s dtype (the contract): also where ``f`` computes in
     float64 from a float32 ``x``, and the value ``f(x)`` stacked with the derivatives."""

@@ -405,6 +405,7 @@ MALFORMED_RULES = {
         "without a first-order coefficient"),
     "a jet inside a tuple": (lambda ctx, out, u: (_cube_rule(ctx, out, u), out),
                              "returned 2 jets or tensors where the op has 1 outputs"),
+    "a number": (lambda ctx, out, u: 3.0, "returned a float for an output tensor"),
 }  # fmt: skip
 """A user's rule, and what the refusal says: these were used silently (another value) or
 crashed inside the rules downstream."""

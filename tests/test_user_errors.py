@@ -70,6 +70,28 @@ def test_a_bug_in_f_raises_the_users_error_and_prints_nothing(call, f, args, mes
     assert capfd.readouterr() == ("", "")
 
 
+def typo_bug(x, *args):
+    return torch.sin(x).prod((-1, -2))  # prod takes one dim
+
+
+SHOWN_ONCE = {**BUGS, "a wrong argument to a torch function": (typo_bug, (), "prod")}
+
+
+@pytest.mark.parametrize("call", OPERATORS.values(), ids=OPERATORS.keys())
+@pytest.mark.parametrize(("f", "args", "message"), SHOWN_ONCE.values(), ids=SHOWN_ONCE.keys())
+@pytest.mark.parametrize(
+    "backend", ["torch", TorchBackend(compile=False)], ids=["default", "eager"]
+)
+def test_a_bug_in_f_is_the_only_error_its_traceback_shows(call, f, args, message, backend):
+    """Not chained to dynamo's failure to trace ``f`` (a graph break's 30 lines above the
+    user's error on a Taylor operator's first call), nor to a first failed run of it (the loss
+    of ``sub_hessian``, run again by the seed's loop)."""
+    with pytest.raises(Exception, match=message) as info:
+        call(f, torch.randn(8, 3), args, backend)
+    shown = "".join(traceback.format_exception(info.value))
+    assert "During handling" not in shown and "direct cause" not in shown, shown
+
+
 def test_torch_logs_that_the_user_asked_for_still_show(capfd):
     """A level set on a torch logger (TORCH_LOGS, set_logs) is the user's: its records pass.
     Dynamo starts afresh (``reset``): after the suite's earlier compiles in this process it may

@@ -314,15 +314,19 @@ def capture(f: Callable[..., Tensor], variable: Tensor, args: Sequence[object], 
         return None
     _pending.value = None
     returned: object = None
+    failed: Exception | None = None
     try:
         with recording_state(), quiet_tracing(), _HookGuards():  # f's errors: its record's
             returned = route.compiled(*parts, variable, *args)
     except _Unchecked:
         pass
     except Exception as error:  # dynamo cannot take f whole, ran it eagerly, or f raised
+        failed = error
+    if failed is not None:  # recorded outside the handler: f's own error is not chained to
+        # dynamo's (a traceback of dynamo's graph break printed above the user's)
         recorder, out = record(f, variable, args)  # raises f's own error as eager code would
-        route.declined = ("dynamo ran f eagerly" if isinstance(error, _RanEagerly)
-                          else f"dynamo: {type(error).__name__}: {error}")  # fmt: skip
+        route.declined = ("dynamo ran f eagerly" if isinstance(failed, _RanEagerly)
+                          else f"dynamo: {type(failed).__name__}: {failed}")  # fmt: skip
         return build(recorder, out, variable)  # f ran fine: not its error
     pending, _pending.value = _pending.value, None
     if pending is None:  # no graph: f made no tensor op, and dynamo made its Python side

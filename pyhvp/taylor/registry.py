@@ -331,6 +331,9 @@ def _check(ctx: Context, op: object, out: Any, result: Any) -> None:
         raise refuse(f"returned {len(results)} jets or tensors where the op has {len(outs)} "
                      f"outputs: return one per output, in the output's structure")  # fmt: skip
     for value, got in zip(outs, results, strict=True):
+        if isinstance(value, Tensor) and not isinstance(got, (Jet, Tensor)):
+            raise refuse(f"returned a {type(got).__name__} for an output tensor: return a Jet, "
+                         f"or the output itself (a constant) where it does not depend on x")  # fmt: skip
         if not isinstance(got, Jet):
             continue
         if got.value is not value:
