@@ -85,6 +85,10 @@ class Classifier(nn.Module):
 NETWORKS = {
     "LeNet": (lenet, lambda g: torch.rand(4, 1, 12, 12, generator=g, dtype=torch.float64)),
     "transformer block": (Block, lambda g: torch.randn(2, 5, 8, generator=g, dtype=torch.float64)),
+    "torch's TransformerEncoderLayer (eval)": (
+        lambda: nn.Sequential(nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True),
+                              nn.Flatten(1), nn.Linear(40, 3)).eval(),
+        lambda g: torch.randn(2, 5, 8, generator=g, dtype=torch.float64)),
     "transformer block, attention written out": (
         lambda: Block(written_out=True),
         lambda g: torch.randn(2, 5, 8, generator=g, dtype=torch.float64)),
@@ -224,6 +228,16 @@ CLOSED_FORMS = {  # ops whose tangents and term pyhvp.restricted.closed_forms wr
         torch.stack([hidden(p), 2 * hidden(p)]), torch.stack([hidden(p).T, 3 * hidden(p).T]))),
     "h @ h, one object both operands": lambda p: _product(hidden(p)[:, :3], hidden(p)[:, :3]),
     "a selected tensor times a value": lambda p: _product(p["w"], hidden(p).T),
+    "attention, q = k = v one object": lambda p: (lambda a: squash(
+        F.scaled_dot_product_attention(a, a, a)))(hidden(p)[None]),
+    "causal attention, scale 0.5, v constant": lambda p: squash(F.scaled_dot_product_attention(
+        hidden(p)[None], 2 * hidden(p)[None], C[None], is_causal=True, scale=0.5)),
+    "attention, a boolean mask, k alone carrying": lambda p: squash(
+        F.scaled_dot_product_attention(C[None], hidden(p)[None], C[None],
+                                       attn_mask=torch.eye(3, dtype=torch.bool) | (C[:, :3] > 0))),
+    "attention, an additive mask, q and v carrying": lambda p: squash(
+        F.scaled_dot_product_attention(hidden(p)[None], C[None], hidden(p)[None] ** 2,
+                                       torch.triu(torch.ones(3, 3, dtype=torch.float64)))),
     "cross_entropy, mean": lambda p: F.cross_entropy(hidden(p), LABELS),
     "cross_entropy, sum, a row ignored": lambda p: F.cross_entropy(
         hidden(p), LABELS.where(LABELS != 2, -100), reduction="sum"),
@@ -251,10 +265,19 @@ def test_ops_in_closed_form_and_their_kin_equal_the_dense_sub_hessian(loss):
     assert_forward_equals_dense(loss)
 
 
-def test_a_transformer_blocks_norms_softmax_products_and_loss_take_their_closed_forms(monkeypatch):
+TAKEN = {  # a network, and the closed forms its ops take (attention's by its softmax and products)
+    "transformer block, attention written out": {"LayerNorm", "Softmax", "Product", "CrossEntropy"},
+    "transformer block": {"LayerNorm", "Attention", "Softmax", "Product", "CrossEntropy"},
+}  # fmt: skip
+"""(``nn.MultiheadAttention`` is one op to a function mode, ``multi_head_attention_forward``:
+its term is autograd's double backward of it, as any other op's.)"""
+
+
+@pytest.mark.parametrize("name", TAKEN)
+def test_a_transformer_blocks_norms_attention_and_loss_take_their_closed_forms(name, monkeypatch):
     taken = set()
     kinds = (closed_forms.LayerNorm, closed_forms.Softmax, closed_forms.Product,
-             closed_forms.CrossEntropy)  # fmt: skip
+             closed_forms.CrossEntropy, closed_forms.Attention)  # fmt: skip
     for kind in kinds:
 
         def terms(self, *args, terms=kind.terms):
@@ -262,9 +285,9 @@ def test_a_transformer_blocks_norms_softmax_products_and_loss_take_their_closed_
             return terms(self, *args)
 
         monkeypatch.setattr(kind, "terms", terms)
-    loss, params, index = network("transformer block, attention written out", "cpu")
+    loss, params, index = network(name, "cpu")
     pyhvp.sub_hessian(loss, params, index, method="forward")
-    assert taken == {"LayerNorm", "Softmax", "Product", "CrossEntropy"}
+    assert taken == TAKEN[name]
 
 
 EDGES = {  # loss, index: selections and points where a route may trip

@@ -1,6 +1,7 @@
 """Ops whose tangents and second-order term the forward-tangent route writes in closed form:
-a layer norm, a softmax, a product of two matrices that both carry tangents and the
-cross-entropy of class indices.
+a layer norm, a softmax, a product of two matrices that both carry tangents, attention
+(``scaled_dot_product_attention``, ``nn.MultiheadAttention``'s) and the cross-entropy of class
+indices.
 
 For each, :func:`closed_form` gives a :class:`ClosedForm` where the arguments carrying a
 bucket's tangents are the ones written here (else None: ``vmap(jvp)`` pushes them, autograd's
@@ -24,6 +25,11 @@ sum ``d . f''[t_i, t_j]``. ``<u, v>`` below sums over the op's reduced dim, then
 * ``A @ B``, both carrying tangents (attention's scores and its average of the values), with
   one batch shape: ``d(AB)[t] = t_A B + A t_B``, ``term = <d, t_A u_B> + <d, u_A t_B>``.
 
+* ``scaled_dot_product_attention(q, k, v)``, no dropout: ``S = s q k^T + mask``,
+  ``P = softmax(S)``, ``O = P v``, each of the three a closed form above; its term is theirs
+  summed, against the adjoints ``dP = d v^T`` of ``P`` and ``s dS`` of ``q k^T`` (``dS`` the
+  softmax's backward of ``dP``).
+
 * ``F.cross_entropy(z, y)`` of ``(N, C)`` logits and class indices, its mean or sum over the
   ``M`` rows whose class is not ``ignore_index`` (``M = 1`` for the sum), no class weights or
   label smoothing: ``p = softmax(z)`` per row, ``dL[t] = <p - onehot(y), t> / M`` over those
@@ -44,8 +50,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -169,6 +176,60 @@ class Product:
 
 
 @dataclasses.dataclass(frozen=True)
+class Attention:
+    """``scaled_dot_product_attention(query, key, value, mask, scale=scale)`` (``mask``
+    additive, or None) along tangents of the ones ``carried`` (of query, key and value)."""
+
+    query: Tensor
+    key: Tensor
+    value: Tensor
+    mask: Tensor | None
+    scale: float
+    carried: tuple[bool, bool, bool]
+
+    @functools.cached_property
+    def _scores(self) -> Softmax:
+        scores = self.scale * (self.query.detach() @ self.key.detach().mT)
+        return Softmax(scores if self.mask is None else scores + self.mask, -1)
+
+    def _split(self, tangents: Sequence[Tensor]) -> list[Tensor | None]:
+        given = iter(tangents)
+        return [next(given) if carried else None for carried in self.carried]
+
+    def _score_tangents(self, of_q: Tensor | None, of_k: Tensor | None) -> Tensor | None:
+        parts = ([] if of_q is None else [of_q @ self.key.detach().mT]) + (
+            [] if of_k is None else [self.query.detach() @ of_k.mT])  # fmt: skip
+        return None if not parts else self.scale * sum(parts[1:], parts[0])
+
+    def push(self, *tangents: Tensor) -> Tensor:
+        of_q, of_k, of_v = self._split(tangents)
+        scores, value = self._scores, self.value.detach()
+        of_scores = self._score_tangents(of_q, of_k)
+        parts = [] if of_scores is None else [scores.push(of_scores) @ value]
+        if of_v is not None:
+            parts.append(scores._output @ of_v)
+        return sum(parts[1:], parts[0])
+
+    def terms(self, adjoint: Tensor, *tangents: Tensor) -> Tensor:
+        of_q, of_k, of_v = self._split(tangents)
+        scores, value = self._scores, self.value.detach()
+        p = scores._output
+        of_scores = self._score_tangents(of_q, of_k)
+        terms = adjoint.new_zeros(len(tangents[0]), len(tangents[0]))
+        if of_scores is not None:
+            of_p = scores.push(of_scores)
+            adjoint_p = adjoint @ value.mT
+            adjoint_scores = p * (adjoint_p - (adjoint_p * p).sum(-1, keepdim=True))
+            if of_q is not None and of_k is not None:
+                product = Product(self.query, self.key.mT)
+                terms += product.terms(self.scale * adjoint_scores, of_q, of_k.mT)
+            terms += scores.terms(adjoint_p, of_scores)
+            if of_v is not None:
+                terms += Product(p, value).terms(adjoint, of_p, of_v)
+        return terms
+
+
+@dataclasses.dataclass(frozen=True)
 class CrossEntropy:
     """``F.cross_entropy(logits, target)`` along the logits' tangents: ``counted``, 1 for each
     row whose class counts and 0 for the others, over their number for a mean."""
@@ -212,6 +273,8 @@ def closed_form(
         return _softmax(func, args, kwargs, carrying)
     if func is F.cross_entropy:
         return _cross_entropy(args, kwargs, carrying)
+    if func is F.scaled_dot_product_attention:
+        return _attention(args, kwargs, carrying)
     if op == "matmul":
         bound = bind(op, args, kwargs) or {}
         a, b = bound.get("input"), bound.get("other")
@@ -291,3 +354,49 @@ def _cross_entropy(
             return None  # no row counts: NaN, as autograd has it
         counted = counted / total
     return CrossEntropy(logits, torch.where(counted > 0, target, 0), counted)
+
+
+_ATTENTION_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
+                         "enable_gqa")  # fmt: skip
+
+
+def _attention(
+    args: Sequence[Any], kwargs: dict[str, Any], carrying: Sequence[Any]
+) -> Attention | None:
+    """Query, key and value given by position (as ``nn.MultiheadAttention`` gives them: the
+    tangents come in their order), of one batch shape and dtype, no dropout."""
+    names = _ATTENTION_PARAMETERS
+    if not 3 <= len(args) <= len(names) or not set(kwargs) <= set(names[3:]):
+        return None
+    bound = dict(zip(names, args, strict=False)) | kwargs
+    q, k, v, mask = args[0], args[1], args[2], bound.get("attn_mask")
+    if not all(isinstance(t, Tensor) and _floating(t) and t.ndim >= 2 for t in (q, k, v)):
+        return None
+    if not (q.dtype == k.dtype == v.dtype and q.shape[:-2] == k.shape[:-2] == v.shape[:-2]):
+        return None
+    if bound.get("dropout_p", 0.0) != 0.0 or bound.get("enable_gqa", False):
+        return None
+    carried = tuple(any(c is t for c in carrying) for t in (q, k, v))
+    if sum(carried) != len(carrying) or not any(carried):  # (the mask carrying tangents too)
+        return None
+    size, length = q.shape[-2], k.shape[-2]
+    additive = None
+    if isinstance(mask, Tensor):
+        if mask.dtype == torch.bool:
+            additive = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
+            additive = additive.masked_fill(~mask, float("-inf"))
+        elif mask.dtype == q.dtype:
+            additive = mask.detach()
+        else:
+            return None
+    elif mask is not None:
+        return None
+    if bound.get("is_causal", False):
+        if additive is not None:
+            return None  # torch refuses both
+        causal = torch.ones(size, length, dtype=torch.bool, device=q.device).tril()
+        additive = torch.zeros(size, length, dtype=q.dtype, device=q.device)
+        additive = additive.masked_fill(~causal, float("-inf"))
+    scale = bound.get("scale")
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return Attention(q, k, v, additive, scale, cast(tuple[bool, bool, bool], carried))
