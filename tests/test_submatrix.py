@@ -274,7 +274,7 @@ WRITES_PAST_THE_VERSION = {
 
 
 @pytest.mark.parametrize("write", list(WRITES_PAST_THE_VERSION))
-@pytest.mark.parametrize("method", ["auto", "sparse"])
+@pytest.mark.parametrize("method", ["auto", "sparse", "forward"])
 def test_an_index_written_past_its_version_counter_selects_its_new_entries(method, write):
     """Writes through ``.data``, a shared numpy array or ``apply_`` leave the version counter as
     it was: the sparse route kept the old selection's entries (its Hessian at the old entries;
