@@ -855,6 +855,28 @@ def test_vmap_over_data_the_loss_captures_gives_each_samples_sub_hessian(method,
     torch.testing.assert_close(got, expected)
 
 
+@pytest.mark.parametrize("method", ["auto", "sparse", "reverse"])
+def test_vmap_over_a_cross_entropys_inputs_and_labels_gives_each_samples_sub_hessian(method):
+    """The survey (from 8 components) asks whether the loss has a closed form on the forward
+    route: it read whether any label counts, a branch on data vmap refuses, until the route's
+    cross-entropy stopped asking."""
+    weight = torch.randn(8, 5, dtype=torch.float64)
+    samples, labels = torch.randn(3, 6, 8, dtype=torch.float64), torch.randint(0, 5, (3, 6))
+    selected = torch.arange(40)
+
+    def loss_of(x, y):
+        return lambda w: F.cross_entropy(x @ w, y)
+
+    got = torch.func.vmap(
+        lambda x, y: pyhvp.sub_hessian(
+            loss_of(x, y), weight, selected, method=method, backend=EAGER
+        )
+    )(samples, labels)
+    pairs = zip(samples, labels, strict=True)
+    expected = torch.stack([dense_sub_hessian(loss_of(x, y), weight, selected) for x, y in pairs])
+    torch.testing.assert_close(got, expected)
+
+
 @pytest.mark.parametrize("index", VMAP_INDEX.values(), ids=VMAP_INDEX.keys())
 def test_vmap_over_params_gives_each_ones_sub_hessian(index, device):
     weights = torch.randn(3, 4, 5, dtype=torch.float64, device=device)
