@@ -392,6 +392,20 @@ def test_results_have_xs_dtype_whatever_f_computes_in(operator):
     assert operator(lambda y: (y.double() ** 3).sum(-1), x).dtype == torch.float32
 
 
+W32 = torch.randn(2, 4, generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize("operator", OPERATORS.values(), ids=OPERATORS.keys())
+def test_f_computing_in_float32_from_a_float64_x_gives_its_float32_values_in_float64(operator):
+    """The weighted collapsed jets (bi-Laplacian, differential operators) multiplied f's
+    float32 coefficients by x's float64 weights: the next product with a float32 weight failed
+    ("expected m1 and m2 to have the same dtype")."""
+    x = point("cpu", batch=3)[:, :2]
+    in_float32 = operator(lambda y: torch.tanh(y.float() @ W32) @ W32[0], x)
+    in_float64 = operator(lambda y: torch.tanh(y @ W32.double()) @ W32[0].double(), x)
+    torch.testing.assert_close(in_float32, in_float64, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("operator", OPERATORS)
 def test_results_are_differentiable_in_parameters_and_x(operator):
     """What a plate PINN's training step needs: the gradient of a loss on the operator in the

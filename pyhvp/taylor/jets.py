@@ -271,8 +271,8 @@ class Context:
         where that order is collapsed."""
         if not self.collapses(order):
             return t
-        if self.weights is not None:
-            t = t * self.weights.reshape(-1, *(1,) * (t.ndim - 1))
+        if self.weights is not None:  # in t's dtype: f may compute in another than x's
+            t = t * self.weights.to(t.dtype).reshape(-1, *(1,) * (t.ndim - 1))
         return t.sum(0, keepdim=True)
 
     def product(self, a: Tensor, b: Tensor, order: int | None = None) -> Tensor:
