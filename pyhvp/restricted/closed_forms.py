@@ -290,6 +290,19 @@ def closed_form(
     return None
 
 
+def _bound(
+    names: Sequence[str],
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    keywords: Sequence[str] | None = None,
+) -> dict[str, Any] | None:
+    """A call's arguments by name (``names``, in order), or None for more positional arguments
+    than names or a keyword not among ``keywords`` (default: ``names``)."""
+    if len(args) > len(names) or not set(kwargs) <= set(names if keywords is None else keywords):
+        return None
+    return dict(zip(names, args, strict=False)) | kwargs
+
+
 def _floating(value: object) -> bool:
     return isinstance(value, Tensor) and value.dtype in _FLOATING
 
@@ -300,9 +313,9 @@ _LAYER_NORM_PARAMETERS = ("input", "normalized_shape", "weight", "bias", "eps")
 def _layer_norm(
     args: Sequence[Any], kwargs: dict[str, Any], carrying: Sequence[Any]
 ) -> LayerNorm | None:
-    if len(args) > len(_LAYER_NORM_PARAMETERS) or not set(kwargs) <= set(_LAYER_NORM_PARAMETERS):
+    bound = _bound(_LAYER_NORM_PARAMETERS, args, kwargs)
+    if bound is None:
         return None
-    bound = dict(zip(_LAYER_NORM_PARAMETERS, args, strict=False)) | kwargs
     input, shape = bound.get("input"), bound.get("normalized_shape")
     if not _floating(input) or len(carrying) != 1 or carrying[0] is not input or shape is None:
         return None
@@ -315,9 +328,9 @@ def _softmax(
 ) -> Softmax | None:
     names = ("input", "dim", "_stacklevel", "dtype") if func is F.softmax else (
         "input", "dim", "dtype")  # fmt: skip
-    if len(args) > len(names) or not set(kwargs) <= set(names) | {"self"}:
+    bound = _bound(names, args, kwargs, (*names, "self"))
+    if bound is None:
         return None
-    bound = dict(zip(names, args, strict=False)) | kwargs
     input, dim = bound.get("input", bound.get("self")), bound.get("dim")
     if not _floating(input) or not isinstance(dim, int) or bound.get("dtype") is not None:
         return None
@@ -333,10 +346,9 @@ _CROSS_ENTROPY_PARAMETERS = ("input", "target", "weight", "size_average", "ignor
 def _cross_entropy(
     args: Sequence[Any], kwargs: dict[str, Any], carrying: Sequence[Any]
 ) -> CrossEntropy | None:
-    names = _CROSS_ENTROPY_PARAMETERS
-    if len(args) > len(names) or not set(kwargs) <= set(names):
+    bound = _bound(_CROSS_ENTROPY_PARAMETERS, args, kwargs)
+    if bound is None:
         return None
-    bound = dict(zip(names, args, strict=False)) | kwargs
     logits, target = bound.get("input"), bound.get("target")
     if not _floating(logits) or len(carrying) != 1 or carrying[0] is not logits:
         return None
@@ -364,10 +376,9 @@ def _attention(
 ) -> Attention | None:
     """Query, key and value given by position (as ``nn.MultiheadAttention`` gives them: the
     tangents come in their order), of one batch shape and dtype, no dropout."""
-    names = _ATTENTION_PARAMETERS
-    if not 3 <= len(args) <= len(names) or not set(kwargs) <= set(names[3:]):
+    bound = _bound(_ATTENTION_PARAMETERS, args, kwargs, _ATTENTION_PARAMETERS[3:])
+    if bound is None or len(args) < 3:
         return None
-    bound = dict(zip(names, args, strict=False)) | kwargs
     q, k, v, mask = args[0], args[1], args[2], bound.get("attn_mask")
     if not all(isinstance(t, Tensor) and _floating(t) and t.ndim >= 2 for t in (q, k, v)):
         return None
