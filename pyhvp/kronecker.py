@@ -78,6 +78,8 @@ class KroneckerHVP:
 
     @property
     def beta(self) -> float:
+        """The EMA's decay, in (0, 1): of later updates and of the bias correction (setting it
+        recomputes the roots on the next ``apply``)."""
         return self._beta
 
     @beta.setter
@@ -87,6 +89,8 @@ class KroneckerHVP:
 
     @property
     def damping(self) -> float:
+        """Added to each factor's eigenvalues, >= 0 (setting it recomputes the roots on the next
+        ``apply``)."""
         return self._damping
 
     @damping.setter
@@ -96,6 +100,8 @@ class KroneckerHVP:
 
     @property
     def power(self) -> float | None:
+        """The roots' power, > 0 (None: ``1 / len(modes)``; setting it recomputes the roots on the
+        next ``apply``)."""
         return self._power
 
     @power.setter
