@@ -144,11 +144,15 @@ class Softmax:
         s, dim = self._output, self.dim % self.input.ndim + 1  # the tangents' dim
         return s * (given - (given * s).sum(dim, keepdim=True))
 
+    def gradient(self, adjoint: Tensor) -> Tensor:
+        """The input's adjoint of the output's (softmax's backward)."""
+        s = self._output
+        return s * (adjoint - (adjoint * s).sum(self.dim, keepdim=True))
+
     def terms(self, adjoint: Tensor, *tangents: Tensor) -> Tensor:
         (given,) = tangents
         s, dim = self._output, self.dim % self.input.ndim
-        g = s * (adjoint - (adjoint * s).sum(dim, keepdim=True))
-        weighted = given * g
+        weighted = given * self.gradient(adjoint)
         along_s = (given * s).sum(dim + 1).reshape(len(given), -1)
         along_g = weighted.sum(dim + 1).reshape(len(given), -1)
         mixed = along_s @ along_g.mT
@@ -177,20 +181,34 @@ class Product:
 
 @dataclasses.dataclass(frozen=True)
 class Attention:
-    """``scaled_dot_product_attention(query, key, value, mask, scale=scale)`` (``mask``
-    additive, or None) along tangents of the ones ``carried`` (of query, key and value)."""
+    """``scaled_dot_product_attention(query, key, value, mask, is_causal=causal, scale=scale)``
+    (``mask`` boolean, of the query's dtype or None) along tangents of the ones ``carried`` (of
+    query, key and value)."""
 
     query: Tensor
     key: Tensor
     value: Tensor
     mask: Tensor | None
+    causal: bool
     scale: float
     carried: tuple[bool, bool, bool]
 
     @functools.cached_property
+    def _additive(self) -> Tensor | None:
+        """The mask as torch adds it to the scores (-inf where a boolean one is False)."""
+        q, mask = self.query, self.mask
+        if self.causal:
+            mask = torch.ones(q.shape[-2], self.key.shape[-2], dtype=torch.bool, device=q.device)
+            mask = mask.tril()
+        if mask is None or mask.dtype != torch.bool:
+            return None if mask is None else mask.detach()
+        return torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(
+            ~mask, float("-inf"))  # fmt: skip
+
+    @functools.cached_property
     def _scores(self) -> Softmax:
         scores = self.scale * (self.query.detach() @ self.key.detach().mT)
-        return Softmax(scores if self.mask is None else scores + self.mask, -1)
+        return Softmax(scores if self._additive is None else scores + self._additive, -1)
 
     def _split(self, tangents: Sequence[Tensor]) -> list[Tensor | None]:
         given = iter(tangents)
@@ -217,26 +235,36 @@ class Attention:
         of_scores = self._score_tangents(of_q, of_k)
         terms = adjoint.new_zeros(len(tangents[0]), len(tangents[0]))
         if of_scores is not None:
-            of_p = scores.push(of_scores)
             adjoint_p = adjoint @ value.mT
-            adjoint_scores = p * (adjoint_p - (adjoint_p * p).sum(-1, keepdim=True))
             if of_q is not None and of_k is not None:
                 product = Product(self.query, self.key.mT)
-                terms += product.terms(self.scale * adjoint_scores, of_q, of_k.mT)
+                terms += product.terms(self.scale * scores.gradient(adjoint_p), of_q, of_k.mT)
             terms += scores.terms(adjoint_p, of_scores)
             if of_v is not None:
-                terms += Product(p, value).terms(adjoint, of_p, of_v)
+                terms += Product(p, value).terms(adjoint, scores.push(of_scores), of_v)
         return terms
 
 
 @dataclasses.dataclass(frozen=True)
 class CrossEntropy:
-    """``F.cross_entropy(logits, target)`` along the logits' tangents: ``counted``, 1 for each
-    row whose class counts and 0 for the others, over their number for a mean."""
+    """``F.cross_entropy(logits, target, ignore_index=ignore_index)`` along the logits'
+    tangents, its ``mean`` or sum."""
 
     logits: Tensor
     target: Tensor
-    counted: Tensor
+    ignore_index: int
+    mean: bool
+
+    @functools.cached_property
+    def _rows(self) -> tuple[Tensor, Tensor]:
+        """The target with 0 for an ignored class (a valid index), and each row's weight: 1
+        where its class counts, 0 where not, over their number for a mean (with none, NaN, as
+        autograd has it: no branch on the data, since the survey may run inside vmap)."""
+        counts = self.target != self.ignore_index
+        counted = counts.to(self.logits.dtype)
+        return torch.where(
+            counts, self.target, 0
+        ), counted / counted.sum() if self.mean else counted
 
     @functools.cached_property
     def _probabilities(self) -> Tensor:
@@ -244,14 +272,13 @@ class CrossEntropy:
 
     def push(self, *tangents: Tensor) -> Tensor:
         (given,) = tangents
-        p = self._probabilities
-        gradient = p.scatter_add(1, self.target[:, None], -torch.ones_like(p[:, :1]))
-        gradient = gradient * self.counted[:, None]
-        return (given * gradient).sum((1, 2))
+        p, (target, counted) = self._probabilities, self._rows
+        gradient = p.scatter_add(1, target[:, None], -torch.ones_like(p[:, :1]))
+        return (given * (gradient * counted[:, None])).sum((1, 2))
 
     def terms(self, adjoint: Tensor, *tangents: Tensor) -> Tensor:
         (given,) = tangents
-        p, weight = self._probabilities, adjoint * self.counted
+        p, weight = self._probabilities, adjoint * self._rows[1]
         along_p = (given * p).sum(-1, keepdim=True)  # <p, t> per row, (K, N, 1)
         weighted = (given * (p * weight[:, None])).reshape(len(given), -1)
         # <t, p (u - <p, u>)>: centred per row, not <t, p u> - <p, t> <p, u> over all rows,
@@ -360,11 +387,7 @@ def _cross_entropy(
         return None
     if reduction not in ("mean", "sum") or target.shape != logits.shape[:1]:
         return None
-    counts = target != bound.get("ignore_index", -100)
-    counted = counts.to(logits.dtype)
-    if reduction == "mean":  # no row counts: NaN, as autograd has it (no branch on the data:
-        counted = counted / counted.sum()  # the survey may run inside vmap)
-    return CrossEntropy(logits, torch.where(counts, target, 0), counted)
+    return CrossEntropy(logits, target, bound.get("ignore_index", -100), reduction == "mean")
 
 
 _ATTENTION_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
@@ -389,24 +412,11 @@ def _attention(
     carried = tuple(any(c is t for c in carrying) for t in (q, k, v))
     if sum(carried) != len(carrying) or not any(carried):  # (the mask carrying tangents too)
         return None
-    size, length = q.shape[-2], k.shape[-2]
-    additive = None
-    if isinstance(mask, Tensor):
-        if mask.dtype == torch.bool:
-            additive = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
-            additive = additive.masked_fill(~mask, float("-inf"))
-        elif mask.dtype == q.dtype:
-            additive = mask.detach()
-        else:
-            return None
-    elif mask is not None:
+    if mask is not None and not (isinstance(mask, Tensor) and mask.dtype in (torch.bool, q.dtype)):
         return None
-    if bound.get("is_causal", False):
-        if additive is not None:
-            return None  # torch refuses both
-        causal = torch.ones(size, length, dtype=torch.bool, device=q.device).tril()
-        additive = torch.zeros(size, length, dtype=q.dtype, device=q.device)
-        additive = additive.masked_fill(~causal, float("-inf"))
+    causal = bool(bound.get("is_causal", False))
+    if causal and mask is not None:
+        return None  # torch refuses both
     scale = bound.get("scale")
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return Attention(q, k, v, additive, scale, cast(tuple[bool, bool, bool], carried))
+    return Attention(q, k, v, mask, causal, scale, cast(tuple[bool, bool, bool], carried))
