@@ -373,10 +373,10 @@ class Tangents(TorchFunctionMode):
                 continue
             rows = tuple(self._rows(leaves[i], groups) for i in positions)
             closed = closed_form(func, op, args, kwargs, [leaves[i] for i in positions])
-            if closed is not None:
-                node = _node(func, leaves, spec, positions, tuple(outputs), False)
-                self.nodes.append(dataclasses.replace(node, tangents=rows, groups=groups,
-                                                      closed=closed))  # fmt: skip
+            if closed is not None:  # its term needs no primals (none copied, as _node's may be)
+                function = _as_function(func, leaves, spec, positions)
+                self.nodes.append(_Node(function, (), rows, groups, False, tuple(outputs),
+                                        closed))  # fmt: skip
                 with torch.no_grad():
                     pushed[0].append(Stream(groups, closed.push(*rows)))
                 continue
