@@ -1076,6 +1076,7 @@ def _sums(
         unsurveyed: _Unsurveyed | None = None
         # every kernel of the batch draws what its first drew, as the seed's one forward does
         draws = random_states.Repeated(device)
+        failed: Exception | None = None
         try:
             if refusal is None:
                 assert isinstance(backend, TorchBackend)  # _static_refusal's condition
@@ -1140,17 +1141,20 @@ def _sums(
                 or nested.inside_transform()  # where the seed's loop cannot run
             ):
                 raise  # the loss's own error, or the seed's loop's: as autograd raises it
+            failed = error
+        if failed is not None:  # the seed's loop serves the batch, outside the handler: an
+            # error of the loss's own is its alone, not chained to the kernel's failure of it
             if unsurveyed is not None:  # equal calls take the loop at once
                 unsurveyed.fails = True
             if trial is not None and method not in FORCED:  # (a forced one raises every call)
                 trial.drop(name, routes.every_tensor_reverse(trial.model, len(every), loop=True))
             _log.debug("sub_hessian: %s failed (%s: %s); the seed's loop serves the batch",
-                       name if refusal is None else "the reverse route", type(error).__name__,
-                       error)  # fmt: skip
+                       name if refusal is None else "the reverse route", type(failed).__name__,
+                       failed)  # fmt: skip
             timed = False
             # a loss that fails by itself (a torch error in its own frame) raises it here
             refused = (f"method={method!r} does not apply: its kernels cannot run this loss "
-                       f"({type(error).__name__}: {error})")  # fmt: skip
+                       f"({type(failed).__name__}: {failed})")  # fmt: skip
             try:
                 total = _reverse_blocks(plan, every, batch_values, spec, chunk_size, backend,
                                         total, blocks, None, True, draws)  # fmt: skip
@@ -1160,13 +1164,11 @@ def _sums(
                 # refused by name
                 if not (method in FORCED and _in_loop_backward(loop_error)
                         and _kernel_failure(loop_error)):  # fmt: skip
-                    if type(loop_error) is type(error) and str(loop_error) == str(error):
-                        raise loop_error from None  # the loss's own error: one traceback
                     raise
                 raise ValueError(f"{refused}, nor can the seed's loop "
                                  f"({type(loop_error).__name__}: {loop_error})") from loop_error  # fmt: skip
             if method in FORCED:
-                raise ValueError(f"{refused}; method='auto' takes the seed's loop") from error
+                raise ValueError(f"{refused}; method='auto' takes the seed's loop") from failed
         for position, (t, version) in enumerate(zip(watched, versions, strict=True)):
             if _version(t) != version:  # under no_grad, which autograd allows: found after it
                 raise ValueError(_written(_params_label(plan, position), "was written by the loss "
