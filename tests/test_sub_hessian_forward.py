@@ -265,6 +265,47 @@ def test_ops_in_closed_form_and_their_kin_equal_the_dense_sub_hessian(loss):
     assert_forward_equals_dense(loss)
 
 
+X5 = torch.randn(5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+
+PLACED = {  # a layer's weight and bias entries' tangents of its output, each at one feature
+    "a layer's weight and bias (a view) through tanh into the next layer": lambda p: squash(
+        F.linear(torch.tanh(F.linear(X5, p["w"], p["v"][:3, 0])), C.T)),
+    "one input vector: a layer's output is a vector": lambda p: squash(
+        F.linear(torch.sigmoid(F.linear(X5[0], p["w"], p["v"][1:, 1])), C.T)),
+    "a convolution's channels through GELU into a layer over its length": lambda p: squash(
+        F.linear(F.gelu(F.conv1d(X5.T[None], p["w"][:, :, None], p["v"][:3, 0])), X5.T[:2])),
+    "a layer norm's weight and bias through GELU into a layer": lambda p: squash(
+        F.linear(F.gelu(F.layer_norm(X5, (4,), p["w"][0], p["w"][1])), C)),
+    "a layer norm's weight alone, also a layer's bias": lambda p: squash(
+        F.linear(torch.tanh(F.layer_norm(X5, (4,), weight=p["v"][:, 0])), C, p["v"][:3, 0])),
+    "a layer norm over two dims, its weight (tangents dense)": lambda p: squash(
+        torch.tanh(F.layer_norm(X5[:3], (3, 4), p["w"]))),
+    "a layer's output into two layers and a pointwise op twice": lambda p: (
+        lambda h: squash(F.linear(torch.tanh(h), C.T) + F.linear(torch.tanh(h) ** 2, 2 * C.T)))(
+        F.linear(X5, p["w"], p["v"][:3, 1])),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("loss", PLACED.values(), ids=PLACED.keys())
+def test_placed_tangents_equal_the_dense_sub_hessian(loss):
+    assert_forward_equals_dense(loss)
+
+
+def test_a_layers_tangents_stay_placed_through_a_pointwise_op_into_the_next_layer(monkeypatch):
+    # the transformer block's first MLP layer's (and norm1's) tangents of its output: one
+    # feature per row, through GELU, then each pushed by the next layer as an outer product
+    pushed = []
+
+    def linear_push(placed, *args, push=forward._linear_push):
+        pushed.append(len(placed.positions))
+        return push(placed, *args)
+
+    monkeypatch.setattr(forward, "_linear_push", linear_push)
+    loss, params, index = network("transformer block", "cpu")
+    pyhvp.sub_hessian(loss, params, index, method="forward")
+    assert pushed == [8, 8]  # norm1's weight and bias into mlp.0, mlp.0's into mlp.2
+
+
 TAKEN = {  # a network, and the closed forms its ops take (attention's by its softmax and products)
     "transformer block, attention written out": {"LayerNorm", "Softmax", "Product", "CrossEntropy"},
     "transformer block": {"LayerNorm", "Attention", "Softmax", "Product", "CrossEntropy"},

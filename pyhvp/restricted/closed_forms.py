@@ -57,6 +57,7 @@ from typing import Any, Protocol, cast
 import torch
 import torch.nn.functional as F
 
+from pyhvp.restricted import contributions as rules
 from pyhvp.restricted.ops import bind
 
 Tensor = torch.Tensor
@@ -348,6 +349,33 @@ def _layer_norm(
         return None
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     return LayerNorm(input, shape, bound.get("weight"), float(bound.get("eps", 1e-5)))
+
+
+def layer_norm_affine(
+    args: Sequence[Any], kwargs: dict[str, Any], tensor: Tensor, entries: Tensor
+) -> rules.Contribution | None:
+    """The tangents of ``F.layer_norm``'s output along the entries ``entries`` of ``tensor``,
+    its weight or bias over one normalised dim: entry ``j``'s is ``n[..., j]`` (the normalised
+    input; the bias's: 1) at feature ``j``, zero elsewhere. None for any other use."""
+    bound = _bound(_LAYER_NORM_PARAMETERS, args, kwargs)
+    if bound is None:
+        return None
+    input, shape = bound.get("input"), bound.get("normalized_shape")
+    weight, bias = bound.get("weight"), bound.get("bias")
+    if not (_floating(input) and shape is not None and tensor.ndim == 1 and weight is not bias):
+        return None
+    input = cast(Tensor, input)
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    if len(shape) != 1 or input.ndim < 1:
+        return None
+    if tensor is weight:
+        normalised = LayerNorm(input, shape, None, float(bound.get("eps", 1e-5)))._statistics[0]
+        values = normalised.movedim(-1, 0)[entries]
+    elif tensor is bias:
+        values = input.new_ones(()).expand(len(entries), *input.shape[:-1])
+    else:
+        return None
+    return rules.Contribution(input.ndim - 1, entries, values)
 
 
 def _softmax(
