@@ -684,8 +684,8 @@ def _one_stream(
     groups = tuple(group for groups, _, _ in parts for group in groups)
     rows = sum(seed.rows for _, seed, _ in parts)
     dims = {found.dim if found.entries is None else None for _, _, found in parts}
-    if len(dims) == 1 and None not in dims:
-        (dim,) = cast(set[int], dims)
+    dim = dims.pop() if len(dims) == 1 else None
+    if dim is not None and out.shape[dim] > 0:  # (rows of no entry are at index 0, zero)
         rest = [size for d, size in enumerate(out.shape) if d != dim]
         positions = torch.zeros(rows, dtype=torch.int64, device=out.device)
         values = out.new_zeros(rows, *rest)
