@@ -253,12 +253,33 @@ WRITTEN_UNDER_NO_GRAD = (
 
 
 def _version(t: torch.Tensor) -> int | None:
-    """``t``'s version counter (None for a tensor that keeps none of its own: an inference
-    tensor, a ``torch.func`` wrapper, a view, whose counter every view of its base shares)."""
+    """``t``'s version counter (None for a tensor that keeps none: an inference tensor, a
+    ``torch.func`` wrapper). A view shares its base's, which a write to another view of that
+    base moves too (:class:`_Watched` tells the two apart)."""
     try:
-        return None if t.is_inference() or t._is_view() else t._version
+        return None if t.is_inference() else t._version
     except RuntimeError:
         return None
+
+
+class _Watched:
+    """Whether ``f`` wrote to ``x`` during a call: its version counter moved, and for a view
+    (whose counter its base's other views share, so that a write to another row moves it) its
+    values changed. Until 2026-12-06 a view's writes were not watched: an ``f`` doubling a
+    transposed or sliced ``x`` under ``no_grad`` gave the HVPs at the doubled values."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x, self.version = x, _version(x)
+        watched = self.version is not None and x._is_view()
+        self.values = x.detach().clone() if watched else None
+
+    def written(self) -> bool:
+        if _version(self.x) == self.version:
+            return False
+        if self.values is None:
+            return True
+        now = self.x.detach()
+        return not bool(((now == self.values) | (now.isnan() & self.values.isnan())).all())
 
 
 def refuse_compiled_backward(total: torch.Tensor) -> None:
@@ -670,17 +691,17 @@ class TorchBackend:
         outside = not (nested.inside_transform() or taylor.recording())  # (written out inside)
         if outside and _needs_autograd((x, tangents, *args)):
             summed = nested.written_out(summed, cumulative=False)
-        version = _version(x)
+        watched = _Watched(x)
         try:
             (g,), (hv,) = self.grad_and_block_hvps(summed, (x,), (tangents,), args, chunk_size)
         except RuntimeError as error:  # x written by f: said as the Taylor engine says it
-            if _version(x) != version:  # (autograd's own error about the view it wrote)
+            if watched.written():  # (autograd's own error about the view it wrote)
                 raise taylor.InPlaceInputError(WRITTEN_UNDER_NO_GRAD) from error
             refusal = write_to_x_refusal(error, f, x, args)
             if refusal is None:
                 raise
             raise refusal from error
-        if _version(x) != version:  # under no_grad, which autograd allows: found after it
+        if watched.written():  # under no_grad, which autograd allows: found after it
             raise taylor.InPlaceInputError(WRITTEN_UNDER_NO_GRAD)
         return g, hv
 
