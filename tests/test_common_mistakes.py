@@ -316,6 +316,30 @@ def test_a_write_to_another_view_of_xs_base_is_no_write_to_x():
     torch.testing.assert_close(pyhvp.hvp(f, x, torch.ones_like(x)), 6 * x)
 
 
+BESIDE_X = {  # columns of a (4, 6) buffer that f writes, x being its first 3: whether x's
+    "a state beside x": (slice(3, 6), False),
+    "columns across x's last one": (slice(2, 5), True),
+}
+
+
+@pytest.mark.parametrize("columns, hits_x", BESIDE_X.values(), ids=BESIDE_X.keys())
+def test_the_taylor_engine_refuses_a_write_to_xs_buffer_where_it_hits_x_only(columns, hits_x):
+    """x and a state kept beside it in one buffer: a write to the state was refused as one to
+    "x (through a view of it)" (any write to x's storage was), where the HVPs computed f."""
+    buffer = torch.randn(4, 6, dtype=torch.float64)
+    x = buffer[:, :3]
+
+    def f(y):
+        buffer[:, columns].mul_(1.0)
+        return (y**3).sum(-1)
+
+    if hits_x:
+        with pytest.raises(pyhvp.InPlaceInputError, match="through a view of it"):
+            pyhvp.hessian_diagonal(f, x)
+    else:
+        torch.testing.assert_close(pyhvp.hessian_diagonal(f, x), 6 * x)
+
+
 @pytest.mark.parametrize("f", [writes_to_x, writes_to_x_without_grad], ids=["f", "f, no_grad"])
 def test_check_instances_refuses_f_writing_to_x_and_leaves_x_unchanged(f):
     """It said autograd's 'a leaf Variable that requires grad' about an x that did not require

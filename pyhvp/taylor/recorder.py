@@ -124,6 +124,25 @@ def storage_id(t: Tensor) -> int:
         return 0
 
 
+def _overlaps(a: Tensor, b: Tensor) -> bool:
+    """Whether two views of one storage share an element (an ``x`` and a state kept beside it
+    in one buffer do not); views of different element sizes are taken to."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    if a.element_size() != b.element_size():
+        return True
+    spans = [(t.storage_offset(),
+              t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)))
+             for t in (a, b)]  # fmt: skip
+    if max(low for low, _ in spans) > min(high for _, high in spans):
+        return False
+    start = int(min(low for low, _ in spans))
+    elements = torch.arange(start, int(max(high for _, high in spans)) + 1)  # (their span only)
+    where = [torch.as_strided(elements, t.shape, t.stride(), t.storage_offset() - start).flatten()
+             for t in (a, b)]  # fmt: skip
+    return bool(torch.isin(where[0], where[1]).any())
+
+
 class InPlaceInputError(ValueError):
     """``f`` wrote in place to ``x`` (or to a tensor it reads, where that changes what is
     differentiated), which every operator refuses: write to a copy, ``x.clone()``. A
@@ -202,6 +221,7 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's _
         self.constants: list[Tensor] = []
         self.inputs = {storage_id(x)} - {0}  # storages of x and of the constants
         self.x_storage = storage_id(x)
+        self.x = x
         self.stopped: set[Hashable] = set()  # labels of views made without grad
         self.written_constants: set[int] = set()  # copied before their first write
         # (op, its args' and kwargs' descriptions, its outputs' description, note)
@@ -403,7 +423,7 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's _
             storage = storage_id(value)
             if label == X:
                 what = "x"
-            elif storage != 0 and storage == self.x_storage:
+            elif storage != 0 and storage == self.x_storage and _overlaps(value, self.x):
                 what = "x (through a view of it)"
             else:
                 if label is None:
