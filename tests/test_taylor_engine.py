@@ -406,9 +406,12 @@ MALFORMED_RULES = {
     "a jet inside a tuple": (lambda ctx, out, u: (_cube_rule(ctx, out, u), out),
                              "returned 2 jets or tensors where the op has 1 outputs"),
     "a number": (lambda ctx, out, u: 3.0, "returned a float for an output tensor"),
+    "no parameter for the input's jet": (lambda ctx, out: out,
+                                         r"cannot take this call of the op.*signature: \(ctx, out\)"),
 }  # fmt: skip
 """A user's rule, and what the refusal says: these were used silently (another value) or
-crashed inside the rules downstream."""
+crashed inside the rules downstream (a rule without the input's parameter, in a bare TypeError
+naming neither the op nor the rule)."""
 
 
 def _malformed_cube(name, rule):

@@ -4,6 +4,7 @@ one is registered, the fallbacks of :mod:`.fallbacks` otherwise."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -304,11 +305,27 @@ def _homogeneous(op: Callable[..., Any], flag: str, rule: Rule) -> Rule:
 
 
 def _checked(op: object, rule: Rule) -> Rule:
-    """A user's ``rule`` whose results are checked against the op's output (:func:`_check`):
-    a malformed jet was used silently (another value, misshapen coefficients broadcast) or
-    crashed inside the rules downstream."""
+    """A user's ``rule`` whose calls are checked against its signature and its results against
+    the op's output (:func:`_check`): a malformed jet was used silently (another value,
+    misshapen coefficients broadcast) or crashed inside the rules downstream, and a rule
+    without a parameter for an argument failed in a bare ``TypeError`` naming neither."""
+    try:
+        signature: inspect.Signature | None = inspect.signature(rule)
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to check
+        signature = None
 
     def checked(ctx: Context, out: Any, *args: Any, **kwargs: Any) -> Any:
+        if signature is not None:
+            try:
+                signature.bind(ctx, out, *args, **kwargs)
+            except TypeError as error:
+                raise UnsupportedOpError(
+                    f"pyhvp: the jet rule {getattr(rule, '__qualname__', rule)!r} of {op} "
+                    f"cannot take this call of the op, rule(ctx, out, *args, **kwargs) with "
+                    f"{len(args)} positional argument(s) after ctx and out and keyword(s) "
+                    f"{sorted(kwargs)}: {error} (its signature: {signature}; see "
+                    f"pyhvp.register_jet_rule)"
+                ) from error
         result = rule(ctx, out, *args, **kwargs)
         _check(ctx, op, out, result)
         return result
