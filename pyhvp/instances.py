@@ -112,7 +112,9 @@ def per_instance(
     ``x.shape[:-event_dims] + out_shape``. Each tensor arg has ``arg_event_dims`` trailing
     per-instance dims (default: ``event_dims``; an int for all args or one per arg) and leading
     dims that broadcast against x's batch dims, so a ``mu`` of shape ``(n_g, 1, 1, d)`` is shared
-    across the middle batch dims without being expanded.
+    across the middle batch dims without being expanded. Any other arg -- a number, or a dict or
+    list of tensors such as a module's parameters for ``functional_call`` -- is passed whole to
+    every instance: per-instance tensors go as tensor args of their own, not inside a container.
 
     >>> f = per_instance(lambda x, mu: ((x - mu) ** 2).sum())
     >>> f(torch.ones(4, 3), torch.zeros(3))
@@ -191,7 +193,8 @@ def check_instances(
       reverse passes. Pass ``p`` puts random positive cotangents on the instances whose flat
       index has bit ``p`` equal to 0 (then 1); a non-zero gradient at an instance outside that
       set means a receiver reads it, and any two instances differ in some bit, so every
-      dependence between two instances is seen. Each receiver's cotangents are divided by its
+      dependence between two instances whose first derivative is not zero at this ``x`` is
+      seen. Each receiver's cotangents are divided by its
       own gradient's size, and each output's change below is judged against its own values: rounding
       is per receiving instance, so a stiff one does not hide another's coupling;
     * **through values that carry no derivative** (``x - x.mean(0).detach()``, a statistic taken
@@ -208,6 +211,10 @@ def check_instances(
     Rounding is a change below 64 ulps of ``x``'s dtype, and at most 2^-10 of the largest
     gradient (through derivatives) or 2^-4 of an output's magnitude (through values): bfloat16's
     64 ulps are 50%, which would hide a coupling as strong as an instance's own dependence.
+
+    Not seen: a coupling that neither part shows at this ``x``, whose first derivatives and
+    value changes vanish there (``x[:, 0] * x.flip(0)[:, 0]`` at ``x = 0``: its second
+    derivatives still couple the instances); check at a generic point, not a symmetric one.
 
     The message names one instance that leaked into another, verified by one more pass. ``f``
     may return any ``batch_shape + out_shape``; args are held constant.
