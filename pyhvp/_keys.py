@@ -102,7 +102,7 @@ class TensorMemo(Generic[Derived]):
     def get(self, tensor: torch.Tensor, about: Hashable) -> Derived | None:
         key = (id(tensor), about)
         found = self._entries.get(key)
-        if found is None or found[0]() is not tensor or found[1] != _version(tensor):
+        if found is None or found[0]() is not tensor or found[1] != version_of(tensor):
             return None
         if not torch.equal(found[2], tensor):  # a write the version counter missed
             return None
@@ -110,7 +110,7 @@ class TensorMemo(Generic[Derived]):
         return found[3]
 
     def keep(self, tensor: torch.Tensor, about: Hashable, value: Derived) -> Derived:
-        version = _version(tensor)
+        version = version_of(tensor)
         if version is not None and tensor.device.type == "cpu":
             copy = tensor.detach().clone()
             self._entries[(id(tensor), about)] = (weakref.ref(tensor), version, copy, value)
@@ -119,8 +119,10 @@ class TensorMemo(Generic[Derived]):
         return value
 
 
-def _version(tensor: torch.Tensor) -> int | None:
-    """``tensor``'s version counter, or None where it keeps none of its own."""
+def version_of(tensor: torch.Tensor) -> int | None:
+    """``tensor``'s version counter, or None where it keeps none of its own (an inference
+    tensor, a ``torch.func`` wrapper). A view's is its base's, which a write to another view
+    of that base moves too."""
     if tensor.is_inference() or torch._C._functorch.is_functorch_wrapped_tensor(tensor):
         return None
     try:

@@ -76,6 +76,7 @@ from pyhvp import restricted, taylor
 from pyhvp._attention import math_attention
 from pyhvp._batched_backward import batched_grad
 from pyhvp._checks import check_output, fmt_shape
+from pyhvp._keys import version_of
 from pyhvp._user_errors import note, quiet_tracing, stacklevel_outside_pyhvp
 from pyhvp.backends import Blocks, compile_policy, inductor, nested
 from pyhvp.backends.compile_policy import CompileCache
@@ -252,16 +253,6 @@ WRITTEN_UNDER_NO_GRAD = (
 )
 
 
-def _version(t: torch.Tensor) -> int | None:
-    """``t``'s version counter (None for a tensor that keeps none: an inference tensor, a
-    ``torch.func`` wrapper). A view shares its base's, which a write to another view of that
-    base moves too (:class:`_Watched` tells the two apart)."""
-    try:
-        return None if t.is_inference() else t._version
-    except RuntimeError:
-        return None
-
-
 class _Watched:
     """Whether ``f`` wrote to ``x`` during a call: its version counter moved, and for a view
     (whose counter its base's other views share, so that a write to another row moves it) its
@@ -269,12 +260,12 @@ class _Watched:
     transposed or sliced ``x`` under ``no_grad`` gave the HVPs at the doubled values."""
 
     def __init__(self, x: torch.Tensor) -> None:
-        self.x, self.version = x, _version(x)
+        self.x, self.version = x, version_of(x)
         watched = self.version is not None and x._is_view()
         self.values = x.detach().clone() if watched else None
 
     def written(self) -> bool:
-        if _version(self.x) == self.version:
+        if version_of(self.x) == self.version:
             return False
         if self.values is None:
             return True
