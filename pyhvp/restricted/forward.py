@@ -422,22 +422,23 @@ class Tangents(TorchFunctionMode):
                 by_rule.append((groups, *found))
                 continue
             placed = self._placed(leaves, positions, groups)
-            if placed is not None and (pointwise or _pushes_placed(op, args, kwargs, leaves,
-                                                                   positions, placed)):  # fmt: skip
-                if pointwise:  # f'(x) at each row's index: still placed
-                    if positions not in made:
-                        made[positions] = _node(func, leaves, spec, positions, tuple(outputs),
-                                                pointwise)  # fmt: skip
-                    if slope is None:
-                        slope = _slope(made[positions])
-                    values = placed.values * placed.at_positions(slope)
-                    pushed[0].append(Stream(groups, placed=dataclasses.replace(placed,
-                                                                               values=values)))  # fmt: skip
-                    if not linear_in(func, op, args, kwargs, leaves, positions):
-                        self.nodes.append(dataclasses.replace(made[positions], groups=groups,
-                                                              placed=placed))  # fmt: skip
-                else:
-                    pushed[0].append(Stream(groups, _linear_push(placed, args, kwargs)))
+            if placed is not None and pointwise:  # f'(x) at each row's index: still placed
+                if positions not in made:
+                    made[positions] = _node(func, leaves, spec, positions, tuple(outputs),
+                                            pointwise)  # fmt: skip
+                if slope is None:
+                    slope = _slope(made[positions])
+                values = placed.values * placed.at_positions(slope)
+                pushed[0].append(Stream(groups, placed=dataclasses.replace(placed, values=values)))
+                if not linear_in(func, op, args, kwargs, leaves, positions):
+                    self.nodes.append(dataclasses.replace(made[positions], groups=groups,
+                                                          placed=placed))  # fmt: skip
+                continue
+            weight = None if placed is None else _placed_weight(op, args, kwargs, leaves,
+                                                                positions, placed)  # fmt: skip
+            if weight is not None:  # an outer product per row
+                assert placed is not None
+                pushed[0].append(Stream(groups, _linear_push(placed, weight)))
                 continue
             rows = tuple(self._rows(leaves[i], groups) for i in positions)
             closed = closed_form(func, op, args, kwargs, [leaves[i] for i in positions])
@@ -714,36 +715,35 @@ def _slope(node: _Node) -> Tensor:
         return cast(Tensor, torch.func.jvp(node.function, node.primals, ones)[1][0])
 
 
-def _pushes_placed(
+def _placed_weight(
     op: str,
     args: Sequence[Any],
     kwargs: dict[str, Any],
     leaves: Sequence[Any],
     positions: Sequence[int],
     placed: Placed,
-) -> bool:
-    """Whether this is ``F.linear`` of input tangents placed along its last dim (the features
-    it contracts) by a weight without tangents: each row's push is then one weight column
-    times its values, an outer product, not a matrix product."""
+) -> Tensor | None:
+    """The weight of this ``F.linear`` where its input's tangents are placed along its last dim
+    (the features it contracts) and the weight carries none of them: each row's push is then
+    one weight column times its values (:func:`_linear_push`), not a matrix product."""
     bound = bind(op, args, kwargs) if op == "linear" else None
     if bound is None:
-        return False
+        return None
     input, weight = bound["input"], bound["weight"]
-    return (
+    pushes = (
         leaves[positions[0]] is input
         and isinstance(weight, Tensor)
         and weight.ndim == 2
         and input.ndim >= 1
         and placed.dim == input.ndim - 1
     )
+    return weight if pushes else None
 
 
-def _linear_push(placed: Placed, args: Sequence[Any], kwargs: dict[str, Any]) -> Tensor:
-    """``F.linear``'s push of placed input tangents (:func:`_pushes_placed`): row ``r`` is
-    ``values[r]`` times column ``positions[r]`` of the weight, ``(rows, *input[:-1], out)``."""
-    bound = bind("linear", args, kwargs)
-    assert bound is not None
-    columns = cast(Tensor, bound["weight"]).detach().t()[placed.positions]  # (rows, out)
+def _linear_push(placed: Placed, weight: Tensor) -> Tensor:
+    """``F.linear``'s push of placed input tangents by ``weight``: row ``r`` is ``values[r]``
+    times column ``positions[r]`` of it, ``(rows, *input[:-1], out)``."""
+    columns = weight.detach().t()[placed.positions]  # (rows, out)
     values = placed.values
     return values.unsqueeze(-1) * columns.view(len(columns), *[1] * (values.ndim - 1), -1)
 
