@@ -305,32 +305,45 @@ def _homogeneous(op: Callable[..., Any], flag: str, rule: Rule) -> Rule:
 
 
 def _checked(op: object, rule: Rule) -> Rule:
-    """A user's ``rule`` whose calls are checked against its signature and its results against
-    the op's output (:func:`_check`): a malformed jet was used silently (another value,
-    misshapen coefficients broadcast) or crashed inside the rules downstream, and a rule
-    without a parameter for an argument failed in a bare ``TypeError`` naming neither."""
-    try:
-        signature: inspect.Signature | None = inspect.signature(rule)
-    except (TypeError, ValueError):  # a builtin or C callable: nothing to check
-        signature = None
+    """A user's ``rule`` whose results are checked against the op's output (:func:`_check`),
+    and a call it fails with a ``TypeError`` against its signature (:func:`_call_refusal`): a
+    malformed jet was used silently (another value, misshapen coefficients broadcast) or crashed
+    inside the rules downstream, and a rule without a parameter for an argument failed in a
+    bare ``TypeError`` naming neither."""
 
     def checked(ctx: Context, out: Any, *args: Any, **kwargs: Any) -> Any:
-        if signature is not None:
-            try:
-                signature.bind(ctx, out, *args, **kwargs)
-            except TypeError as error:
-                raise UnsupportedOpError(
-                    f"pyhvp: the jet rule {getattr(rule, '__qualname__', rule)!r} of {op} "
-                    f"cannot take this call of the op, rule(ctx, out, *args, **kwargs) with "
-                    f"{len(args)} positional argument(s) after ctx and out and keyword(s) "
-                    f"{sorted(kwargs)}: {error} (its signature: {signature}; see "
-                    f"pyhvp.register_jet_rule)"
-                ) from error
-        result = rule(ctx, out, *args, **kwargs)
+        try:
+            result = rule(ctx, out, *args, **kwargs)
+        except TypeError as error:  # the rule's own, or its signature refusing the call
+            refusal = _call_refusal(op, rule, (ctx, out, *args), kwargs)
+            if refusal is None:
+                raise
+            raise refusal from error
         _check(ctx, op, out, result)
         return result
 
     return checked
+
+
+def _call_refusal(
+    op: object, rule: Rule, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> UnsupportedOpError | None:
+    """Where ``rule``'s signature cannot take ``rule(*args, **kwargs)`` (a parameter missing),
+    the refusal naming the rule, the op, the call and the signature; else None (a builtin's
+    signature is not known: None too)."""
+    try:
+        signature = inspect.signature(rule)
+        signature.bind(*args, **kwargs)
+    except ValueError:
+        return None
+    except TypeError as error:
+        return UnsupportedOpError(
+            f"pyhvp: the jet rule {getattr(rule, '__qualname__', rule)!r} of {op} cannot take "
+            f"this call of the op, rule(ctx, out, *args, **kwargs) with {len(args) - 2} "
+            f"positional argument(s) after ctx and out and keyword(s) {sorted(kwargs)}: {error} "
+            f"(its signature: {signature}; see pyhvp.register_jet_rule)"
+        )
+    return None
 
 
 def _check(ctx: Context, op: object, out: Any, result: Any) -> None:
