@@ -18,8 +18,9 @@ Three routes: two taken per selected tensor by a cost model, the third for every
   through the loss (entering a contraction by its sparse rule), one reverse pass for every
   activation's adjoint, and per nonlinear op its second-order term between the tangents -- a
   weighted Gram matrix at ``tanh`` or ``gelu``. A direction costs a forward push, never a reverse
-  pass; the pairwise terms cost ``k^2`` per op. It runs eagerly, takes every component at once
-  and holds every activation's tangents (``k`` times the activations).
+  pass; the pairwise terms cost ``k^2`` per op. It runs eagerly, takes every component of a
+  tensor at once and holds every activation's tangents (``k`` times the activations); per
+  tensor, in passes of tensors whose tangents fit ``routes.FORWARD_TANGENTS``.
 
 Cost model (``method="auto"``, :mod:`pyhvp.restricted.routes`): one survey of the loss (cached
 per call signature) learns how each selected tensor enters each op, the work downstream of it
@@ -35,7 +36,7 @@ loop itself (one backward per component: no one-hot tangents, no batching setup)
 ``joint=True`` the reverse route's rows fill the cross blocks of its tensors. An equal call made
 again (no ``data``; ``compile`` False or True) measures: the model's routes against the seed's
 loop and, unless compiling, the sparse and the reverse route alone, and the forward route
-(within ``routes.FORWARD_TANGENTS``), up to two timed runs each, then the fastest
+(in passes within ``routes.FORWARD_TANGENTS``), up to two timed runs each, then the fastest
 (:mod:`pyhvp.restricted.trial`). The choice is logged on the ``pyhvp.sub_hessian`` logger at
 DEBUG level. Both routes' kernels compile under the torch backend's compile policy.
 
@@ -918,8 +919,9 @@ def _choose_routes(
         found, sizes, joint, compiled, method != "sparse", together, auto, auto and forward, later
     )
     plans = [(MODEL, chosen)]
-    if method == "forward":
-        plans = [(FORWARD, routes.forward_alone(chosen, len(sizes)))]
+    if method == "forward":  # in passes within the bound where it fits, else in one
+        passes = routes.forward_passes(found, sizes, joint, together)
+        plans = [(FORWARD, routes.forward_alone(chosen, passes or (tuple(range(len(sizes))),)))]
     # compile="auto" compiles a plan's kernels once its eager time pays for that: a trial settled
     # on eager times would keep the loop where the compiled routes would beat it later
     if auto and backend.compile != "auto":
@@ -956,7 +958,8 @@ def _alternatives(
     """The plans a trial measures against the ``model``'s routes (:mod:`pyhvp.restricted.
     trial`): the seed's loop, unless compiling the sparse route alone (where it refuses no
     tensor) and the reverse route alone (within :data:`TRIAL_TANGENTS`), the forward route
-    (``forward``: where it may run this call and :func:`~pyhvp.restricted.routes.forward_fits`),
+    (``forward``: where it may run this call, in the passes of
+    :func:`~pyhvp.restricted.routes.forward_passes`),
     and the split the model's forward route replaced; each once, none equal to the model's.
     ``numels``: entries of each selected tensor."""
     # joint, a reverse pass's tangents span every selected tensor
@@ -972,8 +975,9 @@ def _alternatives(
     if not compiled and tangents <= TRIAL_TANGENTS:
         plans.append(("the reverse route alone",
                       routes.reverse_alone(found, sizes, joint, model, loop=False)))  # fmt: skip
-    if forward and routes.forward_fits(found, sizes, joint, together):
-        plans.append((FORWARD, routes.forward_alone(model, len(sizes))))
+    passes = routes.forward_passes(found, sizes, joint, together) if forward else None
+    if passes is not None:
+        plans.append((FORWARD, routes.forward_alone(model, passes)))
     if model.instead is not None:  # the model's forward route, against what it replaced
         plans.append((MODEL_INSTEAD, model.instead))
     kept = [(MODEL, model)]
@@ -1003,8 +1007,8 @@ def _log_routes(plan: _Plan, chosen: routes.Routes, backend: Backend) -> None:
         return
     if chosen.forward:
         groups = [[_label(plan, i) for i in group] for group in chosen.groups]
-        _log.debug("sub_hessian: %s for %s (one pass, eagerly)", FORWARD,
-                   " and ".join(f"[{', '.join(g)}]" for g in groups),
+        _log.debug("sub_hessian: %s for %s (eagerly)", FORWARD,
+                   " and ".join(f"[{', '.join(g)}] (one pass)" for g in groups),
                    extra={"sparse": [], "reverse": [], "forward": groups})  # fmt: skip
         return
     by_loop = f" {BY_LOOP}" if _loops(plan, chosen, backend) else ""

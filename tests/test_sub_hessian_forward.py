@@ -670,6 +670,43 @@ def test_a_trial_tries_the_forward_route_only_within_its_memory_bound(bound, tri
     assert (submatrix.FORWARD in dict(trial.plans)) == tried
 
 
+def forward_counts(loss, params, index):
+    """Per selected tensor, the tangent elements the forward route holds for it."""
+    names = list(index)
+    found = routes.survey(
+        lambda *ts: loss({**params, **dict(zip(names, ts, strict=True))}),
+        [params[name] for name in names],
+        [],
+    )
+    return [len(index[name]) * usage.held for name, usage in zip(names, found.usage, strict=True)]
+
+
+def test_per_tensor_the_forward_route_runs_in_passes_within_its_bound(monkeypatch, caplog):
+    """Per tensor, the tensors are packed into passes each within ``FORWARD_TANGENTS`` (the
+    largest first): the blocks are the dense ones, and no pass holds more than the bound."""
+    loss, params, index = network("LeNet", "cpu", count=8)
+    counts = dict(zip(index, forward_counts(loss, params, index), strict=True))
+    bound = max(counts.values())
+    monkeypatch.setattr(routes, "FORWARD_TANGENTS", bound)
+    with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"):
+        blocks = pyhvp.sub_hessian(loss, params, index, method="forward")
+    (passes,) = [r.forward for r in caplog.records if hasattr(r, "forward")]
+    by_pass = [[label.removeprefix("params[").strip("]'") for label in p] for p in passes]
+    assert sorted(n for p in by_pass for n in p) == sorted(index)
+    assert len(by_pass) > 1 and all(sum(counts[n] for n in p) <= bound for p in by_pass)
+    torch.testing.assert_close(blocks, per_tensor(dense_sub_hessian(loss, params, index), index),
+                               **F64)  # fmt: skip
+
+
+def test_joint_the_forward_route_is_one_pass_and_tried_only_within_its_bound(monkeypatch):
+    # the cross blocks need every direction in one pass: no packing into several
+    loss, params, index = network("LeNet", "cpu", count=8)
+    monkeypatch.setattr(routes, "FORWARD_TANGENTS", max(forward_counts(loss, params, index)))
+    pyhvp.sub_hessian(loss, params, index, joint=True, backend=EAGER)
+    (trial,) = submatrix._ROUTES.values()
+    assert submatrix.FORWARD not in dict(trial.plans)
+
+
 def test_the_route_is_logged(caplog):
     loss, params, index = network("LeNet", "cpu")
     with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"):

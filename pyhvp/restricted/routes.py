@@ -807,7 +807,8 @@ def choose(
     those tensors may share one sparse kernel (one dtype and device); ``loop``: whether the
     seed's loop may take the reverse route's tensors instead, where the split costs less so;
     ``forward``: whether the forward route may take every tensor instead (one dtype and device,
-    within :data:`FORWARD_TANGENTS`), where it costs less by :data:`FORWARD_MARGIN`; against the
+    in passes within :data:`FORWARD_TANGENTS`), where it costs less by :data:`FORWARD_MARGIN`;
+    against the
     split compiled where the backend compiles it later (``compiles_later``: ``compile="auto"``,
     whose steady state is compiled, where the forward route runs eagerly for good)."""
     best = _split(found, sizes, joint, compiled, reverse, together)
@@ -815,13 +816,14 @@ def choose(
         by_loop = _split(found, sizes, joint, compiled, reverse, together, loop=True)
         if by_loop.cost < best.cost:
             best = dataclasses.replace(by_loop, reverse_only_cost=best.reverse_only_cost)
-    if forward and forward_fits(found, sizes, joint, together):
-        cost = forward_cost(found, sizes, joint)
+    passes = forward_passes(found, sizes, joint, together) if forward else None
+    if passes is not None:
+        cost = forward_cost(found, sizes, joint, len(passes))
         rival = best.cost
         if compiles_later and not compiled:
             rival = min(rival, choose(found, sizes, joint, True, reverse, together, loop).cost)
         if cost < FORWARD_MARGIN * rival:
-            return dataclasses.replace(forward_alone(best, len(sizes)), cost=cost, instead=best)
+            return dataclasses.replace(forward_alone(best, passes), cost=cost, instead=best)
     return best
 
 
@@ -838,12 +840,15 @@ def reverse_alone(
     return dataclasses.replace(every_tensor_reverse(model, len(sizes), loop), cost=cost)
 
 
-FORWARD_TANGENTS = 1 << 27
-"""Most elements of forward tangents (per selected tensor, its components times the elements of
-every output downstream of it, :attr:`Usage.held`; joint, all components times the most any
-tensor holds) for which the forward route is chosen or tried: it holds every activation's
-tangents at once (LeNet-5 at k = 128 per tensor: 1.2e8 by this count, 1.1 GB at its peak; a
-deep MLP's count grows with its depth, where the widest output alone would not)."""
+FORWARD_TANGENTS = 1 << 28
+"""Most elements of forward tangents one pass of the forward route may hold (per selected tensor,
+its components times the elements of every output downstream of it, :attr:`Usage.held`; joint,
+all components times the most any tensor holds): a pass holds every activation's tangents at
+once. Per tensor, the tensors are packed into passes within it (:func:`forward_passes`); joint,
+the cross blocks need one pass. The transformer block at k = 128 per tensor counts 4.8e8: in one
+pass 1.7 GB at its peak and 2.5 s, in two passes of at most 2.7e8 1.1 GB and 2.4 s (LeNet-5 at
+k = 128, 1.2e8: 1.1 GB in one pass; a deep MLP's count grows with its depth, where the widest
+output alone would not)."""
 
 
 FORWARD_SETUP = 2_300_000.0
@@ -883,11 +888,13 @@ written in closed form: modelled at 0.78x the split, measured at 1.8x eagerly; s
 at 213 ms, measured at 321)."""
 
 
-def forward_cost(found: Survey, sizes: Sequence[int], joint: bool) -> float:
-    """Modelled nanoseconds of the forward route over every selected tensor (eagerly: it
-    compiles nothing); joint, every direction reaches what the first tensor reaches."""
+def forward_cost(found: Survey, sizes: Sequence[int], joint: bool, passes: int = 1) -> float:
+    """Modelled nanoseconds of the forward route over every selected tensor in ``passes``
+    passes (eagerly: it compiles nothing); joint, every direction reaches what the first tensor
+    reaches."""
     usage = found.usage
-    cost = FORWARD_SETUP + FORWARD_PER_TENSOR * len(sizes) + FORWARD_PASSES * _ns(found.forward)
+    per_pass = FORWARD_SETUP + FORWARD_PASSES * _ns(found.forward)
+    cost = passes * per_pass + FORWARD_PER_TENSOR * len(sizes)
     rows = [sum(sizes)] * len(sizes) if joint else list(sizes)
     for k, u in zip(rows, usage, strict=True):
         dense = any("(a view" in use for use in u.uses)
@@ -896,28 +903,44 @@ def forward_cost(found: Survey, sizes: Sequence[int], joint: bool) -> float:
     return cost
 
 
-def forward_alone(model: Routes, count: int) -> Routes:
-    """Every one of the ``count`` selected tensors by the forward-tangent route, in one pass."""
+def forward_alone(model: Routes, passes: Sequence[tuple[int, ...]]) -> Routes:
+    """Every selected tensor by the forward-tangent route, one pass per tuple of ``passes``
+    (together, the indices of every selected tensor)."""
     return dataclasses.replace(
-        model, groups=(tuple(range(count)),), reverse=(), eager_only=frozenset(), chunk=None,
+        model, groups=tuple(passes), reverse=(), eager_only=frozenset(), chunk=None,
         loop=False, forward=True, instead=None)  # fmt: skip
 
 
-def forward_fits(
+def forward_passes(
     found: Survey,
     sizes: Sequence[int],
     joint: bool,
     together: Callable[[Sequence[int]], bool] = lambda members: True,
-) -> bool:
-    """Whether the forward-tangent route may take every selected tensor: they may share one
-    pass (``together``), its tangents fit :data:`FORWARD_TANGENTS`, and the survey saw nothing
-    it would refuse."""
+) -> tuple[tuple[int, ...], ...] | None:
+    """The passes in which the forward-tangent route may take every selected tensor, each
+    within :data:`FORWARD_TANGENTS` (``joint``: one pass, whose cross blocks need every
+    direction), or None where it may not: the tensors do not share one dtype and device
+    (``together``), a tensor alone (joint, all of them) holds more, or the survey saw an op the
+    route refuses. Per tensor, the largest first, each into the first pass it fits; each pass
+    in the order of the tensors."""
     if found.forward_refusal is not None or not together(range(len(sizes))):
-        return False
+        return None
     if joint:
         held = max((u.held for u in found.usage), default=0)
-        return sum(sizes) * held <= FORWARD_TANGENTS
-    return sum(k * u.held for k, u in zip(sizes, found.usage, strict=True)) <= FORWARD_TANGENTS
+        return (tuple(range(len(sizes))),) if sum(sizes) * held <= FORWARD_TANGENTS else None
+    counts = [k * u.held for k, u in zip(sizes, found.usage, strict=True)]
+    if max(counts, default=0) > FORWARD_TANGENTS:
+        return None
+    passes: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(sizes)), key=lambda i: -counts[i]):
+        j = next((j for j, left in enumerate(room) if counts[i] <= left), len(passes))
+        if j == len(passes):
+            passes.append([])
+            room.append(FORWARD_TANGENTS)
+        passes[j].append(i)
+        room[j] -= counts[i]
+    return tuple(tuple(sorted(members)) for members in passes)
 
 
 def every_tensor_reverse(
