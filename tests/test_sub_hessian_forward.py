@@ -135,6 +135,18 @@ def test_streams_pushed_apart_give_the_same_matrix(name, device, monkeypatch):
     torch.testing.assert_close(blocks, per_tensor(expected, index), **F64)
 
 
+@pytest.mark.parametrize("name", NETWORKS)
+def test_gram_matrices_made_a_few_columns_at_a_time_give_the_same_matrix(name, device,
+                                                                        monkeypatch):  # fmt: skip
+    # a pointwise op's weighted Gram matrix sums forward.GRAM_COLUMNS columns at a time: with 7,
+    # every activation spans several chunks and ends in a partial one
+    loss, params, index = network(name, device)
+    expected = dense_sub_hessian(loss, params, index)
+    monkeypatch.setattr(forward, "GRAM_COLUMNS", 7)
+    blocks = pyhvp.sub_hessian(loss, params, index, method="forward")
+    torch.testing.assert_close(blocks, per_tensor(expected, index), **F64)
+
+
 W = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
 V = torch.randn(4, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
 PRODUCTS = {  # two selected tensors meeting in one op: its cross terms are second-order

@@ -170,14 +170,35 @@ class Product:
 
     def push(self, *tangents: Tensor) -> Tensor:
         of_a, of_b = tangents
-        return torch.matmul(of_a, self.b.detach()) + torch.matmul(self.a.detach(), of_b)
+        return _rows_times(of_a, self.b.detach()) + _times_rows(self.a.detach(), of_b)
 
     def terms(self, adjoint: Tensor, *tangents: Tensor) -> Tensor:
         of_a, of_b = tangents
         # <d, t_A u_B> = <t_A, d u_B^T>
         crossed = (of_a.reshape(len(of_a), -1)
-                   @ torch.matmul(adjoint, of_b.mT).reshape(len(of_b), -1).mT)  # fmt: skip
+                   @ _times_rows(adjoint, of_b.mT).reshape(len(of_b), -1).mT)  # fmt: skip
         return crossed + crossed.mT
+
+
+def _rows_times(rows: Tensor, b: Tensor) -> Tensor:
+    """``rows @ b``, ``(K, *batch, s, n) @ (*batch, n, m)``, with the K rows stacked along ``s``:
+    one product per batch entry, no K copies of ``b`` (``matmul`` broadcasts by copying); other
+    batch shapes by ``matmul``."""
+    if rows.shape[1:-2] != b.shape[:-2]:
+        return torch.matmul(rows, b)
+    k, s = rows.shape[0], rows.shape[-2]
+    stacked = rows.movedim(0, -3).reshape(*b.shape[:-2], k * s, rows.shape[-1])
+    return (stacked @ b).reshape(*b.shape[:-2], k, s, b.shape[-1]).movedim(-3, 0)
+
+
+def _times_rows(a: Tensor, rows: Tensor) -> Tensor:
+    """``a @ rows``, ``(*batch, s, n) @ (K, *batch, n, m)``, with the K rows side by side along
+    ``m``: no K copies of ``a``; other batch shapes by ``matmul``."""
+    if rows.shape[1:-2] != a.shape[:-2]:
+        return torch.matmul(a, rows)
+    k, m = rows.shape[0], rows.shape[-1]
+    side_by_side = rows.movedim(0, -2).reshape(*a.shape[:-2], rows.shape[-2], k * m)
+    return (a @ side_by_side).reshape(*a.shape[:-1], k, m).movedim(-2, 0)
 
 
 @dataclasses.dataclass(frozen=True)
