@@ -250,6 +250,10 @@ CLOSED_FORMS = {  # ops whose tangents and term pyhvp.restricted.closed_forms wr
     "attention, an additive mask, q and v carrying": lambda p: squash(
         F.scaled_dot_product_attention(hidden(p)[None], C[None], hidden(p)[None] ** 2,
                                        torch.triu(torch.ones(3, 3, dtype=torch.float64)))),
+    "attention, a query row whose every key is masked (zeros, as torch's math kernel)":
+        lambda p: squash(F.scaled_dot_product_attention(hidden(p)[None], hidden(p)[None] ** 2,
+            hidden(p)[None], attn_mask=torch.tensor([[True, False, True], [False] * 3,
+                                                     [True] * 3]))),
     "cross_entropy, mean": lambda p: F.cross_entropy(hidden(p), LABELS),
     "cross_entropy, sum, a row ignored": lambda p: F.cross_entropy(
         hidden(p), LABELS.where(LABELS != 2, -100), reduction="sum"),
@@ -303,19 +307,48 @@ def test_placed_tangents_equal_the_dense_sub_hessian(loss):
     assert_forward_equals_dense(loss)
 
 
-def test_a_layers_tangents_stay_placed_through_a_pointwise_op_into_the_next_layer(monkeypatch):
-    # the transformer block's first MLP layer's (and norm1's) tangents of its output: one
-    # feature per row, through GELU, then each pushed by the next layer as an outer product
-    pushed = []
+@pytest.fixture
+def pushed(monkeypatch):
+    """The rows of every placed stream a layer pushes as outer products, in call order."""
+    rows = []
 
     def linear_push(placed, *args, push=forward._linear_push):
-        pushed.append(len(placed.positions))
+        rows.append(len(placed.positions))
         return push(placed, *args)
 
     monkeypatch.setattr(forward, "_linear_push", linear_push)
+    return rows
+
+
+def test_a_layers_tangents_stay_placed_through_a_pointwise_op_into_the_next_layer(pushed):
+    # the transformer block's first MLP layer's (and norm1's) tangents of its output: one
+    # feature per row, through GELU, then each pushed by the next layer as an outer product
     loss, params, index = network("transformer block", "cpu")
     pyhvp.sub_hessian(loss, params, index, method="forward")
     assert pushed == [8, 8]  # norm1's weight and bias into mlp.0, mlp.0's into mlp.2
+
+
+def test_a_dropout_outside_training_keeps_a_layers_tangents_placed(pushed):
+    # nn.Dropout between a layer's activation and the next layer (a transformer's MLP), in
+    # eval: the identity, whose placed tangents the next layer still pushes as outer products
+    assert_forward_equals_dense(
+        lambda p: squash(
+            F.linear(nn.Dropout(0.5).eval()(torch.tanh(F.linear(X5, p["w"], p["v"][:3, 0]))), C.T)
+        )
+    )
+    assert pushed == [12]  # per tensor: w's 4 rows and v's 8, one stream
+
+
+def test_a_product_by_a_value_without_a_layers_tangents_keeps_them_placed(pushed):
+    # a gated MLP's silu(gate(x)) * up(x) (LLaMA's), a layer scale gamma * h: each placed row
+    # is times the other factor at its index, and the next layer pushes it as an outer product
+    gate = torch.sigmoid(F.linear(X5, C))
+    assert_forward_equals_dense(
+        lambda p: squash(
+            F.linear(2.0 * (F.silu(F.linear(X5, p["w"], p["v"][:3, 0])) * gate) * C[:, 0], C.T)
+        )
+    )
+    assert pushed == [12]  # per tensor: w's 4 rows and v's 8, one stream
 
 
 TAKEN = {  # a network, and the closed forms its ops take (attention's by its softmax and products)
@@ -565,6 +598,12 @@ REFUSED = {  # a loss the route cannot follow as autograd does, and what the ref
         "reduce='amax'"),
     "index_put writing one slot twice": (lambda p: squash(torch.zeros(4, 4, dtype=W.dtype)
         .index_put((torch.tensor([0, 2, 0]),), p["w"] - W) @ V), "one position twice"),
+    "a gradient penalty (torch.autograd.grad inside the loss)": (lambda p: (lambda x: (
+        lambda y: y + torch.autograd.grad(y, x, create_graph=True)[0].pow(2).sum())(
+        squash(torch.tanh(p["w"] @ x))))(V.clone().requires_grad_()), "derivative inside"),
+    "put writing one position twice": (lambda p: squash(torch.zeros(16, dtype=W.dtype).put(
+        torch.tensor([0, 5, -16, 7, 1, 2, 3, 4, 6, 8, 9, 10]), (p["w"] - W).reshape(-1))
+        .view(4, 4) @ V), "one position twice"),
 }  # fmt: skip
 
 

@@ -135,10 +135,17 @@ class Softmax:
 
     input: Tensor
     dim: int
+    safe: bool = False
+    """Rows all ``-inf`` give zeros, not NaN (attention's math kernel's ``_safe_softmax``: a
+    query row whose every key is masked)."""
 
     @functools.cached_property
     def _output(self) -> Tensor:
-        return torch.softmax(self.input.detach(), self.dim)
+        output = torch.softmax(self.input.detach(), self.dim)
+        if self.safe:
+            masked = torch.isneginf(self.input.detach()).all(self.dim, keepdim=True)
+            output = output.masked_fill(masked, 0.0)
+        return output
 
     def push(self, *tangents: Tensor) -> Tensor:
         (given,) = tangents
@@ -230,7 +237,7 @@ class Attention:
     @functools.cached_property
     def _scores(self) -> Softmax:
         scores = self.scale * (self.query.detach() @ self.key.detach().mT)
-        return Softmax(scores if self._additive is None else scores + self._additive, -1)
+        return Softmax(scores if self._additive is None else scores + self._additive, -1, True)
 
     def _split(self, tangents: Sequence[Tensor]) -> list[Tensor | None]:
         given = iter(tangents)

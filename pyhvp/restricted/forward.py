@@ -181,12 +181,13 @@ def _at_a_tie(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, A
     return any(isinstance(tie, Tensor) and bool((input == tie).any()) for tie in ties)
 
 
-_WRITES = functions((torch, Tensor), ("index_put", "index_copy", "scatter")) | functions(
+_WRITES = functions((torch, Tensor), ("index_put", "index_copy", "scatter", "put")) | functions(
     (F,), ("max_unpool1d", "max_unpool2d", "max_unpool3d")
 )
 """Ops writing values into positions: where two write to one position, torch's forward
 derivative follows the last write, autograd's backward sends the gradient to every writer
-(``index_put`` of a zero-initialised layer's outputs, blocks 36 off)."""
+(``index_put`` of a zero-initialised layer's outputs, blocks 36 off; ``put`` at a zero-residual
+fit, 1.17 off)."""
 
 
 def _writes_twice(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
@@ -204,6 +205,12 @@ def _writes_twice(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[st
         return bool((ordered[..., 1:] == ordered[..., :-1]).any())
     if not isinstance(input, Tensor):
         return False
+    if name == "put":  # flat positions, negative ones from the end
+        index = argument(args, kwargs, "index", 1, None)
+        if argument(args, kwargs, "accumulate", 3, False) or not isinstance(index, Tensor):
+            return False
+        flat = index.reshape(-1) % max(input.numel(), 1)
+        return bool(flat.numel() > 1 and flat.sort().values.diff().eq(0).any())
     if name == "index_put":
         indices = argument(args, kwargs, "indices", 1, ())
         if argument(args, kwargs, "accumulate", 3, False):
@@ -227,6 +234,11 @@ _DROPOUTS = functions(
     (F,), ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
            "feature_alpha_dropout"),
 )  # fmt: skip
+
+_DERIVATIVES = frozenset({torch.autograd.grad, torch.autograd.backward, Tensor.backward})
+"""A gradient penalty's ``torch.autograd.grad`` (``create_graph=True``) of a value carrying
+tangents: pushed as an op, its ``vmap(jvp)`` failed with autograd's "element 0 of tensors does
+not require grad"."""
 
 _TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-3}
 """How far the loss's tangents may stray from autograd's gradient (relative to the gradient's
@@ -412,10 +424,11 @@ class Tangents(TorchFunctionMode):
         pushed: list[list[Stream]] = [[] for _ in outputs]
         made: dict[tuple[int, ...], _Node] = {}  # the op as a function of each argument set
         pointwise = pointwise_in(func, leaves, carrying, outputs)
+        identity = _identity(func, leaves, carrying, outputs)  # placed streams pass as they are
         slope = None  # a pointwise op's derivative, f'(x)
         by_rule: list[tuple[tuple[int, ...], Seed, rules.Contribution]] = []
-        apart = pointwise or self._large_streams(leaves, carrying) or self._placed_into(op, leaves,
-                                                                                    carrying)  # fmt: skip
+        apart = (pointwise or identity or self._large_streams(leaves, carrying)
+                 or self._placed_into(func, op, leaves, carrying))  # fmt: skip
         for groups, positions in self._buckets(leaves, carrying, apart).items():
             found = self._by_rule(func, op, args, kwargs, leaves, positions, outputs)
             if found is not None:  # linear in the one selected tensor: no term
@@ -433,6 +446,16 @@ class Tangents(TorchFunctionMode):
                 if not linear_in(func, op, args, kwargs, leaves, positions):
                     self.nodes.append(dataclasses.replace(made[positions], groups=groups,
                                                           placed=placed))  # fmt: skip
+                continue
+            if placed is not None and identity:  # (no term: the identity)
+                pushed[0].append(Stream(groups, placed=placed))
+                continue
+            factor = None if placed is None else _placed_factor(func, args, kwargs, leaves,
+                                                                positions, outputs)  # fmt: skip
+            if factor is not None:  # times a value without these tangents: no term, still placed
+                assert placed is not None
+                values = placed.values * placed.at_positions(factor)
+                pushed[0].append(Stream(groups, placed=dataclasses.replace(placed, values=values)))
                 continue
             weight = None if placed is None else _placed_weight(op, args, kwargs, leaves,
                                                                 positions, placed)  # fmt: skip
@@ -586,10 +609,13 @@ class Tangents(TorchFunctionMode):
         streams = self.of(value)
         return len(streams) > 1 and sum(s.numel() for s in streams) >= JOIN_LIMIT
 
-    def _placed_into(self, op: str, leaves: Sequence[Any], carrying: Sequence[int]) -> bool:
-        """Whether placed tangents enter this ``F.linear``: its streams then push apart, so that
-        the placed ones push as outer products (:func:`_linear_push`)."""
-        return op == "linear" and any(
+    def _placed_into(
+        self, func: Callable[..., Any], op: str, leaves: Sequence[Any], carrying: Sequence[int]
+    ) -> bool:
+        """Whether placed tangents enter this ``F.linear`` or product: its streams then push
+        apart, so that the placed ones push as outer products (:func:`_linear_push`) or stay
+        placed (:func:`_placed_factor`)."""
+        return (op == "linear" or func in PRODUCTS) and any(
             s.placed is not None
             for i in carrying
             if self._seed(leaves[i]) is None  # (whose one-hot stream asking would make)
@@ -706,6 +732,51 @@ def _one_stream(
         seed.dense(found, dense[start : start + seed.rows])
         start += seed.rows
     return Stream(groups, dense)
+
+
+def _identity(
+    func: Callable[..., Any], leaves: Sequence[Any], carrying: Sequence[int],
+    outputs: Sequence[Tensor],
+) -> bool:  # fmt: skip
+    """Whether this call returns its one tensor argument's values as they are: a dropout
+    outside training (:func:`refusal` refuses one in training), as ``nn.Dropout`` between a
+    layer's activation and the next layer calls it, whose placed tangents then stay placed
+    (made dense, the next layer's push was a matrix product: an MLP's forward route 3x)."""
+    return (
+        func in _DROPOUTS
+        and len(carrying) == 1
+        and len(outputs) == 1
+        and outputs[0].shape == leaves[carrying[0]].shape
+    )
+
+
+def _placed_factor(
+    func: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    leaves: Sequence[Any],
+    positions: Sequence[int],
+    outputs: Sequence[Tensor],
+) -> Tensor | None:
+    """The other factor of this product ``a * b``, of the carrying one's shape, where only one
+    carries these tangents and the product has its shape and dtype (a gated MLP's
+    ``silu(gate(x)) * up(x)``, a layer scale ``gamma * h``): each placed row's push is then its
+    values times the factor at its index; None for any other call."""
+    if func not in PRODUCTS or kwargs or len(args) != 2 or len(positions) != 1:
+        return None
+    (i,) = positions
+    if i not in (0, 1) or len(outputs) != 1 or args[i] is not leaves[i]:
+        return None
+    value, other = args[i], args[1 - i]
+    if not isinstance(value, Tensor) or outputs[0].shape != value.shape:
+        return None
+    if outputs[0].dtype != value.dtype:
+        return None
+    if isinstance(other, Tensor):
+        return other.detach().to(value.dtype).broadcast_to(value.shape)  # (a 0-dim float64)
+    if isinstance(other, (int, float)) and not isinstance(other, bool):
+        return value.new_full((), other).broadcast_to(value.shape)
+    return None
 
 
 def _slope(node: _Node) -> Tensor:
@@ -858,6 +929,9 @@ def refusal(func: Callable[..., Any], op: str, args: Sequence[Any], kwargs: dict
         return f"{describe(func)} updates its running statistics in training"
     if func in _DROPOUTS and argument(args, kwargs, "training", 2, True):
         return f"{describe(func)} in training draws a random mask (randomness)"
+    if func in _DERIVATIVES:
+        return (f"{describe(func)} takes a derivative inside the loss: autograd's engine runs "
+                "its ops, which the route's mode does not see")  # fmt: skip
     if func in HOOKS:
         return (f"{describe(func)}: a gradient hook on a value that depends on a selected "
                 "tensor changes autograd's derivative, not the op's")  # fmt: skip
