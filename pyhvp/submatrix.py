@@ -86,6 +86,7 @@ from pyhvp._checks import (
 )
 from pyhvp._embeddings import TwiceDifferentiable, twice_differentiable_embeddings
 from pyhvp._keys import TensorMemo
+from pyhvp._norm_biases import biases_outside_norms
 from pyhvp._progress import progress_bar
 from pyhvp._public import public_operator
 from pyhvp._user_errors import PACKAGE, stacklevel_outside_pyhvp
@@ -1565,7 +1566,7 @@ def _loop_rows(
         ys = [cast(torch.Tensor, t).detach().requires_grad_() for t in _normal(tuple(leaves))]
         args = _normal(args)
         draws.begin()
-        with twice_differentiable_embeddings():
+        with twice_differentiable_embeddings(), biases_outside_norms():
             total = loss(*ys, *args)
         refuse_compiled_backward(total)
         return _rows_by_loop(total, ys, row_flats, column_flats)

@@ -60,7 +60,9 @@ def dense_sub_hessian(loss, params, index):
     (``torch.autograd.functional.hessian``), restricted to the selected flat entries. Not
     ``torch.func.hessian``: torch.func's second derivative of ``layer_norm`` in its weight and
     its input is wrong (torch 2.5-2.14: asymmetric, 1.04 off finite differences on the attention
-    block of ``test_sub_hessian_sparse_ops``), autograd's matches finite differences.
+    block of ``test_sub_hessian_sparse_ops``), autograd's matches finite differences. Not a
+    reference where a selected tensor is the bias of a norm without a weight either: autograd's
+    double backward drops it there (``test_norms_with_a_bias_and_no_weight``).
 
     ``params`` a tensor and ``index`` a 1-D index tensor -> ``(k, k)``; ``params`` a dict and
     ``index`` a dict of index tensors -> the joint ``(K, K)``, blocks in ``index``'s order. Pass

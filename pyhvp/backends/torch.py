@@ -77,6 +77,7 @@ from pyhvp._attention import math_attention
 from pyhvp._batched_backward import batched_grad
 from pyhvp._checks import check_output, fmt_shape
 from pyhvp._keys import version_of
+from pyhvp._norm_biases import biases_outside_norms
 from pyhvp._user_errors import note, quiet_tracing, stacklevel_outside_pyhvp
 from pyhvp.backends import Blocks, compile_policy, inductor, nested
 from pyhvp.backends.compile_policy import CompileCache
@@ -879,6 +880,7 @@ class TorchBackend:
         return parts
 
     @math_attention  # fused attention kernels have no second derivative
+    @biases_outside_norms()  # torch's double backward drops such a bias
     def _run(
         self,
         eager_kernel: Callable[..., Result],

@@ -1,0 +1,90 @@
+"""Norms with a bias and no weight, differentiated twice: :func:`biases_outside_norms`.
+
+Autograd's double backward of ``layer_norm``, ``batch_norm``, ``instance_norm`` and
+``group_norm`` drops the bias when the weight is None (torch 2.5.1 to 2.14.1): the Hessian of
+``tanh(F.layer_norm(h, (5,), None, b)).square().sum()`` over ``b`` came out all zeros, in
+``pyhvp.hvp`` and every route of ``sub_hessian`` (``joint=True`` raised "Expected a proper
+Tensor but got None"), where ``torch.func``'s forward-over-reverse gets it right. Inside the
+context such a call runs as the norm without weight or bias, plus the bias: the same values, and
+second derivatives autograd gets right.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from pyhvp._replacing import Replacement
+
+_PARAMETERS = {  # torch's functions (which F's call), their parameters in order
+    "layer_norm": ("input", "normalized_shape", "weight", "bias", "eps", "cudnn_enable"),
+    "batch_norm": ("input", "weight", "bias", "running_mean", "running_var", "training",
+                   "momentum", "eps", "cudnn_enabled"),
+    "instance_norm": ("input", "weight", "bias", "running_mean", "running_var",
+                      "use_input_stats", "momentum", "eps", "cudnn_enabled"),
+    "group_norm": ("input", "num_groups", "weight", "bias", "eps", "cudnn_enabled"),
+}  # fmt: skip
+
+_ON = threading.local()
+"""Whether this thread is inside the context (another thread's calls keep torch's behaviour)."""
+
+
+def _bias_outside(name: str, norm: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``norm`` (torch's ``name``), with a bias and no weight run as the norm plus the bias
+    inside the context: per channel (dim 1), or over the normalised dims of a layer norm."""
+    parameters = _PARAMETERS[name]
+    at = parameters.index("bias")
+
+    @functools.wraps(norm)
+    def written(*args: Any, **kwargs: Any) -> torch.Tensor:
+        bound = dict(zip(parameters, args, strict=False)) | kwargs
+        input, weight, bias = bound.get("input"), bound.get("weight"), bound.get("bias")
+        if not (
+            getattr(_ON, "depth", 0)
+            and weight is None
+            and isinstance(bias, torch.Tensor)
+            and isinstance(input, torch.Tensor)
+            and bias.dtype == input.dtype  # (a wider bias would widen the output)
+        ):
+            return norm(*args, **kwargs)
+        if at < len(args):
+            args = (*args[:at], None, *args[at + 1 :])
+        else:
+            kwargs = kwargs | {"bias": None}
+        out = norm(*args, **kwargs)
+        if name == "layer_norm":
+            return out + bias
+        return out + bias.reshape(1, -1, *(1,) * (out.ndim - 2))
+
+    return written
+
+
+_REPLACED = Replacement(
+    [(torch, name, _bias_outside(name, getattr(torch, name))) for name in _PARAMETERS]
+)
+
+
+@contextlib.contextmanager
+def biases_outside_norms() -> Iterator[None]:
+    """Inside, in this thread, a layer, batch, instance or group norm with a bias and no weight
+    runs as the norm without either plus the bias (``F.layer_norm`` and the others call torch's
+    functions, which are replaced while any such context is in progress:
+    :class:`~pyhvp._replacing.Replacement`); a call bound to torch's own function before is
+    torch's.
+
+    >>> h, b = torch.tensor([[0.0, 2.0]]), torch.tensor([1.0, -1.0])
+    >>> with biases_outside_norms():
+    ...     torch.nn.functional.layer_norm(h, (2,), None, b, eps=0.0)  # (-1, 1) + b
+    tensor([[0., 0.]])
+    """
+    with _REPLACED.active():
+        _ON.depth = getattr(_ON, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            _ON.depth -= 1
