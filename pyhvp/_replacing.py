@@ -32,6 +32,14 @@ class Replacement:
 
     @contextmanager
     def active(self) -> Iterator[None]:
+        self.acquire()
+        try:
+            yield
+        finally:
+            self.release()
+
+    def acquire(self) -> None:
+        """Enter: the replacements are in place until the matching :meth:`release`."""
         with self._lock:
             if self._users == 0:
                 self._found = [vars(owner).get(name, _MISSING)
@@ -39,15 +47,14 @@ class Replacement:
                 for owner, name, value in self._replacements:
                     setattr(owner, name, value)
             self._users += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._users -= 1
-                if self._users == 0:
-                    for (owner, name, _), found in zip(self._replacements, self._found,
-                                                       strict=True):  # fmt: skip
-                        if found is _MISSING:
-                            delattr(owner, name)
-                        else:
-                            setattr(owner, name, found)
+
+    def release(self) -> None:
+        """Leave: the last to leave puts back what the first found."""
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                for (owner, name, _), found in zip(self._replacements, self._found, strict=True):
+                    if found is _MISSING:
+                        delattr(owner, name)
+                    else:
+                        setattr(owner, name, found)

@@ -1566,7 +1566,7 @@ def _loop_rows(
         ys = [cast(torch.Tensor, t).detach().requires_grad_() for t in _normal(tuple(leaves))]
         args = _normal(args)
         draws.begin()
-        with twice_differentiable_embeddings(), biases_outside_norms():
+        with twice_differentiable_embeddings(), biases_outside_norms:
             total = loss(*ys, *args)
         refuse_compiled_backward(total)
         return _rows_by_loop(total, ys, row_flats, column_flats)

@@ -880,7 +880,7 @@ class TorchBackend:
         return parts
 
     @math_attention  # fused attention kernels have no second derivative
-    @biases_outside_norms()  # torch's double backward drops such a bias
+    @biases_outside_norms  # torch's double backward drops such a bias
     def _run(
         self,
         eager_kernel: Callable[..., Result],

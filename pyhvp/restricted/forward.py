@@ -1012,7 +1012,7 @@ def pointwise_in(
 
 
 @math_attention  # fused attention kernels have no forward derivative
-@biases_outside_norms()  # torch's double backward drops such a bias
+@biases_outside_norms  # torch's double backward drops such a bias
 def forward_hessian(
     loss: Callable[..., Tensor],
     tensors: Sequence[Tensor],
