@@ -393,6 +393,11 @@ def _without_directions(ctx, out, u):
     )
 
 
+def _directions_summed(ctx, out, u):
+    jet = _cube_rule(ctx, out, u)
+    return Jet(out, (jet.first.sum(0, keepdim=True), *jet.coefficients[1:]))
+
+
 MALFORMED_RULES = {
     "a jet of another value": (
         lambda ctx, out, u: Jet(2 * out, _cube_rule(ctx, out, u).coefficients),
@@ -400,6 +405,10 @@ MALFORMED_RULES = {
     "coefficients without the directions' axis": (
         _without_directions, r"order-1 coefficient of shape \(4, 3\) for a value of shape \(4, 3\)"
     ),
+    "first-order coefficients summed over the directions, an axis of 1 left": (
+        _directions_summed,
+        r"order-1 coefficient of shape \(1, 4, 3\) for a value of shape \(4, 3\): it must be "
+        r"\(K = 3, the directions"),
     "no first-order coefficient": (
         lambda ctx, out, u: Jet(out, (None, *_cube_rule(ctx, out, u).coefficients[1:])),
         "without a first-order coefficient"),
@@ -409,7 +418,8 @@ MALFORMED_RULES = {
     "no parameter for the input's jet": (lambda ctx, out: out,
                                          r"cannot take this call of the op.*signature: \(ctx, out\)"),
 }  # fmt: skip
-"""A user's rule, and what the refusal says: these were used silently (another value) or
+"""A user's rule, and what the refusal says: these were used silently (another value; an axis
+of 1 for the K directions, broadcast: every direction given one sum's coefficient) or
 crashed inside the rules downstream (a rule without the input's parameter, in a bare TypeError
 naming neither the op nor the rule)."""
 

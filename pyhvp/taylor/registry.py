@@ -20,7 +20,16 @@ from pyhvp.taylor.fallbacks import (
     pointwise_fallback,
     substitute,
 )
-from pyhvp.taylor.jets import ENGINE, Context, Jet, NotAtThisOrder, dense_only, value_of
+from pyhvp.taylor.jets import (
+    ENGINE,
+    Context,
+    DiagonalCoefficient,
+    FactoredCoefficient,
+    Jet,
+    NotAtThisOrder,
+    dense_only,
+    value_of,
+)
 
 aten = torch.ops.aten
 Tensor = torch.Tensor
@@ -319,10 +328,28 @@ def _checked(op: object, rule: Rule) -> Rule:
             if refusal is None:
                 raise
             raise refusal from error
-        _check(ctx, op, out, result)
+        _check(ctx, op, out, result, _directions_of(args, kwargs))
         return result
 
     return checked
+
+
+def _directions_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    """K, the directions the input jets carry (the leading axis of their first-order
+    coefficients); None where no input shows it (a first order summed over directions)."""
+    sizes = {_leading(jet.coefficient) for jet in pytree.tree_leaves((args, kwargs))
+             if isinstance(jet, Jet)}  # fmt: skip
+    return max(sizes) if sizes and max(sizes) > 1 else None
+
+
+def _leading(c: Any) -> int:
+    """The leading (directions) axis of a first-order coefficient, dense or structured,
+    without multiplying it out."""
+    if isinstance(c, DiagonalCoefficient):
+        return int(c.basis.shape[0])
+    if isinstance(c, FactoredCoefficient):
+        return int(c.shared.shape[0])
+    return int(c.shape[0])
 
 
 def _call_refusal(
@@ -346,11 +373,13 @@ def _call_refusal(
     return None
 
 
-def _check(ctx: Context, op: object, out: Any, result: Any) -> None:
+def _check(ctx: Context, op: object, out: Any, result: Any, directions: int | None = None
+           ) -> None:  # fmt: skip
     """Per output of ``op``, ``result`` holds a constant (a tensor) or a :class:`Jet` whose
     value is that output itself, whose first coefficient is not ``None``, and whose dense
     coefficients are ``(K, *S)`` (``(1, *S)`` for the collapsed top order), ``S`` broadcasting
-    to the value's shape with as many dims."""
+    to the value's shape with as many dims; ``K`` is ``directions`` where the inputs show it (a
+    leading axis of 1 broadcast silently: every direction given the first one's coefficient)."""
     outs, results = pytree.tree_leaves(out), pytree.tree_leaves(result)
 
     def refuse(what: str) -> UnsupportedOpError:
@@ -379,8 +408,16 @@ def _check(ctx: Context, op: object, out: Any, result: Any) -> None:
             fits = c.ndim == value.ndim + 1 and all(
                 s in (1, v) for s, v in zip(inner, value.shape, strict=True)
             )
-            if not fits or (ctx.collapses(k) and shape[0] != 1):
-                lead = "1 (summed over directions: ctx.collapses)" if ctx.collapses(k) else "K"
+            lead_wrong = (shape[0] != 1 if ctx.collapses(k)
+                          else directions is not None and shape[0] != directions)  # fmt: skip
+            if not fits or lead_wrong:
+                lead = (
+                    "1 (summed over directions: ctx.collapses)"
+                    if ctx.collapses(k)
+                    else "K"
+                    if directions is None
+                    else f"K = {directions}, the directions"
+                )
                 raise refuse(f"returned an order-{k} coefficient of shape {shape} for a value "
                              f"of shape {tuple(value.shape)}: it must be ({lead}, *S), S "
                              f"broadcasting to the value's shape with as many dims")  # fmt: skip
