@@ -79,10 +79,16 @@ def differential_operator(
         return (value * float(value_weight)).to(x.dtype)  # as every term's: x's dtype
     vectors = space.directions(_as_tensor(directions, space, len(space.batch)))
     outputs = tuple(sorted({0, *weights} if value_weight else set(weights)))
+    # a first-order top is read per direction, as first orders are below a higher top: summed
+    # over the directions first, a norm of a zero vector could not take its one-sided jet along
+    # each (u_x + u_y of |x| at 0 was 0 alone, 2 beside a second-order term)
+    collapsed = top > 1
     coefficients = dict(zip(outputs, taylor_coefficients(
-        checked, x, vectors, args, chunk_size, order=top, outputs=outputs, collapsed=True,
-        weights=_weights(weights[top], directions, x)), strict=True))  # fmt: skip
+        checked, x, vectors, args, chunk_size, order=top, outputs=outputs, collapsed=collapsed,
+        weights=_weights(weights[top], directions, x) if collapsed else None), strict=True))  # fmt: skip
     total = coefficients[top]
+    if not collapsed:
+        total = torch.tensordot(_weights(weights[top], directions, x), total, dims=1)
     for k in sorted(weights):
         if k != top:
             w = _weights(weights[k], directions, x)

@@ -334,6 +334,47 @@ def test_numpy_integers_index_the_variables_of_terms():
     torch.testing.assert_close(got, pyhvp.differential_operator(f, x, {(0, 1): 1.0}))
 
 
+def test_first_order_terms_at_a_zero_norm_do_not_depend_on_the_other_terms():
+    """A norm of a zero vector takes its one-sided jet along each direction where first orders
+    are read per direction (under a higher-order top, grad_and_laplacian's gradient); a
+    first-order top was summed over the directions first: u_x + u_y of |x| at 0 was 0 alone,
+    2 beside a second-order term."""
+    x = torch.zeros(1, 3, dtype=torch.float64)
+
+    def f(y):
+        return torch.linalg.vector_norm(y, dim=-1)
+
+    alone = pyhvp.differential_operator(f, x, {(0,): 1.0, (1,): 1.0})
+    beside = (pyhvp.differential_operator(f, x, {(0,): 1.0, (1,): 1.0, (2, 2): 1.0})
+              - pyhvp.differential_operator(f, x, {(2, 2): 1.0}))  # fmt: skip
+    torch.testing.assert_close(alone, beside)
+    torch.testing.assert_close(alone, pyhvp.grad_and_laplacian(f, x).grad[..., :2].sum(-1))
+
+
+def _rotation_scaling_exp(x):
+    """``exp([[a, b], [-b, a]])`` summed: ``2 e^a cos b``."""
+    a, b = x[..., 0], x[..., 1]
+    m = torch.stack([torch.stack([a, b], -1), torch.stack([-b, a], -1)], -2)
+    return torch.linalg.matrix_exp(m).sum((-2, -1))
+
+
+def test_a_matrix_exponential_carries_jets_of_fourth_order_and_more():
+    """``matrix_exp`` had no jet rule: its dense fallback nested ``jacrev`` of autograd's
+    formula (a matrix exponential of twice the size, per order), whose fourth order asked for
+    8.6 GB for one 2x2 matrix -- an out-of-memory kill where memory is overcommitted."""
+    x = torch.tensor([[0.3, -0.7], [-0.2, 1.1]], dtype=torch.float64)
+    v = torch.tensor([[1.0, 0.5], [-0.4, 2.0]], dtype=torch.float64)
+
+    def closed_form(y):
+        return 2 * torch.exp(y[..., 0]) * torch.cos(y[..., 1])
+
+    got = pyhvp.directional_derivatives(_rotation_scaling_exp, x, v, order=5)
+    torch.testing.assert_close(got, nested_directional_derivatives(closed_form, x, v, 5),
+                               **tolerance(5))  # fmt: skip
+    torch.testing.assert_close(pyhvp.bilaplacian(_rotation_scaling_exp, x),
+                               nested_bilaplacian(closed_form, x), **tolerance(4))  # fmt: skip
+
+
 def test_the_bilaplacian_is_a_differential_operator(device):
     x = point(device)
     n = x.shape[-1]
