@@ -651,6 +651,24 @@ def test_tensors_of_two_dtypes_never_share_a_sparse_pass(caplog):
     torch.testing.assert_close(blocks, expected)
 
 
+def test_per_tensor_tensors_of_two_dtypes_take_the_forward_route_in_a_pass_each(caplog):
+    # per tensor no block spans two tensors: each dtype's tensors share a pass of their own
+    params = {"w": torch.randn(3, 4, dtype=torch.float64), "v": torch.randn(2, 3)}
+    index = {"w": torch.tensor([0, 5, 11]), "v": torch.tensor([1, 4, 4])}
+
+    def loss(p):
+        hidden = torch.tanh(F.linear(torch.ones(5, 4, dtype=torch.float64), p["w"]))
+        return (torch.tanh(F.linear(hidden.float(), p["v"])) ** 2).sum()
+
+    with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"):
+        blocks = pyhvp.sub_hessian(loss, params, index, method="forward")
+    (record,) = [r for r in caplog.records if hasattr(r, "forward")]
+    assert sorted(record.forward) == [["params['v']"], ["params['w']"]]
+    assert blocks["w"].dtype == torch.float64 and blocks["v"].dtype == torch.float32
+    expected = pyhvp.sub_hessian(loss, params, index, method="reverse")
+    torch.testing.assert_close(blocks, expected, rtol=1e-5, atol=1e-6)  # (through float32)
+
+
 def test_method_must_be_a_route_name():
     with pytest.raises(ValueError, match="method must be one of"):
         pyhvp.sub_hessian(big_cumsum, BIG, torch.tensor([0]), method="backward")

@@ -918,23 +918,25 @@ def forward_passes(
     together: Callable[[Sequence[int]], bool] = lambda members: True,
 ) -> tuple[tuple[int, ...], ...] | None:
     """The passes in which the forward-tangent route may take every selected tensor, each
-    within :data:`FORWARD_TANGENTS` (``joint``: one pass, whose cross blocks need every
-    direction), or None where it may not: the tensors do not share one dtype and device
-    (``together``), a tensor alone (joint, all of them) holds more, or the survey saw an op the
-    route refuses. Per tensor, the largest first, each into the first pass it fits; each pass
-    in the order of the tensors."""
-    if found.forward_refusal is not None or not together(range(len(sizes))):
+    within :data:`FORWARD_TANGENTS` and of tensors that may share one pass (``together``: one
+    dtype and device), or None where it may not: a tensor alone (joint, all of them, in one
+    pass: the cross blocks need every direction) holds more, or the survey saw an op the route
+    refuses. Per tensor, the largest first, each into the first pass it fits; each pass in the
+    order of the tensors."""
+    if found.forward_refusal is not None:
         return None
     if joint:
         held = max((u.held for u in found.usage), default=0)
-        return (tuple(range(len(sizes))),) if sum(sizes) * held <= FORWARD_TANGENTS else None
+        fits = sum(sizes) * held <= FORWARD_TANGENTS and together(range(len(sizes)))
+        return (tuple(range(len(sizes))),) if fits else None
     counts = [k * u.held for k, u in zip(sizes, found.usage, strict=True)]
     if max(counts, default=0) > FORWARD_TANGENTS:
         return None
     passes: list[list[int]] = []
     room: list[int] = []
     for i in sorted(range(len(sizes)), key=lambda i: -counts[i]):
-        j = next((j for j, left in enumerate(room) if counts[i] <= left), len(passes))
+        j = next((j for j, left in enumerate(room)
+                  if counts[i] <= left and together([*passes[j], i])), len(passes))  # fmt: skip
         if j == len(passes):
             passes.append([])
             room.append(FORWARD_TANGENTS)
