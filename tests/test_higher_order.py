@@ -950,3 +950,72 @@ def test_the_sixth_derivative_of_a_network_along_an_axis():
     expected = nested_mixed_partial(f, x, (0,) * 6)
     assert math.isfinite(got[6].abs().max().item())
     torch.testing.assert_close(got[6], expected, **tolerance(6))
+
+
+# --- an inner HVP whose f reads the outer operator's variable through a closure ---------------
+
+CUBE_OF_DOT = lambda z, a: (z * a).sum(-1) ** 3  # noqa: E731
+
+
+def _closure_case():
+    g = torch.Generator().manual_seed(5)
+    y, z0, v = (torch.randn(3, 2, generator=g, dtype=torch.float64) for _ in range(3))
+
+    def inner(y):  # a scalar per instance: sum_i (H_z h(z0, y) v)_i, y read by closure only
+        return pyhvp.hvp(lambda z: CUBE_OF_DOT(z, y), z0, v).sum(-1)
+
+    def reference(yb, zb, vb):  # the same for one instance, by torch.func
+        return (torch.func.hessian(lambda z: CUBE_OF_DOT(z, yb))(zb) @ vb).sum()
+
+    hessians = torch.func.vmap(
+        lambda yb, zb, vb: torch.func.hessian(lambda a: reference(a, zb, vb))(yb)
+    )(y, z0, v)
+    return y, v, inner, hessians
+
+
+def test_an_hvp_of_a_function_whose_inner_hvp_captures_the_variable_is_exact():
+    """The inner HVP ran detached (no input of its own required grad), so the outer HVP, which
+    reads what it cannot reach as zero, returned zeros: so did a Hutchinson diagonal and a
+    sub-Hessian over a tensor the inner f captured."""
+    y, v, inner, hessians = _closure_case()
+    torch.testing.assert_close(pyhvp.hvp(inner, y, v), torch.einsum("bij,bj->bi", hessians, v))
+    w = y[0].clone()
+    z0 = torch.ones(3, 2, dtype=torch.float64)
+    loss = lambda p: pyhvp.hvp(lambda z: CUBE_OF_DOT(z, p), z0, z0).sum()  # noqa: E731
+    expected = pyhvp.sub_hessian(lambda p: pyhvp.hvp(CUBE_OF_DOT, z0, z0, p.expand(3, 2)).sum(),
+                                 w, torch.arange(2))  # fmt: skip
+    torch.testing.assert_close(pyhvp.sub_hessian(loss, w, torch.arange(2)), expected)
+    assert expected.abs().max() > 1
+
+
+@pytest.mark.parametrize("method", ["auto", "reverse", "sparse"])
+@pytest.mark.parametrize("inner", ["hutch++", "exact"])
+def test_a_sub_hessian_of_a_pinn_loss_over_the_parameters_its_laplacian_captures(inner, method):
+    """A PINN loss over functional_call's parameters, its Laplacian by HVPs (hutch++, exact on
+    a rank-2 Hessian): the sub-Hessian was zero on the reverse routes (the inner HVPs ran
+    detached); the Taylor-engine Laplacian must keep its sparse route."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(2, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1)
+    ).double()
+    points = torch.randn(6, 2, dtype=torch.float64)
+    params = {k: p.detach().clone() for k, p in net.named_parameters()}
+    index = {"0.weight": torch.tensor([0, 3, 7])}
+    samples = {"samples": 6} if inner == "hutch++" else {}
+
+    def loss(p):
+        u = lambda y: torch.func.functional_call(net, p, (y,))[..., 0]  # noqa: E731
+        return (pyhvp.laplacian(u, points, method=inner, **samples) ** 2).mean()
+
+    def reference(w):
+        u = lambda y: torch.func.functional_call(net, {**params, "0.weight": w.reshape(5, 2)},  # noqa: E731
+                                                 (y[None],))[0, 0]  # fmt: skip
+        return (
+            torch.func.vmap(lambda y: torch.trace(torch.func.hessian(u)(y)))(points) ** 2
+        ).mean()
+
+    dense = torch.func.hessian(reference)(params["0.weight"].flatten())
+    expected = dense[index["0.weight"]][:, index["0.weight"]]
+    got = pyhvp.sub_hessian(loss, params, index, method=method)["0.weight"]
+    torch.testing.assert_close(got, expected)
+    assert expected.abs().max() > 0.01

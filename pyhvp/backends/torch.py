@@ -78,6 +78,7 @@ from pyhvp._batched_backward import batched_grad
 from pyhvp._checks import check_output, fmt_shape
 from pyhvp._keys import version_of
 from pyhvp._norm_biases import biases_outside_norms
+from pyhvp._public import operator_depth
 from pyhvp._user_errors import note, quiet_tracing, stacklevel_outside_pyhvp
 from pyhvp.backends import Blocks, compile_policy, inductor, nested
 from pyhvp.backends.compile_policy import CompileCache
@@ -177,7 +178,7 @@ def _grad_and_block_hvps_eager(
     leaf only. Eagerly this has the least per-call overhead, and results stay differentiable when
     the inputs carry autograd history. A leaf ``f`` ignores, or enters linearly, has a zero block."""
     leaves, tangents, args = _split(n_leaves, inputs)
-    keep_graph = _needs_autograd(inputs)
+    keep_graph = _needs_autograd(inputs) or _nested_under_grad()
     with torch.enable_grad():
         # aliases, not the leaves themselves: partial derivatives, never through args made from
         # a leaf
@@ -400,6 +401,16 @@ def _needs_autograd(values: Sequence[object]) -> bool:
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return True
     return forward_ad._current_level >= 0 and any(_tangent(t) is not None for t in tensors)
+
+
+def _nested_under_grad() -> bool:
+    """Whether this call runs inside ``f`` of another pyhvp operator, with grad mode on: the
+    outer operator may differentiate ``f`` with autograd through a tensor that ``f``'s inner call
+    reads by a closure only (``lambda y: pyhvp.hvp(lambda z: h(z, y), z0, v)``), which no input
+    of the inner call shows. The autograd kernels (HVPs, the sparse sub-Hessian) then keep their
+    graph: detached, their results were constants to the outer operator, which reads what it
+    cannot reach as zero (silent zeros). The jet kernels take captured tensors as inputs."""
+    return torch.is_grad_enabled() and operator_depth() > 1
 
 
 def _plain_autograd() -> bool:
@@ -681,7 +692,7 @@ class TorchBackend:
         _require_torch_function(f)
         summed: Callable[..., torch.Tensor] = InstanceSum(f, event_dims)
         outside = not (nested.inside_transform() or taylor.recording())  # (written out inside)
-        if outside and _needs_autograd((x, tangents, *args)):
+        if outside and (_needs_autograd((x, tangents, *args)) or _nested_under_grad()):
             summed = nested.written_out(summed, cumulative=False)
         watched = _Watched(x)
         try:
@@ -907,7 +918,7 @@ class TorchBackend:
             # autograd's batched backward (is_grads_batched) leaked its own vmap level
             return traced_kernel(f, *static, *inputs)
         eager = partial(eager_kernel, f, *static)
-        if _needs_autograd(inputs):
+        if _needs_autograd(inputs) or (not differentiable_compiled and _nested_under_grad()):
             inputs = _normal(inputs)  # outside inference mode: grad mode is on
             tensors_only = all(isinstance(t, torch.Tensor) for t in inputs)
             if not (differentiable_compiled and tensors_only and _plain_autograd()):
