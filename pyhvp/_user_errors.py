@@ -17,6 +17,7 @@ raised inside ``f`` is re-raised as it is -- its type and message -- with:
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 import sys
@@ -74,9 +75,45 @@ def user_errors(operator: Callable[P, R]) -> Callable[P, R]:
         except Exception as error:
             _cut_mode_frames(error)
             _add_hint(error)
+            _add_extra_args_hint(operator, error, args)
             raise
 
     return reporting
+
+
+KEYWORD_ONLY_STRINGS = frozenset({"exact", "hutchinson", "hutch++", "diag++", "torch", "julia"})
+"""Values of pyhvp's keyword-only options (``method=``, ``backend=``) that a call may pass
+positionally by mistake, where they join ``*args`` and reach ``f``."""
+
+
+def _add_extra_args_hint(operator: Callable[..., object], error: BaseException,
+                         call_args: tuple[object, ...]) -> None:  # fmt: skip
+    """A note on ``f``'s ``TypeError`` about its positional arguments when the call's ``*args``
+    hold a string that is the value of a keyword-only option (``hessian_diagonal(f, x,
+    "hutchinson")``): the operator passed it on to ``f``."""
+    if not isinstance(error, TypeError) or "positional argument" not in str(error):
+        return
+    extra = _var_positional(operator, call_args)
+    suspects = [a for a in extra if isinstance(a, str) and a in KEYWORD_ONLY_STRINGS]
+    if suspects:
+        value = suspects[0]
+        option = "backend" if value in ("torch", "julia") else "method"
+        name = getattr(operator, "__name__", "the operator")
+        note(error, f"{name} passed {value!r} on to f as an extra argument (f(x, *args)): its "
+                    f"options are keyword-only, as in {option}={value!r}")  # fmt: skip
+
+
+def _var_positional(operator: Callable[..., object], call_args: tuple[object, ...]
+                    ) -> tuple[object, ...]:  # fmt: skip
+    """The part of ``call_args`` that ``operator``'s ``*args`` takes (empty if it has none)."""
+    try:
+        parameters = list(inspect.signature(operator).parameters.values())
+    except (TypeError, ValueError):
+        return ()
+    for i, parameter in enumerate(parameters):
+        if parameter.kind is inspect.Parameter.VAR_POSITIONAL:
+            return call_args[i:]
+    return ()
 
 
 def _cut_mode_frames(error: BaseException) -> None:

@@ -31,6 +31,7 @@ from pyhvp._checks import (
     require_instance_variables,
 )
 from pyhvp._public import public_operator
+from pyhvp._user_errors import note
 from pyhvp.backends import nested
 from pyhvp.backends.torch import write_to_x_refusal
 from pyhvp.taylor import InPlaceInputError
@@ -160,9 +161,21 @@ def vmap_batch_dims(fn_single: Callable[..., Out], n_batch: int) -> Callable[...
             _with_zero_instance(a) if isinstance(a, torch.Tensor) and d == 0 else a
             for a, d in zip((x, *args), in_dims, strict=True)
         ]
-        return cast(Out, pytree.tree_map_only(torch.Tensor, lambda out: out[:0], mapped(*padded)))
+        try:
+            outputs = mapped(*padded)
+        except Exception as error:  # f_single undefined at 0 (a Cholesky factor, a log-det)
+            note(error, EMPTY_BATCH_NOTE)
+            raise
+        return cast(Out, pytree.tree_map_only(torch.Tensor, lambda out: out[:0], outputs))
 
     return over_leading_dim
+
+
+EMPTY_BATCH_NOTE = (
+    "x has an empty batch (no instance): per_instance ran f_single once on an instance of "
+    "zeros to find the shape of the empty result, and f_single raised there. Skip the call "
+    "when x has no instance (x.shape[0] == 0), or make f_single defined at x = 0"
+)
 
 
 def _with_zero_instance(t: torch.Tensor) -> torch.Tensor:

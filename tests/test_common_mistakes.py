@@ -361,3 +361,20 @@ def test_f_writing_to_a_parameter_gets_autograds_own_error_not_told_to_copy_x():
     with pytest.raises(RuntimeError, match="a leaf Variable that requires grad") as raised:
         pyhvp.hvp(f, torch.randn(4, 3), torch.randn(4, 3))
     assert not isinstance(raised.value, pyhvp.InPlaceInputError)
+
+
+@pytest.mark.parametrize(
+    "call, option",
+    [
+        (lambda f, x: pyhvp.hessian_diagonal(f, x, "hutchinson"), "method='hutchinson'"),
+        (lambda f, x: pyhvp.laplacian(f, x, "hutch++"), "method='hutch++'"),
+        (lambda f, x: pyhvp.hvp(f, x, x, "julia"), "backend='julia'"),
+    ],
+)
+def test_an_option_passed_positionally_is_named_in_fs_error(call, option):
+    """hessian_diagonal(f, x, "hutchinson") put the string into *args, and f's own TypeError
+    ("takes 1 positional argument but 2 were given") did not say why."""
+    x = torch.randn(4, 3)
+    with pytest.raises(TypeError, match="positional argument") as raised:
+        call(lambda y: (y**3).sum(-1), x)
+    assert any(option in n and "keyword-only" in n for n in getattr(raised.value, "__notes__", []))

@@ -357,3 +357,41 @@ def test_kronecker_hvp_applies_in_v_s_dtype(dtype, device):
     kron = pyhvp.KroneckerHVP()
     kron.update(torch.randn(2, 3, 4, device=device).to(dtype))
     assert kron.apply(torch.randn(2, 3, 4, device=device).to(dtype)).dtype == dtype
+
+
+EMPTY_BATCH_MATRIX_OPS = {
+    "cholesky": lambda y: (
+        torch.linalg.cholesky(y @ y.mT + torch.eye(2, dtype=y.dtype))
+        .diagonal(dim1=-2, dim2=-1)
+        .log()
+        .sum(-1)
+    ),
+    "eigvalsh": lambda y: (
+        torch.linalg.eigvalsh(y @ y.mT + torch.eye(2, dtype=y.dtype)).log().sum(-1)
+    ),
+    "svdvals": lambda y: torch.linalg.svdvals(y).sum(-1),
+}
+
+
+@pytest.mark.parametrize("f", EMPTY_BATCH_MATRIX_OPS.values(), ids=EMPTY_BATCH_MATRIX_OPS.keys())
+@pytest.mark.parametrize("operator", ["laplacian", "hessian_diagonal"])
+def test_an_empty_batch_through_the_dense_second_order_fallback_gives_an_empty_result(f, operator):
+    """A matrix op without a jet rule over no instances: the fallback's vmap over 0 matrices
+    failed ("cannot reshape tensor of 0 elements into shape [0, -1]"), refused as an op autograd
+    cannot differentiate, where B = 2 works."""
+    x = torch.randn(0, 2, 2, dtype=torch.float64)
+    result = getattr(pyhvp, operator)(f, x, event_dims=2)
+    assert result.shape == ((0,) if operator == "laplacian" else (0, 2, 2))
+
+
+def test_a_per_instance_function_undefined_at_zero_says_why_it_ran_over_an_empty_batch():
+    """Over no instance, per_instance runs f_single on an instance of zeros for the result's
+    shape: a Cholesky there raised "Batch element 0 ... not positive-definite" for an x with no
+    batch element, and nothing said where that element came from."""
+    f = pyhvp.per_instance(lambda y: torch.linalg.cholesky(y @ y.T).diagonal().log().sum(),
+                           event_dims=2)  # fmt: skip
+    x = torch.randn(0, 2, 2, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="positive-definite") as raised:
+        pyhvp.laplacian(f, x, event_dims=2)
+    assert any("empty batch" in n and "instance of zeros" in n
+               for n in getattr(raised.value, "__notes__", []))  # fmt: skip

@@ -1010,3 +1010,70 @@ def test_an_op_torch_does_not_differentiate_is_refused_by_name(f, operator):
         pyhvp.UnsupportedOpError, match=r"torch does not differentiate aten\.special_"
     ):
         operator(f, x)
+
+
+def test_forward_mode_inside_f_along_an_expanded_direction_is_exact():
+    """torch.func.jvp inside f along a direction laid out unlike its primal (an expanded basis
+    vector) records make_dual's aten._new_zeros_with_same_feature_meta, which was refused as an
+    op torch does not differentiate (its output is zeros: a constant, like new_zeros)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 3, generator=g, dtype=torch.float64)
+    w = torch.randn(4, 3, generator=g, dtype=torch.float64)
+    u = lambda y: torch.tanh(y @ w.T).pow(3).sum(-1) + y.prod(-1)  # noqa: E731
+
+    def f(y):  # |grad u|^2 by forward mode, one expanded basis direction at a time
+        return sum(torch.func.jvp(u, (y,), (torch.eye(3, dtype=y.dtype)[i].expand_as(y),))[1] ** 2
+                   for i in range(3))  # fmt: skip
+
+    dense = torch.func.vmap(torch.func.hessian(lambda z: f(z[None])[0]))(x)
+    diagonal = torch.diagonal(dense, dim1=-2, dim2=-1)
+    torch.testing.assert_close(pyhvp.laplacian(f, x), diagonal.sum(-1))
+    torch.testing.assert_close(pyhvp.hessian_diagonal(f, x), diagonal)
+
+
+def test_the_refusal_of_autograd_inside_f_recommends_only_what_the_engine_takes():
+    """The refusal said "use torch.func.grad (or torch.func.vjp, jacrev)": torch.func.vjp's
+    pullback runs autograd's backward pass, and was refused with the same message."""
+    x = torch.randn(4, 3, dtype=torch.float64)
+    u = lambda y: (y**3).sum(-1)  # noqa: E731
+
+    def with_vjp(y):
+        return torch.func.vjp(u, y)[1](torch.ones(y.shape[:-1], dtype=y.dtype))[0].pow(2).sum(-1)
+
+    with pytest.raises(RuntimeError, match="autograd inside f") as refused:
+        pyhvp.laplacian(with_vjp, x)
+    assert "torch.func.vjp's pullback runs it too" in str(refused.value)
+    advice = str(refused.value).split("Use ")[-1]
+    assert "vjp" not in advice
+    for transform in ("grad", "jacrev", "jacfwd"):  # what the advice names works
+        gradient = getattr(torch.func, transform)
+
+        def f(y, gradient=gradient):  # |3 y^2|^2: Laplacian 108 |y|^2
+            return gradient(lambda z: u(z).sum())(y).pow(2).sum(-1)
+
+        torch.testing.assert_close(pyhvp.laplacian(f, x), 108 * x.pow(2).sum(-1))
+
+
+FOURTH_ORDER_HEAVY = {
+    "svdvals": lambda y: torch.linalg.svdvals(y).sum(-1),
+    "qr": lambda y: torch.linalg.qr(y).R.sum((-1, -2)),
+    "lu": lambda y: torch.linalg.lu(y).U.sum((-1, -2)),
+}
+
+
+@pytest.mark.parametrize("f", FOURTH_ORDER_HEAVY.values(), ids=FOURTH_ORDER_HEAVY.keys())
+def test_a_fourth_order_matrix_decomposition_is_refused_before_its_dense_fallback(f, monkeypatch):
+    """A bi-Laplacian of two 2x2 matrices through svd, qr or lu passed 3.5 GB before an
+    allocation failed (matrix_exp, which has a rule now, 12.7 GB: killed where memory is
+    overcommitted). They are refused by name, before the fallback runs (which would fail this
+    spec fast)."""
+
+    def dense_fallback(*args, **kwargs):
+        raise AssertionError("the dense fourth-order fallback ran")
+
+    monkeypatch.setattr(taylor.fallbacks, "_dense_taylor", dense_fallback)
+    x = torch.randn(2, 2, 2, dtype=torch.float64) + 3 * torch.eye(2, dtype=torch.float64)
+    with pytest.raises(pyhvp.UnsupportedOpError, match="does not carry this one above third order"):
+        pyhvp.bilaplacian(f, x, event_dims=2)
+    with pytest.raises(pyhvp.UnsupportedOpError, match="does not carry this one above third order"):
+        pyhvp.directional_derivatives(f, x, x, event_dims=2, order=4)

@@ -274,6 +274,8 @@ def general_fallback(ctx: Context, op: Callable[..., Any], out: Any, args: tuple
     instances = math.prod(batch)
     if ctx.order > 2:
         return _higher_order_fallback(ctx, op, args, kwargs, out, smooth, batch)
+    if all(o.numel() == 0 for o in smooth_outputs):  # no entries (an empty batch): no
+        return out  # derivatives to take, and vmap over 0 matrices cannot reshape them
     each = max(instances, 1)
     needed = each * _reverse_work(sum(o.numel() for o in smooth_outputs) // each,
                                  sum(p.numel() for p in primals) // each)  # fmt: skip
@@ -339,6 +341,15 @@ def _higher_order_fallback(ctx: Context, op: Callable[..., Any], args: tuple[Any
             f"nested {ctx.order} times, outgrow memory: a 3x3 svd over 3 GB); this one has "
             f"{sizes_in}. Register a rule for it (pyhvp.register_jet_rule), or use an operator "
             f"of second order (laplacian, hessian_diagonal), which has one"
+        )
+    if ctx.order > 3 and _packet_name(op) in NO_FOURTH_ORDER_FALLBACK:
+        raise UnsupportedOpError(
+            f"pyhvp: {op} has no jet rule of order {ctx.order}, and the reverse-mode fallback "
+            f"carries matrix decompositions above second order only where it fits in memory: "
+            f"it does not carry this one above third order at any size (autograd's derivatives "
+            f"of its backward, nested {ctx.order} times, outgrow memory for 2x2 matrices: "
+            f"over 3.5 GB for two). Register a rule for it (pyhvp.register_jet_rule), or use an "
+            f"operator of order 3 or less (laplacian, directional_derivatives(order=3))"
         )
     needed = (sizes_in + sizes_out) * sizes_in**ctx.order * max(count, 1)
     if needed > HIGHER_ORDER_FALLBACK_LIMIT:
@@ -465,6 +476,13 @@ LARGEST_MATRIX_ABOVE_SECOND_ORDER = 4
 fallback above second order: 2x2 (eigvalsh, det, inverse of 2x2 blocks). Nested ``jacrev`` of
 the decompositions' backward formulas outgrows memory well before the work estimate below says
 so (a 3x3 ``svd``, ``lu_solve`` or ``solve_triangular`` at fourth order: over 3 GB)."""
+
+NO_FOURTH_ORDER_FALLBACK = frozenset({"_linalg_svd", "linalg_qr", "linalg_lu"})
+"""Matrix ops the dense fallback refuses above third order even at 2x2: nested ``jacrev``
+through their backward formulas passed 3.5 GB for ``svd``, ``qr`` and ``lu`` of two 2x2
+matrices (with 5 GB of address space: refused only when an allocation failed, after 10-20 s;
+``matrix_exp`` asked for 16 GB more after holding 12.7, and has a rule of every order since).
+At third order each takes under 0.6 GB."""
 
 HIGHER_ORDER_FALLBACK_LIMIT = 2**18
 """Most numbers the dense fallback above second order may make, estimated as ``(inputs +

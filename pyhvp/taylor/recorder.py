@@ -465,8 +465,8 @@ class _NoAutogradInside(TorchFunctionMode):
             raise RuntimeError(
                 f"f calls {BACKWARD[func]}: autograd inside f is not "
                 f"supported by {ENGINE}, whose program cannot follow derivatives "
-                f"through autograd's backward pass. Use torch.func.grad (or torch.func.vjp, "
-                f"jacrev) inside f instead"
+                f"through autograd's backward pass (torch.func.vjp's pullback runs it too). Use "
+                f"torch.func.grad (or torch.func.jacrev, jacfwd) inside f instead"
             )
         return func(*args, **(kwargs or {}))
 

@@ -183,6 +183,8 @@ ZERO_DERIVATIVE = {
     aten.new_empty.default,
     aten.new_full.default,
     aten.fill.Scalar,
+    aten._new_zeros_with_same_feature_meta.default,  # make_dual's, for a tangent laid out
+    # unlike its primal (torch.func.jvp along an expanded direction inside f)
 }
 """Ops whose floating output is locally constant in their inputs (or ignores their values)."""
 
