@@ -49,17 +49,32 @@ def _bias_outside(name: str, norm: Callable[..., torch.Tensor]) -> Callable[...,
             and weight is None
             and isinstance(bias, torch.Tensor)
             and isinstance(input, torch.Tensor)
-            and bias.dtype == input.dtype  # (a wider bias would widen the output)
+            and bias.is_floating_point()
+            and input.is_floating_point()
+            and (
+                bias.dtype == input.dtype
+                or (
+                    torch.promote_types(input.dtype, bias.dtype) == bias.dtype
+                    and not torch.is_autocast_enabled(input.device.type)
+                )
+            )
         ):
             return norm(*args, **kwargs)
+        dtype = None  # torch's mixed kernels (a bfloat16 input, a float32 bias) give the input's
+        if bias.dtype != input.dtype:  # dtype: normalised in the bias's, rounded once
+            dtype = input.dtype
+            widened = input.to(bias.dtype)
+            if args:
+                args = (widened, *args[1:])
+            else:
+                kwargs = kwargs | {"input": widened}
         if at < len(args):
             args = (*args[:at], None, *args[at + 1 :])
         else:
             kwargs = kwargs | {"bias": None}
         out = norm(*args, **kwargs)
-        if name == "layer_norm":
-            return out + bias
-        return out + bias.reshape(1, -1, *(1,) * (out.ndim - 2))
+        out = out + (bias if name == "layer_norm" else bias.reshape(1, -1, *(1,) * (out.ndim - 2)))
+        return out if dtype is None else out.to(dtype)
 
     return written
 

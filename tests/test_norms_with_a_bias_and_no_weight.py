@@ -72,3 +72,29 @@ def test_the_biases_second_derivatives_are_those_of_the_bias_added_outside(norms
     x, v = (torch.randn(10, dtype=torch.float64, generator=generator).to(device) for _ in "xv")
     reference = expected(dense_hessian(loss(outside), x), v)
     torch.testing.assert_close(computed(loss(inside), x, v), reference, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("norm", ["batch_norm", "layer_norm", "group_norm", "instance_norm"])
+def test_a_float32_bias_on_a_bfloat16_input_keeps_its_second_derivatives(norm):
+    """Torch's mixed kernels take a bfloat16 input with a float32 bias (a bfloat16 output): its
+    Hessian came out all zeros (batch norm) or raised (layer norm) where the dtypes differ."""
+    h = torch.randn(4, 3, 5, generator=torch.Generator().manual_seed(1)).bfloat16()
+    b = torch.randn(5 if norm == "layer_norm" else 3, generator=torch.Generator().manual_seed(2))
+    written, outside = {
+        "batch_norm": (lambda b: F.batch_norm(h, None, None, None, b, True),
+                       lambda b: F.batch_norm(h.float(), None, None, training=True) + b[:, None]),
+        "layer_norm": (lambda b: F.layer_norm(h, (5,), None, b),
+                       lambda b: F.layer_norm(h.float(), (5,)) + b),
+        "group_norm": (lambda b: F.group_norm(h, 1, None, b),
+                       lambda b: F.group_norm(h.float(), 1) + b[:, None]),
+        "instance_norm": (lambda b: F.instance_norm(h, bias=b),
+                          lambda b: F.instance_norm(h.float()) + b[:, None]),
+    }[norm]  # fmt: skip
+    assert written(b).dtype == torch.bfloat16
+    got = pyhvp.sub_hessian(lambda b: torch.tanh(written(b).float()).pow(3).sum(), b,
+                            torch.arange(b.numel()), method="reverse")  # fmt: skip
+    expected = torch.func.hessian(lambda b: torch.tanh(outside(b).bfloat16().float()).pow(3).sum())(
+        b
+    )
+    assert expected.abs().max() > 1
+    torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-3)
