@@ -312,6 +312,13 @@ class _Runs:
                 "w.r.t. the x they are given: write to a copy (x.clone())"
             )
         self.out = check_batched_output(out, batch_shape)
+        self.own_gradient: torch.Tensor | None = None  # (B, 1), set by the derivatives pass
+
+    def x_scale(self) -> float:
+        """``1 + max |x|`` over x's finite entries: the scale of the shifts in :meth:`values`."""
+        x = self.y.detach()
+        finite = x[x.isfinite()]
+        return 1 + (float(finite.abs().amax()) if finite.numel() else 0.0)
 
     def random(self, shape: Sequence[int]) -> torch.Tensor:
         """Uniform draws in [0.5, 1.5) from ``generator`` (on its device), on ``y``'s."""
@@ -355,6 +362,7 @@ def _leak_through_derivatives(run: _Runs) -> str | None:
     # leak is judged against the receiver's own magnitude: a stiff instance (a value of 1e17)
     # neither hides another's coupling nor leaks by rounding
     own = gradient_sizes(run.random(per_instance_out.shape))
+    run.own_gradient = torch.where(own.isfinite(), own, torch.ones_like(own))[:, None]
     scale = torch.where(own.isfinite() & (own > 0), own, torch.ones_like(own))
 
     def leak_sizes(receivers: torch.Tensor) -> torch.Tensor:
@@ -407,7 +415,10 @@ def _leak_through_values(run: _Runs) -> str | None:
     # rounding, per receiving instance: relative to its own finite values (a stiff instance's
     # do not hide another's change)
     finite = torch.where(base.isfinite(), base, torch.zeros_like(base))
-    threshold = _rounding(base.dtype, 2**-4) * (1 + finite.abs().amax(-1, keepdim=True))
+    # (the floor, at most 1, is what a change at x's scale makes of f through its own
+    # gradient: a floor of 1 hid every change of an f whose values are small, 1e-6 in float32)
+    floor = 1.0 if run.own_gradient is None else (run.own_gradient * run.x_scale()).clamp(max=1)
+    threshold = _rounding(base.dtype, 2**-4) * (floor + finite.abs().amax(-1, keepdim=True))
 
     def changed(moved: torch.Tensor | None) -> torch.Tensor:
         """Per instance, whether f's value changed with the instances in ``moved`` shifted."""

@@ -46,8 +46,10 @@ class KroneckerHVP:
     after an update and cached; with ``refresh_every=k`` a cached root is reused until ``k``
     updates have happened since it was computed (Shampoo-style amortisation; ``k=1`` is the post).
 
-    A gradient that never changes has zero covariance, so only the damping is left and the
-    product of the ``d`` roots ``damping^(1/d)`` is ``damping``:
+    A gradient that never changes and is the same along every other mode (a uniform one) has
+    zero covariance, so only the damping is left and the product of the ``d`` roots
+    ``damping^(1/d)`` is ``damping`` (a gradient constant in time but not uniform keeps, per
+    mode, its spread over the other modes: each mode subtracts its mean averaged over them):
 
     >>> kron = KroneckerHVP(damping=0.5)
     >>> for _ in range(3):

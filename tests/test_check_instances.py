@@ -263,3 +263,14 @@ def test_a_statistic_added_and_taken_away_is_no_coupling_in_half_precision():
             assert (
                 pyhvp.check_instances(f, x, generator=torch.Generator().manual_seed(seed)) is None
             )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("scale", [1e-6, 1e-10, 1e-16])
+def test_a_coupling_through_values_of_a_small_f_is_caught(scale, dtype):
+    """The values pass judged a change against 1 + |f|: a detached batch mean in an f whose
+    values are 1e-6 (float32) or 1e-16 (float64) passed as rounding (until 2026-12-06)."""
+    x = torch.randn(6, 3, generator=torch.Generator().manual_seed(0)).to(dtype)
+    f = lambda x: scale * ((x - x.mean(0).detach()) ** 2).sum(-1)  # noqa: E731
+    with pytest.raises(pyhvp.InstanceCouplingError, match="carries no derivative"):
+        pyhvp.check_instances(f, x, generator=torch.Generator().manual_seed(0))
