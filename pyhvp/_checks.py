@@ -247,18 +247,19 @@ def per_arg_event_dims(
     """Each arg's number of trailing per-instance dims (default: x's ``event_dims``)."""
     if arg_event_dims is None:
         return (event_dims,) * n_args
-    dims = (arg_event_dims,) * n_args if isinstance(arg_event_dims, int) else arg_event_dims
-    if not isinstance(dims, Sequence) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims
-    ):
+    one = as_int(arg_event_dims)  # (a NumPy int too, as event_dims takes)
+    given = (one,) * n_args if one is not None else arg_event_dims
+    dims = [as_int(d) for d in given] if isinstance(given, Sequence) else [None]
+    checked = [d for d in dims if d is not None and d >= 0]
+    if len(checked) != len(dims):
         raise ValueError(
             f"arg_event_dims must be None, an int >= 0 or one int >= 0 per arg, got {arg_event_dims!r}"
         )
-    if len(dims) != n_args:
+    if len(checked) != n_args:
         raise ValueError(
             f"arg_event_dims must give one entry per arg ({n_args} args), got {len(dims)} entries"
         )
-    return tuple(dims)
+    return tuple(checked)
 
 
 def pad_arg_to_batch(

@@ -437,6 +437,15 @@ def test_per_instance_wrappers_of_one_function_are_equal():
     assert pyhvp.per_instance(gaussian_single) != pyhvp.per_instance(gaussian_single, 2)
 
 
+def test_per_instance_takes_numpy_ints_for_arg_event_dims_as_for_event_dims():
+    # (a NumPy int was refused there, where event_dims took it)
+    import numpy as np
+
+    for numpy_dims, dims in ((np.int64(1), 1), ([np.int64(1)], [1])):
+        made = pyhvp.per_instance(gaussian_single, arg_event_dims=numpy_dims)
+        assert made == pyhvp.per_instance(gaussian_single, arg_event_dims=dims)
+
+
 MATRIX_INSTANCES = pyhvp.per_instance(lambda m: torch.tanh(m @ m.T).sum(), event_dims=2)
 """One instance is a matrix: x of shape (4, 2, 3) holds 4 of them."""
 OPERATORS_TAKING_EVENT_DIMS = {
