@@ -21,7 +21,7 @@ import torch
 
 from pyhvp._replacing import Replacement
 
-_PARAMETERS = {  # torch's functions (which F's call), their parameters in order
+PARAMETERS = {  # torch's functions (which F's call), their parameters in order
     "layer_norm": ("input", "normalized_shape", "weight", "bias", "eps", "cudnn_enable"),
     "batch_norm": ("input", "weight", "bias", "running_mean", "running_var", "training",
                    "momentum", "eps", "cudnn_enabled"),
@@ -30,6 +30,16 @@ _PARAMETERS = {  # torch's functions (which F's call), their parameters in order
     "group_norm": ("input", "num_groups", "weight", "bias", "eps", "cudnn_enabled"),
 }  # fmt: skip
 
+
+def per_channel(
+    out: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """A batch, instance or group norm's affine map, ``weight`` and ``bias`` per channel (dim 1)."""
+    channels = (1, -1, *(1,) * (out.ndim - 2))
+    out = out if weight is None else out * weight.reshape(channels)
+    return out if bias is None else out + bias.reshape(channels)
+
+
 _ON = threading.local()
 """Whether this thread is inside the context (another thread's calls keep torch's behaviour)."""
 
@@ -37,7 +47,7 @@ _ON = threading.local()
 def _bias_outside(name: str, norm: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """``norm`` (torch's ``name``), with a bias and no weight run as the norm plus the bias
     inside the context: per channel (dim 1), or over the normalised dims of a layer norm."""
-    parameters = _PARAMETERS[name]
+    parameters = PARAMETERS[name]
     at = parameters.index("bias")
 
     @functools.wraps(norm)
@@ -73,14 +83,14 @@ def _bias_outside(name: str, norm: Callable[..., torch.Tensor]) -> Callable[...,
         else:
             kwargs = kwargs | {"bias": None}
         out = norm(*args, **kwargs)
-        out = out + (bias if name == "layer_norm" else bias.reshape(1, -1, *(1,) * (out.ndim - 2)))
+        out = out + bias if name == "layer_norm" else per_channel(out, None, bias)
         return out if dtype is None else out.to(dtype)
 
     return written
 
 
 _REPLACED = Replacement(
-    [(torch, name, _bias_outside(name, getattr(torch, name))) for name in _PARAMETERS]
+    [(torch, name, _bias_outside(name, getattr(torch, name))) for name in PARAMETERS]
 )
 
 

@@ -40,6 +40,7 @@ from torch.overrides import TorchFunctionMode
 
 from pyhvp import taylor
 from pyhvp._attention import math_attention
+from pyhvp._norm_biases import PARAMETERS, per_channel
 from pyhvp._user_errors import note
 from pyhvp.taylor.program import logcumsumexp_by_prefixes
 
@@ -206,7 +207,7 @@ def _written_norm(
         else:  # each instance's group over its channels and positions
             grouped = wide.reshape(wide.shape[0], groups, -1)
             normed = _normalised(grouped, (-1,), eps).reshape(wide.shape)
-        out = _per_channel(normed, weight, bias)
+        out = per_channel(normed, weight, bias)
     return out.to(input.dtype)
 
 
@@ -296,35 +297,24 @@ def _normalised(input: torch.Tensor, dims: tuple[int, ...], eps: float) -> torch
     return centred * torch.rsqrt((centred * centred).mean(dims, keepdim=True) + eps)
 
 
-def _per_channel(
-    out: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """A norm's affine map, ``weight`` and ``bias`` per channel (dim 1)."""
-    channels = (1, -1, *(1,) * (out.ndim - 2))
-    out = out if weight is None else out * weight.reshape(channels)
-    return out if bias is None else out + bias.reshape(channels)
-
-
 Names = tuple[str, ...]
 _LAYER_NORMS: dict[Callable[..., Any], Names] = {  # their arguments' names, in order
     F.layer_norm: ("input", "normalized_shape", "weight", "bias", "eps"),
-    torch.layer_norm: ("input", "normalized_shape", "weight", "bias", "eps", "cudnn_enable"),
+    torch.layer_norm: PARAMETERS["layer_norm"],
 }
 _GROUP_NORMS: dict[Callable[..., Any], Names] = {
     F.group_norm: ("input", "num_groups", "weight", "bias", "eps"),
-    torch.group_norm: ("input", "num_groups", "weight", "bias", "eps", "cudnn_enabled"),
+    torch.group_norm: PARAMETERS["group_norm"],
 }
 _INSTANCE_NORMS: dict[Callable[..., Any], Names] = {
     F.instance_norm: ("input", "running_mean", "running_var", "weight", "bias", "use_input_stats",
                       "momentum", "eps"),
-    torch.instance_norm: ("input", "weight", "bias", "running_mean", "running_var",
-                          "use_input_stats", "momentum", "eps", "cudnn_enabled"),
+    torch.instance_norm: PARAMETERS["instance_norm"],
 }  # fmt: skip
 _BATCH_NORMS: dict[Callable[..., Any], Names] = {
     F.batch_norm: ("input", "running_mean", "running_var", "weight", "bias", "training",
                    "momentum", "eps"),
-    torch.batch_norm: ("input", "weight", "bias", "running_mean", "running_var", "training",
-                       "momentum", "eps", "cudnn_enabled"),
+    torch.batch_norm: PARAMETERS["batch_norm"],
 }  # fmt: skip
 _NORMS = {**_LAYER_NORMS, **_GROUP_NORMS, **_INSTANCE_NORMS, **_BATCH_NORMS}
 _VECTOR_NORMS: dict[Callable[..., Any], Names] = {
