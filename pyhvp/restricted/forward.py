@@ -271,6 +271,10 @@ class Placed:
         """``values`` (the value's shape) at each row's index of ``dim``: ``(rows, *rest)``."""
         return values.movedim(self.dim, 0)[self.positions]
 
+    def times(self, factor: Tensor) -> Placed:
+        """These tangents times ``factor`` (the value's shape) elementwise: still placed."""
+        return dataclasses.replace(self, values=self.values * self.at_positions(factor))
+
 
 class Stream:
     """Tangents of one value: the rows of ``groups`` (each :attr:`Tangents.sizes` rows, in this
@@ -442,8 +446,7 @@ class Tangents(TorchFunctionMode):
                                             pointwise)  # fmt: skip
                 if slope is None:
                     slope = _slope(made[positions])
-                values = placed.values * placed.at_positions(slope)
-                pushed[0].append(Stream(groups, placed=dataclasses.replace(placed, values=values)))
+                pushed[0].append(Stream(groups, placed=placed.times(slope)))
                 if not linear_in(func, op, args, kwargs, leaves, positions):
                     self.nodes.append(dataclasses.replace(made[positions], groups=groups,
                                                           placed=placed))  # fmt: skip
@@ -455,8 +458,7 @@ class Tangents(TorchFunctionMode):
                                                                 positions, outputs)  # fmt: skip
             if factor is not None:  # times a value without these tangents: no term, still placed
                 assert placed is not None
-                values = placed.values * placed.at_positions(factor)
-                pushed[0].append(Stream(groups, placed=dataclasses.replace(placed, values=values)))
+                pushed[0].append(Stream(groups, placed=placed.times(factor)))
                 continue
             weight = None if placed is None else _placed_weight(op, args, kwargs, leaves,
                                                                 positions, placed)  # fmt: skip
