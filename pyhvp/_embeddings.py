@@ -13,7 +13,6 @@ import dataclasses
 import functools
 import itertools
 import math
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -25,19 +24,12 @@ from pyhvp._replacing import Replacement
 _EMBEDDING, _EMBEDDING_BAG = torch.embedding, F.embedding_bag
 """torch's own functions, which the context replaces (``F.embedding`` calls the first)."""
 
-_ON = threading.local()
-"""Whether this thread is inside the context (another thread's calls keep torch's functions)."""
-
-
-def _inside() -> bool:
-    return getattr(_ON, "depth", 0) > 0
-
 
 @functools.wraps(_EMBEDDING)
 def _embedding(*args: Any, **kwargs: Any) -> torch.Tensor:
     """``torch.embedding`` (which ``F.embedding`` calls) with ``sparse=False`` inside the
     context (its 5th argument)."""
-    if _inside():
+    if _REPLACED.inside():  # (another thread's calls keep torch's functions)
         if len(args) > 4:
             args = (*args[:4], False, *args[5:])
         else:
@@ -51,7 +43,7 @@ def _embedding_bag(*args: Any, **kwargs: Any) -> torch.Tensor:
     torch's own op ran without grad for its argument checks (the rewrite would compute values
     for calls torch refuses: a ``mode="prod"``, weights with a mean); ``scale_grad_by_freq``,
     whose convention the rewrite does not share, is refused."""
-    if not _inside():
+    if not _REPLACED.inside():
         return _EMBEDDING_BAG(*args, **kwargs)
     with torch.no_grad():
         _EMBEDDING_BAG(*args, **kwargs)
@@ -76,11 +68,7 @@ def twice_differentiable_embeddings() -> Iterator[None]:
     function mode cost every op of the loss, 34% of a forward of 60 ops); a call bound to
     torch's own function before, or another thread's, is torch's."""
     with _REPLACED.active():
-        _ON.depth = getattr(_ON, "depth", 0) + 1
-        try:
-            yield
-        finally:
-            _ON.depth -= 1
+        yield
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -40,10 +39,6 @@ def per_channel(
     return out if bias is None else out + bias.reshape(channels)
 
 
-_ON = threading.local()
-"""Whether this thread is inside the context (another thread's calls keep torch's behaviour)."""
-
-
 def _bias_outside(name: str, norm: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """``norm`` (torch's ``name``), with a bias and no weight run as the norm plus the bias
     inside the context: per channel (dim 1), or over the normalised dims of a layer norm."""
@@ -55,7 +50,7 @@ def _bias_outside(name: str, norm: Callable[..., torch.Tensor]) -> Callable[...,
         bound = dict(zip(parameters, args, strict=False)) | kwargs
         input, weight, bias = bound.get("input"), bound.get("weight"), bound.get("bias")
         if not (
-            getattr(_ON, "depth", 0)
+            _REPLACED.inside()  # (another thread's calls keep torch's behaviour)
             and weight is None
             and isinstance(bias, torch.Tensor)
             and isinstance(input, torch.Tensor)
@@ -110,10 +105,8 @@ class _BiasesOutsideNorms(contextlib.ContextDecorator):
 
     def __enter__(self) -> None:
         _REPLACED.acquire()
-        _ON.depth = getattr(_ON, "depth", 0) + 1
 
     def __exit__(self, *exc: object) -> None:
-        _ON.depth -= 1
         _REPLACED.release()
 
 

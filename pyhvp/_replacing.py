@@ -4,9 +4,9 @@ pyhvp replaces a few torch callables for the length of a run instead of intercep
 with a function mode (which costs a Python call per op of the user's function): NumPy
 conversions while the Taylor engine records ``f``, the embedding functions while
 ``sub_hessian`` differentiates a loss twice, dynamo's handlers of tensor properties while the
-sparse route's kernels trace (:mod:`pyhvp.restricted.dynamo_views`). A replacement decides per call, from state of its
-own thread, whether to act; another thread's calls reach it too, and get the original's
-behaviour.
+sparse route's kernels trace (:mod:`pyhvp.restricted.dynamo_views`). A replacement decides per call whether to act, from
+whether its own thread is inside a context (:meth:`Replacement.inside`); another thread's
+calls reach it too, and get the original's behaviour.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ class Replacement:
 
     def __init__(self, replacements: Sequence[tuple[object, str, object]]) -> None:
         self._replacements = tuple(replacements)
+        self._here = threading.local()  # this thread's contexts in progress (``depth``)
         self._lock = threading.Lock()
         self._users = 0
         self._found: list[object] = []
@@ -38,8 +39,13 @@ class Replacement:
         finally:
             self.release()
 
+    def inside(self) -> bool:
+        """Whether this thread is inside a context (a replacement acts for its calls only)."""
+        return getattr(self._here, "depth", 0) > 0
+
     def acquire(self) -> None:
         """Enter: the replacements are in place until the matching :meth:`release`."""
+        self._here.depth = getattr(self._here, "depth", 0) + 1
         with self._lock:
             if self._users == 0:
                 self._found = [vars(owner).get(name, _MISSING)
@@ -50,6 +56,7 @@ class Replacement:
 
     def release(self) -> None:
         """Leave: the last to leave puts back what the first found."""
+        self._here.depth -= 1
         with self._lock:
             self._users -= 1
             if self._users == 0:
