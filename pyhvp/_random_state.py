@@ -39,6 +39,13 @@ def restore(state: RandomState) -> None:
     random.setstate(state.python)
 
 
+def drew(before: RandomState, after: RandomState) -> bool:
+    """Whether random draws were made between two saves of one device's state."""
+    return not (torch.equal(before.cpu, after.cpu) and before.python == after.python
+                and (before.cuda is None or after.cuda is None
+                     or torch.equal(before.cuda, after.cuda)))  # fmt: skip
+
+
 @contextmanager
 def replaying(state: RandomState) -> Iterator[None]:
     """Draws inside start from ``state``; after, they go on from where they were before."""

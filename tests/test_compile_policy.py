@@ -652,6 +652,29 @@ def test_the_check_catches_inductors_overlap_bug_without_pyhvps_pass(monkeypatch
     torch.testing.assert_close(hv, eager)
 
 
+def test_a_compiled_kernel_drawing_otherwise_than_eager_says_f_draws_not_a_compiler_bug():
+    """The compiled reverse route runs a loss's forward once per selected tensor where the eager
+    kernel runs it once, so a dropout in training draws other masks there: the check returns
+    eager's blocks (the seed's loop's), and its warning says why, where it asked for a report
+    of a compiler bug."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Dropout(0.5),
+                                torch.nn.Linear(16, 3)).train()  # fmt: skip
+    X, y = torch.randn(32, 8), torch.randint(0, 3, (32,))
+    index = {"0.weight": torch.arange(20), "3.bias": torch.arange(3)}
+
+    def blocks(backend):
+        torch.manual_seed(5)
+        loss, params = pyhvp.module_loss(model, torch.nn.CrossEntropyLoss(), X, y)
+        return pyhvp.sub_hessian(loss, params, index, method="reverse", backend=backend)
+
+    with pytest.warns(RuntimeWarning, match="disagrees") as caught:
+        got = blocks(pyhvp.TorchBackend(compile=True))
+    (message,) = [str(w.message) for w in caught if "disagrees" in str(w.message)]
+    assert "f draws random numbers" in message and "please report" not in message
+    torch.testing.assert_close(got, blocks(pyhvp.TorchBackend(compile=False)))
+
+
 def exact_compiles(monkeypatch):
     """Compiled kernels that run the traced kernel eagerly (no torch.compile: instant)."""
     monkeypatch.setattr(

@@ -90,9 +90,13 @@ class FreshDestinations(_PassBase):
 
 
 def backend() -> Callable[..., object]:
-    """A ``torch.compile`` backend: what ``backend="inductor"`` makes, with this pass.
-    (``options=`` would not take the pass on torch 2.5, which checks an option's type against
-    its default, ``None``.)"""
+    """A ``torch.compile`` backend: what ``backend="inductor"`` makes, with this pass, and with
+    ``fallback_random``: random ops (a dropout in training) draw from torch's generator as eagerly,
+    the numbers the eager kernel draws, where inductor's own CUDA generator draws others (each
+    compiled kernel's first result is checked against eager's, and a kernel whose draws differ
+    would run eagerly). (``options=`` would not take the pass on torch 2.5, which checks an
+    option's type against its default, ``None``.)"""
     wrapper = torch._TorchCompileInductorWrapper(None, None, False)  # type: ignore[no-untyped-call]
     wrapper.config["post_grad_custom_post_pass"] = FreshDestinations()
+    wrapper.config["fallback_random"] = True
     return cast(Callable[..., object], wrapper)

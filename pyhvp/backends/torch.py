@@ -597,13 +597,17 @@ def _detached(out: object) -> object:
 
 class CompiledKernelDisagrees(RuntimeError):
     """A compiled kernel's first result (of each graph dynamo traces), or its first gradients,
-    differ from the eager kernel's: a compiler bug."""
+    differ from the eager kernel's: a compiler bug, or (``random``) a function that draws random
+    numbers, which a compiled kernel may draw in another order (one forward per selected tensor
+    where the eager kernel runs one forward for all)."""
 
-    def __init__(self, difference: str, where: str = "on its first call") -> None:
-        super().__init__(
-            f"the compiled kernel disagrees with the eager one {where} ({difference}); "
-            f"please report it with your torch version"
-        )
+    def __init__(self, difference: str, where: str = "on its first call", random: bool = False
+                 ) -> None:  # fmt: skip
+        why = ("f draws random numbers (a dropout in training mode), which this compiled kernel "
+               "draws otherwise than the eager one" if random
+               else "please report it with your torch version")  # fmt: skip
+        super().__init__(f"the compiled kernel disagrees with the eager one {where} "
+                         f"({difference}); {why}")  # fmt: skip
 
 
 def _graphs_traced() -> int:
@@ -1101,7 +1105,8 @@ class TorchBackend:
             )
             if difference is not None:
                 where = "on a graph traced anew" if retraced else "on its first call"
-                failed(CompiledKernelDisagrees(difference, where), note)
+                random = random_states.drew(random_state, after_check if first_call else after)
+                failed(CompiledKernelDisagrees(difference, where, random), note)
                 return eagerly()  # with autograd history where the call needs it
             entry.checked = True
         return out
