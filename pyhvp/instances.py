@@ -278,6 +278,12 @@ def check_instances(
             f"couples instances with first derivatives that vanish at this x (every instance at "
             f"one point, say) but second derivatives that need not: cross-instance Hessian "
             f"blocks, which pyhvp's per-instance results leave out"
+            + (
+                "; or, here, a NaN or infinite entry of x reached other instances' values, "
+                "where no derivative can be read (a NaN spreads through x.mean(0), say)"
+                if not bool(x.isfinite().all())
+                else ""
+            )
         )
 
 
@@ -335,9 +341,10 @@ class _Runs:
             finite = x[x.isfinite()]  # (a NaN or infinite entry's scale: every shift NaN)
             scale = 1 + (float(finite.abs().amax()) if finite.numel() else 0.0)
             shift = self.random(x.shape) * scale / 4
-            x = x + shift * moved.reshape(
-                *self.batch_shape, *(1,) * (x.ndim - len(self.batch_shape))
-            )
+            where = moved.reshape(*self.batch_shape, *(1,) * (x.ndim - len(self.batch_shape)))
+            # a moved NaN or infinite entry starts from 0: shifted, it stayed NaN, and a
+            # coupling that spread it to every instance (x - x.mean(0)) changed nothing
+            x = torch.where(where & ~x.isfinite(), 0, x) + shift * where
         with random_states.replaying(self.random_state):
             out = self.f(x.requires_grad_(), *self.args)
         return check_batched_output(out, self.batch_shape).detach().reshape(self.count, -1)

@@ -123,6 +123,11 @@ COUPLED = {
         torch.cat([X[:2], X[2:3].clone().fill_diagonal_(torch.nan), X[3:]]),
         None,
     ),
+    "mean-centring, next to a NaN in x (it reaches every value: no derivative can be read)": (
+        lambda x: ((x - x.mean(0)) ** 2).sum(-1),
+        torch.cat([X[:2], X[2:3].clone().fill_diagonal_(torch.nan), X[3:]]),
+        ((1,), (2,)),
+    ),
     "mean-centring by a detached mean, next to an infinite own value": (
         lambda x: ((x - x.mean(0).detach()) ** 2).sum(-1) - torch.log(x.norm(dim=-1)),
         torch.cat([torch.zeros(1, 3, dtype=torch.float64), X[1:]]),
