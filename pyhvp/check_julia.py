@@ -8,8 +8,9 @@ per call), the versions in play and a one-line verdict. Paste the whole output i
 report.
 
 It never downloads (Julia starts offline) unless ``--allow-download``, and never hangs: the
-checks run in a child process that is stopped after ``--timeout`` seconds (a Julia call holds
-the GIL, so nothing inside the process could stop it).
+checks run in a child process that is stopped, with every process it started (juliapkg runs
+Julia in processes of its own), after ``--timeout`` seconds (a Julia call holds the GIL, so
+nothing inside the process could stop it).
 
 Exit codes: ``0`` every run agrees with torch; ``1`` a run disagrees or raised, or the check
 crashed or timed out; ``2`` bad command-line arguments; ``3`` Julia cannot start here (it
@@ -19,6 +20,7 @@ prints a line ``Julia cannot start: <reason>``), which CI treats as a skip.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib.metadata
 import math
@@ -290,26 +292,50 @@ def child_env(env: Mapping[str, str], allow_download: bool) -> dict[str, str]:
 
 def supervise(command: Sequence[str], env: Mapping[str, str], timeout_s: float) -> int:
     """Run the checking process (its output goes straight to ours) and pass on its exit code;
-    a timeout, a signal or an unknown code is :data:`EXIT_FAILED`, with a line saying which."""
+    a timeout, a signal or an unknown code is :data:`EXIT_FAILED`, with a line saying which.
+    On a timeout (or an interrupt) the checking process is stopped with every process it
+    started: juliapkg runs Julia in processes of its own (``julia --version``, the package
+    resolver), which outlived the check when only the checking process was killed."""
+    process = subprocess.Popen(list(command), env=dict(env), start_new_session=_SESSIONS)
     try:
-        done = subprocess.run(list(command), env=dict(env), timeout=timeout_s, check=False)
+        returncode = process.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
+        _stop(process)
         print(
             f"check_julia: stopped after {timeout_s:.0f} s (a hang, or compiling took longer: "
             "see --timeout); the rows above are the runs that finished",
             flush=True,
         )
         return EXIT_FAILED
-    if done.returncode in (EXIT_OK, EXIT_FAILED, EXIT_JULIA_CANNOT_START):
-        return done.returncode
-    if done.returncode < 0:
+    except BaseException:  # Ctrl-C: the checking process, in a session of its own, missed it
+        _stop(process)
+        raise
+    if returncode in (EXIT_OK, EXIT_FAILED, EXIT_JULIA_CANNOT_START):
+        return returncode
+    if returncode < 0:
         print(
-            f"check_julia: the checking process crashed ({signal.Signals(-done.returncode).name})",
+            f"check_julia: the checking process crashed ({signal.Signals(-returncode).name})",
             flush=True,
         )
     else:
-        print(f"check_julia: the checking process exited with code {done.returncode}", flush=True)
+        print(f"check_julia: the checking process exited with code {returncode}", flush=True)
     return EXIT_FAILED
+
+
+_SESSIONS = os.name == "posix"
+"""Whether the checking process runs in a session (and process group) of its own, which
+:func:`_stop` kills whole."""
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    """Kill the checking process and, where it has a process group of its own, everything in
+    it; then reap it."""
+    if _SESSIONS:
+        with contextlib.suppress(ProcessLookupError):  # (every process of it exited already)
+            os.killpg(process.pid, signal.SIGKILL)
+    else:
+        process.kill()
+    process.wait()
 
 
 def check_here() -> int:

@@ -228,6 +228,31 @@ def test_supervise_passes_on_the_checks_codes_and_stops_what_hangs(
     assert (got, printed.startswith(says) if says else printed == "") == (exit_code, True)
 
 
+def running(pid):
+    """Whether process ``pid`` still runs (an exited one is gone, or a zombie its new parent
+    has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_hanging_check_is_stopped_with_the_processes_it_started(tmp_path, capsys):
+    """juliapkg runs Julia in processes of its own (``julia --version`` hung with a broken
+    Julia): until 2026-12-06 they outlived the timeout that stopped the checking process."""
+    pid_file = tmp_path / "pid"
+    code = (
+        "import subprocess, sys, time\n"
+        "julia = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(julia.pid))\n"
+        "time.sleep(60)\n"
+    )
+    assert supervise([sys.executable, "-c", code], {}, timeout_s=5) == EXIT_FAILED
+    assert not running(int(pid_file.read_text()))
+
+
 @pytest.mark.parametrize("timeout", ["-5", "0", "nan", "soon"])
 def test_a_timeout_that_is_no_number_of_seconds_is_a_bad_argument(timeout, capsys):
     with pytest.raises(SystemExit) as exited:
