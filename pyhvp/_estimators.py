@@ -23,6 +23,7 @@ from pyhvp._checks import (
     require_like,
 )
 from pyhvp.backends import Backend
+from pyhvp.restricted.state import Recording, Snapshot, putting_back
 from pyhvp.taylor.kernel import identity
 
 EXACT = "exact"
@@ -176,6 +177,35 @@ class Space:
 Products = Callable[[torch.Tensor], torch.Tensor]
 
 
+class HessianProducts:
+    """``(k, *batch, d)`` coefficient vectors -> ``M`` times each, ``M = S^T H S`` (or H) per
+    instance, from the backend's Hessian-vector products of a scalar-per-instance ``f``."""
+
+    def __init__(self, backend: Backend, f: Callable[..., torch.Tensor], x: torch.Tensor,
+                 args: tuple[object, ...], space: Space, chunk_size: int | None) -> None:  # fmt: skip
+        self.backend, self.f, self.x, self.args = backend, f, x, args
+        self.space, self.chunk_size = space, chunk_size
+
+    def __call__(self, coefficients: torch.Tensor) -> torch.Tensor:
+        tangents = self.space.directions(coefficients).expand(len(coefficients), *self.x.shape)
+        _, hv = self.backend.grad_and_hvp(self.f, self.x, tangents.contiguous(), self.args,
+                                          len(self.space.event), self.chunk_size)  # fmt: skip
+        return self.space.project(hv)
+
+    def state(self) -> Snapshot:
+        """What ``f`` changes beyond its values (a batch norm's running statistics in training,
+        ``spectral_norm``'s vectors), as it is now: found by one more run of ``f``, whose
+        changes are put back, and restored before a further round of products, so that every
+        round differentiates the ``f`` of one eager call and the call leaves one run's
+        changes. Without grad: an inference ``x`` next to an arg that requires grad cannot be
+        differentiated (the products differentiate an alias of it)."""
+        inputs = (self.x, *self.args)
+        mode = Recording(inputs)
+        with putting_back(mode.changes, inputs), torch.no_grad(), mode:
+            self.f(*inputs)
+        return mode.changes.held().snapshot(inputs)
+
+
 def hessian_products(
     backend: Backend,
     f: Callable[..., torch.Tensor],
@@ -183,17 +213,9 @@ def hessian_products(
     args: tuple[object, ...],
     space: Space,
     chunk_size: int | None,
-) -> Products:
-    """``(k, *batch, d)`` coefficient vectors -> ``M`` times each, ``M = S^T H S`` (or H) per
-    instance, from the backend's Hessian-vector products of a scalar-per-instance ``f``."""
-
-    def products(coefficients: torch.Tensor) -> torch.Tensor:
-        tangents = space.directions(coefficients).expand(len(coefficients), *x.shape)
-        _, hv = backend.grad_and_hvp(f, x, tangents.contiguous(), args, len(space.event),
-                                     chunk_size)  # fmt: skip
-        return space.project(hv)
-
-    return products
+) -> HessianProducts:
+    """:class:`HessianProducts` of ``f`` at ``x``."""
+    return HessianProducts(backend, f, x, args, space, chunk_size)
 
 
 class Sketch(NamedTuple):
@@ -222,7 +244,9 @@ def sketch(
     directions (the estimate is then exact)."""
     sketch_size = samples // 3
     probes = space.probes("gaussian", sketch_size, generator)
-    # both rounds run f from one random state: f's draws (dropout) are one function's
+    # both rounds run f from one random state and one state of its own: f's draws (dropout)
+    # and the buffers it updates (spectral_norm's vectors in training) are one function's
+    state = products.state() if isinstance(products, HessianProducts) else None
     start = random_states.save(space.like.device)
     range_ = products(probes).movedim(0, -1)
     # QR in float32 at least: half and bfloat16 have no QR (geqrf), on the CPU or CUDA. Q is
@@ -236,6 +260,8 @@ def sketch(
     z = space.probes("rademacher", residual, generator).movedim(0, -1)  # (*batch, d, m)
     if deflate_probes:
         z = z - q @ (q.mT @ z)
+    if state is not None:
+        state.restore()
     # after it, draws go on past the probes (generator=None): fresh, not this call's again
     with random_states.replaying(start):
         pushed = products(torch.cat([q, z], -1).movedim(-1, 0)).movedim(0, -1)
