@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import torch
 from torch.func import vmap
@@ -34,6 +34,7 @@ from pyhvp._public import public_operator
 from pyhvp._user_errors import note
 from pyhvp.backends import nested
 from pyhvp.backends.torch import write_to_x_refusal
+from pyhvp.restricted.state import Recording, Snapshot
 from pyhvp.taylor import InPlaceInputError
 
 Out = TypeVar("Out")
@@ -220,6 +221,9 @@ def check_instances(
       frozen at this batch.
       Skipped when ``f`` is not deterministic (two runs from one random state differ: a
       generator of its own); ``f``'s side effects (Python state it changes) happen once per run.
+      Tensors ``f`` writes beyond its values (a batch norm's running statistics,
+      ``spectral_norm``'s vectors in training) are put back before each run and after the
+      check, which leaves them as it found them.
 
     Rounding is a change below 64 ulps of ``x``'s dtype, and at most 2^-10 of the largest
     gradient (through derivatives) or 2^-4 of an output's magnitude (through values): bfloat16's
@@ -260,14 +264,18 @@ def check_instances(
     with torch.inference_mode(False), torch.enable_grad():  # also inside inference mode
         y = x.clone()  # (a write of f's never reaches the caller's x)
         run = _Runs(f, y, args, batch_shape, generator)
-        message = _leak_through_derivatives(run)
-        if message is not None:
-            raise InstanceCouplingError(
-                f"{message}. pyhvp's per-instance operators assume f(x)[b] depends only on x[b] "
-                f"(the last event_dims={event_dims} dims of x are one instance): mean-centring "
-                f"over the batch, batch norm in training mode or a sum over instances break that"
-            )
-        message = _leak_through_values(run)
+        try:
+            message = _leak_through_derivatives(run)
+            if message is not None:
+                raise InstanceCouplingError(
+                    f"{message}. pyhvp's per-instance operators assume f(x)[b] depends only on "
+                    f"x[b] (the last event_dims={event_dims} dims of x are one instance): "
+                    f"mean-centring over the batch, batch norm in training mode or a sum over "
+                    f"instances break that"
+                )
+            message = _leak_through_values(run)
+        finally:  # the check leaves f's buffers as it found them
+            run.state.restore()
     if message is not None:  # seen in values alone: what made it cannot be told
         raise InstanceCouplingError(
             f"{message}: it changed when only other instances moved, though no first "
@@ -305,8 +313,12 @@ class _Runs:
         self.random_state = random_states.save(y.device)
         self.y.requires_grad_()
         version = self.y._version
+        recording = Recording((self.y, *args))
         try:
-            out = f(self.y, *args)
+            # (without dynamo: a torch.compile'd f traced the recording mode, with a warning)
+            compiler: Any = torch.compiler  # its disable() is untyped on some torch versions
+            with recording:
+                out = compiler.disable(f)(self.y, *args)
         except RuntimeError as error:
             refusal = write_to_x_refusal(error, f, y, args)
             if refusal is None:
@@ -318,6 +330,12 @@ class _Runs:
                 "w.r.t. the x they are given: write to a copy (x.clone())"
             )
         self.out = check_batched_output(out, batch_shape)
+        # what f writes beyond its values (running statistics, spectral_norm's vectors), as it
+        # was before: put back before each further run, every run is the first one's function
+        # (each run had updated them: a spectral-norm network in training looked random, and
+        # its coupling through a detached mean went unseen). Not f's own generators: two runs
+        # that draw from one anew still differ
+        self.state = Snapshot(recording.changes.snapshot().storages, [])
         self.own_gradient: torch.Tensor | None = None  # (B, 1), set by the derivatives pass
 
     def x_scale(self) -> float:
@@ -345,6 +363,7 @@ class _Runs:
             # a moved NaN or infinite entry starts from 0: shifted, it stayed NaN, and a
             # coupling that spread it to every instance (x - x.mean(0)) changed nothing
             x = torch.where(where & ~x.isfinite(), 0, x) + shift * where
+        self.state.restore()
         with random_states.replaying(self.random_state):
             out = self.f(x.requires_grad_(), *self.args)
         return check_batched_output(out, self.batch_shape).detach().reshape(self.count, -1)

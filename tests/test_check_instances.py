@@ -1,6 +1,7 @@
 """Specification of check_instances: it passes independent instances and names coupled ones."""
 
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -161,6 +162,39 @@ def test_a_coupling_whose_derivatives_vanish_at_x_is_not_called_a_detach():
     values (and the Hessian) do; until 2026-12-05 the message blamed a detach f does not have."""
     with pytest.raises(pyhvp.InstanceCouplingError, match="first derivatives that vanish"):
         pyhvp.check_instances(COUPLED["mean-centring"][0], torch.zeros(6, 3, dtype=torch.float64))
+
+
+def spectral_norm_net():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.utils.parametrizations.spectral_norm(nn.Linear(3, 6)), nn.Tanh(), nn.Linear(6, 1)
+    ).double()
+
+
+def test_a_detached_coupling_is_seen_where_every_run_updates_a_buffer():
+    """``spectral_norm`` in training updates its power iteration's vectors at every run: until
+    2026-12-06 each run of the check was another function, the values part judged f random and
+    skipped, and this coupling through a detached mean passed."""
+    net = spectral_norm_net()
+    with pytest.raises(pyhvp.InstanceCouplingError, match="carries no derivative"):
+        pyhvp.check_instances(lambda x: net(x - x.mean(0).detach())[..., 0], X)
+
+
+def test_the_check_leaves_the_buffers_f_updates_as_it_found_them():
+    """Until 2026-12-06 the check left them as its ninth run did, at shifted x's."""
+    net, untouched = spectral_norm_net(), spectral_norm_net()
+    pyhvp.check_instances(lambda x: net(x)[..., 0], X)
+    assert torch.equal(net.state_dict()["0.parametrizations.weight.0._u"],
+                       untouched.state_dict()["0.parametrizations.weight.0._u"])  # fmt: skip
+
+
+def test_a_function_compiled_by_torch_compile_is_checked_without_a_warning():
+    """The first run notes what f writes under a mode of pyhvp's, which dynamo would trace
+    into a compiled f (``Dynamo does not know how to trace the builtin ...``)."""
+    compiled = torch.compile(lambda x: (x.sin() ** 2).sum(-1), backend="eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert pyhvp.check_instances(compiled, X) is None
 
 
 def test_a_function_drawing_from_a_generator_of_its_own_is_judged_by_derivatives_alone():
