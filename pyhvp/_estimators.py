@@ -23,7 +23,7 @@ from pyhvp._checks import (
     require_like,
 )
 from pyhvp.backends import Backend
-from pyhvp.restricted.state import Recording, Snapshot, putting_back
+from pyhvp.restricted.state import Recording, Snapshot, putting_back, without_dynamo
 from pyhvp.taylor.kernel import identity
 
 EXACT = "exact"
@@ -201,7 +201,7 @@ class HessianProducts:
         differentiated (the products differentiate an alias of it)."""
         inputs = (self.x, *self.args)
         mode = Recording(inputs)
-        with putting_back(mode.changes, inputs), torch.no_grad(), mode:
+        with putting_back(mode.changes, inputs), torch.no_grad(), without_dynamo(), mode:
             self.f(*inputs)
         return mode.changes.held().snapshot(inputs)
 

@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, TypeVar, cast
+from typing import TypeVar, cast
 
 import torch
 from torch.func import vmap
@@ -34,7 +34,7 @@ from pyhvp._public import public_operator
 from pyhvp._user_errors import note
 from pyhvp.backends import nested
 from pyhvp.backends.torch import write_to_x_refusal
-from pyhvp.restricted.state import Recording, Snapshot
+from pyhvp.restricted.state import Recording, Snapshot, without_dynamo
 from pyhvp.taylor import InPlaceInputError
 
 Out = TypeVar("Out")
@@ -315,10 +315,8 @@ class _Runs:
         version = self.y._version
         recording = Recording((self.y, *args))
         try:
-            # (without dynamo: a torch.compile'd f traced the recording mode, with a warning)
-            compiler: Any = torch.compiler  # its disable() is untyped on some torch versions
-            with recording:
-                out = compiler.disable(f)(self.y, *args)
+            with without_dynamo(), recording:
+                out = f(self.y, *args)
         except RuntimeError as error:
             refusal = write_to_x_refusal(error, f, y, args)
             if refusal is None:

@@ -629,6 +629,18 @@ def test_the_sketch_rounds_of_an_f_with_state_see_one_function(operator, method)
     torch.testing.assert_close(results[1], results[0])
 
 
+@pytest.mark.parametrize(("operator", "method"), [("laplacian", "hutch++"),
+                                                  ("hessian_diagonal", "diag++")])  # fmt: skip
+def test_the_sketch_of_a_function_compiled_by_torch_compile_warns_nothing(operator, method):
+    """The sketch notes what f writes under a mode of pyhvp's, which dynamo would trace into a
+    compiled f (``Dynamo does not know how to trace the builtin ...``)."""
+    compiled = torch.compile(lambda y: y.sin().pow(2).sum(-1), backend="eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        getattr(pyhvp, operator)(compiled, torch.randn(4, 3), method=method, samples=9)
+    assert [str(warning.message) for warning in caught] == []
+
+
 def test_the_sketch_never_rewinds_the_global_random_state_to_draw_its_probes_again(monkeypatch):
     """With ``generator=None`` the probes come from torch's global generator: a call's
     second-round rewind (for ``f``'s draws) must not make the next call draw from where this

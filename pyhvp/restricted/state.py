@@ -184,6 +184,20 @@ class Recording(TorchFunctionMode):
 
 
 @contextmanager
+def without_dynamo() -> Iterator[None]:
+    """A run of a function under a mode of pyhvp's (:class:`Recording`) with every
+    ``torch.compile``'d function in it eager: dynamo traced the mode into such a function, with
+    a warning (``Dynamo does not know how to trace the builtin ...``), and a graph it had cached
+    would run without it. torch 2.5 has no stance: compiled functions compile there."""
+    stance = getattr(torch.compiler, "set_stance", None)
+    if stance is None:  # pragma: no cover - torch 2.5
+        yield
+        return
+    with stance("force_eager"):
+        yield
+
+
+@contextmanager
 def putting_back(changes: Changes, inputs: Sequence[object]) -> Iterator[None]:
     """A run of a loss of ``inputs`` that leaves the state as it found it: on a forked random
     state (the CPU's and the CUDA devices' of ``inputs``), its noted ``changes`` put back after
