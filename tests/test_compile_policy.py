@@ -468,6 +468,33 @@ def test_a_compiled_kernel_checked_against_eager_changes_fs_state_once(
     assert torch.equal(state, expected)
 
 
+@pytest.mark.parametrize(("make", "change"), list(KERNEL_STATE.values())[::3],
+                         ids=list(KERNEL_STATE)[::3])  # fmt: skip
+def test_a_compiled_kernel_that_changes_fs_state_more_often_than_eager_is_not_kept(
+    monkeypatch, compile_cache, make, change
+):
+    """The compiled reverse route runs f once per selected tensor (eagerly: once for all), and
+    an op whose write torch.func lets through (instance_norm's running statistics) made each
+    run's change: a compiled sub-Hessian over 6 tensors of a model with
+    ``InstanceNorm2d(track_running_stats=True)`` in training moved its running mean 6 times, with
+    blocks equal to eager's. The state the compiled run leaves is checked against the eager
+    run's with its result: where they differ the call serves eager's one run."""
+    state, expected = make(), make()
+    change(expected)
+
+    def fake_compile(kernel, f, static):
+        return lambda x: (kernel(f, x), kernel(f, x))[0]  # f run twice, the same value
+
+    def kernel(f, x):
+        change(state)
+        return x
+
+    monkeypatch.setattr(torch_backend, "_compile_bound", fake_compile)
+    with pytest.warns(RuntimeWarning, match="state"):
+        pyhvp.TorchBackend(compile=True)._run(kernel, kernel, scaled, (), (torch.zeros(1),))
+    assert torch.equal(state, expected)
+
+
 NORMS = (
     lambda mean: lambda z: F.batch_norm(z, mean, torch.ones_like(mean), training=True),
     lambda mean: lambda z: torch.batch_norm(z, None, None, mean, torch.ones_like(mean), True,

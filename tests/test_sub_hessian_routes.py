@@ -4,6 +4,7 @@ and the choice is observable on the ``pyhvp.sub_hessian`` logger (never inferred
 The injections op by op are ``test_sub_hessian_sparse_ops``'s."""
 
 import contextlib
+import copy
 import logging
 import warnings
 from dataclasses import dataclass
@@ -148,6 +149,29 @@ def test_the_compiled_sparse_kernel_equals_the_dense_sub_hessian(case, compiled)
     assert len(compiled) == 1
     for got in calls:
         torch.testing.assert_close(got, dense_sub_hessian(loss, params, index), **F64)
+
+
+@pytest.mark.slow
+def test_the_compiled_reverse_route_leaves_one_forwards_running_statistics():
+    """Compiled, the reverse route runs the loss once per selected tensor (eagerly, once for
+    all), and torch.func lets ``instance_norm``'s write of its running statistics through: over
+    6 tensors the running mean moved 6 times, with blocks equal to eager's. Such a kernel is
+    not kept, and the call leaves one forward's changes, as the seed's loop does."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3),
+                          nn.InstanceNorm2d(3, affine=True, track_running_stats=True),
+                          nn.Tanh(), nn.Flatten(), nn.Linear(12, 3)).double()  # fmt: skip
+    inputs, targets = torch.randn(3, 2, 4, 4, dtype=torch.float64), torch.tensor([0, 2, 1])
+    once = copy.deepcopy(model)
+    with torch.no_grad():
+        once(inputs)
+    loss, params = pyhvp.module_loss(model, nn.CrossEntropyLoss(), inputs, targets)
+    index = {name: torch.tensor([0, 1]) for name in params}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the kernel's refusal)
+        pyhvp.sub_hessian(loss, params, index, method="reverse",
+                          backend=pyhvp.TorchBackend(compile=True))  # fmt: skip
+    torch.testing.assert_close(dict(model.named_buffers()), dict(once.named_buffers()))
 
 
 def test_where_dynamo_cannot_trace_the_mode_the_sparse_kernel_runs_eagerly(monkeypatch, compiled):

@@ -625,17 +625,34 @@ KERNELS = {
 
 def _noting_changes(
     eager: Callable[..., object], inputs: tuple[object, ...]
-) -> tuple[object, Snapshot]:
-    """``eager(*inputs)`` without grad, and what it changes beyond its values (a batch norm's
+) -> tuple[object, Snapshot, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """``eager(*inputs)`` without grad, what it changes beyond its values (a batch norm's
     running statistics, a generator of f's own; :mod:`pyhvp.restricted.state`) as it was
-    before, which is put back: the compiled kernel's run that follows makes those changes
-    once, and a rerun after it starts from the snapshot again."""
+    before, which is put back, and each changed tensor with its value after the eager run: the
+    compiled kernel's run that follows must make those changes once (:func:`_state_after`), and
+    a rerun after it starts from the snapshot again."""
     recording = Recording(inputs)
     try:
         with torch.no_grad(), recording:
-            return eager(*inputs), recording.changes.snapshot()
+            result = eager(*inputs)
+        changed = [(owner, owner.detach().clone())
+                   for owner, _ in recording.changes.storages.values()]  # fmt: skip
+        return result, recording.changes.snapshot(), changed
     finally:
         recording.changes.undo()
+
+
+def _state_after(changed: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
+    """Where the tensors the eager run changed hold other values after the compiled run than
+    after the eager one, or None. A kernel that runs f more than once changes it more often:
+    the compiled reverse route runs f once per selected tensor (eagerly, once for all), and
+    torch.func lets ``instance_norm``'s write of its running statistics through (a compiled
+    sub-Hessian over 6 tensors moved them 6 times)."""
+    for owner, after in changed:
+        difference = compile_policy.disagreement(owner, after)
+        if difference is not None:
+            return f"f's state beyond its values after it differs from eager's: {difference}"
+    return None
 
 
 def _describe(kernel: Callable[..., object], f: object, inputs: Sequence[object]) -> str:
@@ -1007,8 +1024,9 @@ class TorchBackend:
         # them in its check instead; copying a written buffer every call cost a 32 MB buffer
         # 5x the call)
         expected, before, after_check = None, Snapshot([], []), random_state
+        changed: list[tuple[torch.Tensor, torch.Tensor]] = []
         if first_call:  # eager's result to check the compiled one by, and what f changes
-            expected, before = _noting_changes(eager, inputs)
+            expected, before, changed = _noting_changes(eager, inputs)
             after_check = random_states.save(device)
             random_states.restore(random_state)  # random ops draw the same values
 
@@ -1082,7 +1100,7 @@ class TorchBackend:
             if retraced:  # f's state is the compiled run's now, the check's put back
                 after = random_states.save(device)
                 random_states.restore(random_state)  # random ops draw the same values
-                expected, noted = _noting_changes(eager, inputs)
+                expected, noted, _ = _noting_changes(eager, inputs)
                 if noted.storages or noted.generators:
                     # f changes state (a generator first drawn from in this graph): the graph
                     # runs again from the check's state, which is then put back
@@ -1101,7 +1119,7 @@ class TorchBackend:
             difference = (
                 f"it raised {type(checked).__name__}: {checked}"
                 if isinstance(checked, Exception)
-                else compile_policy.disagreement(checked, expected)
+                else compile_policy.disagreement(checked, expected) or _state_after(changed)
             )
             if difference is not None:
                 where = "on a graph traced anew" if retraced else "on its first call"
