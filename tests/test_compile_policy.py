@@ -490,7 +490,7 @@ def test_a_compiled_kernel_that_changes_fs_state_more_often_than_eager_is_not_ke
         return x
 
     monkeypatch.setattr(torch_backend, "_compile_bound", fake_compile)
-    with pytest.warns(RuntimeWarning, match="state"):
+    with pytest.warns(RuntimeWarning, match="this compiled kernel changes otherwise"):
         pyhvp.TorchBackend(compile=True)._run(kernel, kernel, scaled, (), (torch.zeros(1),))
     assert torch.equal(state, expected)
 

@@ -601,13 +601,19 @@ class CompiledKernelDisagrees(RuntimeError):
     numbers, which a compiled kernel may draw in another order (one forward per selected tensor
     where the eager kernel runs one forward for all)."""
 
-    def __init__(self, difference: str, where: str = "on its first call", random: bool = False
+    def __init__(self, difference: str, where: str = "on its first call", cause: str | None = None
                  ) -> None:  # fmt: skip
-        why = ("f draws random numbers (a dropout in training mode), which this compiled kernel "
-               "draws otherwise than the eager one" if random
-               else "please report it with your torch version")  # fmt: skip
+        why = cause or "please report it with your torch version"
         super().__init__(f"the compiled kernel disagrees with the eager one {where} "
                          f"({difference}); {why}")  # fmt: skip
+
+
+RANDOM_DRAWS = ("f draws random numbers (a dropout in training mode), which this compiled kernel "
+                "draws otherwise than the eager one")  # fmt: skip
+STATE_CHANGES = ("f changes state beyond its values (running statistics), which this compiled "
+                 "kernel changes otherwise than the eager one")  # fmt: skip
+"""Why a compiled kernel disagrees where that is no compiler bug: the compiled reverse route
+runs f once per selected tensor, the eager kernel once for all."""
 
 
 def _graphs_traced() -> int:
@@ -1116,15 +1122,18 @@ class TorchBackend:
                         "(f changes state beyond its values): one run on"
                     )
                 random_states.restore(after)
-            difference = (
+            result_differs = (
                 f"it raised {type(checked).__name__}: {checked}"
                 if isinstance(checked, Exception)
-                else compile_policy.disagreement(checked, expected) or _state_after(changed)
+                else compile_policy.disagreement(checked, expected)
             )
+            state_differs = None if result_differs else _state_after(changed)
+            difference = result_differs or state_differs
             if difference is not None:
                 where = "on a graph traced anew" if retraced else "on its first call"
-                random = random_states.drew(random_state, after_check if first_call else after)
-                failed(CompiledKernelDisagrees(difference, where, random), note)
+                drew = random_states.drew(random_state, after_check if first_call else after)
+                cause = RANDOM_DRAWS if drew else STATE_CHANGES if state_differs else None
+                failed(CompiledKernelDisagrees(difference, where, cause), note)
                 return eagerly()  # with autograd history where the call needs it
             entry.checked = True
         return out
