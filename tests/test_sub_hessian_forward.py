@@ -328,13 +328,19 @@ def test_a_layers_tangents_stay_placed_through_a_pointwise_op_into_the_next_laye
     assert pushed == [8, 8]  # norm1's weight and bias into mlp.0, mlp.0's into mlp.2
 
 
-def test_a_dropout_outside_training_keeps_a_layers_tangents_placed(pushed):
-    # nn.Dropout between a layer's activation and the next layer (a transformer's MLP), in
-    # eval: the identity, whose placed tangents the next layer still pushes as outer products
+IDENTITY_DROPOUTS = {
+    "in eval": lambda: nn.Dropout(0.5).eval(),
+    "of p = 0 in training (TransformerEncoderLayer(dropout=0.0); refused until 2026-12-06)":
+        lambda: nn.Dropout(0.0).train(),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("dropout", IDENTITY_DROPOUTS.values(), ids=IDENTITY_DROPOUTS.keys())
+def test_a_dropout_that_is_the_identity_keeps_a_layers_tangents_placed(pushed, dropout):
+    # nn.Dropout between a layer's activation and the next layer (a transformer's MLP): its
+    # placed tangents pass, and the next layer still pushes them as outer products
     assert_forward_equals_dense(
-        lambda p: squash(
-            F.linear(nn.Dropout(0.5).eval()(torch.tanh(F.linear(X5, p["w"], p["v"][:3, 0]))), C.T)
-        )
+        lambda p: squash(F.linear(dropout()(torch.tanh(F.linear(X5, p["w"], p["v"][:3, 0]))), C.T))
     )
     assert pushed == [12]  # per tensor: w's 4 rows and v's 8, one stream
 

@@ -742,7 +742,7 @@ def _identity(
     outputs: Sequence[Tensor],
 ) -> bool:  # fmt: skip
     """Whether this call returns its one tensor argument's values as they are: a dropout
-    outside training (:func:`refusal` refuses one in training), as ``nn.Dropout`` between a
+    outside training or of ``p = 0`` (:func:`refusal` refuses any other), as ``nn.Dropout`` between a
     layer's activation and the next layer calls it, whose placed tangents then stay placed
     (made dense, the next layer's push was a matrix product: an MLP's forward route 3x)."""
     return (
@@ -930,7 +930,11 @@ def refusal(func: Callable[..., Any], op: str, args: Sequence[Any], kwargs: dict
     survey asks too, so that the cost model does not choose the route for such a loss.)"""
     if func in _STATEFUL and _updates_statistics(func, args, kwargs):
         return f"{describe(func)} updates its running statistics in training"
-    if func in _DROPOUTS and argument(args, kwargs, "training", 2, True):
+    if (
+        func in _DROPOUTS
+        and argument(args, kwargs, "training", 2, True)
+        and argument(args, kwargs, "p", 1, 0.5) != 0
+    ):  # (p = 0: the identity, no draw)
         return f"{describe(func)} in training draws a random mask (randomness)"
     if func in _DERIVATIVES:
         return (f"{describe(func)} takes a derivative inside the loss: autograd's engine runs "
