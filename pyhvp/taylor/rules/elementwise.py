@@ -326,6 +326,42 @@ def _reciprocal(u: Tensor, y: Tensor, *, order: int) -> Sequence[Tensor | None]:
     return [(-1) ** j * math.factorial(j) * y ** (j + 1) for j in range(1, order + 1)]
 
 
+SINC_SERIES_BELOW = 3.0
+"""``|pi u|`` below which ``sinc``'s derivatives come from its power series (above: Leibniz)."""
+
+
+@functools.cache
+def _sinc_series(j: int) -> list[float]:
+    """Coefficients of ``s^(j)(t)``, ``s(t) = sin(t) / t = sum_m (-1)^m t^(2m) / (2m + 1)!``, in
+    powers of ``t`` from the constant up, to a degree whose terms are below 1e-18 at ``|t| = 3``."""
+    degree = 32
+    series = [0.0 if n % 2 else (-1) ** (n // 2) / math.factorial(n + 1)
+              for n in range(degree + j + 1)]  # fmt: skip
+    return [series[n + j] * math.factorial(n + j) / math.factorial(n) for n in range(degree + 1)]
+
+
+def _sinc(u: Tensor, y: Tensor, *, order: int) -> Sequence[Tensor | None]:
+    """``sin(pi u) / (pi u)``: ``pi^j s^(j)(pi u)`` with ``s(t) = sin(t) / t``, by Leibniz,
+    ``s^(j)(t) = sum_i C(j, i) sin^(i)(t) (-1)^(j-i) (j-i)! / t^(j-i+1)``, where ``|t| >= 3``
+    and by the power series of ``s`` nearer 0, where Leibniz's terms cancel (each branch on a
+    safe ``t``, so that neither is inf or NaN where it is not taken, nor its gradient). Before,
+    torch's decomposition ``where(t == 0, 1, sin(t) / t)`` gave NaN derivatives at 0 and lost
+    every digit near it: the fourth derivative 12.1 for 19.5 at ``u = 1e-4``, 4e19 at 1e-9."""
+    t = math.pi * u
+    near = t.abs() < SINC_SERIES_BELOW
+    t_near = torch.where(near, t, 0.0)
+    t_far = torch.where(near, SINC_SERIES_BELOW, t)
+    inverse = 1 / t_far
+    sin_far, cos_far = torch.sin(t_far), torch.cos(t_far)
+    cycle = [sin_far, cos_far, -sin_far, -cos_far]
+    out: list[Tensor | None] = []
+    for j in range(1, order + 1):
+        far = sum(math.comb(j, i) * (-1) ** (j - i) * math.factorial(j - i) * cycle[i % 4]
+                  * inverse ** (j - i + 1) for i in range(j + 1))  # fmt: skip
+        out.append(math.pi**j * torch.where(near, _horner(_sinc_series(j), t_near), far))
+    return out
+
+
 SQRT_2PI = math.sqrt(2 * math.pi)
 LN2, LN10 = math.log(2), math.log(10)
 UNARY: dict[torch._ops.OpOverload, Derivatives] = {
@@ -354,6 +390,7 @@ UNARY: dict[torch._ops.OpOverload, Derivatives] = {
     aten.asinh.default: _by_autograd(aten.asinh.default, _asinh),
     aten.atanh.default: _by_autograd(aten.atanh.default, _atanh),
     aten.erf.default: _erf,
+    aten.sinc.default: _sinc,
     # NaN at NaN, as the value: sign(nan) is 0, an exact zero that dropped the NaN from every
     # derivative downstream (autograd's are NaN there, sum(|x| ** 1.5)'s Laplacian included)
     aten.abs.default: _piecewise_linear(lambda u: torch.where(u.isnan(), u, torch.sign(u))),
