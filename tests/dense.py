@@ -251,6 +251,12 @@ def _zero_base(x):
     return (0.0 ** x.abs() + zero ** x.abs() + 2.0**x).sum(-1)
 
 
+def _variable_powers(x):
+    """``x_0 ** (2 + x_2 ** 2)`` and ``x_1 ** (2 + x_3 ** 2)``, base and exponent both from x, at
+    zero bases: every coefficient was NaN there (``exp(e log 0)``), the gradient included."""
+    return (x[..., :2] ** (2 + x[..., 2:] ** 2)).sum(-1)
+
+
 def _solves(device):
     """Constant batched A (2, 3, 3) against each instance's 1-D right-hand side (a vector per
     batch of A) and against a (3, 3) one (matrices: A.ndim - 1 dims but not A.shape[:-1])."""
@@ -530,6 +536,7 @@ ZEROS = [[0.0, 1.0, -2.0, 0.0], [0.5, 0.0, 3.0, -1.0]]
 TAYLOR_CASES = [
     TaylorCase("x ** tensor, at x = 0", _same(_powers), lambda d: _at(d, ZEROS)),
     TaylorCase("0 ** x, 2 ** x, at x = 0", _same(_zero_base), lambda d: _at(d, ZEROS)),
+    TaylorCase("x ** f(x), at x = 0", _same(_variable_powers), lambda d: _at(d, ZEROS)),
     TaylorCase("solve: vector and matrix right-hand sides against a batch of A",
                lambda d: (_solves(d), None)),
     TaylorCase("det with a singular instance", _same(_singular_det)),

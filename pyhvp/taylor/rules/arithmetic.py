@@ -187,6 +187,29 @@ def _tensor_power(ctx: Context, out: Tensor, base: Jet | Tensor, exponent: Jet |
             d = d * log_base
             derivatives.append(d)
         return chain(ctx, out, exponent, *derivatives)
-    log_base = apply(ctx, aten.log.default, base)  # base^e = exp(e log base)
-    exponent_jet = apply(ctx, aten.mul.Tensor, exponent, log_base)
-    return chain(ctx, out, exponent_jet, *[out] * ctx.order)
+    # base^e = exp(e log base) where the base is not 0. Where it is, log base is -inf and every
+    # coefficient was NaN (the gradient of x0 ** (2 + x1) at x0 = 0 too, where autograd's is
+    # 0): there autograd's masks, each input's own terms and no mixed one -- the rule of a
+    # constant exponent in the base plus that of a zero base in the exponent. Each branch runs
+    # on safe values where it is not taken (no inf or NaN there, nor in the kernel's backward).
+    zero = base.value == 0
+    safe_base = Jet(torch.where(zero, 1.0, base.value), base.coefficients)
+    log_base = apply(ctx, aten.log.default, safe_base)
+    general = chain(ctx, out, apply(ctx, aten.mul.Tensor, exponent, log_base), *[out] * ctx.order)
+    e = exponent.value
+    in_base = _tensor_power(ctx, out, Jet(torch.zeros_like(base.value), base.coefficients),
+                            torch.where(zero, e, float(ctx.order + 1)))  # fmt: skip
+    infinite = out.new_full((), torch.inf)
+    pole = zero & (e < 0)  # 0 ** e = inf: out log(0)^j = (-1)^j inf
+    in_exponent = chain(ctx, out, exponent, *(torch.where(pole, -infinite if j % 2 else infinite,
+                                                          0.0) for j in range(1, ctx.order + 1)))  # fmt: skip
+    nd = out.ndim
+
+    def select(k: int) -> Tensor:
+        at_zero = plus(coefficient_of(in_base, nd, k), coefficient_of(in_exponent, nd, k))
+        elsewhere = coefficient_of(general, nd, k)
+        nothing = out.new_zeros(())
+        return torch.where(zero, nothing if at_zero is None else at_zero,
+                           nothing if elsewhere is None else elsewhere)  # fmt: skip
+
+    return Jet(out, tuple(select(k) for k in range(1, ctx.order + 1)))
