@@ -181,6 +181,8 @@ def disagreement(got: object, expected: object) -> str | None:
         a, b = a.detach(), b.detach()
         if a.shape != b.shape:
             return f"shape {tuple(a.shape)} against {tuple(b.shape)}"
+        if b.dtype == torch.bool:  # (no abs: a flag f sets, compared as the state it leaves)
+            a, b = a.to(torch.uint8), b.to(torch.uint8)
         finite = b[torch.isfinite(b)] if b.is_floating_point() else b
         scale = 1.0 + (finite.abs().max().item() if finite.numel() else 0.0)
         tolerance = _agreement(b) * scale
