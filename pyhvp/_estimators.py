@@ -23,6 +23,7 @@ from pyhvp._checks import (
     require_like,
 )
 from pyhvp.backends import Backend
+from pyhvp.backends.torch import _normal
 from pyhvp.restricted.state import Recording, Snapshot, putting_back, without_dynamo
 from pyhvp.taylor.kernel import identity
 
@@ -197,13 +198,16 @@ class HessianProducts:
         ``spectral_norm``'s vectors), as it is now: found by one more run of ``f``, whose
         changes are put back, and restored before a further round of products, so that every
         round differentiates the ``f`` of one eager call and the call leaves one run's
-        changes. Without grad: an inference ``x`` next to an arg that requires grad cannot be
-        differentiated (the products differentiate an alias of it)."""
-        inputs = (self.x, *self.args)
-        mode = Recording(inputs)
-        with putting_back(mode.changes, inputs), torch.no_grad(), without_dynamo(), mode:
-            self.f(*inputs)
-        return mode.changes.held().snapshot(inputs)
+        changes. ``f`` runs as the products run it: with grad, on an alias of ``x`` that
+        requires grad and with inference tensors cloned (an ``f`` that differentiates inside,
+        with ``torch.autograd.grad``, failed under ``no_grad``)."""
+        with torch.inference_mode(False), torch.enable_grad():
+            x = self.x.clone() if self.x.is_inference() else self.x
+            run = (x.detach().requires_grad_(), *_normal(self.args))
+            mode = Recording(run)
+            with putting_back(mode.changes, run), without_dynamo(), mode:
+                self.f(*run)
+        return mode.changes.held().snapshot((self.x, *self.args))
 
 
 def hessian_products(

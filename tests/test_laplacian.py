@@ -631,6 +631,24 @@ def test_the_sketch_rounds_of_an_f_with_state_see_one_function(operator, method)
 
 @pytest.mark.parametrize(("operator", "method"), [("laplacian", "hutch++"),
                                                   ("hessian_diagonal", "diag++")])  # fmt: skip
+def test_the_sketch_of_an_f_that_differentiates_inside_notes_its_state_with_grad(operator, method):
+    """The run that notes what ``f`` changes beyond its values runs ``f`` as the products do:
+    with grad. An ``f`` calling ``torch.autograd.grad`` (``sum(y^3)`` as ``y`` times the gradient
+    of ``sum(y^3) / 3``) raised ``element 0 of tensors does not require grad`` there until
+    2026-12-06, under ``no_grad``."""
+
+    def f(y):
+        (gradient,) = torch.autograd.grad((y**3).sum() / 3, y, create_graph=True)
+        return (gradient * y).sum(-1)
+
+    x = torch.randn(5, 3, dtype=torch.float64)
+    got = getattr(pyhvp, operator)(f, x, method=method, samples=9, generator=torch.Generator())
+    diagonal = 6 * x  # of sum(y^3)
+    torch.testing.assert_close(got, diagonal.sum(-1) if operator == "laplacian" else diagonal)
+
+
+@pytest.mark.parametrize(("operator", "method"), [("laplacian", "hutch++"),
+                                                  ("hessian_diagonal", "diag++")])  # fmt: skip
 def test_the_sketch_of_a_function_compiled_by_torch_compile_warns_nothing(operator, method):
     """The sketch notes what f writes under a mode of pyhvp's, which dynamo would trace into a
     compiled f (``Dynamo does not know how to trace the builtin ...``)."""
