@@ -29,8 +29,9 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -295,8 +296,16 @@ def supervise(command: Sequence[str], env: Mapping[str, str], timeout_s: float) 
     a timeout, a signal or an unknown code is :data:`EXIT_FAILED`, with a line saying which.
     On a timeout (or an interrupt) the checking process is stopped with every process it
     started: juliapkg runs Julia in processes of its own (``julia --version``, the package
-    resolver), which outlived the check when only the checking process was killed."""
-    process = subprocess.Popen(list(command), env=dict(env), start_new_session=_SESSIONS)
+    resolver), which outlived the check when only the checking process was killed. So is it
+    where this process is stopped by SIGTERM or SIGHUP (a CI job cancelled, a terminal closed:
+    sent to our process group, which the checking process, in a session of its own, is not
+    in), which then exits with 128 + the signal's number."""
+    with _stopping_on_signals():
+        process = subprocess.Popen(list(command), env=dict(env), start_new_session=_SESSIONS)
+        return _supervised(process, timeout_s)
+
+
+def _supervised(process: subprocess.Popen[bytes], timeout_s: float) -> int:
     try:
         returncode = process.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -307,8 +316,8 @@ def supervise(command: Sequence[str], env: Mapping[str, str], timeout_s: float) 
             flush=True,
         )
         return EXIT_FAILED
-    except BaseException:  # Ctrl-C: the checking process, in a session of its own, missed it
-        _stop(process)
+    except BaseException:  # Ctrl-C, a SIGTERM: the checking process, in a session of its own,
+        _stop(process)  # missed it
         raise
     if returncode in (EXIT_OK, EXIT_FAILED, EXIT_JULIA_CANNOT_START):
         return returncode
@@ -327,11 +336,34 @@ _SESSIONS = os.name == "posix"
 :func:`_stop` kills whole."""
 
 
+@contextlib.contextmanager
+def _stopping_on_signals() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise :class:`SystemExit` (``128 + signum``) while the check runs,
+    where the checking process runs in a session of its own and this is the main thread (the
+    only one that may set handlers): a group's SIGTERM stopped the checking process with
+    ours until it ran in a session of its own, and must reach it through :func:`_stop` now."""
+    if not _SESSIONS or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, signal.SIG_DFL if handler is None else handler)
+
+
 def _stop(process: subprocess.Popen[bytes]) -> None:
     """Kill the checking process and, where it has a process group of its own, everything in
     it; then reap it."""
     if _SESSIONS:
-        with contextlib.suppress(ProcessLookupError):  # (every process of it exited already)
+        # every process of it exited already: gone (ESRCH), or, where the checking process is
+        # not reaped yet, EPERM on macOS, whose killpg skips zombies
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, signal.SIGKILL)
     else:
         process.kill()

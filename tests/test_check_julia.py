@@ -1,8 +1,11 @@
 """``python -m pyhvp.check_julia``: its answer where Julia cannot start (run for real), and its
 report and exit codes fed stand-in runners (the julia runner needs a Julia)."""
 
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -251,6 +254,39 @@ def test_a_hanging_check_is_stopped_with_the_processes_it_started(tmp_path, caps
     )
     assert supervise([sys.executable, "-c", code], {}, timeout_s=5) == EXIT_FAILED
     assert not running(int(pid_file.read_text()))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_check_stopped_by_its_process_groups_sigterm_stops_the_processes_it_started(tmp_path):
+    """A cancelled CI job or a closed terminal signals the check's process group, which the
+    checking process left for a session of its own (for its timeout to kill whole): until
+    2026-12-06 the checking process and the Julia it started outlived such a SIGTERM, with no
+    timeout left to stop them."""
+    pid_file = tmp_path / "pid"
+    code = (
+        "import subprocess, sys, time\n"
+        "julia = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(julia.pid))\n"
+        "time.sleep(60)\n"
+    )
+    check = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from pyhvp.check_julia import supervise; "
+         "sys.exit(supervise([sys.executable, '-c', sys.argv[1]], {}, 60))", code],
+        start_new_session=True,  # (a group of its own, as a job's)
+    )  # fmt: skip
+    deadline = time.monotonic() + 30
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(check.pid, signal.SIGTERM)
+    assert check.wait(timeout=30) == 128 + signal.SIGTERM
+    julia, deadline = int(pid_file.read_text()), time.monotonic() + 5
+    while running(julia) and time.monotonic() < deadline:  # (SIGKILL's delivery)
+        time.sleep(0.05)
+    try:
+        assert not running(julia)
+    finally:
+        if running(julia):
+            os.kill(julia, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("timeout", ["-5", "0", "nan", "soon"])
