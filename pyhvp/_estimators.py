@@ -22,8 +22,8 @@ from pyhvp._checks import (
     require_instance_variables,
     require_like,
 )
-from pyhvp.backends import Backend
-from pyhvp.backends.torch import _normal
+from pyhvp.backends import Backend, nested
+from pyhvp.backends.torch import _normal, write_to_x_refusal
 from pyhvp.restricted.state import Recording, Snapshot, putting_back, without_dynamo
 from pyhvp.taylor.kernel import identity
 
@@ -199,14 +199,24 @@ class HessianProducts:
         changes are put back, and restored before a further round of products, so that every
         round differentiates the ``f`` of one eager call and the call leaves one run's
         changes. ``f`` runs as the products run it: with grad, on an alias of ``x`` that
-        requires grad and with inference tensors cloned (an ``f`` that differentiates inside,
-        with ``torch.autograd.grad``, failed under ``no_grad``)."""
+        requires grad (inside a ``torch.func`` transform, on ``x``: its tensors take no
+        ``requires_grad_``) and with inference tensors cloned (an ``f`` that differentiates
+        inside, with ``torch.autograd.grad``, failed under ``no_grad``); an ``f`` that writes to
+        ``x`` is refused as the products refuse it."""
         with torch.inference_mode(False), torch.enable_grad():
             x = self.x.clone() if self.x.is_inference() else self.x
-            run = (x.detach().requires_grad_(), *_normal(self.args))
+            if not nested.inside_transform():
+                x = x.detach().requires_grad_()
+            run = (x, *_normal(self.args))
             mode = Recording(run)
-            with putting_back(mode.changes, run), without_dynamo(), mode:
-                self.f(*run)
+            try:
+                with putting_back(mode.changes, run), without_dynamo(), mode:
+                    self.f(*run)
+            except RuntimeError as error:  # autograd's refusal of a write to x, said as theirs
+                refusal = write_to_x_refusal(error, self.f, self.x, self.args)
+                if refusal is None:
+                    raise
+                raise refusal from error
         return mode.changes.held().snapshot((self.x, *self.args))
 
 
