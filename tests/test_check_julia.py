@@ -241,17 +241,23 @@ def running(pid):
         return False
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_a_hanging_check_is_stopped_with_the_processes_it_started(tmp_path, capsys):
-    """juliapkg runs Julia in processes of its own (``julia --version`` hung with a broken
-    Julia): until 2026-12-06 they outlived the timeout that stopped the checking process."""
-    pid_file = tmp_path / "pid"
-    code = (
+def hanging_check(pid_file):
+    """A check's code that starts a hanging "Julia" (its pid written to ``pid_file``), then
+    hangs itself."""
+    return (
         "import subprocess, sys, time\n"
         "julia = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
         f"open({str(pid_file)!r}, 'w').write(str(julia.pid))\n"
         "time.sleep(60)\n"
     )
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_hanging_check_is_stopped_with_the_processes_it_started(tmp_path, capsys):
+    """juliapkg runs Julia in processes of its own (``julia --version`` hung with a broken
+    Julia): until 2026-12-06 they outlived the timeout that stopped the checking process."""
+    pid_file = tmp_path / "pid"
+    code = hanging_check(pid_file)
     assert supervise([sys.executable, "-c", code], {}, timeout_s=5) == EXIT_FAILED
     assert not running(int(pid_file.read_text()))
 
@@ -263,12 +269,7 @@ def test_a_check_stopped_by_its_process_groups_sigterm_stops_the_processes_it_st
     2026-12-06 the checking process and the Julia it started outlived such a SIGTERM, with no
     timeout left to stop them."""
     pid_file = tmp_path / "pid"
-    code = (
-        "import subprocess, sys, time\n"
-        "julia = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
-        f"open({str(pid_file)!r}, 'w').write(str(julia.pid))\n"
-        "time.sleep(60)\n"
-    )
+    code = hanging_check(pid_file)
     check = subprocess.Popen(
         [sys.executable, "-c", "import sys; from pyhvp.check_julia import supervise; "
          "sys.exit(supervise([sys.executable, '-c', sys.argv[1]], {}, 60))", code],
