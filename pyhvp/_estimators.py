@@ -220,18 +220,6 @@ class HessianProducts:
         return mode.changes.held().snapshot((self.x, *self.args))
 
 
-def hessian_products(
-    backend: Backend,
-    f: Callable[..., torch.Tensor],
-    x: torch.Tensor,
-    args: tuple[object, ...],
-    space: Space,
-    chunk_size: int | None,
-) -> HessianProducts:
-    """:class:`HessianProducts` of ``f`` at ``x``."""
-    return HessianProducts(backend, f, x, args, space, chunk_size)
-
-
 class Sketch(NamedTuple):
     """Hutch++ / Diag++ after their two rounds of products, per instance: ``q`` an orthonormal
     basis ``(*batch, d, r)`` of the sketched range of M, ``mq = M q``, and the ``m`` residual
@@ -244,7 +232,7 @@ class Sketch(NamedTuple):
 
 
 def sketch(
-    products: Products,
+    products: HessianProducts,
     space: Space,
     samples: int,
     generator: torch.Generator | None,
@@ -260,7 +248,7 @@ def sketch(
     probes = space.probes("gaussian", sketch_size, generator)
     # both rounds run f from one random state and one state of its own: f's draws (dropout)
     # and the buffers it updates (spectral_norm's vectors in training) are one function's
-    state = products.state() if isinstance(products, HessianProducts) else None
+    state = products.state()
     start = random_states.save(space.like.device)
     range_ = products(probes).movedim(0, -1)
     # QR in float32 at least: half and bfloat16 have no QR (geqrf), on the CPU or CUDA. Q is
@@ -274,8 +262,7 @@ def sketch(
     z = space.probes("rademacher", residual, generator).movedim(0, -1)  # (*batch, d, m)
     if deflate_probes:
         z = z - q @ (q.mT @ z)
-    if state is not None:
-        state.restore()
+    state.restore()
     # after it, draws go on past the probes (generator=None): fresh, not this call's again
     with random_states.replaying(start):
         pushed = products(torch.cat([q, z], -1).movedim(-1, 0)).movedim(0, -1)

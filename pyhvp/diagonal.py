@@ -89,7 +89,7 @@ def hessian_diagonal(
         f"method={method!r} (use method='exact', or estimate one output at a time: "
         f"hessian_diagonal(lambda x, *a: f(x, *a)[..., k], x, method={method!r}, ...))"
     )
-    products = est.hessian_products(resolved, est.checked(f, space.batch, hint), x, args, space,
+    products = est.HessianProducts(resolved, est.checked(f, space.batch, hint), x, args, space,
                                     chunk_size)  # fmt: skip
     if method == est.HUTCHINSON:
         probes = space.probes("rademacher", samples, generator)
@@ -124,7 +124,7 @@ def _exact(
         )
     except NotImplementedError as missing:
         hint = f"method='exact' on backend={backend.name!r} ({missing})"
-        products = est.hessian_products(backend, est.checked(f, space.batch, hint), x, args,
+        products = est.HessianProducts(backend, est.checked(f, space.batch, hint), x, args,
                                         space, None)  # fmt: skip
         second = _one_hot_diagonal(products, space, chunk_size)
     out_shape = second.shape[1 + len(space.batch) :]
@@ -146,7 +146,7 @@ def _one_hot_diagonal(products: est.Products, space: est.Space,
 
 
 def _diag_plus_plus(
-    products: est.Products,
+    products: est.HessianProducts,
     space: est.Space,
     samples: int,
     generator: torch.Generator | None,

@@ -337,7 +337,8 @@ class _Runs:
         self.own_gradient: torch.Tensor | None = None  # (B, 1), set by the derivatives pass
 
     def x_scale(self) -> float:
-        """``1 + max |x|`` over x's finite entries: the scale of the shifts in :meth:`values`."""
+        """``1 + max |x|`` over x's finite entries (a NaN or infinite entry's scale would make
+        every shift NaN): the scale of the shifts in :meth:`values`."""
         x = self.y.detach()
         finite = x[x.isfinite()]
         return 1 + (float(finite.abs().amax()) if finite.numel() else 0.0)
@@ -354,9 +355,7 @@ class _Runs:
         (None: none), from the random state ``f`` started from at its first run."""
         x = self.y.detach()
         if moved is not None:
-            finite = x[x.isfinite()]  # (a NaN or infinite entry's scale: every shift NaN)
-            scale = 1 + (float(finite.abs().amax()) if finite.numel() else 0.0)
-            shift = self.random(x.shape) * scale / 4
+            shift = self.random(x.shape) * self.x_scale() / 4
             where = moved.reshape(*self.batch_shape, *(1,) * (x.ndim - len(self.batch_shape)))
             # a moved NaN or infinite entry starts from 0: shifted, it stayed NaN, and a
             # coupling that spread it to every instance (x - x.mean(0)) changed nothing

@@ -92,7 +92,7 @@ def laplacian(
     resolved = resolve_backend(backend)
     if method == SKETCHED:
         hint = f"method={method!r} (use method='exact' or 'hutchinson' for vector outputs)"
-        products = est.hessian_products(resolved, est.checked(f, space.batch, hint), x, args,
+        products = est.HessianProducts(resolved, est.checked(f, space.batch, hint), x, args,
                                         space, chunk_size)  # fmt: skip
         return _hutch_plus_plus(products, space, samples, generator)
     collapsed_jet = require_primitive(resolved, "collapsed_jet", "pyhvp.laplacian")
@@ -146,7 +146,7 @@ def grad_and_laplacian(
 
 
 def _hutch_plus_plus(
-    products: est.Products,
+    products: est.HessianProducts,
     space: est.Space,
     samples: int,
     generator: torch.Generator | None,

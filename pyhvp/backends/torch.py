@@ -597,9 +597,8 @@ def _detached(out: object) -> object:
 
 class CompiledKernelDisagrees(RuntimeError):
     """A compiled kernel's first result (of each graph dynamo traces), or its first gradients,
-    differ from the eager kernel's: a compiler bug, or (``random``) a function that draws random
-    numbers, which a compiled kernel may draw in another order (one forward per selected tensor
-    where the eager kernel runs one forward for all)."""
+    differ from the eager kernel's: a compiler bug, or the ``cause`` given (:data:`RANDOM_DRAWS`,
+    :data:`STATE_CHANGES`)."""
 
     def __init__(self, difference: str, where: str = "on its first call", cause: str | None = None
                  ) -> None:  # fmt: skip
