@@ -30,6 +30,7 @@ from pyhvp.taylor.jets import (
     value_of,
 )
 from pyhvp.taylor.registry import apply, rule
+from pyhvp.taylor.rules.elementwise import selected
 
 aten = torch.ops.aten
 Tensor = torch.Tensor
@@ -203,13 +204,7 @@ def _tensor_power(ctx: Context, out: Tensor, base: Jet | Tensor, exponent: Jet |
     pole = zero & (e < 0)  # 0 ** e = inf: out log(0)^j = (-1)^j inf
     in_exponent = chain(ctx, out, exponent, *(torch.where(pole, -infinite if j % 2 else infinite,
                                                           0.0) for j in range(1, ctx.order + 1)))  # fmt: skip
-    nd = out.ndim
-
-    def select(k: int) -> Tensor:
-        at_zero = plus(coefficient_of(in_base, nd, k), coefficient_of(in_exponent, nd, k))
-        elsewhere = coefficient_of(general, nd, k)
-        nothing = out.new_zeros(())
-        return torch.where(zero, nothing if at_zero is None else at_zero,
-                           nothing if elsewhere is None else elsewhere)  # fmt: skip
-
-    return Jet(out, tuple(select(k) for k in range(1, ctx.order + 1)))
+    nd, orders = out.ndim, range(1, ctx.order + 1)
+    at_zero = Jet(out, tuple(plus(coefficient_of(in_base, nd, k), coefficient_of(in_exponent, nd, k))
+                             for k in orders))  # fmt: skip
+    return selected(out, zero, at_zero, general, ctx.order)
