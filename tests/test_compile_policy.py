@@ -191,6 +191,39 @@ def test_compile_true_is_never_slower_than_eager(monkeypatch, compile_cache, com
     assert runs[-5:] == [settled] * 5
 
 
+def test_calls_outside_the_steady_state_are_counted_as_unsettled(monkeypatch, compile_cache):
+    """``compile=True``: the compiling call (checked against an eager run) and the eager calls
+    of the compiled kernel's trial move ``unsettled_calls``; its compiled calls do not, nor does
+    any call after the trial (``sub_hessian``'s trial of routes times only calls that did not)."""
+    now = [0.0]
+    monkeypatch.setattr(compile_policy, "clock", lambda: now[0])
+    runs = []
+
+    def fake_compile(kernel, f, static):
+        def run(x):
+            runs.append("compiled")
+            now[0] += 0.5
+            return x
+
+        return run
+
+    def eager_kernel(f, x):
+        runs.append("eager")
+        now[0] += 1.0
+        return x
+
+    monkeypatch.setattr(torch_backend, "_compile_bound", fake_compile)
+    backend = pyhvp.TorchBackend(compile=True)
+    calls = []
+    for _ in range(12):
+        before = torch_backend.unsettled_calls()
+        backend._run(eager_kernel, eager_kernel, scaled, (), (torch.zeros(1),))
+        calls.append((runs[-1], torch_backend.unsettled_calls() != before))
+    assert calls[0] == ("compiled", True)  # the compiling call, after its eager check
+    assert all(moved == (ran == "eager") for ran, moved in calls[1:])
+    assert calls[-4:] == [("compiled", False)] * 4
+
+
 def test_a_faster_kernel_whose_first_trial_calls_stall_is_kept(monkeypatch, compile_cache):
     """Two of the first three compiled calls stall (another process held the core): the trial
     goes on while the kernel looks slower, and keeps it once its median is faster."""

@@ -5,6 +5,7 @@ The injections op by op are ``test_sub_hessian_sparse_ops``'s."""
 
 import contextlib
 import copy
+import itertools
 import logging
 import warnings
 from dataclasses import dataclass
@@ -992,6 +993,25 @@ def test_the_models_routes_get_their_second_run_after_a_slow_first():
         assert trial.next()[0] == name
         trial.record(name, seconds)
     assert trial.settled == "model"
+
+
+def test_a_run_outside_the_compile_policys_steady_state_is_not_timed(monkeypatch):
+    """A run in which a kernel compiled, was checked against eager or ran its eager turn
+    (``unsettled_calls`` moved) is not its plan's steady state: no run is timed while every
+    call is such a run, and the trial settles once calls are steady; every call's matrix is
+    the dense one meanwhile."""
+    expected = dense_sub_hessian(seed_like, MEDIUM, MANY)
+    count = itertools.count()
+    monkeypatch.setattr(submatrix, "unsettled_calls", lambda: next(count))
+    for _ in range(3 + 5 * TIMED_RUNS):
+        got = pyhvp.sub_hessian(seed_like, MEDIUM, MANY, backend=EAGER)
+        torch.testing.assert_close(got, expected, **F64)
+    (trial,) = submatrix._ROUTES.values()
+    assert len(trial.plans) > 1 and trial.seconds == {} and trial.settled is None
+    monkeypatch.setattr(submatrix, "unsettled_calls", lambda: 0)
+    for _ in range(3 + 5 * TIMED_RUNS):
+        pyhvp.sub_hessian(seed_like, MEDIUM, MANY, backend=EAGER)
+    assert trial.settled is not None
 
 
 def test_a_single_plan_is_not_on_trial():

@@ -88,6 +88,24 @@ CompileMode = Literal["auto"] | bool
 
 _CACHE = CompileCache()
 
+_unsettled = 0
+"""Calls of compiled kernels served outside the compile policy's steady state, so far: a first
+call (its compile and its check against eager), an eager call of its trial of the compiled
+kernel against eager, a graph traced anew (:func:`unsettled_calls`)."""
+
+
+def unsettled_calls() -> int:
+    """How many kernel calls were served outside the compile policy's steady state so far: a
+    run that made one is not timed as its plan's (``sub_hessian``'s trial of routes, which
+    timed the seed's loop against routes compiling their kernels, kept the loop at 1.5x the
+    compiled sparse route on the transformer block at k = 128 per tensor)."""
+    return _unsettled
+
+
+def _unsettle() -> None:
+    global _unsettled
+    _unsettled += 1
+
 
 @dataclass(frozen=True)
 class InstanceSum:
@@ -996,6 +1014,8 @@ class TorchBackend:
             and entry.on_trial()
             and (len(entry.eager.recent) < len(entry.compiled_runs.recent))
         )
+        if eager_turn:
+            _unsettle()
         if entry.failed or entry.declined or waiting or eager_turn:
             if detour is None or entry.failed or entry.declined:
                 return entry.eager.timed(lambda: eager(*inputs), device)
@@ -1022,6 +1042,8 @@ class TorchBackend:
         # until a result was checked: a first run that raised a BaseException (the sparse
         # route's NotSparse, an interrupt) returned nothing to check, so the next run is first
         first_call = not entry.checked
+        if first_call:
+            _unsettle()
         random_state = random_states.save(device)
         graphs = _graphs_traced()
         # a rerun starts where the compiled run did, f's running statistics and generators
@@ -1099,6 +1121,7 @@ class TorchBackend:
         # flipped, a branch taken anew) is checked like a first one: only the first graph was
         retraced = not first_call and _graphs_traced() != graphs
         if retraced:
+            _unsettle()
             entry.backward_checked = False
         if first_call or retraced:  # a compiled graph serves only once its result is eager's
             checked, note = out, ""
