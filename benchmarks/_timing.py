@@ -17,11 +17,17 @@ import random
 import re
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+try:
+    import resource
+except ImportError:  # (Windows: no page-fault counts)
+    resource = None  # type: ignore[assignment]
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -42,7 +48,8 @@ def allocator() -> str:
     """The CPU allocator's settings in effect, for a report's header: with glibc's defaults large
     buffers are mmap'd and page-faulted afresh on every call, which on the 2-core CI machine can
     cost as much as the arithmetic."""
-    tuned = [k for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_") if k in os.environ]
+    variables = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "THP_MEM_ALLOC_ENABLE")
+    tuned = [k for k in variables if k in os.environ]
     preload = os.environ.get("LD_PRELOAD", "")
     if tuned or preload:
         return f"tuned ({', '.join(tuned + ([preload] if preload else []))})"
@@ -75,6 +82,22 @@ def median_ms(
     return interleaved_ms({"fn": fn}, device, warmup, repeats, budget_s)["fn"]
 
 
+class Runs(NamedTuple):
+    """One function's timed calls: the median milliseconds and the median of the page faults
+    each call took (minor and major; 0 where the platform does not count them)."""
+
+    ms: float
+    faults: float
+
+
+def _faults() -> int:
+    """Page faults of this process so far (every thread's), where the platform counts them."""
+    if resource is None:
+        return 0
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_minflt + usage.ru_majflt
+
+
 def interleaved_ms(
     fns: dict[str, Callable[[], object]],
     device: torch.device | str = "cpu",
@@ -82,20 +105,40 @@ def interleaved_ms(
     rounds: int = 15,
     budget_s: float = 5.0,
 ) -> dict[str, float]:
-    """Median wall time (ms) of each function, timed round-robin: one call of each per round.
+    """Median wall time (ms) of each function, timed round-robin: :func:`interleaved_runs`."""
+    return {name: runs.ms for name, runs in interleaved_runs(fns, device, warmup, rounds,
+                                                             budget_s).items()}  # fmt: skip
+
+
+def interleaved_runs(
+    fns: dict[str, Callable[[], object]],
+    device: torch.device | str = "cpu",
+    warmup: int = 3,
+    rounds: int = 15,
+    budget_s: float = 5.0,
+    settle: int = 0,
+) -> dict[str, Runs]:
+    """Median wall time (ms) and page faults of each function, timed round-robin: one call of
+    each per round.
 
     ``warmup`` untimed calls each first; stops after ``rounds`` rounds, or once ``budget_s``
     seconds have passed and at least 3 rounds were made. Each round takes the functions in a new
     order (seeded), and garbage is collected before each timed call: otherwise a function that
     leaves reference cycles (``backward(create_graph=True)``) has them collected, and timed, in
     whichever call comes next. (The objects alive before timing are frozen out of collection:
-    a full collection over them takes 150 ms with torch imported.)
+    a full collection over them takes 150 ms with torch imported.) The page faults show what
+    the allocator returned to the system between calls and a call touched afresh: on the CI
+    machine's VM a fault costs about 1.6 us, and a method whose buffers another method's calls
+    made glibc give back pays for every page again. ``settle``: untimed calls of a function
+    right before each of its timed ones, so that it is timed as a loop of its own calls runs it
+    (the allocator holding what its last call freed), not after another function's call.
     """
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     synchronize(device)
     times: dict[str, list[float]] = {name: [] for name in fns}
+    faults: dict[str, list[int]] = {name: [] for name in fns}
     order = list(fns.items())
     shuffle = random.Random(0).shuffle
     gc.collect()
@@ -107,14 +150,20 @@ def interleaved_ms(
                 break
             shuffle(order)
             for name, fn in order:
+                for _ in range(settle):
+                    fn()
+                synchronize(device)
                 gc.collect()
-                t0 = time.perf_counter()
+                f0, t0 = _faults(), time.perf_counter()
                 fn()
                 synchronize(device)
                 times[name].append((time.perf_counter() - t0) * 1e3)
+                faults[name].append(_faults() - f0)
     finally:
         gc.unfreeze()
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return {
+        name: Runs(statistics.median(times[name]), statistics.median(faults[name])) for name in fns
+    }
 
 
 def peak_bytes(fn: Callable[[], object], device: str) -> int:
@@ -136,16 +185,25 @@ def peak_bytes(fn: Callable[[], object], device: str) -> int:
     return peak
 
 
-def format_table(title: str, rows: Sequence[tuple[str, float]], baseline: str) -> str:
-    """``name | ms | x baseline`` rows; ``baseline`` names the row the ratios divide by."""
+def format_table(
+    title: str,
+    rows: Sequence[tuple[str, float]],
+    baseline: str,
+    faults: Mapping[str, float] | None = None,
+) -> str:
+    """``name | ms | x baseline`` rows; ``baseline`` names the row the ratios divide by;
+    ``faults``: a last column, the page faults per call (by name)."""
     base = dict(rows)[baseline]
     width = max(len(name) for name, _ in rows)
+    ratio = len(baseline) + 2
     lines = [
         f"\n{title}",
-        f"  {'method'.ljust(width)} | {'median ms':>10} | {'/ ' + baseline:>{len(baseline) + 2}}",
+        f"  {'method'.ljust(width)} | {'median ms':>10} | {'/ ' + baseline:>{ratio}}"
+        + (f" | {'faults/call':>11}" if faults else ""),
     ]
     lines += [
-        f"  {name.ljust(width)} | {ms:10.3f} | {ms / base:{len(baseline) + 2}.2f}"
+        f"  {name.ljust(width)} | {ms:10.3f} | {ms / base:{ratio}.2f}"
+        + (f" | {faults[name]:11.0f}" if faults else "")
         for name, ms in rows
     ]
     return "\n".join(lines)
@@ -168,8 +226,14 @@ class Report:
         print(line)
         self.texts.append(line)
 
-    def table(self, title: str, rows: Sequence[tuple[str, float]], baseline: str) -> None:
-        self.text(format_table(title, rows, baseline))
+    def table(
+        self,
+        title: str,
+        rows: Sequence[tuple[str, float]],
+        baseline: str,
+        faults: Mapping[str, float] | None = None,
+    ) -> None:
+        self.text(format_table(title, rows, baseline, faults))
 
     def point(
         self,

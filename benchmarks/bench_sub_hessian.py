@@ -23,23 +23,30 @@ reverse pass per component, per tensor) and the answer the seed received (autogr
 ``is_grads_batched``, one shared first backward, then one batched pass per tensor). Results are
 checked against each other first. Ratios are against the seed's loop. One thread
 (``torch.set_num_threads(1)``): on a shared CPU idle-waiting OpenMP threads stall when other
-processes hold the cores. The allocator settings in effect are printed: with glibc's defaults
-every large buffer is page-faulted afresh per call, which slows every method and the small
-compiled calls most (the seed's model at k = 16 compiled, interleaved with the loop: 1.9 ms,
-1.1 with ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_`` raised; the loop 7.2 and
-5.1). Usage: python benchmarks/bench_sub_hessian.py [cuda] [model ...]
+processes hold the cores. The allocator settings in effect are printed, and each row's page
+faults per call: with glibc's defaults large buffers are given back to the system between
+calls and page-faulted afresh (on the CI machine's VM about 1.6 us a 4 KB page), which slows
+every method and the small compiled calls most (the seed's model at k = 16 compiled,
+interleaved with the loop: 1.9 ms, 1.1 with ``MALLOC_MMAP_THRESHOLD_`` and
+``MALLOC_TRIM_THRESHOLD_`` raised; the loop 7.2 and 5.1), and the forward route, which holds
+every activation's tangents, most of all where another method's calls come between its own.
+A run with the allocator tuned (those variables, ``THP_MEM_ALLOC_ENABLE`` or an ``LD_PRELOAD``)
+writes ``bench_sub_hessian-malloc-tuned-<device>.txt`` beside the defaults' table.
+Usage: python benchmarks/bench_sub_hessian.py [cuda] [model ...]
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 import warnings
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _timing import Report, allocator, announce, interleaved_ms
+from _timing import Report, allocator, announce, interleaved_runs
 from torch import nn
 
 import pyhvp
@@ -204,12 +211,47 @@ def problems(device):
     return {name: (make, X.to(device), y.to(device)) for name, (make, X, y) in data.items()}
 
 
+class _TrialEnds(logging.Handler):
+    """Counts the ends of ``"auto"``'s trials of plans: the ``pyhvp.sub_hessian`` logger's
+    records that name the plan kept (``settled``)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += hasattr(record, "settled")
+
+
+def past_trials(calls: dict[str, Callable[[], object]], most: int = 24) -> None:
+    """Calls each ``"auto"`` method until its trial of plans ends, at most ``most`` times (a call
+    with one plan has no trial): a trial times each plan twice, after an untimed first run of a
+    plan new to the process, so it lasts as many calls as that takes, more than the 8 warm-up
+    calls every method gets where ``"auto"`` weighs five or six plans."""
+    logger = logging.getLogger("pyhvp.sub_hessian")
+    ends, level = _TrialEnds(), logger.level
+    logger.addHandler(ends)
+    logger.setLevel(logging.DEBUG)
+    try:
+        for name, call in calls.items():
+            if name.startswith("auto"):
+                before = ends.count
+                for _ in range(most):
+                    call()
+                    if ends.count > before:
+                        break
+    finally:
+        logger.removeHandler(ends)
+        logger.setLevel(level)
+
+
 def main(device: str, only: list[str]) -> None:
     # the seed's loss.backward(create_graph=True) warns about a grad <-> graph cycle; it is broken
     warnings.filterwarnings("ignore", message="Using backward\\(\\) with create_graph=True")
     if device == "cpu":
         torch.set_num_threads(1)
-    report = Report("bench_sub_hessian", device)
+    tuned = allocator() != "glibc defaults"
+    report = Report("bench_sub_hessian-malloc-tuned" if tuned else "bench_sub_hessian", device)
     report.text(f"malloc: {allocator()}")
     summary = []
     for model_name, (make, X, y) in problems(device).items():
@@ -231,11 +273,16 @@ def main(device: str, only: list[str]) -> None:
                     blocks, results["seed loop"], rtol=1e-3, atol=1e-5, msg=name
                 )
             calls = {name: partial(fn, make, X, y, idxs, index) for name, fn in METHODS.items()}
-            # the steady state: past the compile policy's trial of each compiled kernel (it
-            # alternates compiled and eager calls) and past "auto"'s trial against the loop
-            times = interleaved_ms(calls, device, warmup=8, rounds=41, budget_s=30.0)
+            # the steady state: past "auto"'s trial of plans and the compile policy's trial of
+            # each compiled kernel (it alternates compiled and eager calls); each timed call
+            # right after an untimed one of its own, as in a loop of calls: after another
+            # method's, the forward route at k = 128 paid 0.65M page faults (1 s) a call
+            past_trials(calls)
+            runs = interleaved_runs(calls, device, warmup=8, rounds=41, budget_s=30.0, settle=1)
+            times = {name: run.ms for name, run in runs.items()}
             rows = list(times.items())
-            report.table(f"{model_name}, k={k} per tensor, {device}", rows, "seed loop")
+            faults = {name: run.faults for name, run in runs.items()}
+            report.table(f"{model_name}, k={k} per tensor, {device}", rows, "seed loop", faults)
             report.point(f"sub-Hessians, {model_name}", "k components per tensor", k, rows)
             summary.append((model_name, k, times))
     report.text(
