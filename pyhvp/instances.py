@@ -435,6 +435,8 @@ def _leak_through_values(run: _Runs) -> str | None:
     """Which instance's value changes with another's x, beyond rounding, when no derivative
     says so (see :func:`check_instances`); None also when ``f`` is not deterministic."""
     base = run.values(None)
+    if base.shape[-1] == 0:  # out_shape holds no value (a dim of 0): none can change
+        return None
     # rounding, per receiving instance: relative to its own finite values (a stiff instance's
     # do not hide another's change)
     finite = torch.where(base.isfinite(), base, torch.zeros_like(base))

@@ -56,6 +56,11 @@ INDEPENDENT = {
     "seed-000 layout, shared mu": (gaussian, torch.randn(2, 3, 4, 3), (torch.randn(2, 1, 1, 3),)),
     "per_instance function": (pyhvp.per_instance(lambda x: x.sum() ** 2), X, ()),
     "vector-valued": (lambda x: torch.sigmoid(x @ torch.ones(3, 5, dtype=x.dtype)), X, ()),
+    "no value per instance (until 2026-12-06 an IndexError from a max over none)": (
+        lambda x: x[..., :0] ** 2,
+        X,
+        (),
+    ),
     "batch norm in eval mode": (batch_norm(train=False), X, ()),
     "event_dims=2": (lambda x: (x @ x.mT).sum((-2, -1)), torch.randn(4, 2, 3), ()),
     "constant": (lambda x: torch.ones(x.shape[:-1]), X, ()),
