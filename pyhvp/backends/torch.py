@@ -267,30 +267,33 @@ def _writes_x(f: Callable[..., torch.Tensor], x: torch.Tensor, args: Sequence[ob
 
 
 WRITTEN_UNDER_NO_GRAD = (
-    "f modifies x in place under torch.no_grad() (x now holds the written values, and the "
-    "derivatives would be at them); pyhvp differentiates f w.r.t. the x it is given: write to a "
-    "copy (x.clone())"
+    "f modifies x in place under torch.no_grad() or through x.data (x now holds the written "
+    "values, and the derivatives would be at them); pyhvp differentiates f w.r.t. the x it is "
+    "given: write to a copy (x.clone())"
 )
 
 
 class _Watched:
-    """Whether ``f`` wrote to ``x`` during a call: its version counter moved, and for a view
-    (whose counter its base's other views share, so that a write to another row moves it) its
-    values changed. Until 2026-12-06 a view's writes were not watched: an ``f`` doubling a
-    transposed or sliced ``x`` under ``no_grad`` gave the HVPs at the doubled values."""
+    """Whether ``f`` wrote to ``x`` during a call: its values changed, or its version counter
+    moved where ``x`` is no view (a view's counter is its base's, which a write to another row
+    moves). Values too, not the counter alone: a write through ``x.data`` moves no counter, and
+    until 2026-12-06 an ``f`` doubling ``x.data`` gave the HVPs at the doubled values, as one
+    doubling a transposed or sliced ``x`` under ``no_grad`` did before."""
 
     def __init__(self, x: torch.Tensor) -> None:
         self.x, self.version = x, version_of(x)
-        watched = self.version is not None and x._is_view()
-        self.values = x.detach().clone() if watched else None
+        self.values = x.detach().clone() if self.version is not None else None
 
     def written(self) -> bool:
-        if version_of(self.x) == self.version:
+        if self.values is None:  # no counter of its own (an inference tensor): not watched
             return False
-        if self.values is None:
+        if version_of(self.x) != self.version and not self.x._is_view():
             return True
-        now = self.x.detach()
-        return not bool(((now == self.values) | (now.isnan() & self.values.isnan())).all())
+        now, before = self.x.detach(), self.values
+        unchanged = torch.equal(now, before) or bool(
+            ((now == before) | (now.isnan() & before.isnan())).all()
+        )
+        return not unchanged
 
 
 def refuse_compiled_backward(total: torch.Tensor) -> None:
