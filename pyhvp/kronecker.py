@@ -3,7 +3,8 @@
 For each of ``n`` independent systems with a variable of shape ``modes = (m_1, ..., m_d)``, the
 curvature is approximated from the gradients alone: per mode ``i``, the EMA of the mode-``i``
 unfolded outer product ``G_(i) G_(i)^T`` divided by the product of the other mode sizes,
-bias-corrected by ``1 - beta^t``, minus ``mu_i mu_i^T`` where ``mu_i`` is the bias-corrected EMA
+bias-corrected by ``1 - beta^t`` (``1 - prod beta`` over the updates, where ``beta`` was changed
+between them), minus ``mu_i mu_i^T`` where ``mu_i`` is the bias-corrected EMA
 mean averaged over the other modes. Each such covariance ``C_i`` gets the root
 ``R_i = V (|lambda| + damping)^power V^T`` (``C_i = V diag(lambda) V^T``) and the approximation
 is ``(R_1 ⊗ ... ⊗ R_d) vec(v)`` per system, never formed: each mode of ``v`` is contracted with
@@ -40,11 +41,12 @@ class KroneckerHVP:
     Shapes: ``update(grad)`` takes ``grad`` of shape ``(n, *modes)`` (any number of modes >= 1);
     ``apply(v)`` takes ``v`` of shape ``(*extra, n, *modes)`` and returns that shape;
     ``kron(grad, v)`` is ``update(grad)`` then ``apply(v)``. ``power=None`` means
-    ``1 / len(modes)``. The state (EMA mean, one factor per mode, step count) is created on the
-    first update, on grad's device, in float64; ``grad`` and ``v`` keep the first update's dtype,
-    which roots and results have. Roots are computed on the first ``apply``
-    after an update and cached; with ``refresh_every=k`` a cached root is reused until ``k``
-    updates have happened since it was computed (Shampoo-style amortisation; ``k=1`` is the post).
+    ``1 / len(modes)``. The state (EMA mean, one factor per mode, step count, the product of
+    the updates' betas) is created on the first update, on grad's device, in float64; ``grad``
+    and ``v`` keep the first update's dtype, which roots and results have. Roots are computed
+    on the first ``apply`` after an update and cached; with ``refresh_every=k`` a cached root is
+    reused until ``k`` updates have happened since it was computed (Shampoo-style amortisation;
+    ``k=1`` is the post).
 
     A gradient that never changes and is the same along every other mode (a uniform one) has
     zero covariance, so only the damping is left and the product of the ``d`` roots
@@ -80,14 +82,15 @@ class KroneckerHVP:
 
     @property
     def beta(self) -> float:
-        """The EMA's decay, in (0, 1): of later updates and of the bias correction (setting it
-        recomputes the roots on the next ``apply``)."""
+        """The EMA's decay, in (0, 1), of later updates: the bias correction is by the weight
+        the updates so far gave, ``1 - `` the product of their betas (until 2026-12-06 it was
+        ``1 - beta^t`` with the beta set last, which no update used: roots of a second moment,
+        not of a covariance)."""
         return self._beta
 
     @beta.setter
     def beta(self, value: float) -> None:
         self._beta = _real_option("beta", value, "a float in (0, 1)", lambda b: 0 < b < 1)
-        self._roots = None
 
     @property
     def damping(self) -> float:
@@ -118,6 +121,7 @@ class KroneckerHVP:
     def reset(self) -> None:
         """Forget all statistics; the next ``update`` starts afresh (any shape, device, dtype)."""
         self._step = 0
+        self._decay = 1.0  # the EMA weight not yet given to gradients: the product of their betas
         self._dtype = torch.float64  # the gradients' (roots and results have it)
         self._mean: torch.Tensor | None = None
         self._factors: list[torch.Tensor] = []
@@ -141,6 +145,7 @@ class KroneckerHVP:
             others = size // grad.shape[1 + i]  # product of the other mode sizes
             factor.baddbmm_(unfolded, unfolded.mT, beta=beta, alpha=(1 - beta) / others)
         self._step += 1
+        self._decay *= beta
         self._updates_since_roots += 1
 
     @torch.no_grad()
@@ -189,8 +194,9 @@ class KroneckerHVP:
         return self.apply(v)
 
     def state_dict(self) -> dict[str, object]:
-        """Copies of the statistics (float64) and the gradients' dtype: ``{"step": t, "mean":
-        Tensor | None, "factors": [...], "dtype": torch.dtype}``.
+        """Copies of the statistics (float64), the gradients' dtype and the EMA weight not yet
+        given to gradients: ``{"step": t, "mean": Tensor | None, "factors": [...], "dtype":
+        torch.dtype, "decay": the product of the updates' betas}``.
 
         The options (beta, damping, power, refresh_every) are the constructor's, not state.
         """
@@ -199,6 +205,7 @@ class KroneckerHVP:
             "mean": None if self._mean is None else self._mean.clone(),
             "factors": [f.clone() for f in self._factors],
             "dtype": self._dtype,
+            "decay": self._decay,
         }
 
     def load_state_dict(self, state: dict[str, object]) -> None:
@@ -208,12 +215,14 @@ class KroneckerHVP:
         entry and leaves the current statistics untouched.
         """
         required = {"step", "mean", "factors"}  # and "dtype" (states saved before 2026-12-04:
-        # statistics in the gradients' dtype, which they give)
-        if not isinstance(state, dict) or not required <= set(state) <= {*required, "dtype"}:
+        # statistics in the gradients' dtype, which they give) and "decay" (before 2026-12-06:
+        # beta ** step)
+        optional = {"dtype", "decay"}
+        if not isinstance(state, dict) or not required <= set(state) <= required | optional:
             keys = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise ValueError(
-                f"state must be a dict with keys ['dtype', 'factors', 'mean', 'step'] ('dtype' "
-                f"optional), got {keys}"
+                f"state must be a dict with keys ['decay', 'dtype', 'factors', 'mean', 'step'] "
+                f"('decay' and 'dtype' optional), got {keys}"
             )
         step = state["step"]
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -255,11 +264,13 @@ class KroneckerHVP:
                 raise ValueError(f"state['factors'][{i}] must be symmetric, got an asymmetric one")
         mean = mean.detach().to(torch.float64, copy=True)
         factors = [f.detach().to(torch.float64, copy=True) for f in factors]
-        decay = self.beta**step
+        decay = _real_option("state['decay']", state.get("decay", self.beta**step),
+                             "a float in [0, 1)", lambda d: 0 <= d < 1)  # fmt: skip
         for i, (cov, f) in enumerate(zip(_covariances(mean, factors, decay), factors, strict=True)):
             _check_covariance(i, cov, f.abs().amax((-2, -1)) / (1 - decay))
         self.reset()
         self._step, self._mean, self._dtype, self._factors = step, mean, dtype, factors
+        self._decay = decay
 
     def _check_grad(self, grad: object) -> torch.Tensor:
         grad = require_floating("grad", grad)
@@ -289,7 +300,7 @@ class KroneckerHVP:
         assert self._mean is not None
         power = 1 / len(self._factors) if self.power is None else self.power
         roots = []
-        for cov in _covariances(self._mean, self._factors, self.beta**self._step):
+        for cov in _covariances(self._mean, self._factors, self._decay):
             vals, vecs = torch.linalg.eigh(cov)
             root = (vecs * vals.abs().add(self.damping).pow(power)[:, None, :]) @ vecs.mT
             roots.append(((root + root.mT) / 2).to(self._dtype))
@@ -300,7 +311,7 @@ def _covariances(
     mean: torch.Tensor, factors: list[torch.Tensor], decay: float
 ) -> Iterator[torch.Tensor]:
     """Each mode's bias-corrected covariance ``F_i / c - mu_i mu_i^T``, ``c = 1 - decay`` (the EMA
-    weight ``beta ** step`` not yet given to gradients), ``mu_i`` the corrected mean over the other
+    weight not yet given to gradients, ``beta ** step`` for one beta), ``mu_i`` the corrected mean over the other
     modes: ``(n, m_i, m_i)``."""
     correction = 1 - decay
     d = len(factors)

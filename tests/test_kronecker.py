@@ -71,13 +71,16 @@ def dense_kronecker(grads, beta=0.99, damping=0.0, power=None):
     """``(n, N, N)``: explicit Kronecker product of the per-mode roots after ``grads`` (a list).
 
     Closed form of the bias-corrected EMA: step ``s`` of ``t`` has weight
-    ``(1 - beta) beta^(t - s) / (1 - beta^t)``; the mode-i second moment of one gradient is the
-    tensordot over all other modes divided by their number of entries.
+    ``(1 - beta) beta^(t - s) / (1 - beta^t)``, or with one beta per step (``beta`` a list)
+    ``(1 - beta_s) prod_{r > s} beta_r / (1 - prod_r beta_r)``; the mode-i second moment of one
+    gradient is the tensordot over all other modes divided by their number of entries.
     """
     history = torch.stack(grads).cpu().double()  # (t, n, *modes)
     t, n, modes = history.shape[0], history.shape[1], history.shape[2:]
     p = 1 / len(modes) if power is None else power
-    w = (1 - beta) * beta ** torch.arange(t - 1, -1, -1, dtype=F64) / (1 - beta**t)
+    betas = torch.as_tensor(beta, dtype=F64).expand(t)
+    later = torch.cat([betas.flip(0).cumprod(0).flip(0)[1:], torch.ones(1, dtype=F64)])
+    w = (1 - betas) * later / (1 - betas.prod())
     dense = []
     for k in range(n):
         matrix = torch.ones(1, 1, dtype=F64)
@@ -388,6 +391,11 @@ BAD_STATES = {
         "factors",
     ),
     "factors-not-a-list": (lambda d: state_with(d, factors=None), TypeError, "factors"),
+    "decay-one (no weight given to any gradient)": (
+        lambda d: state_with(d, decay=1.0),
+        ValueError,
+        "decay",
+    ),
     "mean-wrong-shape": (
         lambda d: state_with(d, mean=torch.ones(2, 4, 3, device=d)),
         ValueError,
@@ -596,6 +604,25 @@ def test_an_option_set_after_the_roots_were_cached_gives_its_own_roots(option, v
     fresh = KroneckerHVP(**{"damping": 0.1, option: value})
     fresh.load_state_dict(kron.state_dict())
     torch.testing.assert_close(kron.apply(v), fresh.apply(v), rtol=1e-12, atol=1e-12)
+
+
+def test_a_beta_set_between_updates_weighs_later_updates_and_the_bias_correction_follows():
+    """The correction is 1 minus the product of the betas the updates used (the post's
+    beta_accum); until 2026-12-06 it was 1 - beta^t with the beta set last, which no update used
+    (a warm-up from 0.9 to 0.99 corrected by 1 - 0.99^t: roots of a second moment)."""
+    torch.manual_seed(0)
+    grads = gradient_history(6, (2, 3, 4), torch.device("cpu"))
+    betas = [0.9, 0.9, 0.9, 0.99, 0.99, 0.99]
+    kron = KroneckerHVP(beta=betas[0])
+    for beta, grad in zip(betas, grads, strict=True):
+        kron.beta = beta
+        kron.update(grad)
+    v = torch.randn(2, 3, 4, dtype=F64)
+    expected = dense_apply(dense_kronecker(grads, betas), v, 2)
+    torch.testing.assert_close(kron.apply(v), expected, rtol=1e-10, atol=1e-12)
+    restored = KroneckerHVP(beta=0.5)  # the state's decay, not the options' beta ** step
+    restored.load_state_dict(kron.state_dict())
+    torch.testing.assert_close(restored.apply(v), expected, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("option, value", [("damping", -1.0), ("power", 0.0), ("beta", 1.0)])
