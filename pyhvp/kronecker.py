@@ -78,7 +78,8 @@ class KroneckerHVP:
         self.reset()
 
     # The options may be set between calls (dampings tried on the same statistics): each is
-    # checked as the constructor checks it, and the cached roots are computed anew with it.
+    # checked as the constructor checks it; the cached roots are computed anew with a damping or
+    # power set, and a beta weighs the updates after it.
 
     @property
     def beta(self) -> float:
