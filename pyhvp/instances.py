@@ -33,7 +33,7 @@ from pyhvp._checks import (
 from pyhvp._public import public_operator
 from pyhvp._user_errors import note
 from pyhvp.backends import nested
-from pyhvp.backends.torch import write_to_x_refusal
+from pyhvp.backends.torch import Watched, write_to_x_refusal
 from pyhvp.restricted.state import Recording, Snapshot, without_dynamo
 from pyhvp.taylor import InPlaceInputError
 
@@ -312,7 +312,7 @@ class _Runs:
         ]
         self.random_state = random_states.save(y.device)
         self.y.requires_grad_()
-        version = self.y._version
+        watched = Watched(self.y)
         recording = Recording((self.y, *args))
         try:
             with without_dynamo(), recording:
@@ -322,10 +322,10 @@ class _Runs:
             if refusal is None:
                 raise
             raise refusal from error
-        if self.y._version != version:  # under no_grad, which autograd allows
+        if watched.written():  # under no_grad or through x.data, which autograd allows
             raise InPlaceInputError(
-                "f modifies x in place under torch.no_grad(); pyhvp's operators differentiate f "
-                "w.r.t. the x they are given: write to a copy (x.clone())"
+                "f modifies x in place under torch.no_grad() or through x.data; pyhvp's "
+                "operators differentiate f w.r.t. the x they are given: write to a copy (x.clone())"
             )
         self.out = check_batched_output(out, batch_shape)
         # what f writes beyond its values (running statistics, spectral_norm's vectors), as it

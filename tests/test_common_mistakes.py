@@ -350,10 +350,15 @@ def test_the_taylor_engine_refuses_a_write_to_xs_buffer_where_it_hits_x_only(col
         torch.testing.assert_close(pyhvp.hessian_diagonal(f, x), 6 * x)
 
 
-@pytest.mark.parametrize("f", [writes_to_x, writes_to_x_without_grad], ids=["f", "f, no_grad"])
+@pytest.mark.parametrize(
+    "f",
+    [writes_to_x, writes_to_x_without_grad, writes_to_x_data],
+    ids=["f", "f, no_grad", "f, x.data"],
+)
 def test_check_instances_refuses_f_writing_to_x_and_leaves_x_unchanged(f):
     """It said autograd's 'a leaf Variable that requires grad' about an x that did not require
-    grad, and under no_grad it wrote the caller's x three times."""
+    grad, and under no_grad it wrote the caller's x three times; through x.data (no version
+    counter moves), until 2026-12-06, its runs each doubled x and it named a coupling."""
     x = torch.randn(4, 3)
     before = x.clone()
     with pytest.raises(pyhvp.InPlaceInputError, match=r"x\.clone\(\)"):

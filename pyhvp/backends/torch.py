@@ -273,7 +273,7 @@ WRITTEN_UNDER_NO_GRAD = (
 )
 
 
-class _Watched:
+class Watched:
     """Whether ``f`` wrote to ``x`` during a call: its values changed, or its version counter
     moved where ``x`` is no view (a view's counter is its base's, which a write to another row
     moves). Values too, not the counter alone: a write through ``x.data`` moves no counter, and
@@ -741,7 +741,7 @@ class TorchBackend:
         outside = not (nested.inside_transform() or taylor.recording())  # (written out inside)
         if outside and (_needs_autograd((x, tangents, *args)) or _nested_under_grad()):
             summed = nested.written_out(summed, cumulative=False)
-        watched = _Watched(x)
+        watched = Watched(x)
         try:
             (g,), (hv,) = self.grad_and_block_hvps(summed, (x,), (tangents,), args, chunk_size)
         except RuntimeError as error:  # x written by f: said as the Taylor engine says it
