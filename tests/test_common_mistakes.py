@@ -312,6 +312,18 @@ def test_f_writing_to_x_where_autograd_allows_it_is_refused_by_the_hvps(f, call,
         call(f, make_x())
 
 
+@pytest.mark.parametrize("call", OPERATORS_ON_HVPS.values(), ids=OPERATORS_ON_HVPS.keys())
+@pytest.mark.parametrize("f", WRITES_AUTOGRAD_ALLOWS.values(), ids=WRITES_AUTOGRAD_ALLOWS.keys())
+def test_f_writing_to_an_inference_tensor_x_is_refused_by_the_hvps(f, call):
+    """The kernels run on a copy of an inference tensor (autograd cannot save one), which f
+    wrote unwatched until 2026-12-06: the HVPs of the written x, twice the true ones here, and
+    Diag++'s rounds each on a further write, with no error."""
+    with torch.inference_mode():
+        x = torch.randn(4, 3)
+        with pytest.raises(pyhvp.InPlaceInputError, match="x now holds the written values"):
+            call(f, x)
+
+
 def test_a_write_to_another_view_of_xs_base_is_no_write_to_x():
     """Views share their base's version counter: a write to another row of the base refused
     an f that never wrote x."""

@@ -268,8 +268,8 @@ def _writes_x(f: Callable[..., torch.Tensor], x: torch.Tensor, args: Sequence[ob
 
 WRITTEN_UNDER_NO_GRAD = (
     "f modifies x in place under torch.no_grad() or through x.data (x now holds the written "
-    "values, and the derivatives would be at them); pyhvp differentiates f w.r.t. the x it is "
-    "given: write to a copy (x.clone())"
+    "values -- pyhvp's copy of it, for an inference tensor -- and the derivatives would be at "
+    "them); pyhvp differentiates f w.r.t. the x it is given: write to a copy (x.clone())"
 )
 
 
@@ -741,6 +741,8 @@ class TorchBackend:
         outside = not (nested.inside_transform() or taylor.recording())  # (written out inside)
         if outside and (_needs_autograd((x, tangents, *args)) or _nested_under_grad()):
             summed = nested.written_out(summed, cumulative=False)
+        with torch.inference_mode(False):  # an inference x: its copy, which f writes, watched
+            x = _normal_tensor(x)
         watched = Watched(x)
         try:
             (g,), (hv,) = self.grad_and_block_hvps(summed, (x,), (tangents,), args, chunk_size)
