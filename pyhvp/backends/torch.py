@@ -274,20 +274,24 @@ WRITTEN_UNDER_NO_GRAD = (
 
 
 class Watched:
-    """Whether ``f`` wrote to ``x`` during a call: its values changed, or its version counter
-    moved where ``x`` is no view (a view's counter is its base's, which a write to another row
-    moves). Values too, not the counter alone: a write through ``x.data`` moves no counter, and
-    until 2026-12-06 an ``f`` doubling ``x.data`` gave the HVPs at the doubled values, as one
-    doubling a transposed or sliced ``x`` under ``no_grad`` did before."""
+    """Whether ``f`` wrote to ``x`` during a call: its version counter moved, or its values
+    changed. A view's counter is its base's (a write to another row moves it): its values tell.
+    A write through ``x.data`` moves no counter: on the CPU the values tell (elsewhere comparing
+    them would synchronise every call with the device). Until 2026-12-06 an ``f`` doubling
+    ``x.data`` gave the HVPs at the doubled values, as one doubling a transposed or sliced ``x``
+    under ``no_grad`` did before."""
 
     def __init__(self, x: torch.Tensor) -> None:
         self.x, self.version = x, version_of(x)
-        self.values = x.detach().clone() if self.version is not None else None
+        on_cpu = x.device.type == "cpu"
+        watched = self.version is not None and (on_cpu or x._is_view())
+        self.values = x.detach().clone() if watched else None
 
     def written(self) -> bool:
-        if self.values is None:  # no counter of its own (an inference tensor): not watched
-            return False
-        if version_of(self.x) != self.version and not self.x._is_view():
+        moved = version_of(self.x) != self.version
+        if self.values is None or not (moved or self.x.device.type == "cpu"):
+            return moved
+        if moved and not self.x._is_view():
             return True
         now, before = self.x.detach(), self.values
         unchanged = torch.equal(now, before) or bool(
