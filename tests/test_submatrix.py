@@ -559,6 +559,31 @@ def test_a_model_switched_to_training_after_calls_in_eval_is_surveyed_anew(reach
     torch.testing.assert_close(got, expected)
 
 
+def test_a_stateful_submodule_swapped_in_after_a_call_is_surveyed_anew():
+    """The routes surveyed with ``model[1]`` an ``nn.Identity`` served the model after it became
+    a :class:`Doubling` (the identity kept alive, as a toggle keeps both): the state they put
+    back before each pass held none of the scale, which every pass of 3 rows doubled (blocks
+    187 off)."""
+    torch.manual_seed(1)
+    X, y = torch.randn(10, 5, dtype=torch.float64), torch.randn(10, 2, dtype=torch.float64)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Identity(), nn.Tanh(), nn.Linear(6, 2)).double()
+    identity, doubling = model[1], Doubling()
+    criterion = nn.MSELoss(reduction="sum")
+    loss, params = pyhvp.module_loss(model, criterion)
+    index = {"0.weight": torch.arange(0, 30, 3), "3.weight": torch.tensor([1, 7, 11])}
+    got, expected = [], []
+    for pre in (identity, doubling, doubling):
+        model[1] = pre
+        seeds = nn.Sequential(nn.Linear(5, 6), Doubling() if pre is doubling else nn.Identity(),
+                              nn.Tanh(), nn.Linear(6, 2)).double()  # fmt: skip
+        seeds.load_state_dict(model.state_dict())
+        expected.append((loop_sub_hessians(seeds, criterion, X, y, index),
+                         {n: b.clone() for n, b in seeds.named_buffers()}))  # fmt: skip
+        got.append((pyhvp.sub_hessian(loss, params, index, data=[(X, y)], chunk_size=3),
+                    {n: b.clone() for n, b in model.named_buffers()}))  # fmt: skip
+    torch.testing.assert_close(got, expected)
+
+
 DRAWING_CALLS = {
     **{method: ({"method": method}, 12) for method in ("auto", "sparse", "forward", "reverse")},
     "reverse, in passes of 5 rows": ({"method": "reverse", "chunk_size": 5}, 12),

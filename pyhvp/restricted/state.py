@@ -60,9 +60,9 @@ class Changes:
         """By storage: a tensor over memory the run writes but did not make, and its bytes."""
         self.generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
         """By ``id``: a generator the run draws from, and its state before."""
-        self.modes: dict[int, tuple[weakref.ref[torch.nn.Module], bool]] = {}
-        """By ``id``: a module the run called, or a submodule of one, and its ``training`` flag
-        then (:func:`putting_back` notes them)."""
+        self.modes: dict[int, CalledModule] = {}
+        """By ``id``: a module the run called, or a submodule of one, its ``training`` flag and
+        its children then (:func:`putting_back` notes them)."""
 
     def before(self, func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
                values: Sequence[object], written: object) -> None:  # fmt: skip
@@ -115,6 +115,30 @@ class Changes:
                     tuple(self.modes.values()))  # fmt: skip
 
 
+class CalledModule(NamedTuple):
+    """A module a run called (or a submodule of one) as the run found it."""
+
+    module: weakref.ref[torch.nn.Module]
+    training: bool
+    children: tuple[int, ...]
+    """The ``id`` of each child module, in order."""
+
+    @staticmethod
+    def of(module: torch.nn.Module) -> CalledModule:
+        return CalledModule(weakref.ref(module), module.training, _children(module))
+
+    def holds(self) -> bool:
+        """Whether the module lives, in the same mode, with the same children (one swapped in
+        since, ``model[1] = other``, runs other code, which may change other state)."""
+        module = self.module()
+        return (module is not None and module.training == self.training
+                and _children(module) == self.children)  # fmt: skip
+
+
+def _children(module: torch.nn.Module) -> tuple[int, ...]:
+    return tuple(map(id, module.children()))
+
+
 class Held(NamedTuple):
     """What one call's runs share and put back: :meth:`snapshot` before its first run."""
 
@@ -122,17 +146,16 @@ class Held(NamedTuple):
     """Inputs of the loss (the selected tensors, the other params, the batch's tensors)."""
     owners: tuple[weakref.ref[torch.Tensor], ...] = ()
     generators: tuple[torch.Generator, ...] = ()
-    modes: tuple[tuple[weakref.ref[torch.nn.Module], bool], ...] = ()
-    """The modules the run called and their submodules, with their ``training`` flags."""
+    modes: tuple[CalledModule, ...] = ()
+    """The modules the run called and their submodules, as it found them."""
 
     def holds(self) -> bool:
         """Whether every tensor over the other memory still exists (where one is gone, the loss
-        reads a rebuilt model or global: its state is another) and every module is in the mode
-        it was in (one switched since, by ``model.train()`` however the loss reaches it, runs
-        other code, which may change other state): else found anew."""
+        reads a rebuilt model or global: its state is another) and every module is as it was
+        (one switched since, by ``model.train()`` however the loss reaches it, or given another
+        child, runs other code, which may change other state): else found anew."""
         return all(ref() is not None for ref in self.owners) and all(
-            (module := ref()) is not None and module.training == training
-            for ref, training in self.modes
+            mode.holds() for mode in self.modes
         )
 
     def snapshot(self, inputs: Sequence[object]) -> Snapshot:
@@ -209,7 +232,7 @@ def putting_back(changes: Changes, inputs: Sequence[object]) -> Iterator[None]:
         # with its submodules: one it runs by ``.forward()`` calls no hook
         if id(module) not in changes.modes:
             for each in module.modules():
-                changes.modes.setdefault(id(each), (weakref.ref(each), each.training))
+                changes.modes.setdefault(id(each), CalledModule.of(each))
 
     python = random.getstate()  # (fork_rng forks torch's generators alone)
     with torch.random.fork_rng(devices=devices):
