@@ -29,5 +29,16 @@ def progress_bar(
     done, rate and, when ``items`` has a length (a list, a ``DataLoader``), time left."""
     if not shows_progress(group):
         return items
-    total = len(items) if isinstance(items, Sized) else None
-    return tqdm(items, desc=caller, total=total, unit=unit)
+    return tqdm(items, desc=caller, total=_length(items), unit=unit)
+
+
+def _length(items: Iterable[object]) -> int | None:
+    """How many ``items`` there are, or None where that is unknown: a generator, a
+    ``DataLoader`` over an ``IterableDataset`` without ``__len__`` (whose ``len`` raises
+    ``TypeError``)."""
+    if not isinstance(items, Sized):
+        return None
+    try:
+        return len(items)
+    except TypeError:
+        return None

@@ -1211,8 +1211,27 @@ def test_progress_bar_counts_batches_on_stderr(capsys):
     assert "sub_hessian" in err and "3/3" in err and "batch" in err, err
 
 
-def test_progress_bar_without_length_counts_what_it_saw(capsys):
-    progress_run(progress=True, data=(torch.full((4,), float(i)) for i in range(5)))
+class FiveBatches(torch.utils.data.IterableDataset):
+    """A stream of five batches: a ``DataLoader`` over it has ``__len__``, which raises
+    ``TypeError``."""
+
+    def __iter__(self):
+        return (torch.full((4,), float(i)) for i in range(5))
+
+
+UNSIZED = {
+    "a generator": lambda: (torch.full((4,), float(i)) for i in range(5)),
+    "a DataLoader over an IterableDataset": lambda: torch.utils.data.DataLoader(
+        FiveBatches(), batch_size=None
+    ),
+}
+"""Data sets whose number of batches is unknown until they end."""
+
+
+@pytest.mark.parametrize("make", UNSIZED.values(), ids=UNSIZED.keys())
+def test_progress_bar_without_length_counts_what_it_saw(capsys, make):
+    """The DataLoader's ``len`` raised its ``TypeError`` out of sub_hessian."""
+    progress_run(progress=True, data=make())
     err = capsys.readouterr().err
     assert "sub_hessian" in err and "5batch" in err.replace(" ", ""), err
 
