@@ -42,7 +42,7 @@ DEBUG level. Both routes' kernels compile under the torch backend's compile poli
 
 With ``data``, the loss is summed over batches: one such pass per batch (and per chunk), the rows
 accumulated, so memory is bounded by one batch; the routes chosen on the first batch hold until a
-batch uses a tensor differently, which is surveyed anew. With ``group``, each rank sums its own
+batch uses a tensor differently or has another structure, which is surveyed anew. With ``group``, each rank sums its own
 batches, and one ``all_reduce`` adds the ranks' sums and symmetrises after
 (:mod:`pyhvp.distributed`). Memory: ``c * P`` for the tangents and columns of a reverse pass (P:
 entries of the selected tensors, c = ``chunk_size``, default all k) plus that pass's
@@ -1049,7 +1049,8 @@ def _sums(
 ) -> list[torch.Tensor]:
     """The call's blocks (unsymmetrised), summed over the batches. The routes are chosen on the
     first batch and kept while they apply: a batch the sparse route refuses (a loss that uses a
-    tensor differently there) is surveyed again, and the new routes kept from it on. A plan
+    tensor differently there), or of another structure (a dict with other keys), is surveyed
+    again, and the new routes kept from it on. A plan
     whose kernels fail on a batch (an op that ``torch.func`` or a batched backward cannot run:
     an ``autograd.Function`` without ``setup_context``, a batch norm in training mode,
     ``group_norm``'s batched double backward) leaves the trial, and the batch runs again by the
@@ -1073,6 +1074,7 @@ def _sums(
     total = plan.tensors[0].new_zeros(offsets[-1], offsets[-1]) if plan.one_block else None
     blocks: list[torch.Tensor | None] = [None] * len(sizes)  # None: no batch added yet
     trial: Trial | None = None
+    surveyed_spec: Any = None  # the structure of the batch whose survey holds trial's state
     device = plan.tensors[0].device if plan.tensors else torch.device("cpu")
     watched = [*plan.tensors, *plan.others]  # every tensor of params
     versions = [_version(t) for t in watched]
@@ -1092,8 +1094,10 @@ def _sums(
             if refusal is None:
                 assert isinstance(backend, TorchBackend)  # _static_refusal's condition
                 inputs = (*plan.tensors, *plan.others, *batch_values)  # (the loss's, in order)
-                if trial is None:
+                if trial is None or spec != surveyed_spec:  # (the state it puts back is
+                    # held by each input's position: a batch of another structure has others)
                     trial = _choose_routes(plan, backend, batch_values, spec, method, forward)
+                    surveyed_spec = spec
                 draws.hold(trial.state.snapshot(inputs).restore)
                 # a trial compares calls of one batch; a data set's batches may differ in size
                 name, chosen, timed = (

@@ -706,6 +706,27 @@ def test_batch_tensors_over_one_storage_are_each_put_back():
     torch.testing.assert_close(got, expected)
 
 
+def test_a_batch_of_another_structure_has_its_own_tensors_put_back():
+    """The state the first batch's survey holds is by each input's position: a later batch with
+    a weight before its scale had its weight put back, and its scale written by every run (the
+    scale doubled twice, blocks 0.33 of their size off)."""
+    ones = torch.ones(3, dtype=torch.float64)
+
+    def loss(p, batch):
+        return writing(STATE_WRITES["its batch, by out="], batch.get("weight", ones))(
+            p, batch["scale"]
+        )
+
+    def batches():
+        return [{"scale": ones.clone()}, {"weight": ones / 2, "scale": ones.clone()}]
+
+    expected = sum(loop_sub_hessian(lambda p, b=b: loss(p, b), TABLE_AND_POINTS, ENTRIES)
+                   for b in batches())  # fmt: skip
+    data = batches()
+    got = pyhvp.sub_hessian(loss, TABLE_AND_POINTS, ENTRIES, joint=True, data=data)
+    torch.testing.assert_close((got, [b["scale"] for b in data]), (expected, [2 * ones] * 2))
+
+
 def test_a_batch_surveyed_anew_starts_from_the_state_before_its_refused_kernel():
     """A later batch uses the table where the sparse route has no rule (``cumsum``): its kernel
     refused the plan after the loss drew from its own generator, and the fresh survey and the
