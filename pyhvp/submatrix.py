@@ -42,12 +42,12 @@ DEBUG level. Both routes' kernels compile under the torch backend's compile poli
 
 With ``data``, the loss is summed over batches: one such pass per batch (and per chunk), the rows
 accumulated, so memory is bounded by one batch; the routes chosen on the first batch hold until a
-batch uses a tensor differently or has another structure, which is surveyed anew. With ``group``, each rank sums its own
-batches, and one ``all_reduce`` adds the ranks' sums and symmetrises after
-(:mod:`pyhvp.distributed`). Memory: ``c * P`` for the tangents and columns of a reverse pass (P:
-entries of the selected tensors, c = ``chunk_size``, default all k) plus that pass's
-intermediates; a sparse group holds c copies of the intermediates downstream of its first
-tensor, and per op it enters at most ``K * out`` for its directions' tangents.
+batch uses a tensor differently or has another structure, which is surveyed anew. With
+``group``, each rank sums its own batches, and one ``all_reduce`` adds the ranks' sums and
+symmetrises after (:mod:`pyhvp.distributed`). Memory: ``c * P`` for the tangents and columns of
+a reverse pass (P: entries of the selected tensors, c = ``chunk_size``, default all k) plus that
+pass's intermediates; a sparse group holds c copies of the intermediates downstream of its
+first tensor, and per op it enters at most ``K * out`` for its directions' tangents.
 """
 
 from __future__ import annotations
@@ -1050,12 +1050,12 @@ def _sums(
     """The call's blocks (unsymmetrised), summed over the batches. The routes are chosen on the
     first batch and kept while they apply: a batch the sparse route refuses (a loss that uses a
     tensor differently there), or of another structure (a dict with other keys), is surveyed
-    again, and the new routes kept from it on. A plan
-    whose kernels fail on a batch (an op that ``torch.func`` or a batched backward cannot run:
-    an ``autograd.Function`` without ``setup_context``, a batch norm in training mode,
-    ``group_norm``'s batched double backward) leaves the trial, and the batch runs again by the
-    seed's loop -- for good, where the model's routes failed -- unless ``method="sparse"``
-    (refused by name); an error of the loss's own code is raised as it is."""
+    again, and the new routes kept from it on. A plan whose kernels fail on a batch (an op that
+    ``torch.func`` or a batched backward cannot run: an ``autograd.Function`` without
+    ``setup_context``, a batch norm in training mode, ``group_norm``'s batched double backward)
+    leaves the trial, and the batch runs again by the seed's loop -- for good, where the model's
+    routes failed -- unless ``method="sparse"`` (refused by name); an error of the loss's own
+    code is raised as it is."""
     refusal = "method='reverse'" if method == "reverse" else _static_refusal(plan, backend, method)
     forward = _forward_applies(chunk_size)
     if method == "forward" and refusal is None and not forward:
