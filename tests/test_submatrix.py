@@ -559,28 +559,49 @@ def test_a_model_switched_to_training_after_calls_in_eval_is_surveyed_anew(reach
     torch.testing.assert_close(got, expected)
 
 
-def test_a_stateful_submodule_swapped_in_after_a_call_is_surveyed_anew():
-    """The routes surveyed with ``model[1]`` an ``nn.Identity`` served the model after it became
-    a :class:`Doubling` (the identity kept alive, as a toggle keeps both): the state they put
-    back before each pass held none of the scale, which every pass of 3 rows doubled (blocks
-    187 off)."""
+def swap_in(model, doubling):
+    replaced, model[1] = model[1], doubling
+    return replaced
+
+
+def hook_in(model, doubling):
+    return model[1].register_forward_hook(lambda module, args, out: doubling(out))
+
+
+CHANGES = {"model[1] = Doubling()": swap_in, "a forward hook on model[1] runs a Doubling": hook_in}
+"""How a model comes to run a :class:`Doubling` after a call, its params as they were; each
+returns what a toggle keeps to undo it (the module replaced, the hook's handle)."""
+
+
+@pytest.mark.parametrize("change", CHANGES.values(), ids=CHANGES.keys())
+def test_a_model_running_new_stateful_code_after_a_call_is_surveyed_anew(change):
+    """The routes surveyed before the change served the model after it: the state they put back
+    before each pass held none of the scale, which every pass of 3 rows doubled (blocks 187 off
+    either way)."""
     torch.manual_seed(1)
     X, y = torch.randn(10, 5, dtype=torch.float64), torch.randn(10, 2, dtype=torch.float64)
-    model = nn.Sequential(nn.Linear(5, 6), nn.Identity(), nn.Tanh(), nn.Linear(6, 2)).double()
-    identity, doubling = model[1], Doubling()
+
+    def make():
+        return nn.Sequential(nn.Linear(5, 6), nn.Identity(), nn.Tanh(), nn.Linear(6, 2)).double()
+
+    model, doubling, undo = make(), Doubling(), []
     criterion = nn.MSELoss(reduction="sum")
     loss, params = pyhvp.module_loss(model, criterion)
     index = {"0.weight": torch.arange(0, 30, 3), "3.weight": torch.tensor([1, 7, 11])}
     got, expected = [], []
-    for pre in (identity, doubling, doubling):
-        model[1] = pre
-        seeds = nn.Sequential(nn.Linear(5, 6), Doubling() if pre is doubling else nn.Identity(),
-                              nn.Tanh(), nn.Linear(6, 2)).double()  # fmt: skip
-        seeds.load_state_dict(model.state_dict())
+    for call in range(3):
+        if call == 1:
+            undo.append(change(model, doubling))
+        seeds, seeds_doubling = make(), Doubling()
+        seeds[0].load_state_dict(model[0].state_dict())
+        seeds[3].load_state_dict(model[3].state_dict())
+        seeds_doubling.load_state_dict(doubling.state_dict())
+        if call >= 1:
+            change(seeds, seeds_doubling)
         expected.append((loop_sub_hessians(seeds, criterion, X, y, index),
-                         {n: b.clone() for n, b in seeds.named_buffers()}))  # fmt: skip
+                         seeds_doubling.scale.clone()))  # fmt: skip
         got.append((pyhvp.sub_hessian(loss, params, index, data=[(X, y)], chunk_size=3),
-                    {n: b.clone() for n, b in model.named_buffers()}))  # fmt: skip
+                    doubling.scale.clone()))  # fmt: skip
     torch.testing.assert_close(got, expected)
 
 

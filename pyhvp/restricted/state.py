@@ -61,8 +61,8 @@ class Changes:
         self.generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
         """By ``id``: a generator the run draws from, and its state before."""
         self.modes: dict[int, CalledModule] = {}
-        """By ``id``: a module the run called, or a submodule of one, its ``training`` flag and
-        its children then (:func:`putting_back` notes them)."""
+        """By ``id``: a module the run called, or a submodule of one, its ``training`` flag, its
+        children and its forward hooks then (:func:`putting_back` notes them)."""
 
     def before(self, func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
                values: Sequence[object], written: object) -> None:  # fmt: skip
@@ -120,25 +120,28 @@ class CalledModule(NamedTuple):
 
     module: weakref.ref[torch.nn.Module]
     training: bool
-    children: tuple[int, ...]
-    """The ``id`` of each child module, in order."""
+    callees: tuple[tuple[int, ...], tuple[int, ...]]
+    """What else a call of the module runs: :func:`_callees`."""
 
     @staticmethod
     def of(module: torch.nn.Module) -> CalledModule:
-        return CalledModule(weakref.ref(module), module.training, _children(module))
+        return CalledModule(weakref.ref(module), module.training, _callees(module))
 
     def holds(self) -> bool:
-        """Whether the module lives, in the same mode, with the same children (one swapped in
-        since, ``model[1] = other``, runs other code, which may change other state)."""
+        """Whether the module lives, in the same mode, with the same children and hooks (one
+        swapped in since, ``model[1] = other``, or a hook registered since, runs other code,
+        which may change other state)."""
         module = self.module()
         return (module is not None and module.training == self.training
-                and _children(module) == self.children)  # fmt: skip
+                and _callees(module) == self.callees)  # fmt: skip
 
 
-def _children(module: torch.nn.Module) -> tuple[int, ...]:
-    """The ``id`` of each child of ``module``, from ``_modules`` (``children()``, a generator
-    that skips repeats, costs 4x: every cached call checks every module)."""
-    return tuple(map(id, module._modules.values()))
+def _callees(module: torch.nn.Module) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The ``id`` of each child of ``module``, and the handle id of each of its forward (pre-)
+    hooks: read from ``_modules`` and the hook dicts (``children()``, a generator that skips
+    repeats, costs 4x: every cached call checks every module)."""
+    hooks = (*module._forward_pre_hooks, *module._forward_hooks)
+    return tuple(map(id, module._modules.values())), hooks
 
 
 class Held(NamedTuple):
