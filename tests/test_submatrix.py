@@ -605,6 +605,33 @@ def test_a_model_running_new_stateful_code_after_a_call_is_surveyed_anew(change)
     torch.testing.assert_close(got, expected)
 
 
+def test_a_global_module_hook_registered_after_a_call_runs_as_in_one_forward():
+    """The routes surveyed before ``register_module_forward_hook`` served the call after it: the
+    state they put back held none of what the hook writes, which every pass of 3 rows wrote
+    again (the hook counted 20 module calls where one forward makes 5)."""
+    torch.manual_seed(1)
+    X, y = torch.randn(10, 5, dtype=torch.float64), torch.randn(10, 2, dtype=torch.float64)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 2)).double()
+    loss, params = pyhvp.module_loss(model, nn.MSELoss(reduction="sum"))
+    index = {"0.weight": torch.arange(0, 30, 3), "2.weight": torch.tensor([1, 7, 11])}
+    counted = torch.zeros((), dtype=torch.float64)
+
+    def count(module, args, out):
+        with torch.no_grad():
+            counted.add_(1)
+
+    pyhvp.sub_hessian(loss, params, index, data=[(X, y)], chunk_size=3)
+    handle = torch.nn.modules.module.register_module_forward_hook(count)
+    try:
+        loss(params, (X, y))
+        one_forward = counted.clone()
+        counted.zero_()
+        pyhvp.sub_hessian(loss, params, index, data=[(X, y)], chunk_size=3)
+    finally:
+        handle.remove()
+    assert counted == one_forward
+
+
 DRAWING_CALLS = {
     **{method: ({"method": method}, 12) for method in ("auto", "sparse", "forward", "reverse")},
     "reverse, in passes of 5 rows": ({"method": "reverse", "chunk_size": 5}, 12),

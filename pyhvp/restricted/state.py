@@ -112,7 +112,7 @@ class Changes:
             else:
                 owners.append(weakref.ref(owner))
         return Held(tuple(positions), tuple(owners), tuple(g for g, _ in self.generators.values()),
-                    tuple(self.modes.values()))  # fmt: skip
+                    tuple(self.modes.values()), _global_hooks())  # fmt: skip
 
 
 class CalledModule(NamedTuple):
@@ -144,6 +144,13 @@ def _callees(module: torch.nn.Module) -> tuple[tuple[int, ...], tuple[int, ...]]
     return tuple(map(id, module._modules.values())), hooks
 
 
+def _global_hooks() -> tuple[int, ...]:
+    """The handle id of each global forward (pre-)hook (``register_module_forward_hook``), which
+    every module's call runs."""
+    hooks = torch.nn.modules.module
+    return (*hooks._global_forward_pre_hooks, *hooks._global_forward_hooks)
+
+
 class Held(NamedTuple):
     """What one call's runs share and put back: :meth:`snapshot` before its first run."""
 
@@ -153,14 +160,19 @@ class Held(NamedTuple):
     generators: tuple[torch.Generator, ...] = ()
     modes: tuple[CalledModule, ...] = ()
     """The modules the run called and their submodules, as it found them."""
+    global_hooks: tuple[int, ...] = ()
+    """:func:`_global_hooks` after the run."""
 
     def holds(self) -> bool:
         """Whether every tensor over the other memory still exists (where one is gone, the loss
         reads a rebuilt model or global: its state is another) and every module is as it was
         (one switched since, by ``model.train()`` however the loss reaches it, or given another
-        child, runs other code, which may change other state): else found anew."""
-        return all(ref() is not None for ref in self.owners) and all(
-            mode.holds() for mode in self.modes
+        child or hook, runs other code, which may change other state), and so are the global
+        module hooks: else found anew."""
+        return (
+            all(ref() is not None for ref in self.owners)
+            and all(mode.holds() for mode in self.modes)
+            and _global_hooks() == self.global_hooks
         )
 
     def snapshot(self, inputs: Sequence[object]) -> Snapshot:
