@@ -355,6 +355,14 @@ def module_loss(
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        raise TypeError(
+            "module must be the model itself, not its DistributedDataParallel wrapper, whose "
+            "forward communicates with the other ranks (it broadcasts buffers: a batch norm's "
+            "statistics), while sub_hessian runs the loss as often per batch as each rank's "
+            "routes need: the ranks' broadcasts no longer pair up. Pass ddp_model.module (and "
+            "group= to sum over the ranks)"
+        )
     if not callable(criterion):
         raise TypeError(
             f"criterion must be callable as criterion(outputs, targets), got {type(criterion).__name__}"

@@ -509,6 +509,13 @@ def inside_vmap(group):
     return torch.func.vmap(sub_hessian_of)(torch.ones(3, 2))
 
 
+def wrapped_params():
+    """The names of module_loss's params of a DDP-wrapped model (the wrapper itself does not
+    unpickle outside its group)."""
+    ddp = nn.parallel.DistributedDataParallel(classifier())
+    return list(pyhvp.module_loss(ddp, nn.CrossEntropyLoss())[1])
+
+
 PLAYS = {
     "two ranks": SCENARIOS,
     "world of one": {
@@ -519,6 +526,7 @@ PLAYS = {
             lambda p: 1 / 0, torch.zeros(2), torch.tensor([0]), group=g
         ),
         "inside vmap": lambda r, w, g: inside_vmap(g),
+        "a DistributedDataParallel model": lambda r, w, g: wrapped_params(),
         **{
             f"route {method}": lambda r, w, g, method=method: by_route(method, g)
             for method in EVERY_ROUTE
@@ -622,6 +630,15 @@ def test_a_group_inside_vmap_is_refused_by_name(alone):
     assert (
         outcome.get("error") == "ValueError" and "group must be None inside" in outcome["message"]
     )
+
+
+def test_module_loss_refuses_a_ddp_wrapper_naming_its_module(alone):
+    """Its forward broadcasts buffers at every run, and each rank runs the loss as often as its
+    own routes and batches need: two ranks with a batch-normed DDP model, sharded 3 batches and
+    1, hung in those broadcasts until the group's timeout."""
+    outcome = alone["a DistributedDataParallel model"]
+    assert outcome.get("error") == "TypeError", outcome
+    assert "ddp_model.module" in outcome["message"]
 
 
 @pytest.mark.parametrize("method", EVERY_ROUTE)
