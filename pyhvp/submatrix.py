@@ -90,6 +90,7 @@ from pyhvp._norm_biases import biases_outside_norms
 from pyhvp._progress import progress_bar
 from pyhvp._public import public_operator
 from pyhvp._user_errors import PACKAGE, stacklevel_outside_pyhvp
+from pyhvp._weight_norms import weight_norms_written_out
 from pyhvp.backends import Backend, compile_policy, nested, require_primitive, resolve_backend
 from pyhvp.backends.torch import (
     TorchBackend,
@@ -1586,7 +1587,7 @@ def _loop_rows(
         ys = [cast(torch.Tensor, t).detach().requires_grad_() for t in _normal(tuple(leaves))]
         args = _normal(args)
         draws.begin()
-        with twice_differentiable_embeddings(), biases_outside_norms:
+        with twice_differentiable_embeddings(), biases_outside_norms, weight_norms_written_out:
             total = loss(*ys, *args)
         refuse_compiled_backward(total)
         return _rows_by_loop(total, ys, row_flats, column_flats)

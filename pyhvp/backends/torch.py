@@ -80,6 +80,7 @@ from pyhvp._keys import version_of
 from pyhvp._norm_biases import biases_outside_norms
 from pyhvp._public import operator_depth
 from pyhvp._user_errors import note, quiet_tracing, stacklevel_outside_pyhvp
+from pyhvp._weight_norms import weight_norms_written_out
 from pyhvp.backends import Blocks, compile_policy, inductor, nested
 from pyhvp.backends.compile_policy import CompileCache
 from pyhvp.restricted.state import Recording, Snapshot
@@ -945,6 +946,7 @@ class TorchBackend:
 
     @math_attention  # fused attention kernels have no second derivative
     @biases_outside_norms  # torch's double backward drops such a bias
+    @weight_norms_written_out  # torch's double backward of the fused one is wrong
     def _run(
         self,
         eager_kernel: Callable[..., Result],

@@ -58,6 +58,7 @@ from torch.utils import _pytree as pytree
 from pyhvp._attention import math_attention
 from pyhvp._batched_backward import batched_grad
 from pyhvp._norm_biases import biases_outside_norms
+from pyhvp._weight_norms import weight_norms_written_out
 from pyhvp.restricted import contributions as rules
 from pyhvp.restricted import selected_entries
 from pyhvp.restricted.closed_forms import (
@@ -1019,6 +1020,7 @@ def pointwise_in(
 
 @math_attention  # fused attention kernels have no forward derivative
 @biases_outside_norms  # torch's double backward drops such a bias
+@weight_norms_written_out  # torch's double backward of the fused one is wrong
 def forward_hessian(
     loss: Callable[..., Tensor],
     tensors: Sequence[Tensor],
