@@ -1068,6 +1068,37 @@ def test_diagonal_coefficients_give_value_gradient_laplacian_and_its_parameter_g
         torch.testing.assert_close(got, want)
 
 
+def particles_summed_then_mlp(r, w):
+    return torch.tanh(torch.sin(r).sum(-2) @ w).sum(-1)
+
+
+def particles_summed_then_product(r, w):
+    return (torch.sin(r * w[:, 0]).mean(-2) ** 2).prod(-1)
+
+
+ONE_PARTICLE_CASES = {
+    "summed over particles, then an MLP layer": particles_summed_then_mlp,
+    "averaged over particles, then a product": particles_summed_then_product,
+}
+
+
+@pytest.mark.parametrize("f", ONE_PARTICLE_CASES.values(), ids=ONE_PARTICLE_CASES.keys())
+def test_an_event_with_a_leading_size_1_dim_sums_over_it_like_any_other(f, device):
+    """x (B, 1, N), event_dims=2 (one particle in N dims): the basis reads as the last dim's, the
+    size-1 particle dim as shared, and a sum over it keeps the coefficient diagonal with one dim
+    fewer, its basis too (which kept it before 2026-12-06: the next multiplied-out rule failed)."""
+    x = torch.randn(4, 1, 3, dtype=torch.float64, device=device)
+    w = torch.randn(3, 5, dtype=torch.float64, device=device, requires_grad=True)
+    value, g, lap = pyhvp.grad_and_laplacian(f, x, w, event_dims=2)
+    fixed = w.detach()
+    torch.testing.assert_close(value, f(x, fixed))
+    torch.testing.assert_close(g, instance_jacobian(f, x, fixed, event_dims=2))
+    torch.testing.assert_close(lap, instance_laplacian(f, x, fixed, event_dims=2))
+    (got,) = torch.autograd.grad(lap.sum(), w)
+    want = grad(lambda p: instance_laplacian(lambda y: f(y, p), x, event_dims=2).sum())(fixed)
+    torch.testing.assert_close(got, want)
+
+
 def kernel_tensors(f, x, *args):
     """The jet kernel's placeholders and every tensor its ops make (their sizes)."""
     (kernel,) = taylor.capture(f, x, args).program.kernels.values()

@@ -200,8 +200,12 @@ def diagonal_summed(
     summed = diagonal.sum(wide, keepdim=True) if wide else diagonal
     summed = summed * scale if scale != 1 else summed
     if not inner:
-        kept = summed if keepdim or not outer else summed.squeeze(outer)
-        return DiagonalCoefficient(kept, c.basis, c.event, nd if keepdim else nd - len(outer))
+        if keepdim or not outer:
+            return DiagonalCoefficient(summed, c.basis, c.event, nd)
+        # the basis loses the summed dims too (size 1 there: shared by every instance), else it
+        # kept more dims than the value (x of shape (B, 1, N) summed over its size-1 dim)
+        basis = lifted(c.basis, nd).squeeze([d + 1 for d in outer])
+        return DiagonalCoefficient(summed.squeeze(outer), basis, c.event, nd - len(outer))
     k = math.prod(c.event)
     lead = summed.shape[: nd - e]
     first = summed.expand(*lead, *c.event).reshape(*lead, k).movedim(-1, 0)
