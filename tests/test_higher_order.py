@@ -175,6 +175,30 @@ def test_sinc_has_its_own_derivatives_at_zero_and_near_it(device):
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
 
 
+def gelu_tanh_in_elementary_ops(u):
+    return 0.5 * u * (1 + torch.tanh(math.sqrt(2 / math.pi) * (u + 0.044715 * u**3)))
+
+
+def test_tanh_approximated_gelu_is_finite_where_its_argument_saturates(device):
+    """Above second order the engine took autograd's derivatives of ``aten.gelu``, NaN for
+    ``|u| > 21`` (0 there to double precision): a plate PINN's bi-Laplacian of a GELU network
+    was NaN wherever one pre-activation got that large. Against nested autograd of the same
+    function in elementary ops, whose derivatives stay finite."""
+    x = torch.tensor([-40.0, -25.0, -3.1, -0.6, 0.0, 0.3, 2.2, 7.5, 25.0, 40.0],
+                     dtype=torch.float64, device=device)[:, None]  # fmt: skip
+    v = torch.ones_like(x)
+    got = pyhvp.directional_derivatives(lambda y: F.gelu(y, approximate="tanh").sum(-1), x, v,
+                                        order=6, backend=EAGER)  # fmt: skip
+    f = lambda y: gelu_tanh_in_elementary_ops(y).sum(-1)  # noqa: E731
+    expected = nested_directional_derivatives(f, x.cpu(), v.cpu(), 6)
+    torch.testing.assert_close(got.cpu(), expected, rtol=1e-10, atol=1e-10)
+    plate = torch.tensor([[30.0, 0.5], [0.1, -0.2]], dtype=torch.float64, device=device)
+    got = pyhvp.bilaplacian(lambda y: F.gelu(y, approximate="tanh").prod(-1), plate,
+                            backend=EAGER)  # fmt: skip
+    expected = nested_bilaplacian(lambda y: gelu_tanh_in_elementary_ops(y).prod(-1), plate.cpu())
+    torch.testing.assert_close(got.cpu(), expected, rtol=1e-10, atol=1e-10)
+
+
 SATURATING = {"tanh": torch.tanh, "sigmoid": torch.sigmoid, "silu": F.silu, "softplus": F.softplus}
 
 

@@ -16,6 +16,7 @@ from pyhvp.taylor.jets import (
     Jet,
     chain,
     coefficient_of,
+    faa_di_bruno,
     linear,
 )
 from pyhvp.taylor.registry import RULES, Rule, rule
@@ -185,12 +186,9 @@ def _gelu(
     u: Tensor, y: Tensor, approximate: str = "none", *, order: int
 ) -> Sequence[Tensor | None]:
     """``u Phi(u)``: ``Phi' = phi`` and ``gelu^(j) = u phi^(j-1) + j phi^(j-2)`` with
-    ``phi^(m) = (-1)^m He_m phi``; the tanh approximation by its second-order closed form, higher
-    orders by autograd."""
+    ``phi^(m) = (-1)^m He_m phi``; the tanh approximation by :func:`_gelu_tanh`."""
     if approximate == "tanh":
-        return _by_autograd(aten.gelu.default, _gelu_tanh)(
-            u, y, approximate=approximate, order=order
-        )
+        return _gelu_tanh(u, y, approximate, order=order)
     phi = torch.exp(-0.5 * u * u) / SQRT_2PI
     if order <= 2:
         return [0.5 * (1 + torch.erf(u / math.sqrt(2))) + u * phi, phi * (2 - u * u)][:order]
@@ -201,11 +199,21 @@ def _gelu(
 
 
 def _gelu_tanh(u: Tensor, y: Tensor, approximate: str, *, order: int) -> Sequence[Tensor | None]:
-    """0.5 u (1 + tanh(c (u + 0.044715 u^3)))."""
+    """``0.5 u (1 + T)`` with ``T = tanh(z)``, ``z = c (u + 0.044715 u^3)``: ``gelu^(j) = (u
+    T^(j) + j T^(j-1)) / 2``, ``T^(j)`` by Faa di Bruno's formula from tanh's derivatives at
+    ``z`` and z's three. Above second order these were autograd's derivatives of ``aten.gelu``,
+    NaN where ``|u| > 21`` (its double backward overflows; they are 0 there to double
+    precision): a bi-Laplacian of a network with such a pre-activation was NaN."""
     c = math.sqrt(2 / math.pi)
     z = c * (u + 0.044715 * u**3)
     dz, ddz = c * (1 + 3 * 0.044715 * u * u), c * 6 * 0.044715 * u
     t = torch.tanh(z)
+    if order > 2:
+        inner = [dz, ddz, torch.full_like(u, c * 6 * 0.044715), *(None,) * (order - 3)]
+        outer = _TANH(z, t, order=order)
+        ts = [t, *cast(list[Tensor], faa_di_bruno(Context(False, order), inner, outer))]
+        return [0.5 * (1 + t + u * ts[1])] + [0.5 * (u * ts[j] + j * ts[j - 1])
+                                              for j in range(2, order + 1)]  # fmt: skip
     dt = 1 - t * t
     d1 = 0.5 * (1 + t) + 0.5 * u * dt * dz
     d2 = dt * dz + 0.5 * u * (-2 * t * dt * dz * dz + dt * ddz)
@@ -439,7 +447,7 @@ UNARY: dict[torch._ops.OpOverload, Derivatives] = {
     aten.pow.Tensor_Scalar: _power,
 }
 """Each elementwise op's derivatives of any order (closed forms; autograd's own for the orders
-above 2 of atan, asinh, atanh and the tanh-approximated gelu)."""
+above 2 of atan, asinh and atanh)."""
 
 
 for _op, _derivatives in UNARY.items():
