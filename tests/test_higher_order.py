@@ -199,6 +199,26 @@ def test_tanh_approximated_gelu_is_finite_where_its_argument_saturates(device):
     torch.testing.assert_close(got.cpu(), expected, rtol=1e-10, atol=1e-10)
 
 
+def test_tanh_approximated_gelu_inside_a_transform_is_finite_where_its_argument_saturates(
+    device,
+):
+    """Inside ``torch.func`` transforms the operators differentiate ``f`` by nested reverse
+    mode, whose third and higher derivatives of ``aten.gelu``'s tanh approximation are NaN
+    where ``|u| > 21``: the parameter gradient of a bi-Laplacian by ``torch.func.grad`` was
+    NaN, and so was ``vmap`` of it. As the operator outside the transform gives them."""
+    plate = torch.tensor([[30.0, 0.5], [0.1, -0.2]], dtype=torch.float64, device=device)
+
+    def bilaplacian(y, w):
+        return pyhvp.bilaplacian(lambda z: F.gelu(z * w, approximate="tanh").prod(-1), y)
+
+    w = torch.ones(2, dtype=torch.float64, device=device, requires_grad=True)
+    (expected,) = torch.autograd.grad(bilaplacian(plate, w).sum(), w)
+    got = torch.func.grad(lambda w: bilaplacian(plate, w).sum())(w.detach())
+    torch.testing.assert_close(got, expected)
+    got = torch.func.vmap(lambda y: bilaplacian(y, w.detach()))(plate[None])[0]
+    torch.testing.assert_close(got, bilaplacian(plate, w.detach()))
+
+
 SATURATING = {"tanh": torch.tanh, "sigmoid": torch.sigmoid, "silu": F.silu, "softplus": F.softplus}
 
 

@@ -127,9 +127,10 @@ def written_out(
 
 class _Elementary(TorchFunctionMode):
     """``f`` with ``layer_norm``, ``group_norm``, ``instance_norm`` and ``batch_norm`` (of the
-    input's own statistics), vector norms, ``F.normalize``, ``cdist`` and, with ``cumulative``,
-    ``logcumsumexp`` written out in elementary ops (whose nested reverse-mode derivatives torch
-    gets right), and a determinant refused where it is differentiated more than twice."""
+    input's own statistics), vector norms, ``F.normalize``, ``cdist``, the tanh-approximated
+    ``gelu`` and, with ``cumulative``, ``logcumsumexp`` written out in elementary ops (whose
+    nested reverse-mode derivatives torch gets right), and a determinant refused where it is
+    differentiated more than twice."""
 
     def __init__(self, cumulative: bool = True) -> None:
         super().__init__()
@@ -146,6 +147,10 @@ class _Elementary(TorchFunctionMode):
                 return written
         if func in _VECTOR_NORMS and kwargs.get("out") is None:
             written = _written_vector_norm(func, args, kwargs)
+            if written is not None:
+                return written
+        if func is F.gelu:
+            written = _written_gelu_tanh(args, kwargs)
             if written is not None:
                 return written
         if func in _CUMULATIVE_LOG_SUMS and self.cumulative and kwargs.get("out") is None:
@@ -252,6 +257,17 @@ def _written_vector_norm(
     if not isinstance(ord, (int, float)) or isinstance(ord, bool):
         return None
     return _zero_safe_norm(input, ord, _dims(dim), keepdim, bound.get("dtype"))
+
+
+def _written_gelu_tanh(args: Sequence[Any], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """``F.gelu``'s tanh approximation in elementary ops: torch's third and higher nested
+    derivatives of it are NaN where ``|input| > 21`` (its double backward overflows; they are 0
+    there to double precision). None for the exact gelu."""
+    bound = dict(zip(("input", "approximate"), args, strict=False)) | kwargs
+    if bound.get("approximate") != "tanh":
+        return None
+    u = cast(torch.Tensor, bound["input"])
+    return 0.5 * u * (1 + torch.tanh(math.sqrt(2 / math.pi) * (u + 0.044715 * u**3)))
 
 
 def _carries_derivatives(value: object) -> bool:
