@@ -199,17 +199,27 @@ def test_tanh_approximated_gelu_is_finite_where_its_argument_saturates(device):
     torch.testing.assert_close(got.cpu(), expected, rtol=1e-10, atol=1e-10)
 
 
-def test_tanh_approximated_gelu_inside_a_transform_is_finite_where_its_argument_saturates(
-    device,
-):
+WRITTEN_OUT_IN_TRANSFORMS = {  # an activation whose nested reverse-mode derivatives torch
+    # gets wrong at some points, and such points among others
+    "gelu's tanh approximation, saturated": (
+        lambda z: F.gelu(z, approximate="tanh"), [[30.0, 0.5], [0.1, -0.2]]),
+    "sinc at and near 0": (torch.sinc, [[0.0, 0.5], [1e-9, 2.0]]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("g", "points"), WRITTEN_OUT_IN_TRANSFORMS.values(), ids=WRITTEN_OUT_IN_TRANSFORMS.keys()
+)
+def test_an_activation_inside_a_transform_has_the_derivatives_it_has_outside(g, points, device):
     """Inside ``torch.func`` transforms the operators differentiate ``f`` by nested reverse
-    mode, whose third and higher derivatives of ``aten.gelu``'s tanh approximation are NaN
-    where ``|u| > 21``: the parameter gradient of a bi-Laplacian by ``torch.func.grad`` was
-    NaN, and so was ``vmap`` of it. As the operator outside the transform gives them."""
-    plate = torch.tensor([[30.0, 0.5], [0.1, -0.2]], dtype=torch.float64, device=device)
+    mode: torch's third and higher derivatives of ``aten.gelu``'s tanh approximation are NaN
+    where ``|u| > 21``, and its derivatives of ``sinc`` NaN at 0 and digitless near it. The
+    parameter gradient of a bi-Laplacian by ``torch.func.grad`` was NaN, ``vmap`` of it NaN or
+    wrong (-3839 for 11.66 at ``[1e-9, 2]``). As the operator outside the transform gives them."""
+    plate = torch.tensor(points, dtype=torch.float64, device=device)
 
     def bilaplacian(y, w):
-        return pyhvp.bilaplacian(lambda z: F.gelu(z * w, approximate="tanh").prod(-1), y)
+        return pyhvp.bilaplacian(lambda z: g(z * w).prod(-1), y)
 
     w = torch.ones(2, dtype=torch.float64, device=device, requires_grad=True)
     (expected,) = torch.autograd.grad(bilaplacian(plate, w).sum(), w)

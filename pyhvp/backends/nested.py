@@ -43,6 +43,7 @@ from pyhvp._attention import math_attention
 from pyhvp._norm_biases import PARAMETERS, per_channel
 from pyhvp._user_errors import note
 from pyhvp.taylor.program import logcumsumexp_by_prefixes
+from pyhvp.taylor.rules.elementwise import sinc_written_out
 
 
 def taylor_coefficients(
@@ -128,7 +129,7 @@ def written_out(
 class _Elementary(TorchFunctionMode):
     """``f`` with ``layer_norm``, ``group_norm``, ``instance_norm`` and ``batch_norm`` (of the
     input's own statistics), vector norms, ``F.normalize``, ``cdist``, the tanh-approximated
-    ``gelu`` and, with ``cumulative``, ``logcumsumexp`` written out in elementary ops (whose
+    ``gelu``, ``sinc`` and, with ``cumulative``, ``logcumsumexp`` written out in elementary ops (whose
     nested reverse-mode derivatives torch gets right), and a determinant refused where it is
     differentiated more than twice."""
 
@@ -153,6 +154,10 @@ class _Elementary(TorchFunctionMode):
             written = _written_gelu_tanh(args, kwargs)
             if written is not None:
                 return written
+        if func in _SINCS and kwargs.get("out") is None:
+            input = args[0] if args else kwargs.get("input")
+            if isinstance(input, torch.Tensor) and input.is_floating_point():
+                return sinc_written_out(input)
         if func in _CUMULATIVE_LOG_SUMS and self.cumulative and kwargs.get("out") is None:
             bound = dict(zip(("input", "dim"), args, strict=False)) | kwargs
             input = bound.get("input")
@@ -342,4 +347,5 @@ _VECTOR_NORMS: dict[Callable[..., Any], Names] = {
     F.normalize: ("input", "p", "dim", "eps", "out"),
 }
 _CUMULATIVE_LOG_SUMS = (torch.logcumsumexp, torch.Tensor.logcumsumexp)
+_SINCS = (torch.sinc, torch.special.sinc, torch.Tensor.sinc)
 _DETERMINANTS = (torch.linalg.det, torch.det, torch.Tensor.det)
