@@ -4,6 +4,8 @@ dense float64 sub-Hessian, with repeated and unsorted indices, joint and per ten
 device; the route is forced (``method="sparse"``), so a use it did not cover would raise."""
 
 import re
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -582,6 +584,39 @@ def test_inside_vmap_auto_takes_the_reverse_route_where_the_mode_may_not_see_a_u
     # autograd's, per image (a dense Hessian of 7840 entries takes seconds)
     expected = [pyhvp.sub_hessian(loss_of(x), weight, index, method="reverse") for x in images]
     torch.testing.assert_close(got, torch.stack(expected), rtol=1e-5, atol=1e-5)
+
+
+MOVES_ITS_MODEL = """
+import sys
+import torch, pyhvp
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 1)).double()
+model.eval()
+x = torch.randn(5, 3, dtype=torch.float64)
+def loss(w):
+    model.to(w.device)
+    return torch.func.functional_call(model, {"0.weight": w}, (x,)).square().sum()
+w, index = model[0].weight.detach().clone(), torch.tensor([0, 5, 7])
+backend = pyhvp.TorchBackend(compile=sys.argv[1] == "compiled")
+expected = pyhvp.sub_hessian(loss, w, index, method="reverse")
+for _ in range(2):
+    got = pyhvp.sub_hessian(loss, w, index, method="sparse", backend=backend)
+    torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-11)
+model(x)
+print("done")
+"""
+
+
+@pytest.mark.parametrize("kernel", ["eager", "compiled"])
+def test_a_loss_that_moves_its_model_to_its_device_leaves_the_model_usable(kernel):
+    """``model.to(w.device)`` in the loss, a no-op move: under the ``torch.func`` transforms of
+    the sparse route torch returns a wrapper of each parameter and buffer, which ``Module.to``
+    kept in the model, so its next use segfaulted (torch 2.5.1 to 2.14.1, pytorch#184876) --
+    checked in a subprocess, as a segfault cannot be caught."""
+    done = subprocess.run([sys.executable, "-c", MOVES_ITS_MODEL, kernel], capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert (done.returncode, done.stdout.strip()) == (0, "done"), done.stderr[-2000:]
 
 
 def written_after_a_mean(p):

@@ -38,6 +38,7 @@ from pyhvp.restricted.ops import (
     DATA,
     EINSUM_FAMILY,
     HOOKS,
+    MAY_RETURN_INPUT,
     RETURNS_INPUTS_IN_A_TUPLE,
     autograd_convention,
     bind,
@@ -174,6 +175,25 @@ def _reduced_dims(args: Sequence[Any], kwargs: dict[str, Any], ndim: int) -> tup
     return tuple(sorted({d % ndim for d in dims}))
 
 
+def returns_outside_tensor(
+    func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
+) -> bool:
+    """Whether eager torch returns this call's first argument itself (``W.to(W.device)``, as
+    ``Module.to`` calls it on each parameter and buffer) and that argument comes from outside the
+    ``torch.func`` transforms the sparse route runs the loss under. Under them torch returns a
+    new wrapper of it, which ``Module.to`` keeps in the module (as a parameter's ``.data``, as a
+    buffer): a wrapper of a transform level that ends with the transform, so that the module's
+    next use after it segfaults (torch 2.5.1 to 2.14.1; pytorch#184876)."""
+    if func not in MAY_RETURN_INPUT or torch.compiler.is_compiling():
+        return False
+    tensor = first_input(args, kwargs)
+    return (
+        isinstance(tensor, torch.Tensor)
+        and not torch._C._functorch.is_functorch_wrapped_tensor(tensor)
+        and returns_its_input(func, args, kwargs)
+    )
+
+
 class Injection(TorchFunctionMode):
     """Shifts the selected entries of ``tensors`` by ``z`` wherever the loss uses them;
     ``batch``: how many directions a Hessian pass pushes at once (chooses how tangents enter)."""
@@ -242,6 +262,8 @@ class Injection(TorchFunctionMode):
                 return reduced
         values = pytree.tree_leaves((args, kwargs))
         if not any(self._find(v) is not None for v in values):
+            if returns_outside_tensor(func, args, kwargs):
+                return first_input(args, kwargs)  # itself, as eager torch returns it
             return func(*args, **kwargs)
         op = call_kind(func, args, kwargs)
         written = writes_to(op, func, args, kwargs)
