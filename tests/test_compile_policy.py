@@ -161,11 +161,9 @@ def test_a_compiled_kernel_slower_than_eager_is_declined_after_its_trial(
     assert runs == ["eager"] * 2 + first + rest
 
 
-@pytest.mark.parametrize("compiled_cost", [2.0, 0.5], ids=["slower: declined", "faster: kept"])
-def test_compile_true_is_never_slower_than_eager(monkeypatch, compile_cache, compiled_cost):
-    """Issue 25: compile=True compiles at the first call, then times its compiled and eager
-    calls alternately (each serving the call) and runs eagerly for good where inductor's kernel
-    is slower than eager ATen."""
+def compiled_calls(monkeypatch, compiled_cost):
+    """Calls of a ``compile=True`` backend on a fake clock: a compiled call takes
+    ``compiled_cost`` seconds, an eager one 1; each notes its kind in the returned list."""
     now = [0.0]
     monkeypatch.setattr(compile_policy, "clock", lambda: now[0])
     runs = []
@@ -185,8 +183,17 @@ def test_compile_true_is_never_slower_than_eager(monkeypatch, compile_cache, com
 
     monkeypatch.setattr(torch_backend, "_compile_bound", fake_compile)
     backend = pyhvp.TorchBackend(compile=True)
+    return runs, lambda: backend._run(eager_kernel, eager_kernel, scaled, (), (torch.zeros(1),))
+
+
+@pytest.mark.parametrize("compiled_cost", [2.0, 0.5], ids=["slower: declined", "faster: kept"])
+def test_compile_true_is_never_slower_than_eager(monkeypatch, compile_cache, compiled_cost):
+    """Issue 25: compile=True compiles at the first call, then times its compiled and eager
+    calls alternately (each serving the call) and runs eagerly for good where inductor's kernel
+    is slower than eager ATen."""
+    runs, call = compiled_calls(monkeypatch, compiled_cost)
     for _ in range(30):
-        backend._run(eager_kernel, eager_kernel, scaled, (), (torch.zeros(1),))
+        call()
     settled = "eager" if compiled_cost > 1.0 else "compiled"
     assert runs[-5:] == [settled] * 5
 
@@ -195,29 +202,11 @@ def test_calls_outside_the_steady_state_are_counted_as_unsettled(monkeypatch, co
     """``compile=True``: the compiling call (checked against an eager run) and the eager calls
     of the compiled kernel's trial move ``unsettled_calls``; its compiled calls do not, nor does
     any call after the trial (``sub_hessian``'s trial of routes times only calls that did not)."""
-    now = [0.0]
-    monkeypatch.setattr(compile_policy, "clock", lambda: now[0])
-    runs = []
-
-    def fake_compile(kernel, f, static):
-        def run(x):
-            runs.append("compiled")
-            now[0] += 0.5
-            return x
-
-        return run
-
-    def eager_kernel(f, x):
-        runs.append("eager")
-        now[0] += 1.0
-        return x
-
-    monkeypatch.setattr(torch_backend, "_compile_bound", fake_compile)
-    backend = pyhvp.TorchBackend(compile=True)
+    runs, call = compiled_calls(monkeypatch, compiled_cost=0.5)
     calls = []
     for _ in range(12):
         before = torch_backend.unsettled_calls()
-        backend._run(eager_kernel, eager_kernel, scaled, (), (torch.zeros(1),))
+        call()
         calls.append((runs[-1], torch_backend.unsettled_calls() != before))
     assert calls[0] == ("compiled", True)  # the compiling call, after its eager check
     assert all(moved == (ran == "eager") for ran, moved in calls[1:])
