@@ -229,6 +229,24 @@ def test_an_activation_inside_a_transform_has_the_derivatives_it_has_outside(g, 
     torch.testing.assert_close(got, bilaplacian(plate, w.detach()))
 
 
+HALF_POINTS = {  # points where a half activation's written-out intermediates overflowed
+    "sinc": (torch.sinc, [0.5, 0.8]),  # (its series' gradient: t ** 31 for t = pi u > 1.43)
+    "gelu's tanh approximation": (lambda z: F.gelu(z, approximate="tanh"), [160.0, -0.5]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("g", "points"), HALF_POINTS.values(), ids=HALF_POINTS.keys())
+def test_a_half_activation_inside_a_transform_has_finite_derivatives(g, points, device):
+    """Written out inside transforms in half precision, sinc's power series and gelu's cube
+    overflowed in their gradients: ``vmap`` of a half sinc's HVP at 0.5 was NaN for -1.19. In
+    float32 at least, as torch's own kernels compute a half activation."""
+    x = torch.tensor([points], dtype=torch.float16, device=device)
+    v = torch.ones_like(x)
+    got = torch.func.vmap(lambda y: pyhvp.hvp(lambda z: g(z).sum(-1), y, v))(x[None])[0]
+    expected = pyhvp.hvp(lambda z: g(z).sum(-1), x.double(), v.double())
+    torch.testing.assert_close(got.double(), expected, rtol=1e-2, atol=1e-2)
+
+
 SATURATING = {"tanh": torch.tanh, "sigmoid": torch.sigmoid, "silu": F.silu, "softplus": F.softplus}
 
 

@@ -157,7 +157,7 @@ class _Elementary(TorchFunctionMode):
         if func in _SINCS and kwargs.get("out") is None:
             input = args[0] if args else kwargs.get("input")
             if isinstance(input, torch.Tensor) and input.is_floating_point():
-                return sinc_written_out(input)
+                return sinc_written_out(_wide(input)).to(input.dtype)
         if func in _CUMULATIVE_LOG_SUMS and self.cumulative and kwargs.get("out") is None:
             bound = dict(zip(("input", "dim"), args, strict=False)) | kwargs
             input = bound.get("input")
@@ -271,8 +271,18 @@ def _written_gelu_tanh(args: Sequence[Any], kwargs: dict[str, Any]) -> torch.Ten
     bound = dict(zip(("input", "approximate"), args, strict=False)) | kwargs
     if bound.get("approximate") != "tanh":
         return None
-    u = cast(torch.Tensor, bound["input"])
-    return 0.5 * u * (1 + torch.tanh(math.sqrt(2 / math.pi) * (u + 0.044715 * u**3)))
+    input = cast(torch.Tensor, bound["input"])
+    u = _wide(input)
+    gelu = 0.5 * u * (1 + torch.tanh(math.sqrt(2 / math.pi) * (u + 0.044715 * u**3)))
+    return gelu.to(input.dtype)
+
+
+def _wide(input: torch.Tensor) -> torch.Tensor:
+    """``input`` in float32 at least, as torch's kernels compute a half one: a written-out
+    activation's intermediates overflow in half (the gradient of sinc's power series multiplies
+    ``t ** 31``, of gelu's cube ``3 u ** 2``), so that its derivatives were NaN (a half sinc's
+    Hessian-vector product at 0.5 in ``vmap``) where torch's own are finite."""
+    return input.to(torch.promote_types(input.dtype, torch.float32))
 
 
 def _carries_derivatives(value: object) -> bool:
