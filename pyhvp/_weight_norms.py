@@ -27,7 +27,10 @@ def _weight_norm(v: torch.Tensor, g: torch.Tensor, dim: int = 0) -> torch.Tensor
     ``dim``, written out inside the context (in this thread), torch's op elsewhere."""
     if not _REPLACED.inside():  # (another thread's calls keep torch's behaviour)
         return _fused(v, g, dim)
-    return v * (g / torch.norm_except_dim(v, 2, dim))
+    norm = torch.norm_except_dim(v, 2, dim)
+    if dim in (0, v.dim() - 1) and g.numel() == norm.numel():  # the fused op, which torch runs
+        g = g.reshape(norm.shape)  # there, reads g flat: a g of shape (out,) scales each row
+    return v * (g / norm)
 
 
 _REPLACED = Replacement(

@@ -16,6 +16,7 @@ from dense import dense_hessian
 from torch import nn
 
 import pyhvp
+from pyhvp._weight_norms import weight_norms_written_out
 
 INPUT = torch.randn(6, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
 V_SHAPE, G_SHAPES = (4, 3), {0: (4, 1), 1: (1, 3)}
@@ -46,6 +47,8 @@ WEIGHT_NORMS = {  # (v, g, dim) -> the weight, each as a user writes it
         "parametrizations.weight.original0",
         "parametrizations.weight.original1",
     ),
+    # (the fused op, on the first or last dim, reads g flat: a custom layer's g of shape (out,))
+    "torch._weight_norm, g flat": lambda v, g, dim: torch._weight_norm(v, g.flatten(), dim),
     # (its pre-hook calls the torch._weight_norm its module bound at import)
     "nn.utils.weight_norm": _layers(nn.utils.weight_norm, "weight_g", "weight_v"),
 }
@@ -108,3 +111,17 @@ def test_a_weight_normalised_models_sub_hessian_is_the_dense_one():
     expected = dense_hessian(by_vector, torch.cat([params[name].reshape(-1) for name in names]))
     got = pyhvp.sub_hessian(loss_of, params, index, joint=True)
     torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("dim", [0, 1], ids=["dim 0", "dim 1 (the last)"])
+def test_a_flat_g_scales_each_slice_by_its_own_entry(dim):
+    """Torch's fused op reads ``g`` flat on the first or last dim: written out, a ``g`` of shape
+    ``(out,)`` broadcast against the norm's ``(out, 1)`` instead, which raised for a non-square
+    ``v`` and, for a square one, scaled column ``j`` of every row by ``g[j]``, with no error."""
+    generator = torch.Generator().manual_seed(2)
+    v = torch.randn(4, 4, dtype=torch.float64, generator=generator)
+    g = torch.rand(4, dtype=torch.float64, generator=generator)
+    expected = torch._weight_norm(v, g, dim)  # (torch's own, outside the context)
+    with weight_norms_written_out:
+        got = torch._weight_norm(v, g, dim)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
