@@ -67,7 +67,7 @@ def twice_differentiable_embeddings() -> Iterator[None]:
     replaced while any such context is in progress (:class:`~pyhvp._replacing.Replacement`: a
     function mode cost every op of the loss, 34% of a forward of 60 ops); a call bound to
     torch's own function before, or another thread's, is torch's."""
-    with _REPLACED.active():
+    with _REPLACED:
         yield
 
 

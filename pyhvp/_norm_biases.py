@@ -7,11 +7,15 @@ Autograd's double backward of ``layer_norm``, ``batch_norm``, ``instance_norm`` 
 Tensor but got None"), where ``torch.func``'s forward-over-reverse gets it right. Inside the
 context such a call runs as the norm without weight or bias, plus the bias: the same values, and
 second derivatives autograd gets right.
+
+>>> h, b = torch.tensor([[0.0, 2.0]]), torch.tensor([1.0, -1.0])
+>>> with biases_outside_norms:
+...     torch.nn.functional.layer_norm(h, (2,), None, b, eps=0.0)  # (-1, 1) + b
+tensor([[0., 0.]])
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -89,26 +93,8 @@ _REPLACED = Replacement(
 )
 
 
-class _BiasesOutsideNorms(contextlib.ContextDecorator):
-    """Inside (a ``with`` block, or a function it decorates), in this thread, a layer, batch,
-    instance or group norm with a bias and no weight runs as the norm without either plus the
-    bias: ``F.layer_norm`` and the others call torch's functions, which are replaced while any
-    such context is in progress (:class:`~pyhvp._replacing.Replacement`); a call bound to
-    torch's own function before is torch's. Its state is the module's, so one instance serves
-    every call (3 us a call, where a generator's context took 8).
-
-    >>> h, b = torch.tensor([[0.0, 2.0]]), torch.tensor([1.0, -1.0])
-    >>> with biases_outside_norms:
-    ...     torch.nn.functional.layer_norm(h, (2,), None, b, eps=0.0)  # (-1, 1) + b
-    tensor([[0., 0.]])
-    """
-
-    def __enter__(self) -> None:
-        _REPLACED.acquire()
-
-    def __exit__(self, *exc: object) -> None:
-        _REPLACED.release()
-
-
-biases_outside_norms = _BiasesOutsideNorms()
-"""``with biases_outside_norms:`` or ``@biases_outside_norms``: see :class:`_BiasesOutsideNorms`."""
+biases_outside_norms = _REPLACED
+"""``with biases_outside_norms:`` or ``@biases_outside_norms``: inside, in this thread, a layer,
+batch, instance or group norm with a bias and no weight runs as the norm without either plus
+the bias (``F.layer_norm`` and the others call torch's functions, replaced meanwhile); a call
+bound to torch's own function before is torch's."""

@@ -8,11 +8,15 @@ call -- is wrong (torch 2.5.1 to 2.14.1): the Hessian of
 layer's ``original0`` / ``original1`` 0.9-1.7 off on every route. Inside the context it runs as
 the formula torch's own unfused path computes, ``v * (g / norm_except_dim(v, 2, dim))``: the same
 values, and second derivatives autograd gets right (forward mode too, which the fused op lacks).
+
+>>> v, g = torch.tensor([[3.0, 4.0]]), torch.tensor([[10.0]])
+>>> with weight_norms_written_out:
+...     torch._weight_norm(v, g, 0)  # v / |v| * g
+tensor([[6., 8.]])
 """
 
 from __future__ import annotations
 
-import contextlib
 import sys
 
 import torch
@@ -42,24 +46,6 @@ _REPLACED = Replacement(
 )
 
 
-class _WeightNormsWrittenOut(contextlib.ContextDecorator):
-    """Inside (a ``with`` block, or a function it decorates), in this thread,
-    ``torch._weight_norm`` runs as its formula (module docstring). Its state is the module's,
-    so one instance serves every call.
-
-    >>> v, g = torch.tensor([[3.0, 4.0]]), torch.tensor([[10.0]])
-    >>> with weight_norms_written_out:
-    ...     torch._weight_norm(v, g, 0)  # v / |v| * g
-    tensor([[6., 8.]])
-    """
-
-    def __enter__(self) -> None:
-        _REPLACED.acquire()
-
-    def __exit__(self, *exc: object) -> None:
-        _REPLACED.release()
-
-
-weight_norms_written_out = _WeightNormsWrittenOut()
-"""``with weight_norms_written_out:`` or ``@weight_norms_written_out``: see
-:class:`_WeightNormsWrittenOut`."""
+weight_norms_written_out = _REPLACED
+"""``with weight_norms_written_out:`` or ``@weight_norms_written_out``: inside, in this thread,
+``torch._weight_norm`` runs as its formula (module docstring)."""

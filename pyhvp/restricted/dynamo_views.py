@@ -62,4 +62,4 @@ def handed_to_the_mode() -> contextlib.AbstractContextManager[None]:
     """While it is entered, dynamo traces ``W.T``, ``W.mT``, ``W.H`` and ``W.mH`` as their aten
     ops, which the sparse route's mode sees (as torch 2.14's does)."""
     lent = _lent()
-    return contextlib.nullcontext() if lent is None else lent.active()
+    return contextlib.nullcontext() if lent is None else lent

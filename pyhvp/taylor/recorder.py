@@ -520,7 +520,7 @@ def _record(f: Callable[..., Tensor], variable: Tensor, args: Sequence[object],
     recorders = _recorders()
     recorders.append(recorder)
     try:
-        with recording_state(), guard, recorder, _REFUSING_NUMPY.active():
+        with recording_state(), guard, recorder, _REFUSING_NUMPY:
             out = f(variable, *args)
     finally:
         recorders.pop()
