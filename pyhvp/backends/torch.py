@@ -283,17 +283,15 @@ class Watched:
     under ``no_grad`` did before."""
 
     def __init__(self, x: torch.Tensor) -> None:
-        self.x, self.version = x, version_of(x)
-        on_cpu = x.device.type == "cpu"
-        watched = self.version is not None and (on_cpu or x._is_view())
+        self.x, self.version, self.view = x, version_of(x), x._is_view()
+        self.always = x.device.type == "cpu"  # (values compared whether or not the counter moved)
+        watched = self.version is not None and (self.always or self.view)
         self.values = x.detach().clone() if watched else None
 
     def written(self) -> bool:
         moved = version_of(self.x) != self.version
-        if self.values is None or not (moved or self.x.device.type == "cpu"):
-            return moved
-        if moved and not self.x._is_view():
-            return True
+        if self.values is None or (moved and not self.view) or not (moved or self.always):
+            return moved  # the counter tells
         now, before = self.x.detach(), self.values
         unchanged = torch.equal(now, before) or bool(
             ((now == before) | (now.isnan() & before.isnan())).all()

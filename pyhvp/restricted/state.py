@@ -147,8 +147,8 @@ def _callees(module: torch.nn.Module) -> tuple[tuple[int, ...], tuple[int, ...]]
 def _global_hooks() -> tuple[int, ...]:
     """The handle id of each global forward (pre-)hook (``register_module_forward_hook``), which
     every module's call runs."""
-    hooks = torch.nn.modules.module
-    return (*hooks._global_forward_pre_hooks, *hooks._global_forward_hooks)
+    modules = torch.nn.modules.module  # (where torch keeps them)
+    return (*modules._global_forward_pre_hooks, *modules._global_forward_hooks)
 
 
 class Held(NamedTuple):
