@@ -11,11 +11,12 @@ runs each, back to back -- after an untimed one where the plan never ran in this
 (:data:`RUN_IN_THIS_PROCESS`); a plan slower than :data:`DROP` times the fastest run so far is
 not run again --, and from then on the one that took least (the smaller of its runs). Compiled
 (``compile=True``), the only alternative is the loop, which compiles nothing: the routes alone
-would compile kernels of their own to be tried; a run in which a kernel compiled, was checked
-against eager or ran eagerly for the compile policy's own trial is not timed (the plan runs
-again: :func:`~pyhvp.backends.torch.unsettled_calls`), or the loop won against routes timed
-while compiling (1.5x the sparse route compiled, the transformer block at k = 128 per tensor); the reverse route alone is tried only where its
-one-hot tangents fit a memory bound (``submatrix.TRIAL_TANGENTS``). Every plan gives the same
+would compile kernels of their own to be tried. A run in which a kernel compiled, was checked
+against eager or ran eagerly for the compile policy's own trial is not timed, and the plan runs
+again (:func:`~pyhvp.backends.torch.unsettled_calls`): timed while compiling, the routes lost
+to the loop, which the transformer block at k = 128 per tensor kept at 1.5x the compiled
+sparse route. The reverse route alone is tried only where its one-hot tangents fit a memory
+bound (``submatrix.TRIAL_TANGENTS``). Every plan gives the same
 matrix up to rounding.
 A run is one call; a call with ``data=`` runs the model's routes on every batch (its batches may
 differ in size, which a trial would compare). Under the default ``compile="auto"`` there is no
