@@ -196,6 +196,11 @@ PUSHES = {  # ops that push tangents without jvp: linear ones as the op with con
     "h + a constant tensor": lambda p: squash(hidden(p) + C),
     "add(c, h, alpha=2)": lambda p: squash(torch.add(C, hidden(p), alpha=2)),
     "sub(h, c)": lambda p: squash(torch.sub(hidden(p), C)),
+    "c + h, a residual connection (h's tangents as they are)": lambda p: squash(C + hidden(p)),
+    "c - h and c + h + h": lambda p: squash((C - hidden(p)) * (C + hidden(p) + hidden(p))),
+    "h + a constant it broadcasts to": lambda p: squash(hidden(p)[:1] + C),
+    "h + a float32 constant, h + 1, h - 1": lambda p: squash(
+        (hidden(p) + C.float()) * (hidden(p) + 1) - (hidden(p) - 1)),
     "cat and stack with constants": lambda p: squash(
         torch.stack([C, torch.cat([hidden(p)[:, :2], C[:, 2:]], dim=1)])),
     "F.linear with a constant weight and bias": lambda p: squash(F.linear(hidden(p), C, B)),
@@ -342,6 +347,14 @@ def test_a_dropout_that_is_the_identity_keeps_a_layers_tangents_placed(pushed, d
     assert_forward_equals_dense(
         lambda p: squash(F.linear(dropout()(torch.tanh(F.linear(X5, p["w"], p["v"][:3, 0]))), C.T))
     )
+    assert pushed == [12]  # per tensor: w's 4 rows and v's 8, one stream
+
+
+def test_a_residual_connection_keeps_a_layers_tangents_placed(pushed):
+    # x + layer(x) where the selected tensors reach only the layer (a transformer block's first
+    # residual, its attention's inputs constant): the sum's tangents are the layer's, as they are
+    layer = lambda p: torch.tanh(F.linear(X5, p["w"], p["v"][:3, 0]))  # noqa: E731
+    assert_forward_equals_dense(lambda p: squash(F.linear(X5[:, :3] + layer(p), C.T)))
     assert pushed == [12]  # per tensor: w's 4 rows and v's 8, one stream
 
 

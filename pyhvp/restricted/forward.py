@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from itertools import accumulate, pairwise
+from itertools import accumulate, combinations, pairwise
 from typing import Any, cast
 
 import torch
@@ -108,6 +108,11 @@ SUMS = functions(
 )
 """Functions adding their first two arguments (``alpha`` times the second): a tangent's push is
 the op with the other operand zero."""
+
+_ADDS = functions((torch, Tensor), ("add", "__add__", "__radd__"))
+_SUBTRACTIONS = functions((torch, Tensor), ("sub", "subtract", "__sub__"))
+"""Of :data:`SUMS`, those adding their first argument itself, and of them those adding their
+second too (``alpha`` times it)."""
 
 JOINS = functions((torch,), ("cat", "concat", "concatenate", "stack"))
 """Functions joining the tensors of their first argument: a tangent's push is the op with the
@@ -430,7 +435,7 @@ class Tangents(TorchFunctionMode):
         pushed: list[list[Stream]] = [[] for _ in outputs]
         made: dict[tuple[int, ...], _Node] = {}  # the op as a function of each argument set
         pointwise = pointwise_in(func, leaves, carrying, outputs)
-        identity = _identity(func, leaves, carrying, outputs)  # placed streams pass as they are
+        identity = _identity(func, args, kwargs, leaves, carrying, outputs)
         slope = None  # a pointwise op's derivative, f'(x)
         by_rule: list[tuple[tuple[int, ...], Seed, rules.Contribution]] = []
         apart = (pointwise or identity or self._large_streams(leaves, carrying)
@@ -452,8 +457,10 @@ class Tangents(TorchFunctionMode):
                     self.nodes.append(dataclasses.replace(made[positions], groups=groups,
                                                           placed=placed))  # fmt: skip
                 continue
-            if placed is not None and identity:  # (no term: the identity)
-                pushed[0].append(Stream(groups, placed=placed))
+            if identity:  # the tangents as they are, placed or not: no term, no copy
+                (position,) = positions
+                pushed[0].append(Stream(groups, placed=placed) if placed is not None
+                                 else Stream(groups, self._rows(leaves[position], groups)))  # fmt: skip
                 continue
             factor = None if placed is None else _placed_factor(func, args, kwargs, leaves,
                                                                 positions, outputs)  # fmt: skip
@@ -601,17 +608,26 @@ class Tangents(TorchFunctionMode):
         return {tuple(groups): key[0] for key, groups in buckets.items()}
 
     def _large_streams(self, leaves: Sequence[Any], carrying: Sequence[int]) -> bool:
-        """Whether one value carries every tangent into this op but the selected tensors' own
-        (a layer's weight and bias), in several streams of :data:`JOIN_LIMIT` elements or more
-        together: each is then pushed as it is, as a pointwise op's are, where joining them
-        would copy them all (LeNet-5's second max-pool at k = 16 per tensor: 14 MB, against a
-        max-pool of one image batch per stream; a transformer's second MLP layer, 67 MB)."""
+        """Whether the values carrying tangents into this op but the selected tensors' own (a
+        layer's weight and bias) carry them in several streams of :data:`JOIN_LIMIT` elements
+        or more together, every two streams of different values of equal or disjoint groups:
+        each is then pushed as it is, as a pointwise op's are, where joining them would copy
+        them all (LeNet-5's second max-pool at k = 16 per tensor: 14 MB, against a max-pool of
+        one image batch per stream; a transformer's second MLP layer, 67 MB; its residual adds
+        take 29 ms to 16)."""
         values = {id(leaves[i]): leaves[i] for i in carrying if self._seed(leaves[i]) is None}
-        if len(values) != 1:
+        streams = [self.of(value) for value in values.values()]
+        if not any(len(mine) > 1 for mine in streams):
             return False
-        (value,) = values.values()
-        streams = self.of(value)
-        return len(streams) > 1 and sum(s.numel() for s in streams) >= JOIN_LIMIT
+        if sum(s.numel() for mine in streams for s in mine) < JOIN_LIMIT:
+            return False
+        groups = [{s.groups for s in mine} for mine in streams]
+        return all(
+            a == b or not set(a) & set(b)
+            for mine, theirs in combinations(groups, 2)
+            for a in mine
+            for b in theirs
+        )
 
     def _placed_into(
         self, func: Callable[..., Any], op: str, leaves: Sequence[Any], carrying: Sequence[int]
@@ -739,19 +755,33 @@ def _one_stream(
 
 
 def _identity(
-    func: Callable[..., Any], leaves: Sequence[Any], carrying: Sequence[int],
+    func: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    leaves: Sequence[Any],
+    carrying: Sequence[int],
     outputs: Sequence[Tensor],
-) -> bool:  # fmt: skip
-    """Whether this call returns its one tensor argument's values as they are: a dropout
-    outside training or of ``p = 0`` (:func:`refusal` refuses any other), as ``nn.Dropout`` between a
-    layer's activation and the next layer calls it, whose placed tangents then stay placed
-    (made dense, the next layer's push was a matrix product: an MLP's forward route 3x)."""
-    return (
-        func in _DROPOUTS
-        and len(carrying) == 1
-        and len(outputs) == 1
-        and outputs[0].shape == leaves[carrying[0]].shape
-    )
+) -> bool:
+    """Whether this call's tangents are its one carrying argument's as they are: a dropout
+    outside training or of ``p = 0`` (:func:`refusal` refuses any other), as ``nn.Dropout``
+    between a layer's activation and the next layer calls it, whose placed tangents then stay
+    placed (made dense, the next layer's push was a matrix product: an MLP's forward route 3x);
+    or a sum of it and a constant of its shape and dtype, a residual connection one of whose
+    branches the selected tensors do not reach (pushed, it added zeros to every tangent: a
+    transformer block's at k = 16 per tensor, 12 ms a call)."""
+    if len(carrying) != 1 or len(outputs) != 1:
+        return False
+    value = leaves[carrying[0]]
+    if outputs[0].shape != value.shape:
+        return False
+    if func in _DROPOUTS:
+        return True
+    if outputs[0].dtype != value.dtype:
+        return False
+    if len(args) > 0 and args[0] is value:
+        return func in _ADDS or func in _SUBTRACTIONS
+    return len(args) > 1 and args[1] is value and func in _ADDS and (
+        argument(args, kwargs, "alpha", 2, 1) == 1)  # fmt: skip
 
 
 def _placed_factor(
