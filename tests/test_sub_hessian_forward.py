@@ -147,6 +147,32 @@ def test_gram_matrices_made_a_few_columns_at_a_time_give_the_same_matrix(name, d
     torch.testing.assert_close(blocks, per_tensor(expected, index), **F64)
 
 
+def _stored(order, sizes=(5, 3, 4, 6)):
+    """A ``(5, 3, 4, 6)`` tensor stored with its dims in ``order``, outermost first."""
+    stored = torch.randn(*(sizes[d] for d in order), dtype=torch.float64)
+    return stored.permute([order.index(d) for d in range(len(sizes))])
+
+
+LAYOUTS = {  # the rows' dim (0) outermost, inside, innermost; a slice of rows; two layouts
+    "rows outermost": (_stored((0, 1, 2, 3)), _stored((0, 1, 2, 3))),
+    "rows inside": (_stored((1, 2, 0, 3)), _stored((1, 2, 0, 3))),
+    "rows innermost": (_stored((1, 2, 3, 0)), _stored((1, 2, 3, 0))),
+    "a slice of the rows, inside": (
+        _stored((1, 0, 2, 3), (9, 3, 4, 6))[2:7], _stored((1, 0, 2, 3), (9, 3, 4, 6))[::2][:5]),
+    "two layouts": (_stored((1, 0, 2, 3)), _stored((3, 2, 1, 0))),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("a", "b"), LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_a_gram_matrix_of_rows_stored_in_any_layout_is_their_flattened_products(a, b,
+                                                                                monkeypatch):  # fmt: skip
+    # closed_forms.gram multiplies (outer, K, inner) blocks where the K rows lie inside the
+    # memory order (a product's tangents): with no least block, every layout takes that path
+    monkeypatch.setattr(closed_forms, "GRAM_INNER", 1)
+    expected = a.reshape(len(a), -1) @ b.reshape(len(b), -1).mT
+    torch.testing.assert_close(closed_forms.gram(a, b), expected, **F64)
+
+
 W = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
 V = torch.randn(4, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
 PRODUCTS = {  # two selected tensors meeting in one op: its cross terms are second-order

@@ -122,11 +122,11 @@ class LayerNorm:
         along_n = (rows * n.reshape(-1, size)).sum(-1)  # <n, t>, (K, rows)
         along_a = (rows * (a - a.mean(-1, keepdim=True)).reshape(-1, size)).sum(-1)
         means = rows.sum(-1) / size
-        gram = -an * c  # the weight of <t, u> - D mean t mean u
+        weight_tu = -an * c  # the weight of <t, u> - D mean t mean u
         mixed = (along_a * -c) @ along_n.mT
         terms = mixed + mixed.mT + (along_n * (3 * c * an / size)) @ along_n.mT
-        terms += (rows * gram[:, None]).reshape(len(rows), -1) @ rows.reshape(len(rows), -1).mT
-        return terms - (means * (gram * size)) @ means.mT
+        terms += (rows * weight_tu[:, None]).reshape(len(rows), -1) @ rows.reshape(len(rows), -1).mT
+        return terms - (means * (weight_tu * size)) @ means.mT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,8 +164,7 @@ class Softmax:
         along_s = (given * s).sum(dim + 1).reshape(len(given), -1)
         along_g = weighted.sum(dim + 1).reshape(len(given), -1)
         mixed = along_s @ along_g.mT
-        gram = weighted.reshape(len(given), -1) @ given.reshape(len(given), -1).mT
-        return gram - mixed - mixed.mT
+        return gram(weighted, given) - mixed - mixed.mT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,8 +181,7 @@ class Product:
     def terms(self, adjoint: Tensor, *tangents: Tensor) -> Tensor:
         of_a, of_b = tangents
         # <d, t_A u_B> = <t_A, d u_B^T>
-        crossed = (of_a.reshape(len(of_a), -1)
-                   @ _times_rows(adjoint, of_b.mT).reshape(len(of_b), -1).mT)  # fmt: skip
+        crossed = gram(of_a, _times_rows(adjoint, of_b.mT))
         return crossed + crossed.mT
 
 
@@ -206,6 +204,33 @@ def _times_rows(a: Tensor, rows: Tensor) -> Tensor:
     k, m = rows.shape[0], rows.shape[-1]
     side_by_side = rows.movedim(0, -2).reshape(*a.shape[:-2], rows.shape[-2], k * m)
     return (a @ side_by_side).reshape(*a.shape[:-1], k, m).movedim(-2, 0)
+
+
+def gram(a: Tensor, b: Tensor) -> Tensor:
+    """``a.reshape(K, -1) @ b.reshape(K, -1).mT`` of two ``(K, *shape)`` tensors: their
+    elements taken in ``a``'s memory order, as ``(outer, K, inner)`` blocks of one product each
+    where the ``K`` rows lie inside it (a product's tangents, an attention head's), which the
+    reshape copies (a transformer's softmax and attention products at k = 16 per tensor: 0.7
+    ms a product against 1.1-1.4).
+
+    >>> a = torch.arange(6.0).reshape(2, 3)
+    >>> gram(a, a)  # [[0 + 1 + 4, 0 + 4 + 10], [.., 9 + 16 + 25]]
+    tensor([[ 5., 14.],
+            [14., 50.]])
+    """
+    strides = a.stride()
+    order = sorted(range(a.ndim), key=lambda d: (-strides[d], d))
+    at = order.index(0)
+    shape = [a.shape[d] for d in order]
+    outer, inner = math.prod(shape[:at]), math.prod(shape[at + 1 :])
+    if outer == 1 or inner < GRAM_INNER:  # one product (a row's blocks would be tiny)
+        return a.reshape(len(a), -1) @ b.reshape(len(b), -1).mT
+    blocks = a.permute(order).reshape(outer, len(a), inner)
+    return (blocks @ b.permute(order).reshape(outer, len(b), inner).mT).sum(0)
+
+
+GRAM_INNER = 64
+"""Elements per row of a block below which :func:`gram` makes one product."""
 
 
 @dataclasses.dataclass(frozen=True)
