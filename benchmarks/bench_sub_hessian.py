@@ -213,21 +213,22 @@ def problems(device):
 
 class _TrialEnds(logging.Handler):
     """Counts the ends of ``"auto"``'s trials of plans: the ``pyhvp.sub_hessian`` logger's
-    records that name the plan kept (``settled``)."""
+    records that name the plan kept for good (``final``)."""
 
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
         self.count = 0
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.count += hasattr(record, "settled")
+        self.count += getattr(record, "final", False)
 
 
-def past_trials(calls: dict[str, Callable[[], object]], most: int = 24) -> None:
+def past_trials(calls: dict[str, Callable[[], object]], most: int = 64) -> None:
     """Calls each ``"auto"`` method until its trial of plans ends, at most ``most`` times (a call
     with one plan has no trial): a trial times each plan twice, after an untimed first run of a
-    plan new to the process, so it lasts as many calls as that takes, more than the 8 warm-up
-    calls every method gets where ``"auto"`` weighs five or six plans."""
+    plan new to the process, and the plans within reach of the one kept twice more some calls
+    later, so it lasts as many calls as that takes, more than the 8 warm-up calls every method
+    gets where ``"auto"`` weighs five or six plans."""
     logger = logging.getLogger("pyhvp.sub_hessian")
     ends, level = _TrialEnds(), logger.level
     logger.addHandler(ends)

@@ -103,7 +103,7 @@ from pyhvp.restricted import NotSparse, WritesSelected, routes
 from pyhvp.restricted.forward import forward_hessian
 from pyhvp.restricted.mode import PADDING_ROW
 from pyhvp.restricted.state import Held, Snapshot, recorded
-from pyhvp.restricted.trial import MODEL, TIMED_RUNS, Trial
+from pyhvp.restricted.trial import CONFIRM_AFTER, MODEL, Trial
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -1262,11 +1262,12 @@ def _clock(device: torch.device) -> float:
 def _log_trial(trial: Trial) -> None:
     """The end of a trial, on the ``pyhvp.sub_hessian`` logger (DEBUG)."""
     _log.debug(
-        "sub_hessian: measured %s (the fastest of up to %d runs each); keeping %s",
+        "sub_hessian: measured %s (the fastest of up to %d runs each); keeping %s%s",
         ", ".join(f"{name} at {trial.fastest(name) * 1e3:.3g} ms" for name in trial.seconds),
-        TIMED_RUNS,
+        trial.runs,
         trial.settled,
-        extra={"settled": trial.settled},
+        "" if trial.final else f", and {CONFIRM_AFTER} calls later a second round",
+        extra={"settled": trial.settled, "final": trial.final},
     )
 
 

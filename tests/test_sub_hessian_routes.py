@@ -21,7 +21,7 @@ from torch.overrides import _get_current_function_mode_stack
 import pyhvp
 from pyhvp import submatrix
 from pyhvp.restricted.routes import Routes
-from pyhvp.restricted.trial import LOOP_FALLBACK, TIMED_RUNS, Trial
+from pyhvp.restricted.trial import CONFIRM_AFTER, LOOP_FALLBACK, TIMED_RUNS, Trial
 
 ROUTES = ("sparse", "reverse", "auto")
 F64 = {"rtol": 1e-9, "atol": 1e-11}
@@ -957,6 +957,37 @@ def test_a_trial_warms_the_models_routes_up_then_times_each_plan_in_turn_and_kee
     assert trial.next() == ("model", model, True)
     assert trial.record("model", 0.26)  # the fastest of each plan's runs: 0.3, 0.25, 0.26
     assert trial.next() == ("sparse", sparse, False)
+
+
+def test_plans_within_reach_of_the_one_kept_get_a_second_round_that_decides_for_good():
+    """A first round another process disturbed (the sparse route's runs slow) keeps a slower
+    plan; the plans still within DROP of it run again some calls later, and the least of both
+    rounds decides. Before, the first round's choice was final: the seed's model kept the
+    sparse route at 1.6x the forward route's time."""
+    model, sparse = Routes((), (0,), 1.0, 1.0), Routes(((0,),), (), 1.5, 1.0)
+    trial = Trial((("model", model), ("sparse", sparse)))
+    trial.next()
+    for name, seconds in [("sparse", 1.3), ("sparse", 1.4), ("model", 1.0), ("model", 1.0)]:
+        assert trial.next()[0] == name
+        trial.record(name, seconds)
+    assert trial.settled == "model" and not trial.final
+    assert [trial.next()[:3:2] for _ in range(CONFIRM_AFTER)] == [("model", False)] * CONFIRM_AFTER
+    for name, seconds in [("sparse", 0.8), ("sparse", 0.75), ("model", 1.0), ("model", 1.0)]:
+        assert trial.next()[::2] == (name, True)
+        trial.record(name, seconds)
+    assert trial.settled == "sparse" and trial.final
+    assert [trial.next()[0] for _ in range(2 * CONFIRM_AFTER)] == ["sparse"] * 2 * CONFIRM_AFTER
+
+
+def test_a_plan_kept_where_every_other_was_dropped_is_kept_for_good():
+    model, loop = Routes((), (0,), 1.0, 1.0), Routes((), (0,), 2.0, 1.0, loop=True)
+    trial = Trial((("model", model), ("loop", loop)))
+    trial.next()
+    for name, seconds in [("loop", 2.0), ("model", 1.0), ("model", 1.0)]:
+        trial.next()
+        trial.record(name, seconds)
+    assert trial.settled == "model" and trial.final
+    assert [trial.next()[0] for _ in range(2 * CONFIRM_AFTER)] == ["model"] * 2 * CONFIRM_AFTER
 
 
 def test_a_plans_first_run_in_the_process_is_an_untimed_warm_up():
