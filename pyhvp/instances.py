@@ -25,6 +25,7 @@ from pyhvp._checks import (
     check_args,
     check_batched_output,
     check_event_dims,
+    fmt_shape,
     pad_arg_to_batch,
     per_arg_event_dims,
     require_floating,
@@ -35,7 +36,7 @@ from pyhvp._user_errors import note
 from pyhvp.backends import nested
 from pyhvp.backends.torch import Watched, write_to_x_refusal
 from pyhvp.restricted.state import Recording, Snapshot, without_dynamo
-from pyhvp.taylor import InPlaceInputError
+from pyhvp.taylor import InPlaceInputError, UnsupportedOpError
 
 Out = TypeVar("Out")
 """What a per-instance function returns (a tensor or a tuple of tensors); batched alike."""
@@ -76,7 +77,34 @@ class PerInstance:
         """
         x = require_floating("x", x)
         check_event_dims(self.event_dims, x)
-        return vmap_batch_dims(fn_single, x.ndim - self.event_dims)(x, *self.batch_args(x, args))
+        batched = self.batch_args(x, args)
+        try:
+            return vmap_batch_dims(fn_single, x.ndim - self.event_dims)(x, *batched)
+        except (RuntimeError, IndexError) as error:  # f_single's own (a shape mismatch)
+            hint = None if isinstance(error, UnsupportedOpError) else self._whole_arg_hint(x, args)
+            if hint is not None:
+                note(error, hint)
+            raise
+
+    def _whole_arg_hint(self, x: torch.Tensor, args: Sequence[object]) -> str | None:
+        """For an error of ``f_single``: a tensor arg that starts with x's batch dims but has none
+        under its ``arg_event_dims`` (a ``(B,)`` scale with the default 1) went whole to every
+        instance, where its shape says one entry per instance."""
+        batch = tuple(x.shape[: x.ndim - self.event_dims])
+        own_dims = per_arg_event_dims(self.arg_event_dims, self.event_dims, len(args))
+        for i, (arg, own) in enumerate(zip(args, own_dims, strict=True)):
+            if not isinstance(arg, torch.Tensor) or not batch or arg.ndim - own >= len(batch):
+                continue
+            if tuple(arg.shape[: len(batch)]) == batch:
+                return (
+                    f"args[{i}] of shape {fmt_shape(arg.shape)} went whole to every instance: "
+                    f"per_instance takes its last {own} dims as one instance's (arg_event_dims, "
+                    f"default event_dims={self.event_dims}). If it holds one entry per instance "
+                    f"(its leading dims are x's batch dims {fmt_shape(batch)}), give it "
+                    f"arg_event_dims={arg.ndim - len(batch)}: per_instance(f_single, "
+                    f"arg_event_dims=...), an int for every arg or one per arg"
+                )
+        return None
 
     def __call__(self, x: torch.Tensor, *args: object) -> torch.Tensor:
         def checked(*instance: object) -> torch.Tensor:

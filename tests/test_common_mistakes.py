@@ -405,3 +405,23 @@ def test_an_option_passed_positionally_is_named_in_fs_error(call, option):
     with pytest.raises(TypeError, match="positional argument") as raised:
         call(lambda y: (y**3).sum(-1), x)
     assert any(option in n and "keyword-only" in n for n in getattr(raised.value, "__notes__", []))
+
+
+PER_INSTANCE_CALLS = {
+    "hvp": lambda f, x, *args: pyhvp.hvp(f, x, torch.ones_like(x), *args),
+    "laplacian": lambda f, x, *args: pyhvp.laplacian(f, x, *args),
+    "hessian_diagonal": lambda f, x, *args: pyhvp.hessian_diagonal(f, x, *args),
+    "check_instances": lambda f, x, *args: pyhvp.check_instances(f, x, *args),
+}
+
+
+@pytest.mark.parametrize("call", PER_INSTANCE_CALLS.values(), ids=PER_INSTANCE_CALLS.keys())
+def test_a_per_instance_scale_of_shape_batch_is_told_arg_event_dims_0(call, device):
+    """A scale of shape (B,) for a per_instance f went whole to every instance (its last
+    event_dims=1 dims are one instance's), and f_single's shape error from ``scale * y`` said
+    nothing of arg_event_dims."""
+    f = pyhvp.per_instance(lambda y, scale: torch.sin(scale * y).prod())
+    x, scale = torch.randn(4, 3, device=device), torch.randn(4, device=device)
+    with pytest.raises(RuntimeError, match="must match the size") as raised:
+        call(f, x, scale)
+    assert "give it arg_event_dims=0" in full_message(raised.value)
