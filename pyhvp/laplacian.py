@@ -142,6 +142,11 @@ def grad_and_laplacian(
     value, first, second = collapsed_jet(est.checked(f, space.batch), x,
                                          space.directions(space.basis()), args, chunk_size)  # fmt: skip
     gradient = first.movedim(0, -1).reshape(*value.shape, *space.event)
+    shared = zip(gradient.stride(), gradient.shape, strict=True)
+    if any(stride == 0 and size > 1 for stride, size in shared):
+        # f linear in x: the jet's gradient is one row expanded over the instances, so a write
+        # to one instance's (g[0] = 0) reached every instance's; each gets its own memory
+        gradient = gradient.contiguous()
     return GradAndLaplacian(value, gradient, second)
 
 

@@ -359,6 +359,24 @@ def test_expanded_x_equals_contiguous_x(device):
     torch.testing.assert_close(pyhvp.laplacian(f, x), pyhvp.laplacian(f, x.contiguous()))
 
 
+LINEAR_IN_X = {
+    "x @ w": lambda x: x @ torch.tensor([1.0, 2.0, 3.0], dtype=x.dtype, device=x.device),
+    "x[..., 0]": lambda x: x[..., 0],
+    "vector output": lambda x: x @ torch.arange(6.0, dtype=x.dtype, device=x.device).view(3, 2),
+}
+
+
+@pytest.mark.parametrize("f", LINEAR_IN_X.values(), ids=LINEAR_IN_X.keys())
+def test_a_write_to_one_instances_gradient_reaches_no_other(f, device):
+    """For f linear in x, grad_and_laplacian's gradient was one row expanded over the instances
+    (stride 0): ``g[0] = 0`` zeroed every instance's gradient, silently."""
+    x = torch.randn(4, 3, device=device, dtype=torch.float64)
+    g = pyhvp.grad_and_laplacian(f, x)[1]
+    expected = g[1:].clone()
+    g[0] = 0.0
+    torch.testing.assert_close(g[1:], expected)
+
+
 # --- what the Taylor engine differentiates like autograd ------------------------------------------
 
 
