@@ -167,6 +167,14 @@ def check_tangents(name: str, v: object, x: torch.Tensor) -> tuple[torch.Tensor,
     return tangents, single
 
 
+def unshared(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, copied where an expanded dim (stride 0) makes its entries share memory: a
+    result one row of which is every instance's (the gradient of an ``f`` linear in ``x``), so
+    that a write to one instance's (``g[0] = 0``) reaches no other."""
+    dims = zip(tensor.stride(), tensor.shape, strict=True)
+    return tensor.contiguous() if any(s == 0 and n > 1 for s, n in dims) else tensor
+
+
 NOT_A_TENSOR_HINTS = {
     "ndarray": "pyhvp differentiates f through torch operations: write it with torch functions "
     "on x (torch.sin, not np.sin); NumPy cannot be differentiated",

@@ -17,6 +17,7 @@ from pyhvp._checks import (
     check_chunk_size,
     check_tangents,
     require_floating,
+    unshared,
 )
 from pyhvp._public import public_operator
 from pyhvp.backends import Backend, resolve_backend
@@ -56,7 +57,8 @@ def grad_and_hvp(
     check_args(args, x)
     chunk_size = check_chunk_size(chunk_size)
     g, hv = resolve_backend(backend).grad_and_hvp(f, x, tangents, args, event_dims, chunk_size)
-    return g, (hv[0] if single else hv)
+    # autograd's gradient of a sum over x is one value expanded over x's shape
+    return unshared(g), (hv[0] if single else hv)
 
 
 def hvp(

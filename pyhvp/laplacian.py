@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 
 from pyhvp import _estimators as est
-from pyhvp._checks import check_args, check_chunk_size, require_floating
+from pyhvp._checks import check_args, check_chunk_size, require_floating, unshared
 from pyhvp._public import public_operator
 from pyhvp.backends import Backend, require_primitive, resolve_backend
 from pyhvp.instances import check_event_dims_of
@@ -142,12 +142,8 @@ def grad_and_laplacian(
     value, first, second = collapsed_jet(est.checked(f, space.batch), x,
                                          space.directions(space.basis()), args, chunk_size)  # fmt: skip
     gradient = first.movedim(0, -1).reshape(*value.shape, *space.event)
-    shared = zip(gradient.stride(), gradient.shape, strict=True)
-    if any(stride == 0 and size > 1 for stride, size in shared):
-        # f linear in x: the jet's gradient is one row expanded over the instances, so a write
-        # to one instance's (g[0] = 0) reached every instance's; each gets its own memory
-        gradient = gradient.contiguous()
-    return GradAndLaplacian(value, gradient, second)
+    # f linear in x: the jet's gradient is one row expanded over the instances
+    return GradAndLaplacian(value, unshared(gradient), second)
 
 
 def _hutch_plus_plus(

@@ -104,6 +104,23 @@ def test_gradient_is_per_instance_gradient(case, device):
     torch.testing.assert_close(g, expected)
 
 
+SUMS_OVER_X = {
+    "x.sum(-1)": lambda x: x.sum(-1),
+    "x.sum(-1) + x[..., 0] ** 3": lambda x: x.sum(-1) + x[..., 0] ** 3,
+}
+
+
+@pytest.mark.parametrize("f", SUMS_OVER_X.values(), ids=SUMS_OVER_X.keys())
+def test_a_write_to_one_instances_gradient_reaches_no_other(f, device):
+    """autograd's gradient of a sum over x is one 1 expanded over x's shape (stride 0):
+    ``g[0] = 0`` on grad_and_hvp's gradient zeroed every instance's, silently."""
+    x = torch.randn(4, 3, device=device, dtype=torch.float64)
+    g = pyhvp.grad_and_hvp(f, x, torch.ones_like(x))[0]
+    expected = g[1:].clone()
+    g[0] = 0.0
+    torch.testing.assert_close(g[1:], expected)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES[:3], ids=lambda c: c.name)
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
