@@ -355,7 +355,7 @@ class _Runs:
                 "f modifies x in place under torch.no_grad() or through x.data; pyhvp's "
                 "operators differentiate f w.r.t. the x they are given: write to a copy (x.clone())"
             )
-        self.out = check_batched_output(out, batch_shape)
+        self.out = _dense(check_batched_output(out, batch_shape))
         # what f writes beyond its values (running statistics, spectral_norm's vectors), as it
         # was before: put back before each further run, every run is the first one's function
         # (each run had updated them: a spectral-norm network in training looked random, and
@@ -391,7 +391,7 @@ class _Runs:
         self.state.restore()
         with random_states.replaying(self.random_state):
             out = self.f(x.requires_grad_(), *self.args)
-        return check_batched_output(out, self.batch_shape).detach().reshape(self.count, -1)
+        return _dense(check_batched_output(out, self.batch_shape)).detach().reshape(self.count, -1)
 
 
 def _leak_through_derivatives(run: _Runs) -> str | None:
@@ -515,6 +515,12 @@ def _rounding(dtype: torch.dtype, cap: float) -> float:
     cotangent gives exact zeros). Through values it is 2^-4: a batch statistic added and taken
     away again changes them by a few ulps."""
     return min(64 * torch.finfo(dtype).eps, cap)
+
+
+def _dense(out: torch.Tensor) -> torch.Tensor:
+    """``f``'s output as a strided tensor: a sparse one (which the HVPs take, autograd's sum
+    differentiating it) is read as its dense values, which the passes reshape."""
+    return out if out.layout == torch.strided else out.to_dense()
 
 
 def _at(flat: int, batch_shape: torch.Size) -> tuple[int, ...]:

@@ -91,9 +91,21 @@ INDEPENDENT = {
         X,
         (),
     ),
+    # a sparse output, which the HVPs take: the check crashed reshaping it
+    "a sparse output": (lambda x: (x**2).sum(-1).to_sparse(), X, ()),
 }
 COUPLED = {
     "mean-centring": (lambda x: ((x - x.mean(0)) ** 2).sum(-1), X, None),
+    "mean-centring, returned sparse": (
+        lambda x: ((x - x.mean(0)) ** 2).sum(-1).to_sparse(),
+        X,
+        None,
+    ),
+    "mean-centring by a detached mean, returned sparse": (
+        lambda x: ((x - x.mean(0).detach()) ** 2).sum(-1).to_sparse(),
+        X,
+        None,
+    ),
     "batch norm in training mode": (batch_norm(train=True), X, None),
     "sum over instances, expanded": (lambda x: (x**3).sum().expand(x.shape[0]), X, None),
     "cumulative sum along a middle batch dim": (
