@@ -1128,3 +1128,23 @@ def test_a_sub_hessian_of_a_pinn_loss_over_the_parameters_its_laplacian_captures
     got = pyhvp.sub_hessian(loss, params, index, method=method)["0.weight"]
     torch.testing.assert_close(got, expected)
     assert expected.abs().max() > 0.01
+
+
+HIGHER_ORDER_OPERATORS = {
+    "bilaplacian": lambda f, x: pyhvp.bilaplacian(f, x),
+    "directional_derivatives": lambda f, x: pyhvp.directional_derivatives(
+        f, x, torch.ones(3, device=x.device), order=3
+    ),
+    "differential_operator": lambda f, x: pyhvp.differential_operator(f, x, {(0, 1, 1): 1.0}),
+}
+
+
+@pytest.mark.parametrize("name", HIGHER_ORDER_OPERATORS)
+def test_a_refusal_of_the_taylor_engine_names_the_higher_order_operator_called(name, device):
+    """The engine's refusals (here of a complex intermediate) listed laplacian,
+    grad_and_laplacian and hessian_diagonal as its operators, not the bi-Laplacian, directional
+    derivatives or differential operator the user had called."""
+    x = torch.randn(4, 3, device=device)
+    with pytest.raises(TypeError, match="complex intermediates") as raised:
+        HIGHER_ORDER_OPERATORS[name](lambda y: torch.fft.fft(y).abs().sum(-1), x)
+    assert name in str(raised.value)

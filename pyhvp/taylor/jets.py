@@ -51,8 +51,12 @@ import torch
 
 Tensor = torch.Tensor
 
-ENGINE = "the Taylor engine (pyhvp.laplacian, grad_and_laplacian, hessian_diagonal's exact method)"
-"""How errors name the engine: the operators that run on it."""
+ENGINE = (
+    "the Taylor engine (pyhvp.laplacian, grad_and_laplacian, hessian_diagonal's exact method, "
+    "bilaplacian, directional_derivatives, differential_operator)"
+)
+"""How errors name the engine: the operators that run on it (the higher-order ones too: their
+refusals named only the second-order operators, not the one called)."""
 
 
 def dense_only(what: str) -> TypeError:
