@@ -36,7 +36,7 @@ from pyhvp._user_errors import note
 from pyhvp.backends import nested
 from pyhvp.backends.torch import Watched, write_to_x_refusal
 from pyhvp.restricted.state import Recording, Snapshot, without_dynamo
-from pyhvp.taylor import InPlaceInputError, UnsupportedOpError
+from pyhvp.taylor import InPlaceInputError
 
 Out = TypeVar("Out")
 """What a per-instance function returns (a tensor or a tuple of tensors); batched alike."""
@@ -80,8 +80,8 @@ class PerInstance:
         batched = self.batch_args(x, args)
         try:
             return vmap_batch_dims(fn_single, x.ndim - self.event_dims)(x, *batched)
-        except (RuntimeError, IndexError) as error:  # f_single's own (a shape mismatch)
-            hint = None if isinstance(error, UnsupportedOpError) else self._whole_arg_hint(x, args)
+        except (RuntimeError, IndexError) as error:
+            hint = self._whole_arg_hint(x, args) if _shape_error(error) else None
             if hint is not None:
                 note(error, hint)
             raise
@@ -198,6 +198,21 @@ def vmap_batch_dims(fn_single: Callable[..., Out], n_batch: int) -> Callable[...
         return cast(Out, pytree.tree_map_only(torch.Tensor, lambda out: out[:0], outputs))
 
     return over_leading_dim
+
+
+SHAPE_ERRORS = (
+    "must match the size of tensor",
+    "shapes cannot be multiplied",
+    "size mismatch",
+    "Dimension out of range",
+    "is out of bounds for dimension",
+)
+"""torch's messages for a shape mismatch: the errors of f_single that an arg of the wrong
+per-instance shape makes (not pyhvp's refusals, raised inside the instance vmap too)."""
+
+
+def _shape_error(error: BaseException) -> bool:
+    return any(fragment in str(error) for fragment in SHAPE_ERRORS)
 
 
 EMPTY_BATCH_NOTE = (
