@@ -208,6 +208,20 @@ def trailing_one_hint(what: str, got: Sequence[int], expected: Sequence[int]) ->
     return f"; {what} keeps a trailing dim of size 1: return its [..., 0] or .squeeze(-1)"
 
 
+def event_dims_hint(what: str, got: Sequence[int], batch: Sequence[int]) -> str:
+    """How to make the instances bigger when ``f`` returns one value per leading part of the
+    batch dims (a walker's ``(N, 3)`` positions summed, with the default ``event_dims=1``), else
+    ``""``."""
+    if what != "f" or not 1 <= len(got) < len(batch) or tuple(got) != tuple(batch[: len(got)]):
+        return ""
+    more = len(batch) - len(got)
+    return (
+        f"; f returns one value per x.shape[:{len(got)}]: if one instance is more of x's "
+        f"trailing dims (a walker's (N, 3) positions), raise event_dims by {more} "
+        f"(event_dims={1 + more} from the default 1)"
+    )
+
+
 def check_output(what: str, out: object, expected: Sequence[int], hint: str) -> None:
     """``out`` must be a real floating tensor of shape ``expected``; ``hint`` says what the
     shape means."""
@@ -216,6 +230,7 @@ def check_output(what: str, out: object, expected: Sequence[int], hint: str) -> 
         raise ValueError(
             f"{what} must return shape {fmt_shape(expected)} ({hint}), got "
             f"{fmt_shape(out.shape)}{trailing_one_hint(what, out.shape, expected)}"
+            + event_dims_hint(what, out.shape, expected)
         )
 
 
@@ -230,6 +245,7 @@ def check_batched_output(
         raise ValueError(
             f"f must return batch_shape + out_shape with batch_shape = {fmt_shape(batch)} "
             f"(x.shape[:-event_dims]), got {fmt_shape(out.shape)}"
+            + event_dims_hint("f", out.shape, batch)
         )
     if scalar_hint is not None and out.ndim != len(batch):
         raise ValueError(

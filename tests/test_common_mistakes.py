@@ -425,3 +425,13 @@ def test_a_per_instance_scale_of_shape_batch_is_told_arg_event_dims_0(call, devi
     with pytest.raises(RuntimeError, match="must match the size") as raised:
         call(f, x, scale)
     assert "give it arg_event_dims=0" in full_message(raised.value)
+
+
+@pytest.mark.parametrize("call", PER_INSTANCE_CALLS.values(), ids=PER_INSTANCE_CALLS.keys())
+def test_walkers_with_the_default_event_dims_are_told_to_raise_it(call, device):
+    """A log-psi of walkers (W, N, 3) summed over (N, 3), called without event_dims=2, was
+    refused with 'f must return ... batch_shape = (5, 4) ..., got (5,)', which did not say that
+    the instances were too small."""
+    walkers = torch.randn(5, 4, 3, device=device)
+    with pytest.raises(ValueError, match=re.escape("raise event_dims by 1 (event_dims=2")):
+        call(lambda x: -(x**2).sum((-1, -2)), walkers)
