@@ -338,6 +338,23 @@ def test_placed_tangents_equal_the_dense_sub_hessian(loss):
     assert_forward_equals_dense(loss)
 
 
+def _lstm_cell(p):
+    """``nn.LSTMCell``'s op of ``X5``'s rows: ``(h, c)``, torch making ``h`` from ``c``."""
+    state = (X5[:, 2:3], X5[:, 3:4])
+    return torch.lstm_cell(X5[:, :2], state, p["v"], p["w"].T[:, :1], p["w"].T[:, 1])
+
+
+SEVERAL_OUTPUTS = {  # ops of several outputs, one of which the op makes from another
+    "lstm_cell, its h alone used": lambda p: squash(_lstm_cell(p)[0]),
+    "lstm_cell, h and c": lambda p: squash(torch.cat(_lstm_cell(p), 1)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("loss", SEVERAL_OUTPUTS.values(), ids=SEVERAL_OUTPUTS.keys())
+def test_an_op_making_one_output_from_another_counts_each_use_once(loss):
+    assert_forward_equals_dense(loss)
+
+
 @pytest.fixture
 def pushed(monkeypatch):
     """The rows of every placed stream a layer pushes as outer products, in call order."""
