@@ -19,20 +19,21 @@ import pyhvp
 from pyhvp._weight_norms import weight_norms_written_out
 
 INPUT = torch.randn(6, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-V_SHAPE, G_SHAPES = (4, 3), {0: (4, 1), 1: (1, 3)}
+V_SHAPE, G_SHAPES = (4, 3), {0: (4, 1), 1: (1, 3), -1: ()}  # -1: over every entry
 
 
 def written_out(v, g, dim):
-    return v * (g / torch.norm_except_dim(v, 2, dim))
+    return v * (g / (v.norm() if dim == -1 else torch.norm_except_dim(v, 2, dim)))
 
 
 def _layers(weight_norm, *names):
-    """A bias-free ``Linear(3, 4)`` normalised by ``weight_norm`` on each dim, and its parameter
-    names of ``g`` and ``v``; built once (construction writes ``.data``, which no transform
-    allows)."""
+    """A bias-free ``Linear(3, 4)`` normalised by ``weight_norm`` on each dim (-1: ``dim=None``),
+    and its parameter names of ``g`` and ``v``; built once (construction writes ``.data``, which
+    no transform allows)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # (nn.utils.weight_norm's deprecation)
-        layers = {dim: weight_norm(nn.Linear(3, 4, bias=False).double(), dim=dim) for dim in (0, 1)}
+        layers = {-1 if dim is None else dim: weight_norm(nn.Linear(3, 4, bias=False).double(),
+                                                          dim=dim) for dim in (0, 1, None)}  # fmt: skip
     return lambda v, g, dim: (
         torch.func.functional_call(
             layers[dim], dict(zip(names, (g, v), strict=True)), (torch.eye(3).to(v),)
@@ -65,12 +66,19 @@ def loss(weight_norm, dim):
 
 
 INDEX = torch.tensor([13, 2, 12, 7, 7, 0])  # g's and v's, unsorted, one repeated
+
+
+def _index(x):
+    """The entries of ``INDEX`` that ``x`` has (a scalar ``g``: 13 in all)."""
+    return INDEX[len(x) > INDEX]
+
+
 OPERATORS = {  # an operator's matrix (or product) over the loss's variables, and the dense one
     "hvp": (lambda f, x, v: pyhvp.hvp(f, x, v), lambda h, v: h @ v),
     **{
         f"sub_hessian, method={method!r}": (
-            lambda f, x, v, m=method: pyhvp.sub_hessian(f, x, INDEX.to(x.device), method=m),
-            lambda h, v: h[INDEX][:, INDEX],
+            lambda f, x, v, m=method: pyhvp.sub_hessian(f, x, _index(x).to(x.device), method=m),
+            lambda h, v: h[_index(h)][:, _index(h)],
         )
         for method in ("auto", "reverse", "sparse", "forward")
     },
@@ -78,13 +86,13 @@ OPERATORS = {  # an operator's matrix (or product) over the loss's variables, an
 
 
 @pytest.mark.parametrize("operator", OPERATORS.values(), ids=OPERATORS.keys())
-@pytest.mark.parametrize("dim", [0, 1], ids=["dim 0", "dim 1 (the last)"])
+@pytest.mark.parametrize("dim", [0, 1, -1], ids=["dim 0", "dim 1 (the last)", "every entry"])
 @pytest.mark.parametrize("weight_norm", WEIGHT_NORMS.values(), ids=WEIGHT_NORMS.keys())
 def test_second_derivatives_are_those_of_the_formula_written_out(weight_norm, dim, operator,
                                                                  device):  # fmt: skip
     computed, expected = operator
     generator = torch.Generator().manual_seed(1)
-    n = 12 + G_SHAPES[dim][0] * G_SHAPES[dim][1]
+    n = 12 + torch.Size(G_SHAPES[dim]).numel()
     x, v = (torch.randn(n, dtype=torch.float64, generator=generator).to(device) for _ in "xv")
     reference = expected(dense_hessian(loss(written_out, dim), x), v)
     torch.testing.assert_close(computed(loss(weight_norm, dim), x, v), reference, rtol=1e-9,
