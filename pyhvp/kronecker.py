@@ -225,9 +225,9 @@ class KroneckerHVP:
                 f"state must be a dict with keys ['decay', 'dtype', 'factors', 'mean', 'step'] "
                 f"('decay' and 'dtype' optional), got {keys}"
             )
-        step = state["step"]
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"state['step'] must be an int >= 0, got {step!r}")
+        step = as_int(state["step"])  # a NumPy int too, as the options take them
+        if step is None or step < 0:
+            raise ValueError(f"state['step'] must be an int >= 0, got {state['step']!r}")
         if step == 0:
             self.reset()
             return

@@ -335,6 +335,16 @@ def test_numpy_scalars_are_options_as_python_numbers_are():
     assert (kron.beta, kron.damping, kron.refresh_every) == (0.9, 0.5, 2)
 
 
+def test_a_state_whose_step_is_a_numpy_int_loads_as_with_a_python_int(device):
+    # a state that went through NumPy (a checkpoint's metadata): refused before 2026-12-07
+    numpy = pytest.importorskip("numpy")
+    state, v = state_with(device), torch.randn(5, 2, 3, 4, device=device)
+    as_numpy, as_python = KroneckerHVP(), KroneckerHVP()
+    as_numpy.load_state_dict({**state, "step": numpy.int64(state["step"])})
+    as_python.load_state_dict(state)
+    assert torch.equal(as_numpy.apply(v), as_python.apply(v))
+
+
 def test_an_empty_extra_dim_of_v_gives_an_empty_result(device):
     v = torch.randn(0, 2, 3, 4, device=device)
     assert fitted(device).apply(v).shape == (0, 2, 3, 4)
