@@ -141,6 +141,9 @@ def test_a_new_batch_per_step_reuses_the_compiled_kernel(
     """module_loss's inputs and targets reach the kernels as inputs, not as part of the loss's
     key: a training loop's next batch (new tensors of the same shapes) runs the kernel compiled
     for the first (before, compile=True compiled every batch anew, and "auto" never compiled)."""
+    if method == "sparse" and not pyhvp.restricted.compiles():
+        pytest.skip("this torch traces the sparse kernel otherwise than it runs (2.5): eager")
+    compiled.clear()  # compiles()'s own probe, where this test asked first: not a kernel
     compile_after_eager_calls(2)
     net, criterion = mlp().double(), nn.CrossEntropyLoss()
     index = {"0.weight": torch.tensor([0, 5, 19, 3, 8]), "2.bias": torch.tensor([1, 2])}
