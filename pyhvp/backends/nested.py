@@ -203,7 +203,7 @@ def _written_norm(
         return None
     with torch.no_grad():  # torch's argument checks, and its one update of running statistics
         func(*args, **kwargs)  # (its value is not differentiated)
-    wide = input.to(torch.promote_types(input.dtype, torch.float32))
+    wide = _wide(input)
     eps = bound.get("eps", 1e-5)
     if func in _LAYER_NORMS:
         out = _normalised(wide, tuple(range(-len(bound["normalized_shape"]), 0)), eps)
@@ -278,9 +278,9 @@ def _written_gelu_tanh(args: Sequence[Any], kwargs: dict[str, Any]) -> torch.Ten
 
 
 def _wide(input: torch.Tensor) -> torch.Tensor:
-    """``input`` in float32 at least, as torch's kernels compute a half one: a written-out
-    activation's intermediates overflow in half (the gradient of sinc's power series multiplies
-    ``t ** 31``, of gelu's cube ``3 u ** 2``), so that its derivatives were NaN (a half sinc's
+    """``input`` in float32 at least, as torch's kernels compute a half one: a written-out op's
+    intermediates overflow in half -- a norm's sums, the gradient of sinc's power series (``t **
+    31``) and of gelu's cube (``3 u ** 2``) --, so that its derivatives were NaN (a half sinc's
     Hessian-vector product at 0.5 in ``vmap``) where torch's own are finite."""
     return input.to(torch.promote_types(input.dtype, torch.float32))
 
@@ -312,7 +312,7 @@ def _zero_safe_norm(input: object, ord: float, dims: tuple[int, ...] | None, kee
     if not 1 < ord < math.inf:
         return None
     x = input if dtype is None else input.to(dtype)
-    wide = x.to(torch.promote_types(x.dtype, torch.float32))
+    wide = _wide(x)
     dims = tuple(range(x.ndim)) if dims is None else dims
     zero_vector = (wide == 0).all(dims, keepdim=True)  # (|0| ** ord: its derivatives too)
     base = torch.where(zero_vector, 1.0, wide if ord == 2 else wide.abs())
