@@ -110,9 +110,10 @@ SUMS = functions(
 the op with the other operand zero."""
 
 _ADDS = functions((torch, Tensor), ("add", "__add__", "__radd__"))
-_SUBTRACTIONS = functions((torch, Tensor), ("sub", "subtract", "__sub__"))
-"""Of :data:`SUMS`, those adding their first argument itself, and of them those adding their
-second too (``alpha`` times it)."""
+"""Of :data:`SUMS`, those adding both arguments themselves (the second ``alpha`` times)."""
+
+_PLUS_FIRST = _ADDS | functions((torch, Tensor), ("sub", "subtract", "__sub__"))
+"""Of :data:`SUMS`, those adding their first argument itself."""
 
 JOINS = functions((torch,), ("cat", "concat", "concatenate", "stack"))
 """Functions joining the tensors of their first argument: a tangent's push is the op with the
@@ -790,7 +791,7 @@ def _identity(
     if outputs[0].dtype != value.dtype:
         return False
     if len(args) > 0 and args[0] is value:
-        return func in _ADDS or func in _SUBTRACTIONS
+        return func in _PLUS_FIRST
     return len(args) > 1 and args[1] is value and func in _ADDS and (
         argument(args, kwargs, "alpha", 2, 1) == 1)  # fmt: skip
 
