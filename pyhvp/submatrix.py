@@ -14,13 +14,15 @@ Three routes: two taken per selected tensor by a cost model, the third for every
   of the route, then per tensor a batched second pass that differentiates towards that tensor
   only, of whose columns ``H e_j`` only the selected rows are kept. Cost: one full Hessian-vector
   product per selected component; ``joint=True`` pushes all selected tensors as one vector.
-* **forward** (:mod:`pyhvp.restricted.forward`): every selected entry's tangent pushed forward
-  through the loss (entering a contraction by its sparse rule), one reverse pass for every
-  activation's adjoint, and per nonlinear op its second-order term between the tangents -- a
-  weighted Gram matrix at ``tanh`` or ``gelu``. A direction costs a forward push, never a reverse
-  pass; the pairwise terms cost ``k^2`` per op. It runs eagerly, takes every component of a
-  tensor at once and holds every activation's tangents (``k`` times the activations); per
-  tensor, in passes of tensors whose tangents fit ``routes.FORWARD_TANGENTS``.
+* **forward** (:mod:`pyhvp.restricted.forward`): the loss run twice, first for every
+  activation's adjoint (one reverse pass), then with every selected entry's tangent pushed
+  forward (entering a contraction by its sparse rule), each nonlinear op's second-order term
+  between the tangents added at its call -- a weighted Gram matrix at ``tanh`` or ``gelu`` --
+  and each value's tangents dropped after their last use. A direction costs a forward push,
+  never a reverse pass; the pairwise terms cost ``k^2`` per op. It runs eagerly, takes every
+  component of a tensor at once and holds the tangents of the values alive at once (``k`` times
+  those activations); per tensor, in passes of tensors whose tangents fit
+  ``routes.FORWARD_TANGENTS``.
 
 Cost model (``method="auto"``, :mod:`pyhvp.restricted.routes`): one survey of the loss (cached
 per call signature) learns how each selected tensor enters each op, the work downstream of it
@@ -1325,7 +1327,7 @@ def _sparse_parts(
     if chosen.forward:
         for group in chosen.groups:
             draws.begin()
-            parts.append((group, _forward_pass(plan, group, batch_values, spec)))
+            parts.append((group, _forward_pass(plan, group, batch_values, spec, draws)))
         return parts
     for group in chosen.groups:
         draws.begin()
@@ -1335,7 +1337,11 @@ def _sparse_parts(
 
 
 def _forward_pass(
-    plan: _Plan, group: Sequence[int], batch_values: list[Any], spec: Any
+    plan: _Plan,
+    group: Sequence[int],
+    batch_values: list[Any],
+    spec: Any,
+    draws: random_states.Repeated,
 ) -> torch.Tensor:
     """One batch's ``(K_g, K_g)`` over the selected entries of the tensors of ``group``, by the
     forward-tangent route (joint where the result is one matrix; else its diagonal blocks),
@@ -1346,7 +1352,8 @@ def _forward_pass(
     joint = plan.one_block and len(group) > 1
     with torch.inference_mode(False):
         tensors = [cast(torch.Tensor, t) for t in _normal(tuple(plan.tensors[i] for i in group))]
-        return forward_hessian(loss, tensors, flats, joint, *_normal((*others, *batch_values)))
+        return forward_hessian(loss, tensors, flats, joint, *_normal((*others, *batch_values)),
+                               again=draws.begin)  # fmt: skip
 
 
 def _group_loss(

@@ -682,6 +682,73 @@ def test_what_it_cannot_follow_is_refused_by_name_and_auto_serves_it(loss, named
         torch.testing.assert_close(got, expected, **F64)
 
 
+def test_the_route_holds_a_values_tangents_only_until_their_last_use(monkeypatch):
+    """Of a 30-layer tanh MLP, a few values' streams at a time, not every layer's."""
+    held, next_call = [], forward.Tangents._next_call
+
+    def counting(self, func):
+        held.append(len(self.streams))
+        return next_call(self, func)
+
+    monkeypatch.setattr(forward.Tangents, "_next_call", counting)
+    layers = [torch.randn(4, 4, dtype=torch.float64) / 2 for _ in range(30)]
+
+    def deep(p):
+        h = p["w"] @ V
+        for layer in layers:
+            h = torch.tanh(layer[:3, :3] @ h)
+        return squash(h)
+
+    index = {"w": torch.tensor([0, 11, 5])}
+    got = pyhvp.sub_hessian(deep, {"w": W}, index, method="forward")
+    expected = per_tensor(dense_sub_hessian(deep, {"w": W}, index), index)
+    torch.testing.assert_close(got, expected, **F64)
+    assert max(held) <= 3, held
+
+
+def noisy_inputs(p):
+    """Data augmented inside the loss: a draw the selected tensors never reach."""
+    return squash(torch.tanh(p["w"] @ (V + 0.1 * torch.randn_like(V))))
+
+
+def test_a_loss_drawing_random_numbers_draws_the_same_in_both_its_runs():
+    """The route runs the loss twice (the first for every value's adjoint): the second draws
+    what the first did, as the seed's one run would."""
+    index = {"w": torch.tensor([0, 11, 5, 0])}
+    torch.manual_seed(0)
+    expected = pyhvp.sub_hessian(noisy_inputs, {"w": W}, index, method="reverse")
+    torch.manual_seed(0)
+    got = pyhvp.sub_hessian(noisy_inputs, {"w": W}, index, method="forward")
+    torch.testing.assert_close(got, expected, **F64)
+
+
+def changing(effect):
+    """A loss that changes between its calls (a counter in the closure)."""
+    calls = []
+
+    def loss(p):
+        calls.append(None)
+        return effect(len(calls) % 2, p["w"] @ V)
+
+    return loss
+
+
+DIFFERING_RUNS = {  # losses whose second run differs from the first; what the refusal names
+    "other ops": (changing(lambda odd, h: squash(torch.tanh(h) if odd else torch.sin(h))),
+                  "the same torch calls"),
+    "another value": (changing(lambda odd, h: squash(torch.tanh(h)) * (1 + odd)), "same value"),
+    "more ops": (changing(lambda odd, h: squash(torch.tanh(h) if odd else h)),
+                 "the same torch calls"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("loss", "named"), DIFFERING_RUNS.values(), ids=DIFFERING_RUNS.keys())
+def test_a_loss_differing_between_its_two_runs_is_refused(loss, named):
+    index = {"w": torch.tensor([0, 11, 5, 0])}
+    with pytest.raises(ValueError, match=f"method='forward' does not apply.*{named}"):
+        pyhvp.sub_hessian(loss, {"w": W}, index, method="forward")
+
+
 CALLERS_MODES = {"under no_grad": torch.no_grad, "under inference_mode": torch.inference_mode}
 
 

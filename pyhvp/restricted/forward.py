@@ -18,8 +18,15 @@ its entries' tangents by the sparse route's rule (:mod:`pyhvp.restricted.contrib
 shifted input slice, an input column), never a product with a one-hot tensor. A direction thus
 costs its tangent's forward push, never a reverse pass through the network: LeNet-5 at k = 16
 per tensor, 0.3x the seed's loop (``benchmarks/bench_sub_hessian.py``). The price is the
-pairwise terms, ``k^2`` per op, which outgrow the push at many components, and memory: every
-activation's tangents are held until the end (``k`` times the activations).
+pairwise terms, ``k^2`` per op, which outgrow the push at many components, and memory: ``k``
+times the activations alive at once.
+
+The loss runs twice. Its first run (:class:`FirstRun`) records its torch calls, the call that
+uses each value last, and by one reverse pass every value's adjoint; the second pushes the
+tangents, adds each op's term at its call and drops each value's tangents after their last use.
+Held to one reverse pass at the end instead, every tangent stayed alive: a transformer block at
+k = 16 per tensor held 209 MB, which glibc faulted in again on every call (229 ms a call, 199
+now). A second run that calls other torch functions, or gives another loss, is refused.
 
 Tangents travel in *streams*: the rows of the groups (selected tensors, or with ``joint=True``
 one group over all) that reach a value, stacked, so an op pushes every group that enters it the
@@ -377,18 +384,91 @@ _RULES = ("linear", "matmul", "rmatmul", "einsum", "conv", "conv_transpose", "em
 tangents of the op's output directly, with no product of a one-hot tensor."""
 
 
+class FirstRun(TorchFunctionMode):
+    """The loss's first run, before its tangents are pushed: each torch call it makes, the
+    shapes of its floating outputs, and for each output that depends on a selected tensor the
+    call that uses it last and (:meth:`reverse`) its adjoint. With them the second run, under
+    :class:`Tangents`, adds each op's term at its call and drops each value's tangents after
+    their last use, where holding every tangent to one reverse pass at the end held ``k``
+    times every activation (a transformer block at k = 16 per tensor: 209 MB, faulted in again
+    on every call, 85 of its 229 ms)."""
+
+    def __init__(self, selected: Sequence[Tensor]) -> None:
+        super().__init__()
+        self.functions: list[Callable[..., Any]] = []
+        self.shapes: list[list[torch.Size]] = []
+        self.last: dict[tuple[int, int], int] = {}
+        """By (call, position) of each output depending on a selected tensor: the last call
+        taking it (the call itself where none does)."""
+        self.adjoints: dict[tuple[int, int], Tensor] = {}
+        self._reached: dict[int, tuple[Tensor, tuple[int, int] | None]] = {
+            id(t): (t, None) for t in selected
+        }
+        self._outputs: list[tuple[tuple[int, int], Tensor]] = []  # (a value may be several's)
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        call = len(self.functions)
+        carrying = False
+        for leaf in pytree.tree_leaves((args, kwargs)):
+            value, made = self._reached.get(id(leaf), (None, None))
+            if value is leaf:
+                carrying = True
+                if made is not None:
+                    self.last[made] = call
+        op = call_kind(func, args, kwargs)
+        out = func(*args, **kwargs)
+        outputs = [v for v in pytree.tree_leaves(out) if _floating(v)]
+        carrying = carrying and op != "constant" and torch.is_grad_enabled()
+        if carrying and len(outputs) > 1:  # as Tangents views them
+            out = pytree.tree_map(_alias, out)
+            outputs = [v for v in pytree.tree_leaves(out) if _floating(v)]
+        self.functions.append(func)
+        self.shapes.append([v.shape for v in outputs])
+        for position, value in enumerate(outputs if carrying else ()):
+            self._reached[id(value)] = (value, (call, position))
+            self._outputs.append(((call, position), value))
+            self.last[call, position] = call
+        return out
+
+    def reverse(self, loss: Tensor, selected: Sequence[Tensor]) -> list[Tensor | None]:
+        """Takes the adjoint of every output depending on a selected tensor, by one reverse
+        pass from ``loss``; returns the gradient of each of ``selected`` (None: unused)."""
+        outputs = [(at, value) for at, value in self._outputs if value.requires_grad]
+        value, at = self._reached.get(id(loss), (None, None))
+        if value is loss and at is not None:  # held to the end
+            self.last[at] = len(self.functions)
+        self._reached.clear()
+        self._outputs.clear()
+        found = torch.autograd.grad(loss, [v for _, v in outputs] + list(selected),
+                                    allow_unused=True)  # fmt: skip
+        self.adjoints = {at: a for (at, _), a in zip(outputs, found, strict=False) if a is not None}
+        return list(found[len(outputs) :])
+
+
 class Tangents(TorchFunctionMode):
     """Pushes the streams of every value the loss computes from the :class:`Seed` s (by ``id``,
     the very object), recording the ops with a second-order term (:class:`_Node`)."""
 
-    def __init__(self, seeds: Sequence[Seed], sizes: Sequence[int]) -> None:
+    def __init__(self, seeds: Sequence[Seed], sizes: Sequence[int], first: FirstRun,
+                 hessian: Tensor) -> None:  # fmt: skip
         super().__init__()
         self.seeds = {id(seed.tensor): seed for seed in seeds}
         self._reaches: dict[object, bool] = {}  # autograd nodes: whether a seed lies behind
         self.streams: dict[int, tuple[Tensor, list[Stream]]] = {}
         self.sizes = list(sizes)
         self.starts = list(accumulate(sizes, initial=0))
-        self.nodes: list[_Node] = []
+        self.first = first
+        self.hessian = hessian
+        """The terms so far, each added at its op's call (its adjoints the first run's)."""
+        self.calls = 0
+        self._dead: dict[int, list[tuple[int, list[Stream]]]] = {}  # by the call last using them
 
     def span(self, group: int) -> slice:
         """The rows (and columns) of ``group``'s entries in the ``(K, K)`` result."""
@@ -416,6 +496,7 @@ class Tangents(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        call = self._next_call(func)
         leaves, spec = pytree.tree_flatten((args, kwargs))
         carrying = [i for i, v in enumerate(leaves) if self._carries(v)]
         op = call_kind(func, args, kwargs)
@@ -444,8 +525,10 @@ class Tangents(TorchFunctionMode):
         if len(outputs) > 1:
             out = pytree.tree_map(_alias, out)
             outputs = [v for v in pytree.tree_leaves(out) if _floating(v)]
+        self._check_outputs(func, call, outputs)
         pushed: list[list[Stream]] = [[] for _ in outputs]
         made: dict[tuple[int, ...], _Node] = {}  # the op as a function of each argument set
+        curvatures: dict[int, Tensor | None] = {}  # d f''(x) of a pointwise op, per primals
         pointwise = pointwise_in(func, leaves, carrying, outputs)
         identity = _identity(func, args, kwargs, leaves, carrying, outputs)
         slope = None  # a pointwise op's derivative, f'(x)
@@ -466,8 +549,8 @@ class Tangents(TorchFunctionMode):
                     slope = _slope(made[positions])
                 pushed[0].append(Stream(groups, placed=placed.times(slope)))
                 if not linear_in(func, op, args, kwargs, leaves, positions):
-                    self.nodes.append(dataclasses.replace(made[positions], groups=groups,
-                                                          placed=placed))  # fmt: skip
+                    self._add_term(call, dataclasses.replace(made[positions], groups=groups,
+                                                             placed=placed), curvatures)  # fmt: skip
                 continue
             if identity:  # the tangents as they are, placed or not: no term, no copy
                 (position,) = positions
@@ -490,8 +573,8 @@ class Tangents(TorchFunctionMode):
             closed = closed_form(func, op, args, kwargs, [leaves[i] for i in positions])
             if closed is not None:  # its term needs no primals (none copied, as _node's may be)
                 function = _as_function(func, leaves, spec, positions)
-                self.nodes.append(_Node(function, (), rows, groups, False, tuple(outputs),
-                                        closed))  # fmt: skip
+                self._add_term(call, _Node(function, (), rows, groups, False, tuple(outputs),
+                                           closed), curvatures)  # fmt: skip
                 with torch.no_grad():
                     pushed[0].append(Stream(groups, closed.push(*rows)))
                 continue
@@ -517,14 +600,54 @@ class Tangents(TorchFunctionMode):
                             lambda *r, n=node: torch.func.jvp(n.function, n.primals, r)[1]
                         )(*rows)
                 if not linear_in(func, op, args, kwargs, leaves, positions):
-                    self.nodes.append(dataclasses.replace(node, tangents=rows, groups=groups))
+                    self._add_term(call, dataclasses.replace(node, tangents=rows, groups=groups),
+                                   curvatures)  # fmt: skip
             for streams, tangent in zip(pushed, tangents, strict=True):
                 streams.append(Stream(groups, tangent))
         if by_rule:
             pushed[0].append(_one_stream(by_rule, outputs[0]))
-        for value, streams in zip(outputs, pushed, strict=True):
+        for position, (value, streams) in enumerate(zip(outputs, pushed, strict=True)):
+            last = self.first.last.get((call, position), call)
             self.streams[id(value)] = (value, streams)
+            self._dead.setdefault(last, []).append((id(value), streams))
         return out
+
+    def _next_call(self, func: Callable[..., Any]) -> int:
+        """This call's number, checked against the first run's; first dropping the streams of
+        the values the call before used last (the route's memory: a transformer block's at
+        k = 16 per tensor, 209 MB held to the end before, at most 104 live now)."""
+        call = self.calls
+        self.calls += 1
+        for key, streams in self._dead.pop(call - 1, ()):
+            if self.streams.get(key, (None, None))[1] is streams:  # (not a later value's)
+                del self.streams[key]
+        if call:
+            for position in range(len(self.first.shapes[call - 1])):
+                self.first.adjoints.pop((call - 1, position), None)
+        functions = self.first.functions
+        if call >= len(functions) or functions[call] != func:
+            raise NotForward(f"the loss called {describe(func)} where its first run called "
+                             f"{_called(functions, call)}: the route runs the loss twice, and "
+                             "needs the same torch calls each time")  # fmt: skip
+        return call
+
+    def _check_outputs(self, func: Callable[..., Any], call: int, outputs: Sequence[Tensor]
+                       ) -> None:  # fmt: skip
+        if [v.shape for v in outputs] != self.first.shapes[call]:
+            raise NotForward(f"{describe(func)} made values of other shapes than in the loss's "
+                             "first run: the route runs the loss twice, and needs the same "
+                             "values each time")  # fmt: skip
+
+    def _add_term(self, call: int, node: _Node, curvatures: dict[int, Tensor | None]) -> None:
+        """Adds ``node``'s term to :attr:`hessian`, its outputs' adjoints the first run's."""
+        adjoints = [self.first.adjoints.get((call, j)) for j in range(len(node.outputs))]
+        if all(a is None for a in adjoints):  # no output reaches the loss
+            return
+        terms = _second_order(node, adjoints, self.sizes, curvatures)
+        if terms is None:  # the op has no second derivative
+            return
+        for group, block in zip(node.groups, terms, strict=True):
+            self.hessian[self.span(group), self.span(group)] += block
 
     def _refuse_unseen(
         self, func: Callable[..., Any], leaves: Sequence[Any], carrying: Sequence[int]
@@ -711,6 +834,10 @@ class Tangents(TorchFunctionMode):
                     start = sum(self.sizes[g] for g in stream.groups[: stream.groups.index(group)])
                     parts.append(stream.tangents[start : start + self.sizes[group]])
         return torch.cat(parts)
+
+
+def _called(functions: Sequence[Callable[..., Any]], call: int) -> str:
+    return describe(functions[call]) if call < len(functions) else "nothing more"
 
 
 def _bias_contribution(
@@ -1069,11 +1196,13 @@ def forward_hessian(
     flats: Sequence[Tensor],
     joint: bool,
     *args: Any,
+    again: Callable[[], None] = lambda: None,
 ) -> Tensor:
     """``(K, K)`` Hessian of ``loss(*tensors, *args)`` over the entries ``flats`` of ``tensors``
     (``K`` in all, unsymmetrised): joint, or (``joint=False``) its diagonal blocks, one per
     tensor, and zeros between them. Raises :class:`NotForward` where the route does not apply.
-    The tensors share one dtype and device."""
+    The tensors share one dtype and device. The loss runs twice (:class:`FirstRun`), ``again()``
+    between the runs: it puts back the random state and whatever else the first run changed."""
     sizes = [len(flat) for flat in flats]
     total = sum(sizes)
     dtype = tensors[0].dtype
@@ -1089,32 +1218,29 @@ def forward_hessian(
         elif sizes[i]:  # a tensor without selected entries carries no tangents
             seeds.append(Seed(leaf, i, sizes[i], flat, coords))
         offset += sizes[i]
-    mode = Tangents(seeds, [total] if joint else sizes)
+    first = FirstRun(leaves)
+    hessian = leaves[0].new_zeros(total, total).detach()
     with torch.enable_grad():
+        with first:
+            expected = loss(*leaves, *args)
+        if not expected.requires_grad:  # no selected tensor reaches the loss
+            return hessian
+        gradients = first.reverse(expected, leaves)
+        again()
+        mode = Tangents(seeds, [total] if joint else sizes, first, hessian)
         with mode:
             value = loss(*leaves, *args)
-        hessian = leaves[0].new_zeros(total, total).detach()
-        if not value.requires_grad:  # no selected tensor reaches the loss
-            return hessian
-        # the adjoint of every output of the nodes, by one reverse pass (None: unused)
-        unique = {id(o): o for node in mode.nodes for o in node.outputs if o.requires_grad}
-        outputs = list(unique.values())
-        found = torch.autograd.grad(value, [*outputs, *leaves], allow_unused=True)
+    if mode.calls != len(first.functions):
+        raise NotForward(f"the loss made {mode.calls} torch calls where its first run made "
+                         f"{len(first.functions)}: the route runs the loss twice, and needs "
+                         "the same torch calls each time")  # fmt: skip
+    if not _same_value(value.detach(), expected.detach()):
+        raise NotForward("the loss gave another value on its second run: the route runs the "
+                         "loss twice, and needs the same value each time")  # fmt: skip
     if not mode.of(value) and value.grad_fn is not None and mode.reaches_a_seed(value.grad_fn):
         raise NotForward("the loss is made by an op pyhvp's mode did not see (a custom "
                          "autograd.Function, TorchScript) from a selected tensor")  # fmt: skip
-    _check_first_order(mode, value, found[len(outputs) :], leaves, flats)
-    adjoint = {id(o): a for o, a in zip(outputs, found, strict=False)}
-    curvatures: dict[int, Tensor | None] = {}  # per pointwise op (its nodes share primals)
-    for node in mode.nodes:
-        weights = [adjoint.get(id(o)) for o in node.outputs]
-        if all(w is None for w in weights):
-            continue
-        terms = _second_order(node, weights, mode.sizes, curvatures)
-        if terms is None:  # the op has no second derivative
-            continue
-        for group, block in zip(node.groups, terms, strict=True):
-            hessian[mode.span(group), mode.span(group)] += block
+    _check_first_order(mode, value, gradients, leaves, flats)
     # 0 * inf, an infinite curvature where the tangents are zero, is NaN in the Gram matrices
     # (x ** 1.5 at 0); autograd's backward gives a finite value where it masks the entry (relu's
     # zeros) and NaN where it multiplies (abs at 0, whose true curvature is infinite): which one
@@ -1124,6 +1250,16 @@ def forward_hessian(
                          "derivative, or a NaN tangent, at an entry the tangents reach as "
                          "zero): the reverse route gives autograd's value there")  # fmt: skip
     return hessian
+
+
+def _same_value(value: Tensor, expected: Tensor) -> bool:
+    """Whether the loss's second run gave its first run's value, up to rounding (a CUDA
+    kernel's atomic sums, in another order)."""
+    if value.shape != expected.shape:
+        return False
+    tolerance = _TOLERANCE.get(expected.dtype, 0.1) * 1e-2
+    close = (value - expected).abs() <= tolerance * expected.abs()
+    return bool((close | (value == expected) | (value.isnan() & expected.isnan())).all())
 
 
 def _second_order(
