@@ -682,6 +682,32 @@ def test_what_it_cannot_follow_is_refused_by_name_and_auto_serves_it(loss, named
         torch.testing.assert_close(got, expected, **F64)
 
 
+def residual_then_tanh(p):
+    h = hidden(p)
+    return squash(torch.tanh(h + C)) + squash(h * C)  # the sum's tangents are h's, h used after
+
+
+SPENT_TANGENTS = {  # a pointwise op at its input's last use may push into its input's tangents
+    "a chain of tanh (each push into the one before)": lambda p: squash(
+        torch.tanh(torch.tanh(torch.tanh(hidden(p))))),
+    "tanh of a view of a value used after": lambda p: (lambda h: squash(
+        torch.tanh(h.view(2, 6)).view(3, 4) * h))(hidden(p)),
+    "tanh of a value used after": lambda p: (lambda h: squash(torch.tanh(h) * h))(hidden(p)),
+    "tanh of a residual sum, whose tangents are the value's, used after": residual_then_tanh,
+    "tanh of a selected tensor made contiguous (itself), used after": lambda p: squash(
+        torch.tanh(p["w"].contiguous()) @ V) + squash(torch.sin(p["w"]) @ V),
+    "tanh of a value made contiguous (itself), used after": lambda p: (lambda h: squash(
+        torch.tanh(h.contiguous()) * h))(hidden(p)),
+    "an op returning its input itself (a dropout in eval), after a tanh": lambda p: squash(
+        F.dropout(torch.tanh(F.dropout(hidden(p), 0.5, training=False)), 0.5, training=False)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("loss", SPENT_TANGENTS.values(), ids=SPENT_TANGENTS.keys())
+def test_tangents_a_push_overwrites_are_read_by_nothing_after(loss):
+    assert_forward_equals_dense(loss)
+
+
 def test_the_route_holds_a_values_tangents_only_until_their_last_use(monkeypatch):
     """Of a 30-layer tanh MLP, a few values' streams at a time, not every layer's."""
     held, next_call = [], forward.Tangents._next_call

@@ -26,7 +26,10 @@ uses each value last, and by one reverse pass every value's adjoint; the second 
 tangents, adds each op's term at its call and drops each value's tangents after their last use.
 Held to one reverse pass at the end instead, every tangent stayed alive: a transformer block at
 k = 16 per tensor held 209 MB, which glibc faulted in again on every call (229 ms a call, 199
-now). A second run that calls other torch functions, or gives another loss, is refused.
+with the two runs). A pointwise op at its input's last use pushes into that input's tangents,
+where nothing else holds them (:meth:`Tangents._spent`): its GELU no longer makes a 48 MB
+buffer, which glibc maps afresh on every call (199 ms to 187). A second run that calls other
+torch functions, or gives another loss, is refused.
 
 Tangents travel in *streams*: the rows of the groups (selected tensors, or with ``joint=True``
 one group over all) that reach a value, stacked, so an op pushes every group that enters it the
@@ -298,14 +301,16 @@ class Stream:
     def __init__(self, groups: tuple[int, ...], tangents: Tensor | None = None,
                  placed: Placed | None = None) -> None:  # fmt: skip
         assert (tangents is None) != (placed is None)
-        self.groups, self.placed, self._dense = groups, placed, tangents
+        self.groups, self.placed, self.dense = groups, placed, tangents
+        self.shared = False
+        """Whether another stream holds its memory (a view of it, or it of another's)."""
 
     @property
     def tangents(self) -> Tensor:
-        if self._dense is None:
+        if self.dense is None:
             assert self.placed is not None
-            self._dense = self.placed.dense()
-        return self._dense
+            self.dense = self.placed.dense()
+        return self.dense
 
     def numel(self) -> int:
         """Elements of its dense form."""
@@ -469,6 +474,7 @@ class Tangents(TorchFunctionMode):
         """The terms so far, each added at its op's call (its adjoints the first run's)."""
         self.calls = 0
         self._dead: dict[int, list[tuple[int, list[Stream]]]] = {}  # by the call last using them
+        self._last: dict[int, int] = {}  # by a value's id: the call last using its streams
 
     def span(self, group: int) -> slice:
         """The rows (and columns) of ``group``'s entries in the ``(K, K)`` result."""
@@ -590,27 +596,61 @@ class Tangents(TorchFunctionMode):
                     made[positions] = _node(func, leaves, spec, positions, tuple(outputs),
                                             pointwise)  # fmt: skip
                 node = made[positions]
+                if not linear_in(func, op, args, kwargs, leaves, positions):  # (before the push
+                    # may overwrite the tangents it takes)
+                    self._add_term(call, dataclasses.replace(node, tangents=rows, groups=groups),
+                                   curvatures)  # fmt: skip
                 if pointwise:
                     if slope is None:
                         slope = _slope(node)
-                    tangents = (rows[0] * slope,)
+                    spent = self._spent(leaves[positions[0]], groups, call)
+                    tangents = (rows[0] * slope if spent is None or spent.dtype != slope.dtype
+                                else spent.mul_(slope),)  # fmt: skip
                 else:
                     with torch.no_grad():
                         tangents = torch.func.vmap(
                             lambda *r, n=node: torch.func.jvp(n.function, n.primals, r)[1]
                         )(*rows)
-                if not linear_in(func, op, args, kwargs, leaves, positions):
-                    self._add_term(call, dataclasses.replace(node, tangents=rows, groups=groups),
-                                   curvatures)  # fmt: skip
             for streams, tangent in zip(pushed, tangents, strict=True):
                 streams.append(Stream(groups, tangent))
         if by_rule:
             pushed[0].append(_one_stream(by_rule, outputs[0]))
+        self._mark_shared(leaves, carrying, pushed)
         for position, (value, streams) in enumerate(zip(outputs, pushed, strict=True)):
             last = self.first.last.get((call, position), call)
             self.streams[id(value)] = (value, streams)
+            self._last[id(value)] = last
             self._dead.setdefault(last, []).append((id(value), streams))
         return out
+
+    def _mark_shared(
+        self, leaves: Sequence[Any], carrying: Sequence[int], pushed: Sequence[list[Stream]]
+    ) -> None:
+        """Marks the streams just pushed that hold the memory of an input's (a view's push,
+        an identity's), and those inputs' streams: neither may be overwritten."""
+        held: list[Stream | None] = []
+        for i in carrying:
+            seed = self._seed(leaves[i])  # (asking of() for its stream would make its one-hot)
+            held += self.of(leaves[i]) if seed is None else [seed.stream]
+        memory = {_memory(s.dense): s for s in held if s is not None and s.dense is not None}
+        for stream in (s for streams in pushed for s in streams if s.dense is not None):
+            assert stream.dense is not None
+            lent = memory.get(_memory(stream.dense))
+            if lent is not None:
+                stream.shared = lent.shared = True
+
+    def _spent(self, value: Any, groups: tuple[int, ...], call: int) -> Tensor | None:
+        """``value``'s tangents of ``groups``, where this call may overwrite them: their
+        stream's own memory (of no other stream), the value used last here (a GELU's push
+        into its input layer's 48 MB of tangents at k = 16 per tensor, where a new buffer of
+        that size faulted in afresh on every call: 21 ms of a transformer block's 199)."""
+        if self._last.get(id(value)) != call:
+            return None
+        stream = next((s for s in self.of(value) if s.groups == groups), None)
+        if stream is None or stream.shared or stream.placed is not None:
+            return None
+        tangents = stream.tangents
+        return tangents if tangents.is_contiguous() and not tangents.requires_grad else None
 
     def _next_call(self, func: Callable[..., Any]) -> int:
         """This call's number, checked against the first run's; first dropping the streams of
@@ -620,7 +660,7 @@ class Tangents(TorchFunctionMode):
         self.calls += 1
         for key, streams in self._dead.pop(call - 1, ()):
             if self.streams.get(key, (None, None))[1] is streams:  # (not a later value's)
-                del self.streams[key]
+                del self.streams[key], self._last[key]
         if call:
             for position in range(len(self.first.shapes[call - 1])):
                 self.first.adjoints.pop((call - 1, position), None)
@@ -834,6 +874,10 @@ class Tangents(TorchFunctionMode):
                     start = sum(self.sizes[g] for g in stream.groups[: stream.groups.index(group)])
                     parts.append(stream.tangents[start : start + self.sizes[group]])
         return torch.cat(parts)
+
+
+def _memory(tensor: Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
 
 
 def _called(functions: Sequence[Callable[..., Any]], call: int) -> str:
