@@ -765,6 +765,9 @@ DIFFERING_RUNS = {  # losses whose second run differs from the first; what the r
     "another value": (changing(lambda odd, h: squash(torch.tanh(h)) * (1 + odd)), "same value"),
     "more ops": (changing(lambda odd, h: squash(torch.tanh(h) if odd else h)),
                  "the same torch calls"),
+    "the same value of other values (rows reordered, as by NumPy's generator)": (changing(
+        lambda odd, h: squash(torch.tanh(h[torch.tensor([2, 0, 1] if odd else [0, 1, 2])]))),
+        "other values"),
 }  # fmt: skip
 
 

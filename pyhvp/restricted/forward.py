@@ -29,7 +29,8 @@ k = 16 per tensor held 209 MB, which glibc faulted in again on every call (229 m
 with the two runs). A pointwise op at its input's last use pushes into that input's tangents,
 where nothing else holds them (:meth:`Tangents._spent`): its GELU no longer makes a 48 MB
 buffer, which glibc maps afresh on every call (199 ms to 187). A second run that calls other
-torch functions, or gives another loss, is refused.
+torch functions, gives another loss, or other values where the terms meet the first run's
+adjoints (a batch reordered by NumPy's generator, which no run puts back), is refused.
 
 Tangents travel in *streams*: the rows of the groups (selected tensors, or with ``joint=True``
 one group over all) that reach a value, stacked, so an op pushes every group that enters it the
@@ -62,6 +63,7 @@ from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
+from torch.linalg import vector_norm as _norm
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
@@ -406,6 +408,9 @@ class FirstRun(TorchFunctionMode):
         """By (call, position) of each output depending on a selected tensor: the last call
         taking it (the call itself where none does)."""
         self.adjoints: dict[tuple[int, int], Tensor] = {}
+        self.prints: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
+        """By the same keys: each output weighed by its adjoint (:func:`_weighed`), and the
+        bound on that sum its rounding scales with."""
         self._reached: dict[int, tuple[Tensor, tuple[int, int] | None]] = {
             id(t): (t, None) for t in selected
         }
@@ -454,6 +459,9 @@ class FirstRun(TorchFunctionMode):
         found = torch.autograd.grad(loss, [v for _, v in outputs] + list(selected),
                                     allow_unused=True)  # fmt: skip
         self.adjoints = {at: a for (at, _), a in zip(outputs, found, strict=False) if a is not None}
+        with torch.no_grad():
+            self.prints = {at: (_weighed(a, v), _norm(a) * _norm(v.detach())) for at, v in outputs
+                           if (a := self.adjoints.get(at)) is not None}  # fmt: skip
         return list(found[len(outputs) :])
 
 
@@ -475,6 +483,9 @@ class Tangents(TorchFunctionMode):
         self.calls = 0
         self._dead: dict[int, list[tuple[int, list[Stream]]]] = {}  # by the call last using them
         self._last: dict[int, int] = {}  # by a value's id: the call last using its streams
+        self.weighed: list[tuple[tuple[int, int], Tensor]] = []
+        """Each output the terms meet, weighed by its adjoint (:func:`_weighed`), by (call,
+        position): compared with the first run's once, at the end (:meth:`strayed`)."""
 
     def span(self, group: int) -> slice:
         """The rows (and columns) of ``group``'s entries in the ``(K, K)`` result."""
@@ -673,10 +684,32 @@ class Tangents(TorchFunctionMode):
 
     def _check_outputs(self, func: Callable[..., Any], call: int, outputs: Sequence[Tensor]
                        ) -> None:  # fmt: skip
+        """Refuses outputs of other shapes than the first run's; weighs each by its adjoint,
+        which the terms meet, for :meth:`strayed`."""
         if [v.shape for v in outputs] != self.first.shapes[call]:
             raise NotForward(f"{describe(func)} made values of other shapes than in the loss's "
                              "first run: the route runs the loss twice, and needs the same "
                              "values each time")  # fmt: skip
+        with torch.no_grad():
+            for position, value in enumerate(outputs):
+                adjoint = self.first.adjoints.get((call, position))
+                if adjoint is not None:  # (else no term reads it)
+                    self.weighed.append(((call, position), _weighed(adjoint, value)))
+
+    def strayed(self) -> bool:
+        """Whether an output weighed by its adjoint differs from the first run's beyond
+        rounding: compared once per dtype, not per call (a CUDA sync each)."""
+        by_dtype: dict[torch.dtype, list[tuple[Tensor, Tensor, Tensor]]] = {}
+        for at, got in self.weighed:
+            by_dtype.setdefault(got.dtype, []).append((got, *self.first.prints[at]))
+        for dtype, rows in by_dtype.items():
+            got, expected, scale = (torch.stack(column) for column in zip(*rows, strict=True))
+            tolerance = _TOLERANCE.get(dtype, 0.1) * 1e-2
+            close = (((got - expected).abs() <= tolerance * scale) | (got == expected)
+                     | (got.isnan() & expected.isnan()))  # fmt: skip
+            if not bool(close.all()):
+                return True
+        return False
 
     def _add_term(self, call: int, node: _Node, curvatures: dict[int, Tensor | None]) -> None:
         """Adds ``node``'s term to :attr:`hessian`, its outputs' adjoints the first run's."""
@@ -1278,6 +1311,11 @@ def forward_hessian(
         raise NotForward(f"the loss made {mode.calls} torch calls where its first run made "
                          f"{len(first.functions)}: the route runs the loss twice, and needs "
                          "the same torch calls each time")  # fmt: skip
+    if mode.strayed():
+        raise NotForward("the loss computed other values on its second run (a draw it cannot "
+                         "repeat, as NumPy's), whose terms would meet the first run's "
+                         "adjoints: the route runs the loss twice, and "
+                         "needs the same values each time")  # fmt: skip
     if not _same_value(value.detach(), expected.detach()):
         raise NotForward("the loss gave another value on its second run: the route runs the "
                          "loss twice, and needs the same value each time")  # fmt: skip
@@ -1294,6 +1332,14 @@ def forward_hessian(
                          "derivative, or a NaN tangent, at an entry the tangents reach as "
                          "zero): the reverse route gives autograd's value there")  # fmt: skip
     return hessian
+
+
+def _weighed(adjoint: Tensor, value: Tensor) -> Tensor:
+    """``value`` summed weighed by its adjoint: the two runs' must agree where a term of the
+    second meets the first's adjoints, and the loss alone may not tell (a batch shuffled by
+    NumPy's generator, which no run puts back: the same loss, each row's adjoint meeting
+    another row's activations, 20 off)."""
+    return adjoint.reshape(-1) @ value.detach().reshape(-1)
 
 
 def _same_value(value: Tensor, expected: Tensor) -> bool:
