@@ -708,6 +708,36 @@ def test_tangents_a_push_overwrites_are_read_by_nothing_after(loss):
     assert_forward_equals_dense(loss)
 
 
+def test_a_chain_of_pointwise_ops_pushes_each_into_the_tangents_before(monkeypatch):
+    """Four tanh in a row make no more buffers than one: each pushes into its input's
+    tangents, which the push before made in place (marked as another's, every other one made
+    a buffer)."""
+    copies, spent = [], forward.Tangents._spent
+
+    def counting(self, value, groups, call):
+        found = spent(self, value, groups, call)
+        copies.append(found is None)
+        return found
+
+    monkeypatch.setattr(forward.Tangents, "_spent", counting)
+
+    def chain(length):
+        def loss(p):
+            h = hidden(p)
+            for _ in range(length):
+                h = torch.tanh(h)
+            return squash(h)
+
+        return loss
+
+    index, made = {"w": torch.tensor([0, 11, 5]), "v": torch.arange(8)}, []
+    for length in (1, 4):
+        copies.clear()
+        pyhvp.sub_hessian(chain(length), {"w": W, "v": V}, index, method="forward")
+        made.append(sum(copies))
+    assert made[1] == made[0], made
+
+
 def test_the_route_holds_a_values_tangents_only_until_their_last_use(monkeypatch):
     """Of a 30-layer tanh MLP, a few values' streams at a time, not every layer's."""
     held, next_call = [], forward.Tangents._next_call

@@ -550,6 +550,7 @@ class Tangents(TorchFunctionMode):
         identity = _identity(func, args, kwargs, leaves, carrying, outputs)
         slope = None  # a pointwise op's derivative, f'(x)
         by_rule: list[tuple[tuple[int, ...], Seed, rules.Contribution]] = []
+        handed: list[Tensor] = []  # input tangents a pointwise push overwrote
         apart = (pointwise or identity or self._large_streams(leaves, carrying)
                  or self._placed_into(func, op, leaves, carrying))  # fmt: skip
         for groups, positions in self._buckets(leaves, carrying, apart).items():
@@ -615,8 +616,11 @@ class Tangents(TorchFunctionMode):
                     if slope is None:
                         slope = _slope(node)
                     spent = self._spent(leaves[positions[0]], groups, call)
-                    tangents = (rows[0] * slope if spent is None or spent.dtype != slope.dtype
-                                else spent.mul_(slope),)  # fmt: skip
+                    if spent is None or spent.dtype != slope.dtype:
+                        tangents = (rows[0] * slope,)
+                    else:
+                        tangents = (spent.mul_(slope),)
+                        handed.append(spent)
                 else:
                     with torch.no_grad():
                         tangents = torch.func.vmap(
@@ -626,7 +630,7 @@ class Tangents(TorchFunctionMode):
                 streams.append(Stream(groups, tangent))
         if by_rule:
             pushed[0].append(_one_stream(by_rule, outputs[0]))
-        self._mark_shared(leaves, carrying, pushed)
+        self._mark_shared(leaves, carrying, pushed, handed)
         for position, (value, streams) in enumerate(zip(outputs, pushed, strict=True)):
             last = self.first.last.get((call, position), call)
             self.streams[id(value)] = (value, streams)
@@ -635,15 +639,23 @@ class Tangents(TorchFunctionMode):
         return out
 
     def _mark_shared(
-        self, leaves: Sequence[Any], carrying: Sequence[int], pushed: Sequence[list[Stream]]
+        self,
+        leaves: Sequence[Any],
+        carrying: Sequence[int],
+        pushed: Sequence[list[Stream]],
+        handed: Sequence[Tensor] = (),
     ) -> None:
         """Marks the streams just pushed that hold the memory of an input's (a view's push,
-        an identity's), and those inputs' streams: neither may be overwritten."""
+        an identity's), and those inputs' streams: neither may be overwritten. Not those
+        ``handed`` on, pushed into in place (:meth:`_spent`): their input reads them no more,
+        and the next pointwise op may push into them again (a chain of them, each in place,
+        where marked every other one made a buffer)."""
         held: list[Stream | None] = []
         for i in carrying:
             seed = self._seed(leaves[i])  # (asking of() for its stream would make its one-hot)
             held += self.of(leaves[i]) if seed is None else [seed.stream]
-        memory = {_memory(s.dense): s for s in held if s is not None and s.dense is not None}
+        memory = {_memory(s.dense): s for s in held if s is not None and s.dense is not None
+                  and not any(s.dense is t for t in handed)}  # fmt: skip
         for stream in (s for streams in pushed for s in streams if s.dense is not None):
             assert stream.dense is not None
             lent = memory.get(_memory(stream.dense))
