@@ -708,6 +708,36 @@ def test_tangents_a_push_overwrites_are_read_by_nothing_after(loss):
     assert_forward_equals_dense(loss)
 
 
+def checkpointed(p):
+    """A region torch.utils.checkpoint runs again in the reverse pass, its saved-tensor hooks
+    active inside it."""
+    region = lambda h: torch.tanh(torch.sin(h) * h)  # noqa: E731
+    return squash(torch.utils.checkpoint.checkpoint(region, hidden(p), use_reentrant=False))
+
+
+def test_a_term_taken_inside_a_checkpointed_region_is_its_own():
+    assert_forward_equals_dense(checkpointed)
+
+
+SAMPLES = torch.randn(64, 3, generator=torch.Generator().manual_seed(9))
+
+
+def autocast_region(p):
+    """Pointwise ops inside a bfloat16 autocast region, which runs them in float32 as they are;
+    their terms' products it would run in bfloat16."""
+    h = SAMPLES.to(p["w"].dtype) @ p["w"]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        g = torch.tanh(h) * torch.sigmoid(h)
+    return squash(g @ p["v"])
+
+
+def test_a_term_taken_inside_an_autocast_region_keeps_the_ops_precision():
+    params, index = {"w": W.float(), "v": V.float()}, {"w": torch.arange(12), "v": torch.arange(8)}
+    expected = dense_sub_hessian(autocast_region, {"w": W, "v": V}, index)
+    got = pyhvp.sub_hessian(autocast_region, params, index, joint=True, method="forward")
+    assert (got.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
 def test_a_chain_of_pointwise_ops_pushes_each_into_the_tangents_before(monkeypatch):
     """Four tanh in a row make no more buffers than one: each pushes into its input's
     tangents, which the push before made in place (marked as another's, every other one made

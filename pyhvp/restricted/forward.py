@@ -57,7 +57,8 @@ against autograd's gradient at the selected entries.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
 from itertools import accumulate, combinations, pairwise
 from typing import Any, cast
 
@@ -728,7 +729,8 @@ class Tangents(TorchFunctionMode):
         adjoints = [self.first.adjoints.get((call, j)) for j in range(len(node.outputs))]
         if all(a is None for a in adjoints):  # no output reaches the loss
             return
-        terms = _second_order(node, adjoints, self.sizes, curvatures)
+        with _apart_from_the_loss(self.hessian.device):
+            terms = _second_order(node, adjoints, self.sizes, curvatures)
         if terms is None:  # the op has no second derivative
             return
         for group, block in zip(node.groups, terms, strict=True):
@@ -919,6 +921,23 @@ class Tangents(TorchFunctionMode):
                     start = sum(self.sizes[g] for g in stream.groups[: stream.groups.index(group)])
                     parts.append(stream.tangents[start : start + self.sizes[group]])
         return torch.cat(parts)
+
+
+@contextmanager
+def _apart_from_the_loss(device: torch.device) -> Iterator[None]:
+    """The loss's own contexts set aside for a term, which is taken inside the loss's run (once
+    after it): an autocast region's precision (bfloat16's Gram matrices, 0.15 off where the
+    entries reach 42, against 1.5e-5 outside it) and its saved-tensor hooks (a checkpoint's,
+    which the term's own reverse passes tripped)."""
+    with ExitStack() as stack:
+        if torch.amp.is_autocast_available(device.type):
+            stack.enter_context(torch.autocast(device.type, enabled=False))
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_itself, _itself))
+        yield
+
+
+def _itself(value: Any) -> Any:
+    return value
 
 
 def _memory(tensor: Tensor) -> int:
