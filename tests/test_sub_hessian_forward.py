@@ -663,6 +663,8 @@ REFUSED = {  # a loss the route cannot follow as autograd does, and what the ref
     "a gradient penalty (torch.autograd.grad inside the loss)": (lambda p: (lambda x: (
         lambda y: y + torch.autograd.grad(y, x, create_graph=True)[0].pow(2).sum())(
         squash(torch.tanh(p["w"] @ x))))(V.clone().requires_grad_()), "derivative inside"),
+    "the loss's own vmap over its data": (lambda p: torch.func.vmap(
+        lambda column: torch.tanh(p["w"] @ column).pow(2).sum())(V.T).sum(), "did not see"),
     "put writing one position twice": (lambda p: squash(torch.zeros(16, dtype=W.dtype).put(
         torch.tensor([0, 5, -16, 7, 1, 2, 3, 4, 6, 8, 9, 10]), (p["w"] - W).reshape(-1))
         .view(4, 4) @ V), "one position twice"),

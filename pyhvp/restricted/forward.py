@@ -655,12 +655,22 @@ class Tangents(TorchFunctionMode):
         for i in carrying:
             seed = self._seed(leaves[i])  # (asking of() for its stream would make its one-hot)
             held += self.of(leaves[i]) if seed is None else [seed.stream]
-        memory = {_memory(s.dense): s for s in held if s is not None and s.dense is not None
-                  and not any(s.dense is t for t in handed)}  # fmt: skip
+        memory: dict[int, Stream] = {}
+        for stream in held:
+            if stream is None or stream.dense is None or any(stream.dense is t for t in handed):
+                continue
+            where = _memory(stream.dense)
+            if where is None:
+                stream.shared = True
+            else:
+                memory[where] = stream
         for stream in (s for streams in pushed for s in streams if s.dense is not None):
             assert stream.dense is not None
-            lent = memory.get(_memory(stream.dense))
-            if lent is not None:
+            where = _memory(stream.dense)
+            lent = None if where is None else memory.get(where)
+            if where is None:
+                stream.shared = True
+            elif lent is not None:
                 stream.shared = lent.shared = True
 
     def _spent(self, value: Any, groups: tuple[int, ...], call: int) -> Tensor | None:
@@ -940,8 +950,14 @@ def _itself(value: Any) -> Any:
     return value
 
 
-def _memory(tensor: Tensor) -> int:
-    return tensor.untyped_storage().data_ptr()
+def _memory(tensor: Tensor) -> int | None:
+    """Where ``tensor``'s memory starts; None where torch hides it (a tangent of a value inside
+    the loss's own ``vmap``: "Cannot access storage of BatchedTensorImpl", where the route
+    refused such a loss by name before)."""
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (NotImplementedError, RuntimeError):
+        return None
 
 
 def _called(functions: Sequence[Callable[..., Any]], call: int) -> str:
