@@ -409,9 +409,8 @@ class FirstRun(TorchFunctionMode):
         """By (call, position) of each output depending on a selected tensor: the last call
         taking it (the call itself where none does)."""
         self.adjoints: dict[tuple[int, int], Tensor] = {}
-        self.prints: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
-        """By the same keys: each output weighed by its adjoint (:func:`_weighed`), and the
-        bound on that sum its rounding scales with."""
+        self.values: dict[tuple[int, int], Tensor] = {}
+        """By the same keys: each output with an adjoint, for :meth:`Tangents._weigh`."""
         self._reached: dict[int, tuple[Tensor, tuple[int, int] | None]] = {
             id(t): (t, None) for t in selected
         }
@@ -460,9 +459,7 @@ class FirstRun(TorchFunctionMode):
         found = torch.autograd.grad(loss, [v for _, v in outputs] + list(selected),
                                     allow_unused=True)  # fmt: skip
         self.adjoints = {at: a for (at, _), a in zip(outputs, found, strict=False) if a is not None}
-        with torch.no_grad():
-            self.prints = {at: (_weighed(a, v), _norm(a) * _norm(v.detach())) for at, v in outputs
-                           if (a := self.adjoints.get(at)) is not None}  # fmt: skip
+        self.values = {at: v.detach() for at, v in outputs if at in self.adjoints}
         return list(found[len(outputs) :])
 
 
@@ -484,9 +481,10 @@ class Tangents(TorchFunctionMode):
         self.calls = 0
         self._dead: dict[int, list[tuple[int, list[Stream]]]] = {}  # by the call last using them
         self._last: dict[int, int] = {}  # by a value's id: the call last using its streams
-        self.weighed: list[tuple[tuple[int, int], Tensor]] = []
-        """Each output the terms meet, weighed by its adjoint (:func:`_weighed`), by (call,
-        position): compared with the first run's once, at the end (:meth:`strayed`)."""
+        self.weighed: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor]] = {}
+        """By (call, position), each output a term meets weighed by its adjoint (:func:`_weighed`)
+        in this run and the first, and the bound its rounding scales with: compared once, at
+        the end (:meth:`strayed`)."""
 
     def span(self, group: int) -> slice:
         """The rows (and columns) of ``group``'s entries in the ``(K, K)`` result."""
@@ -698,6 +696,7 @@ class Tangents(TorchFunctionMode):
         if call:
             for position in range(len(self.first.shapes[call - 1])):
                 self.first.adjoints.pop((call - 1, position), None)
+                self.first.values.pop((call - 1, position), None)
         functions = self.first.functions
         if call >= len(functions) or functions[call] != func:
             raise NotForward(f"the loss called {describe(func)} where its first run called "
@@ -707,24 +706,30 @@ class Tangents(TorchFunctionMode):
 
     def _check_outputs(self, func: Callable[..., Any], call: int, outputs: Sequence[Tensor]
                        ) -> None:  # fmt: skip
-        """Refuses outputs of other shapes than the first run's; weighs each by its adjoint,
-        which the terms meet, for :meth:`strayed`."""
         if [v.shape for v in outputs] != self.first.shapes[call]:
             raise NotForward(f"{describe(func)} made values of other shapes than in the loss's "
                              "first run: the route runs the loss twice, and needs the same "
                              "values each time")  # fmt: skip
+
+    def _weigh(self, call: int, outputs: Sequence[Tensor]) -> None:
+        """Weighs each output of a term's op by its adjoint in this run and the first, for
+        :meth:`strayed` (the outputs of an op without a term need not agree)."""
         with torch.no_grad():
             for position, value in enumerate(outputs):
                 adjoint = self.first.adjoints.get((call, position))
-                if adjoint is not None:  # (else no term reads it)
-                    self.weighed.append(((call, position), _weighed(adjoint, value)))
+                first = self.first.values.get((call, position))
+                if adjoint is None or first is None or (call, position) in self.weighed:
+                    continue
+                scale = _norm(adjoint) * _norm(first)
+                self.weighed[call, position] = (_weighed(adjoint, value),
+                                                _weighed(adjoint, first), scale)  # fmt: skip
 
     def strayed(self) -> bool:
         """Whether an output weighed by its adjoint differs from the first run's beyond
         rounding: compared once per dtype, not per call (a CUDA sync each)."""
         by_dtype: dict[torch.dtype, list[tuple[Tensor, Tensor, Tensor]]] = {}
-        for at, got in self.weighed:
-            by_dtype.setdefault(got.dtype, []).append((got, *self.first.prints[at]))
+        for got, expected, scale in self.weighed.values():
+            by_dtype.setdefault(got.dtype, []).append((got, expected, scale))
         for dtype, rows in by_dtype.items():
             got, expected, scale = (torch.stack(column) for column in zip(*rows, strict=True))
             tolerance = _TOLERANCE.get(dtype, 0.1) * 1e-2
@@ -739,6 +744,7 @@ class Tangents(TorchFunctionMode):
         adjoints = [self.first.adjoints.get((call, j)) for j in range(len(node.outputs))]
         if all(a is None for a in adjoints):  # no output reaches the loss
             return
+        self._weigh(call, node.outputs)
         with _apart_from_the_loss(self.hessian.device):
             terms = _second_order(node, adjoints, self.sizes, curvatures)
         if terms is None:  # the op has no second derivative
