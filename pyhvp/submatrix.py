@@ -14,15 +14,16 @@ Three routes: two taken per selected tensor by a cost model, the third for every
   of the route, then per tensor a batched second pass that differentiates towards that tensor
   only, of whose columns ``H e_j`` only the selected rows are kept. Cost: one full Hessian-vector
   product per selected component; ``joint=True`` pushes all selected tensors as one vector.
-* **forward** (:mod:`pyhvp.restricted.forward`): the loss run twice, first for every
-  activation's adjoint (one reverse pass), then with every selected entry's tangent pushed
-  forward (entering a contraction by its sparse rule), each nonlinear op's second-order term
-  between the tangents added at its call -- a weighted Gram matrix at ``tanh`` or ``gelu`` --
-  and each value's tangents dropped after their last use. A direction costs a forward push,
-  never a reverse pass; the pairwise terms cost ``k^2`` per op. It runs eagerly, takes every
-  component of a tensor at once and holds the tangents of the values alive at once (``k`` times
-  those activations); per tensor, in passes of tensors whose tangents fit
-  ``routes.FORWARD_TANGENTS``.
+* **forward** (:mod:`pyhvp.restricted.forward`): every selected entry's tangent pushed forward
+  through the loss (entering a contraction by its sparse rule), every activation's adjoint by
+  one reverse pass, and per nonlinear op its second-order term between the tangents -- a
+  weighted Gram matrix at ``tanh`` or ``gelu``. A direction costs a forward push, never a
+  reverse pass; the pairwise terms cost ``k^2`` per op. It runs eagerly and takes every
+  component of a tensor at once, per tensor in passes of tensors whose tangents fit
+  ``routes.FORWARD_TANGENTS``. A pass of few tangents holds every activation's (``k`` times the
+  activations) to its reverse pass at the end; one of ``routes.TWICE_FROM`` or more runs the loss
+  twice, the reverse pass first, adding each term at its op's call and dropping each value's
+  tangents after their last use (``k`` times the activations alive at once).
 
 Cost model (``method="auto"``, :mod:`pyhvp.restricted.routes`): one survey of the loss (cached
 per call signature) learns how each selected tensor enters each op, the work downstream of it
@@ -938,7 +939,8 @@ def _choose_routes(
     plans = [(MODEL, chosen)]
     if method == "forward":  # in passes within the bound where it fits, else in one
         passes = routes.forward_passes(found, sizes, joint, together)
-        plans = [(FORWARD, routes.forward_alone(chosen, passes or (tuple(range(len(sizes))),)))]
+        passes = passes or (tuple(range(len(sizes))),)
+        plans = [(FORWARD, routes.forward_alone(chosen, passes, found, sizes, joint))]
     # compile="auto" compiles a plan's kernels once its eager time pays for that: a trial settled
     # on eager times would keep the loop where the compiled routes would beat it later
     if auto and backend.compile != "auto":
@@ -994,7 +996,7 @@ def _alternatives(
                       routes.reverse_alone(found, sizes, joint, model, loop=False)))  # fmt: skip
     passes = routes.forward_passes(found, sizes, joint, together) if forward else None
     if passes is not None:
-        plans.append((FORWARD, routes.forward_alone(model, passes)))
+        plans.append((FORWARD, routes.forward_alone(model, passes, found, sizes, joint)))
     if model.instead is not None:  # the model's forward route, against what it replaced
         plans.append((MODEL_INSTEAD, model.instead))
     kept = [(MODEL, model)]
@@ -1325,9 +1327,10 @@ def _sparse_parts(
     one run of ``draws``."""
     parts: list[tuple[Sequence[int], torch.Tensor]] = []
     if chosen.forward:
-        for group in chosen.groups:
+        for i, group in enumerate(chosen.groups):
             draws.begin()
-            parts.append((group, _forward_pass(plan, group, batch_values, spec, draws)))
+            twice = i in chosen.twice
+            parts.append((group, _forward_pass(plan, group, batch_values, spec, draws, twice)))
         return parts
     for group in chosen.groups:
         draws.begin()
@@ -1342,9 +1345,10 @@ def _forward_pass(
     batch_values: list[Any],
     spec: Any,
     draws: random_states.Repeated,
+    twice: bool,
 ) -> torch.Tensor:
     """One batch's ``(K_g, K_g)`` over the selected entries of the tensors of ``group``, by the
-    forward-tangent route (joint where the result is one matrix; else its diagonal blocks),
+    forward-tangent route (``twice``: running the loss twice) (joint where the result is one matrix; else its diagonal blocks),
     outside inference mode (its reverse pass is autograd's: inside, it saw no graph and gave
     zeros)."""
     loss, others = _group_loss(plan, group, spec)
@@ -1353,7 +1357,7 @@ def _forward_pass(
     with torch.inference_mode(False):
         tensors = [cast(torch.Tensor, t) for t in _normal(tuple(plan.tensors[i] for i in group))]
         return forward_hessian(loss, tensors, flats, joint, *_normal((*others, *batch_values)),
-                               again=draws.begin)  # fmt: skip
+                               twice=twice, again=draws.begin)  # fmt: skip
 
 
 def _group_loss(

@@ -30,6 +30,20 @@ def per_tensor(expected, index):
     return blocks
 
 
+RUNS = {"the loss run once": 1 << 62, "run twice": 0}
+"""routes.TWICE_FROM: every spec runs both ways, but those of the two runs alone (``twice``)."""
+
+
+def pytest_generate_tests(metafunc):
+    if metafunc.definition.get_closest_marker("twice") is None:
+        metafunc.parametrize("runs", RUNS.values(), ids=RUNS.keys(), indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def runs(request, monkeypatch):
+    monkeypatch.setattr(routes, "TWICE_FROM", getattr(request, "param", 0))
+
+
 CONVENTIONS = {"embedding, scale_grad_by_freq (autograd's derivative, taken densely)"}
 """Op cases whose reference is autograd's convention, not the op's derivative: refused (below)."""
 
@@ -705,6 +719,7 @@ SPENT_TANGENTS = {  # a pointwise op at its input's last use may push into its i
 }  # fmt: skip
 
 
+@pytest.mark.twice
 @pytest.mark.parametrize("loss", SPENT_TANGENTS.values(), ids=SPENT_TANGENTS.keys())
 def test_tangents_a_push_overwrites_are_read_by_nothing_after(loss):
     assert_forward_equals_dense(loss)
@@ -740,6 +755,7 @@ def test_a_term_taken_inside_an_autocast_region_keeps_the_ops_precision():
     assert (got.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
 
 
+@pytest.mark.twice
 def test_a_chain_of_pointwise_ops_pushes_each_into_the_tangents_before(monkeypatch):
     """Four tanh in a row make no more buffers than one: each pushes into its input's
     tangents, which the push before made in place (marked as another's, every other one made
@@ -770,6 +786,7 @@ def test_a_chain_of_pointwise_ops_pushes_each_into_the_tangents_before(monkeypat
     assert made[1] == made[0], made
 
 
+@pytest.mark.twice
 def test_the_route_holds_a_values_tangents_only_until_their_last_use(monkeypatch):
     """Of a 30-layer tanh MLP, a few values' streams at a time, not every layer's."""
     held, next_call = [], forward.Tangents._next_call
@@ -794,11 +811,29 @@ def test_the_route_holds_a_values_tangents_only_until_their_last_use(monkeypatch
     assert max(held) <= 3, held
 
 
+@pytest.mark.twice
+def test_a_pass_of_many_tangents_runs_the_loss_twice_and_one_of_few_once(monkeypatch):
+    """routes.TWICE_FROM tangent elements, as the survey counts them, decide."""
+    index, runs = {"w": torch.tensor([0, 11, 5, 0])}, {}
+    for bound in (1 << 62, 0):
+        calls = []
+
+        def counted(p, calls=calls):  # (a loss of its own: the plan is kept per loss)
+            calls.append(None)
+            return squash(torch.tanh(p["w"] @ V))
+
+        monkeypatch.setattr(routes, "TWICE_FROM", bound)
+        pyhvp.sub_hessian(counted, {"w": W}, index, method="forward")
+        runs[bound] = len(calls)
+    assert runs[0] == runs[1 << 62] + 1, runs
+
+
 def noisy_inputs(p):
     """Data augmented inside the loss: a draw the selected tensors never reach."""
     return squash(torch.tanh(p["w"] @ (V + 0.1 * torch.randn_like(V))))
 
 
+@pytest.mark.twice
 def test_a_loss_drawing_random_numbers_draws_the_same_in_both_its_runs():
     """The route runs the loss twice (the first for every value's adjoint): the second draws
     what the first did, as the seed's one run would."""
@@ -833,6 +868,7 @@ DIFFERING_RUNS = {  # losses whose second run differs from the first; what the r
 }  # fmt: skip
 
 
+@pytest.mark.twice
 @pytest.mark.parametrize(("loss", "named"), DIFFERING_RUNS.values(), ids=DIFFERING_RUNS.keys())
 def test_a_loss_differing_between_its_two_runs_is_refused(loss, named):
     index = {"w": torch.tensor([0, 11, 5, 0])}

@@ -19,14 +19,18 @@ shifted input slice, an input column), never a product with a one-hot tensor. A 
 costs its tangent's forward push, never a reverse pass through the network: LeNet-5 at k = 16
 per tensor, 0.3x the seed's loop (``benchmarks/bench_sub_hessian.py``). The price is the
 pairwise terms, ``k^2`` per op, which outgrow the push at many components, and memory: ``k``
-times the activations alive at once.
+times the activations.
 
-The loss runs twice. Its first run (:class:`FirstRun`) records its torch calls, the call that
-uses each value last, and by one reverse pass every value's adjoint; the second pushes the
-tangents, adds each op's term at its call and drops each value's tangents after their last use.
-Held to one reverse pass at the end instead, every tangent stayed alive: a transformer block at
-k = 16 per tensor held 209 MB, which glibc faulted in again on every call (229 ms a call, 199
-with the two runs). A pointwise op at its input's last use pushes into that input's tangents,
+Where its tangents are few, the loss runs once under the mode, which keeps each op's term for
+one reverse pass at the end, every value's tangents held to it. Where they are many
+(:data:`~pyhvp.restricted.routes.TWICE_FROM`), it runs twice: the first run
+(:class:`FirstRun`) records its torch calls, the call that uses each value last, and by one
+reverse pass every value's adjoint; the second pushes the tangents, adds each op's term at its
+call and drops each value's tangents after their last use, holding only those of the values
+alive at once. Held to the end, a transformer block's at k = 16 per tensor came to 209 MB,
+which glibc faulted in again on every call (229 ms a call, 199 with the two runs); on a small
+loss the extra run costs more than it saves (LeNet-5 at k = 2: 0.75x the seed's loop against
+0.60x). In the second run a pointwise op at its input's last use pushes into that input's tangents,
 where nothing else holds them (:meth:`Tangents._spent`): its GELU no longer makes a 48 MB
 buffer, which glibc maps afresh on every call (199 ms to 187). A second run that calls other
 torch functions, gives another loss, or other values where the terms meet the first run's
@@ -397,7 +401,7 @@ class FirstRun(TorchFunctionMode):
     shapes of its floating outputs, and for each output that depends on a selected tensor the
     call that uses it last and (:meth:`reverse`) its adjoint. With them the second run, under
     :class:`Tangents`, adds each op's term at its call and drops each value's tangents after
-    their last use, where holding every tangent to one reverse pass at the end held ``k``
+    their last use, where holding every tangent to one reverse pass at the end holds ``k``
     times every activation (a transformer block at k = 16 per tensor: 209 MB, faulted in again
     on every call, 85 of its 229 ms)."""
 
@@ -467,7 +471,7 @@ class Tangents(TorchFunctionMode):
     """Pushes the streams of every value the loss computes from the :class:`Seed` s (by ``id``,
     the very object), recording the ops with a second-order term (:class:`_Node`)."""
 
-    def __init__(self, seeds: Sequence[Seed], sizes: Sequence[int], first: FirstRun,
+    def __init__(self, seeds: Sequence[Seed], sizes: Sequence[int], first: FirstRun | None,
                  hessian: Tensor) -> None:  # fmt: skip
         super().__init__()
         self.seeds = {id(seed.tensor): seed for seed in seeds}
@@ -476,8 +480,11 @@ class Tangents(TorchFunctionMode):
         self.sizes = list(sizes)
         self.starts = list(accumulate(sizes, initial=0))
         self.first = first
+        """The loss's first run, where it runs twice; else (None) the terms wait for one
+        reverse pass at the end (:attr:`deferred`), every value's tangents held to it."""
         self.hessian = hessian
         """The terms so far, each added at its op's call (its adjoints the first run's)."""
+        self.deferred: list[_Node] = []
         self.calls = 0
         self._dead: dict[int, list[tuple[int, list[Stream]]]] = {}  # by the call last using them
         self._last: dict[int, int] = {}  # by a value's id: the call last using its streams
@@ -629,12 +636,14 @@ class Tangents(TorchFunctionMode):
                 streams.append(Stream(groups, tangent))
         if by_rule:
             pushed[0].append(_one_stream(by_rule, outputs[0]))
-        self._mark_shared(leaves, carrying, pushed, handed)
-        for position, (value, streams) in enumerate(zip(outputs, pushed, strict=True)):
-            last = self.first.last.get((call, position), call)
+        for value, streams in zip(outputs, pushed, strict=True):
             self.streams[id(value)] = (value, streams)
-            self._last[id(value)] = last
-            self._dead.setdefault(last, []).append((id(value), streams))
+        if self.first is not None:  # the values' last uses known: pushes may overwrite
+            self._mark_shared(leaves, carrying, pushed, handed)
+            for position, (value, streams) in enumerate(zip(outputs, pushed, strict=True)):
+                last = self.first.last.get((call, position), call)
+                self._last[id(value)] = last
+                self._dead.setdefault(last, []).append((id(value), streams))
         return out
 
     def _mark_shared(
@@ -690,6 +699,8 @@ class Tangents(TorchFunctionMode):
         k = 16 per tensor, 209 MB held to the end before, at most 104 live now)."""
         call = self.calls
         self.calls += 1
+        if self.first is None:
+            return call
         for key, streams in self._dead.pop(call - 1, ()):
             if self.streams.get(key, (None, None))[1] is streams:  # (not a later value's)
                 del self.streams[key], self._last[key]
@@ -706,18 +717,18 @@ class Tangents(TorchFunctionMode):
 
     def _check_outputs(self, func: Callable[..., Any], call: int, outputs: Sequence[Tensor]
                        ) -> None:  # fmt: skip
-        if [v.shape for v in outputs] != self.first.shapes[call]:
+        if self.first is not None and [v.shape for v in outputs] != self.first.shapes[call]:
             raise NotForward(f"{describe(func)} made values of other shapes than in the loss's "
                              "first run: the route runs the loss twice, and needs the same "
                              "values each time")  # fmt: skip
 
-    def _weigh(self, call: int, outputs: Sequence[Tensor]) -> None:
-        """Weighs each output of a term's op by its adjoint in this run and the first, for
-        :meth:`strayed` (the outputs of an op without a term need not agree)."""
+    def _weigh(self, run: FirstRun, call: int, outputs: Sequence[Tensor]) -> None:
+        """Weighs each output of a term's op by its adjoint in this run and the ``run`` before,
+        for :meth:`strayed` (the outputs of an op without a term need not agree)."""
         with torch.no_grad():
             for position, value in enumerate(outputs):
-                adjoint = self.first.adjoints.get((call, position))
-                first = self.first.values.get((call, position))
+                adjoint = run.adjoints.get((call, position))
+                first = run.values.get((call, position))
                 if adjoint is None or first is None or (call, position) in self.weighed:
                     continue
                 scale = _norm(adjoint) * _norm(first)
@@ -740,13 +751,29 @@ class Tangents(TorchFunctionMode):
         return False
 
     def _add_term(self, call: int, node: _Node, curvatures: dict[int, Tensor | None]) -> None:
-        """Adds ``node``'s term to :attr:`hessian`, its outputs' adjoints the first run's."""
-        adjoints = [self.first.adjoints.get((call, j)) for j in range(len(node.outputs))]
-        if all(a is None for a in adjoints):  # no output reaches the loss
+        """Adds ``node``'s term to :attr:`hessian`, its outputs' adjoints the first run's; or,
+        where the loss runs once, keeps it for :meth:`add_deferred`."""
+        if self.first is None:
+            self.deferred.append(node)
             return
-        self._weigh(call, node.outputs)
-        with _apart_from_the_loss(self.hessian.device):
-            terms = _second_order(node, adjoints, self.sizes, curvatures)
+        adjoints = [self.first.adjoints.get((call, j)) for j in range(len(node.outputs))]
+        if any(a is not None for a in adjoints):  # (else no output reaches the loss)
+            self._weigh(self.first, call, node.outputs)
+            with _apart_from_the_loss(self.hessian.device):
+                self._add(node, adjoints, curvatures)
+
+    def add_deferred(self, adjoints: Mapping[int, Tensor]) -> None:
+        """Adds the terms kept for the end, ``adjoints`` of their outputs by ``id``."""
+        curvatures: dict[int, Tensor | None] = {}  # (every node alive: their ids unique)
+        for node in self.deferred:
+            found = [adjoints.get(id(o)) for o in node.outputs]
+            if any(a is not None for a in found):
+                self._add(node, found, curvatures)
+
+    def _add(
+        self, node: _Node, adjoints: Sequence[Tensor | None], curvatures: dict[int, Tensor | None]
+    ) -> None:
+        terms = _second_order(node, adjoints, self.sizes, curvatures)
         if terms is None:  # the op has no second derivative
             return
         for group, block in zip(node.groups, terms, strict=True):
@@ -1326,13 +1353,15 @@ def forward_hessian(
     flats: Sequence[Tensor],
     joint: bool,
     *args: Any,
+    twice: bool = False,
     again: Callable[[], None] = lambda: None,
 ) -> Tensor:
     """``(K, K)`` Hessian of ``loss(*tensors, *args)`` over the entries ``flats`` of ``tensors``
     (``K`` in all, unsymmetrised): joint, or (``joint=False``) its diagonal blocks, one per
     tensor, and zeros between them. Raises :class:`NotForward` where the route does not apply.
-    The tensors share one dtype and device. The loss runs twice (:class:`FirstRun`), ``again()``
-    between the runs: it puts back the random state and whatever else the first run changed."""
+    The tensors share one dtype and device. ``twice``: the loss runs twice (:class:`FirstRun`),
+    ``again()`` between the runs, which puts back the random state and whatever else the first
+    run changed; else once, holding every value's tangents to one reverse pass at the end."""
     sizes = [len(flat) for flat in flats]
     total = sum(sizes)
     dtype = tensors[0].dtype
@@ -1348,30 +1377,25 @@ def forward_hessian(
         elif sizes[i]:  # a tensor without selected entries carries no tangents
             seeds.append(Seed(leaf, i, sizes[i], flat, coords))
         offset += sizes[i]
-    first = FirstRun(leaves)
     hessian = leaves[0].new_zeros(total, total).detach()
     with torch.enable_grad():
-        with first:
-            expected = loss(*leaves, *args)
-        if not expected.requires_grad:  # no selected tensor reaches the loss
-            return hessian
-        gradients = first.reverse(expected, leaves)
-        again()
+        first = FirstRun(leaves) if twice else None
+        if first is not None:
+            with first:
+                expected = loss(*leaves, *args)
+            if not expected.requires_grad:  # no selected tensor reaches the loss
+                return hessian
+            gradients = first.reverse(expected, leaves)
+            again()
         mode = Tangents(seeds, [total] if joint else sizes, first, hessian)
         with mode:
             value = loss(*leaves, *args)
-    if mode.calls != len(first.functions):
-        raise NotForward(f"the loss made {mode.calls} torch calls where its first run made "
-                         f"{len(first.functions)}: the route runs the loss twice, and needs "
-                         "the same torch calls each time")  # fmt: skip
-    if mode.strayed():
-        raise NotForward("the loss computed other values on its second run (a draw it cannot "
-                         "repeat, as NumPy's), whose terms would meet the first run's "
-                         "adjoints: the route runs the loss twice, and "
-                         "needs the same values each time")  # fmt: skip
-    if not _same_value(value.detach(), expected.detach()):
-        raise NotForward("the loss gave another value on its second run: the route runs the "
-                         "loss twice, and needs the same value each time")  # fmt: skip
+        if first is None:
+            if not value.requires_grad:
+                return hessian
+            gradients = _take_deferred(mode, value, leaves)
+    if first is not None:
+        _compare_runs(mode, first, value, expected)
     if not mode.of(value) and value.grad_fn is not None and mode.reaches_a_seed(value.grad_fn):
         raise NotForward("the loss is made by an op pyhvp's mode did not see (a custom "
                          "autograd.Function, TorchScript) from a selected tensor")  # fmt: skip
@@ -1393,6 +1417,33 @@ def _weighed(adjoint: Tensor, value: Tensor) -> Tensor:
     NumPy's generator, which no run puts back: the same loss, each row's adjoint meeting
     another row's activations, 20 off)."""
     return adjoint.reshape(-1) @ value.detach().reshape(-1)
+
+
+def _take_deferred(mode: Tangents, value: Tensor, leaves: Sequence[Tensor]
+                   ) -> list[Tensor | None]:  # fmt: skip
+    """Adds the terms of a loss run once, by one reverse pass for their outputs' adjoints;
+    returns the gradient of each of ``leaves`` (None: unused)."""
+    unique = {id(o): o for node in mode.deferred for o in node.outputs if o.requires_grad}
+    outputs = list(unique.values())
+    found = torch.autograd.grad(value, [*outputs, *leaves], allow_unused=True)
+    mode.add_deferred({id(o): a for o, a in zip(outputs, found, strict=False) if a is not None})
+    return list(found[len(outputs) :])
+
+
+def _compare_runs(mode: Tangents, first: FirstRun, value: Tensor, expected: Tensor) -> None:
+    """Raise :class:`NotForward` where the loss's second run differs from its first."""
+    if mode.calls != len(first.functions):
+        raise NotForward(f"the loss made {mode.calls} torch calls where its first run made "
+                         f"{len(first.functions)}: the route runs the loss twice, and needs "
+                         "the same torch calls each time")  # fmt: skip
+    if mode.strayed():
+        raise NotForward("the loss computed other values on its second run (a draw it cannot "
+                         "repeat, as NumPy's), whose terms would meet the first run's "
+                         "adjoints: the route runs the loss twice, and "
+                         "needs the same values each time")  # fmt: skip
+    if not _same_value(value.detach(), expected.detach()):
+        raise NotForward("the loss gave another value on its second run: the route runs the "
+                         "loss twice, and needs the same value each time")  # fmt: skip
 
 
 def _same_value(value: Tensor, expected: Tensor) -> bool:

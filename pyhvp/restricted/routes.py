@@ -788,6 +788,9 @@ class Routes:
     instead: Routes | None = None
     """For the cost model's forward route, the routes it chose otherwise: they serve where the
     forward route fails on this loss."""
+    twice: frozenset[int] = frozenset()
+    """Of the forward route's passes (by index into :attr:`groups`), those that run the loss
+    twice (:data:`TWICE_FROM`)."""
 
 
 def choose(
@@ -823,7 +826,8 @@ def choose(
         if compiles_later and not compiled:
             rival = min(rival, choose(found, sizes, joint, True, reverse, together, loop).cost)
         if cost < FORWARD_MARGIN * rival:
-            return dataclasses.replace(forward_alone(best, passes), cost=cost, instead=best)
+            alone = forward_alone(best, passes, found, sizes, joint)
+            return dataclasses.replace(alone, cost=cost, instead=best)
     return best
 
 
@@ -904,12 +908,41 @@ def forward_cost(found: Survey, sizes: Sequence[int], joint: bool, passes: int =
     return cost
 
 
-def forward_alone(model: Routes, passes: Sequence[tuple[int, ...]]) -> Routes:
+def forward_alone(
+    model: Routes,
+    passes: Sequence[tuple[int, ...]],
+    found: Survey,
+    sizes: Sequence[int],
+    joint: bool,
+) -> Routes:
     """Every selected tensor by the forward-tangent route, one pass per tuple of ``passes``
-    (together, the indices of every selected tensor)."""
+    (together, the indices of every selected tensor), those of :data:`TWICE_FROM` tangents or
+    more running the loss twice."""
+    twice = frozenset(i for i, members in enumerate(passes)
+                      if _pass_tangents(found, sizes, joint, members) >= TWICE_FROM)  # fmt: skip
     return dataclasses.replace(
         model, groups=tuple(passes), reverse=(), eager_only=frozenset(), chunk=None,
-        loop=False, forward=True, instead=None)  # fmt: skip
+        loop=False, forward=True, instead=None, twice=twice)  # fmt: skip
+
+
+TWICE_FROM = 1 << 24
+"""Tangent elements of a forward pass (as :data:`FORWARD_TANGENTS` counts them) from which it
+runs the loss twice, adjoints first, each op's term added at its call and each value's
+tangents dropped after their last use; below, once, every value's tangents held to one reverse
+pass at the end. The second run pays where glibc would fault the tangents in afresh on every
+call (the transformer block at k = 16 per tensor, 6.9e7: 0.46x the seed's loop against
+0.45-0.60x; at k = 128, 0.68x against 0.78x); below, the extra run costs more than it saves
+(LeNet-5 at k = 2, 2.3e6: 0.75x against 0.60x; at k = 16, 1.4e7, the same either way; the text
+classifier at k = 16, 3.4e5: 0.37x against 0.28x)."""
+
+
+def _pass_tangents(found: Survey, sizes: Sequence[int], joint: bool, members: Sequence[int]
+                   ) -> int:  # fmt: skip
+    """Tangent elements a forward pass of ``members`` holds, at most (:attr:`Usage.held`)."""
+    if joint:
+        return sum(sizes[i] for i in members) * max((found.usage[i].held for i in members),
+                                                    default=0)  # fmt: skip
+    return sum(sizes[i] * found.usage[i].held for i in members)
 
 
 def forward_passes(
@@ -927,10 +960,10 @@ def forward_passes(
     if found.forward_refusal is not None:
         return None
     if joint:
-        held = max((u.held for u in found.usage), default=0)
-        fits = sum(sizes) * held <= FORWARD_TANGENTS and together(range(len(sizes)))
-        return (tuple(range(len(sizes))),) if fits else None
-    counts = [k * u.held for k, u in zip(sizes, found.usage, strict=True)]
+        every = range(len(sizes))
+        fits = _pass_tangents(found, sizes, True, every) <= FORWARD_TANGENTS and together(every)
+        return (tuple(every),) if fits else None
+    counts = [_pass_tangents(found, sizes, False, [i]) for i in range(len(sizes))]
     if max(counts, default=0) > FORWARD_TANGENTS:
         return None
     passes: list[list[int]] = []
