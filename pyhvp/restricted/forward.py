@@ -469,7 +469,8 @@ class FirstRun(TorchFunctionMode):
 
 class Tangents(TorchFunctionMode):
     """Pushes the streams of every value the loss computes from the :class:`Seed` s (by ``id``,
-    the very object), recording the ops with a second-order term (:class:`_Node`)."""
+    the very object), adding the term of each op with one (:class:`_Node`) at its call, with
+    the :class:`FirstRun`'s adjoints, or keeping it for one reverse pass at the end."""
 
     def __init__(self, seeds: Sequence[Seed], sizes: Sequence[int], first: FirstRun | None,
                  hessian: Tensor) -> None:  # fmt: skip
@@ -483,7 +484,7 @@ class Tangents(TorchFunctionMode):
         """The loss's first run, where it runs twice; else (None) the terms wait for one
         reverse pass at the end (:attr:`deferred`), every value's tangents held to it."""
         self.hessian = hessian
-        """The terms so far, each added at its op's call (its adjoints the first run's)."""
+        """The terms added so far (:meth:`_add_term`, :meth:`add_deferred`)."""
         self.deferred: list[_Node] = []
         self.calls = 0
         self._dead: dict[int, list[tuple[int, list[Stream]]]] = {}  # by the call last using them
