@@ -997,6 +997,7 @@ def every_tensor_reverse(
         loop=loop,
         forward=False,
         instead=None,
+        twice=frozenset(),
     )
 
 
