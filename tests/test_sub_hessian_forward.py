@@ -872,6 +872,22 @@ DIFFERING_RUNS = {  # losses whose second run differs from the first; what the r
 
 
 @pytest.mark.twice
+def test_a_loss_near_zero_differing_by_rounding_between_its_runs_is_served():
+    """(Relative to the loss alone, a zero loss's rounding was another value: refused.)"""
+    h = lambda p: squash(torch.tanh(p["w"] @ V))  # noqa: E731
+    zero = changing(lambda odd, _: 1e-16 * odd)  # the first run's loss 1e-16, the second's 0
+
+    def near_zero(p):
+        value = h(p)
+        return value - value.detach() + zero(p)
+
+    index = {"w": torch.tensor([0, 11, 5, 0])}
+    got = pyhvp.sub_hessian(near_zero, {"w": W}, index, method="forward")
+    expected = per_tensor(dense_sub_hessian(h, {"w": W}, index), index)
+    torch.testing.assert_close(got, expected, **F64)
+
+
+@pytest.mark.twice
 @pytest.mark.parametrize(("loss", "named"), DIFFERING_RUNS.values(), ids=DIFFERING_RUNS.keys())
 def test_a_loss_differing_between_its_two_runs_is_refused(loss, named):
     index = {"w": torch.tensor([0, 11, 5, 0])}
