@@ -436,10 +436,10 @@ class FirstRun(TorchFunctionMode):
                 carrying = True
                 if made is not None:
                     self.last[made] = call
-        op = call_kind(func, args, kwargs)
+        carrying = carrying and call_kind(func, args, kwargs) != "constant"
         out = func(*args, **kwargs)
         outputs = [v for v in pytree.tree_leaves(out) if _floating(v)]
-        carrying = carrying and op != "constant" and torch.is_grad_enabled()
+        carrying = carrying and torch.is_grad_enabled()
         if carrying and len(outputs) > 1:  # as Tangents views them
             out = pytree.tree_map(_alias, out)
             outputs = [v for v in pytree.tree_leaves(out) if _floating(v)]
@@ -460,11 +460,12 @@ class FirstRun(TorchFunctionMode):
             self.last[at] = len(self.functions)
         self._reached.clear()
         self._outputs.clear()
-        found = torch.autograd.grad(loss, [v for _, v in outputs] + list(selected),
-                                    allow_unused=True)  # fmt: skip
-        self.adjoints = {at: a for (at, _), a in zip(outputs, found, strict=False) if a is not None}
+        adjoints, gradients = _reverse(loss, [v for _, v in outputs], selected)
+        self.adjoints = {
+            at: a for (at, _), a in zip(outputs, adjoints, strict=True) if a is not None
+        }
         self.values = {at: v.detach() for at, v in outputs if at in self.adjoints}
-        return list(found[len(outputs) :])
+        return gradients
 
 
 class Tangents(TorchFunctionMode):
@@ -742,12 +743,9 @@ class Tangents(TorchFunctionMode):
         by_dtype: dict[torch.dtype, list[tuple[Tensor, Tensor, Tensor]]] = {}
         for got, expected, scale in self.weighed.values():
             by_dtype.setdefault(got.dtype, []).append((got, expected, scale))
-        for dtype, rows in by_dtype.items():
+        for rows in by_dtype.values():
             got, expected, scale = (torch.stack(column) for column in zip(*rows, strict=True))
-            tolerance = _TOLERANCE.get(dtype, 0.1) * 1e-2
-            close = (((got - expected).abs() <= tolerance * scale) | (got == expected)
-                     | (got.isnan() & expected.isnan()))  # fmt: skip
-            if not bool(close.all()):
+            if not _within_rounding(got, expected, scale):
                 return True
         return False
 
@@ -1426,9 +1424,17 @@ def _take_deferred(mode: Tangents, value: Tensor, leaves: Sequence[Tensor]
     returns the gradient of each of ``leaves`` (None: unused)."""
     unique = {id(o): o for node in mode.deferred for o in node.outputs if o.requires_grad}
     outputs = list(unique.values())
-    found = torch.autograd.grad(value, [*outputs, *leaves], allow_unused=True)
-    mode.add_deferred({id(o): a for o, a in zip(outputs, found, strict=False) if a is not None})
-    return list(found[len(outputs) :])
+    adjoints, gradients = _reverse(value, outputs, leaves)
+    mode.add_deferred({id(o): a for o, a in zip(outputs, adjoints, strict=True) if a is not None})
+    return gradients
+
+
+def _reverse(loss: Tensor, outputs: Sequence[Tensor], leaves: Sequence[Tensor]
+             ) -> tuple[list[Tensor | None], list[Tensor | None]]:  # fmt: skip
+    """One reverse pass from ``loss``: the adjoint of each of ``outputs`` and the gradient of
+    each of ``leaves`` (None: unused)."""
+    found = torch.autograd.grad(loss, [*outputs, *leaves], allow_unused=True)
+    return list(found[: len(outputs)]), list(found[len(outputs) :])
 
 
 def _compare_runs(mode: Tangents, first: FirstRun, value: Tensor, expected: Tensor) -> None:
@@ -1452,10 +1458,17 @@ def _same_value(value: Tensor, expected: Tensor) -> bool:
     kernel's atomic sums, in another order; near a zero loss, a few hundred ulps of 1)."""
     if value.shape != expected.shape:
         return False
-    tolerance = _TOLERANCE.get(expected.dtype, 0.1) * 1e-2
     floor = 1e2 * torch.finfo(expected.dtype).eps
-    close = (value - expected).abs() <= tolerance * expected.abs() + floor
-    return bool((close | (value == expected) | (value.isnan() & expected.isnan())).all())
+    return _within_rounding(value, expected, expected.abs(), floor)
+
+
+def _within_rounding(got: Tensor, expected: Tensor, scale: Tensor, floor: float = 0.0) -> bool:
+    """Whether ``got`` is the first run's ``expected`` up to rounding: a hundredth of
+    :data:`_TOLERANCE` relative to ``scale``, plus ``floor`` (equal infinities, and NaN against
+    NaN, too)."""
+    tolerance = _TOLERANCE.get(expected.dtype, 0.1) * 1e-2
+    close = (got - expected).abs() <= tolerance * scale + floor
+    return bool((close | (got == expected) | (got.isnan() & expected.isnan())).all())
 
 
 def _second_order(
