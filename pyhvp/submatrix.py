@@ -1349,8 +1349,8 @@ def _forward_pass(
 ) -> torch.Tensor:
     """One batch's ``(K_g, K_g)`` over the selected entries of the tensors of ``group``, by the
     forward-tangent route (joint where the result is one matrix; else its diagonal blocks;
-    ``twice``: running the loss twice), outside inference mode (its reverse pass is autograd's: inside, it saw no graph and gave
-    zeros)."""
+    ``twice``: running the loss twice), outside inference mode (its reverse pass is autograd's:
+    inside, it saw no graph and gave zeros)."""
     loss, others = _group_loss(plan, group, spec)
     flats = [plan.flats[i] for i in group]
     joint = plan.one_block and len(group) > 1

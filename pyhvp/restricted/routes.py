@@ -850,10 +850,11 @@ its components times the elements of every output downstream of it, :attr:`Usage
 all components times the most any tensor holds): an upper bound for a pass that runs the loss
 twice (:data:`TWICE_FROM`), which holds only the tangents of the values alive at once; a pass
 that runs it once holds every activation's. Per tensor, the tensors are packed into passes
-within it (:func:`forward_passes`); joint, the cross blocks need one pass. The transformer block at k = 128 per tensor counts 4.8e8: in one pass 1.7 GB at
-its peak and 2.5 s, in two passes of at most 2.7e8 1.1 GB and 2.4 s, when a pass held every
-activation's tangents (LeNet-5 at k = 128, 1.2e8: 1.1 GB in one pass; a deep MLP's count grows
-with its depth, where the widest output alone would not)."""
+within it (:func:`forward_passes`); joint, the cross blocks need one pass. The transformer block
+at k = 128 per tensor counts 4.8e8: in one pass 1.7 GB at its peak and 2.5 s, in two passes of
+at most 2.7e8 1.1 GB and 2.4 s, when a pass held every activation's tangents (LeNet-5 at
+k = 128, 1.2e8: 1.1 GB in one pass; a deep MLP's count grows with its depth, where the widest
+output alone would not)."""
 
 
 FORWARD_SETUP = 2_300_000.0
