@@ -653,7 +653,7 @@ class Tangents(TorchFunctionMode):
         leaves: Sequence[Any],
         carrying: Sequence[int],
         pushed: Sequence[list[Stream]],
-        handed: Sequence[Tensor] = (),
+        handed: Sequence[Tensor],
     ) -> None:
         """Marks the streams just pushed that hold the memory of an input's (a view's push,
         an identity's), and those inputs' streams: neither may be overwritten. Not those
