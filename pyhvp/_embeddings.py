@@ -1,4 +1,4 @@
-"""Embeddings that autograd can differentiate twice: :func:`twice_differentiable_embeddings`.
+"""Embeddings that autograd can differentiate twice: :data:`twice_differentiable_embeddings`.
 
 Autograd's first backward of ``embedding(..., sparse=True)`` is a sparse tensor, which a second
 backward cannot take ("reshape is not implemented for sparse tensors"); ``embedding_bag`` has no
@@ -8,12 +8,11 @@ sparse or not. Inside the context both run as ops that have one, with the same v
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import itertools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -59,21 +58,19 @@ def _embedding_bag(*args: Any, **kwargs: Any) -> torch.Tensor:
 _REPLACED = Replacement([(torch, "embedding", _embedding), (F, "embedding_bag", _embedding_bag)])
 
 
-@contextlib.contextmanager
-def twice_differentiable_embeddings() -> Iterator[None]:
-    """Inside, ``F.embedding(..., sparse=True)`` runs as ``sparse=False`` and ``F.embedding_bag``
-    (as ``nn.EmbeddingBag`` calls it) as :func:`embedding_bag_by_embedding`: the same values, and
-    derivatives autograd can differentiate again. ``torch.embedding`` and ``F.embedding_bag`` are
-    replaced while any such context is in progress (:class:`~pyhvp._replacing.Replacement`: a
-    function mode cost every op of the loss, 34% of a forward of 60 ops); a call bound to
-    torch's own function before, or another thread's, is torch's."""
-    with _REPLACED:
-        yield
+twice_differentiable_embeddings = _REPLACED
+"""``with twice_differentiable_embeddings:`` or ``@twice_differentiable_embeddings``: inside,
+``F.embedding(..., sparse=True)`` runs as ``sparse=False`` and ``F.embedding_bag`` (as
+``nn.EmbeddingBag`` calls it) as :func:`embedding_bag_by_embedding`: the same values, and
+derivatives autograd can differentiate again. ``torch.embedding`` and ``F.embedding_bag`` are
+replaced while any such context is in progress (:class:`~pyhvp._replacing.Replacement`: a
+function mode cost every op of the loss, 34% of a forward of 60 ops); a call bound to torch's
+own function before, or another thread's, is torch's."""
 
 
 @dataclasses.dataclass(frozen=True)
 class TwiceDifferentiable:
-    """``f`` run inside :func:`twice_differentiable_embeddings`: the same values, and
+    """``f`` run inside :data:`twice_differentiable_embeddings`: the same values, and
     derivatives autograd can differentiate again."""
 
     f: Callable[..., Any]
@@ -84,7 +81,7 @@ class TwiceDifferentiable:
         return getattr(self.f, "__name__", type(self.f).__name__)
 
     def __call__(self, *args: Any) -> Any:
-        with twice_differentiable_embeddings():
+        with twice_differentiable_embeddings:
             return self.f(*args)
 
 

@@ -1550,8 +1550,25 @@ def _reverse_rows(
     multi-leaf primitive, whose batched second passes take ``inner`` tangents at a time; with
     ``loop``, the seed's loop (:func:`_loop_rows`) instead. Each pass's forward is a run of
     ``draws``: every one draws what the first drew."""
+    args = (*others, *batch_values)
     if loop:
-        return _loop_rows(loss, leaves, row_flats, column_flats, (*others, *batch_values), draws)
+        return _loop_rows(loss, leaves, row_flats, column_flats, args, draws)
+    return _batched_rows(loss, leaves, row_flats, column_flats, args, chunk_size, backend, inner,
+                         draws)  # fmt: skip
+
+
+def _batched_rows(
+    loss: _Selection,
+    leaves: list[torch.Tensor],
+    row_flats: list[torch.Tensor],
+    column_flats: list[torch.Tensor],
+    args: tuple[Any, ...],
+    chunk_size: int | None,
+    backend: Backend,
+    inner: int | None,
+    draws: random_states.Repeated,
+) -> list[torch.Tensor]:
+    """:func:`_reverse_rows` by the backend's multi-leaf primitive, with one-hot tangents."""
     primitive = require_primitive(backend, "grad_and_block_hvps", "sub_hessian")
     eager = isinstance(backend, TorchBackend) and backend.compile is False
     run = TwiceDifferentiable(loss) if eager and not nested.inside_transform() else loss
@@ -1569,7 +1586,7 @@ def _reverse_rows(
         tangents = [_one_hot(chunk, t) for chunk, t in zip(chunks, leaves, strict=True)]
         # a few tangents: one plain backward each (vmap's setup costs more than it batches)
         one_by_one = 1 if max(len(chunk) for chunk in chunks) <= FEW_TANGENTS else inner
-        _, products = primitive(run, leaves, tangents, (*others, *batch_values), one_by_one)
+        _, products = primitive(run, leaves, tangents, args, one_by_one)
         for rows, chunk, columns, product in zip(
             pieces, chunks, column_flats, products, strict=True
         ):
@@ -1593,13 +1610,13 @@ def _loop_rows(
     at k = 2 per tensor the reverse route's fixed cost made it 1.05-1.3x this loop. Attention
     takes its math path throughout (fused kernels have no second derivative), and embeddings
     with sparse gradients and embedding bags run as ops autograd can differentiate twice
-    (:func:`~pyhvp._embeddings.twice_differentiable_embeddings`), so the loss runs once. Before,
+    (:data:`~pyhvp._embeddings.twice_differentiable_embeddings`), so the loss runs once. Before,
     such a loss ran a second time, from the state its first run had changed."""
     with torch.inference_mode(False), torch.enable_grad(), math_attention:
         ys = [cast(torch.Tensor, t).detach().requires_grad_() for t in _normal(tuple(leaves))]
         args = _normal(args)
-        draws.begin()
-        with twice_differentiable_embeddings(), biases_outside_norms, weight_norms_written_out:
+        draws.begin(last=True)  # (the loop is a batch's last run: sparse parts run before it)
+        with twice_differentiable_embeddings, biases_outside_norms, weight_norms_written_out:
             total = loss(*ys, *args)
         refuse_compiled_backward(total)
         return _rows_by_loop(total, ys, row_flats, column_flats)
@@ -1622,9 +1639,11 @@ def _rows_by_loop(
         if not (g.requires_grad and len(rows)):  # f affine in y, or no rows
             blocks.append(y.new_zeros(len(rows), len(columns)))
             continue
-        entries, full = g.reshape(-1), []
-        for j in rows.tolist():  # a loop, not a comprehension: _in_loop_backward reads frames
-            (row,) = _backward(entries[j], [y])
+        # one-hot cotangents of the whole gradient: selecting its entry (``g.reshape(-1)[j]``,
+        # the seed's) adds a select and its backward to every pass, 0.03 of its 0.18 ms
+        cotangents, full = _one_hot(rows, g), []
+        for cotangent in cotangents:  # a loop, not a comprehension: _in_loop_backward reads
+            (row,) = _backward(g, [y], cotangent=cotangent)  # frames
             full.append(row.reshape(-1))
         blocks.append(torch.stack(full).index_select(1, columns.to(y.device)))
     return blocks
@@ -1634,19 +1653,25 @@ _ENGINE = Variable._execution_engine
 
 
 def _backward(
-    output: torch.Tensor, inputs: Sequence[torch.Tensor], create_graph: bool = False
+    output: torch.Tensor,
+    inputs: Sequence[torch.Tensor],
+    create_graph: bool = False,
+    cotangent: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """``torch.autograd.grad(output, inputs, retain_graph=True, create_graph=create_graph,
-    allow_unused=True)`` of a scalar ``output``, unused inputs' gradients zero: by autograd's
-    engine itself, as ``autograd.grad`` calls it, without its checks of arguments pyhvp made
-    (they cost the seed's loop at k = 2 per tensor 0.2 of its 1.4 ms). A tensor subclass's
-    ``output`` goes through ``autograd.grad``, which dispatches its ``__torch_function__``."""
+    """``torch.autograd.grad(output, inputs, cotangent, retain_graph=True,
+    create_graph=create_graph, allow_unused=True)`` (a scalar ``output``'s cotangent: one),
+    unused inputs' gradients zero: by autograd's engine itself, as ``autograd.grad`` calls it,
+    without its checks of arguments pyhvp made (they cost the seed's loop at k = 2 per tensor 0.2
+    of its 1.4 ms). A tensor subclass's ``output`` goes through ``autograd.grad``, which
+    dispatches its ``__torch_function__``."""
+    if cotangent is None:
+        cotangent = torch.ones_like(output)
     if type(output) is not torch.Tensor:
-        found = torch.autograd.grad(output, inputs, retain_graph=True, create_graph=create_graph,
-                                    allow_unused=True)  # fmt: skip
+        found = torch.autograd.grad(output, inputs, cotangent, retain_graph=True,
+                                    create_graph=create_graph, allow_unused=True)  # fmt: skip
     else:
-        found = _ENGINE.run_backward((output,), (torch.ones_like(output),), True, create_graph,
-                                     tuple(inputs), True, False)  # fmt: skip
+        found = _ENGINE.run_backward((output,), (cotangent,), True, create_graph, tuple(inputs),
+                                     True, False)  # fmt: skip
     return tuple(
         torch.zeros_like(x) if g is None else g for g, x in zip(found, inputs, strict=True)
     )
@@ -1655,5 +1680,5 @@ def _backward(
 def _one_hot(entries: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     """``(len(entries), *tensor.shape)``: row j is 1 at flat position ``entries[j]``, else 0."""
     rows = torch.zeros(len(entries), tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-    rows[torch.arange(len(entries), device=tensor.device), entries] = 1
+    rows.scatter_(1, entries.to(tensor.device)[:, None], 1)
     return rows.reshape(len(entries), *tensor.shape)

@@ -1230,20 +1230,20 @@ def slow(function, clock, seconds):
 @pytest.mark.parametrize(
     ("seconds", "kept"),
     [
-        ({"_loop_rows": 3, "_sparse_pass": 1, "_one_hot": 2, "_forward_pass": 4},
+        ({"_loop_rows": 3, "_sparse_pass": 1, "_batched_rows": 2, "_forward_pass": 4},
          "the cost model's routes"),
-        ({"_loop_rows": 1, "_sparse_pass": 2, "_one_hot": 3, "_forward_pass": 4},
+        ({"_loop_rows": 1, "_sparse_pass": 2, "_batched_rows": 3, "_forward_pass": 4},
          "the seed's loop"),
-        ({"_loop_rows": 3, "_sparse_pass": 2, "_one_hot": 1, "_forward_pass": 4},
+        ({"_loop_rows": 3, "_sparse_pass": 2, "_batched_rows": 1, "_forward_pass": 4},
          "the reverse route alone"),
-        ({"_loop_rows": 3, "_sparse_pass": 2, "_one_hot": 4, "_forward_pass": 1},
+        ({"_loop_rows": 3, "_sparse_pass": 2, "_batched_rows": 4, "_forward_pass": 1},
          "the forward-tangent route"),
     ],
     ids=["model", "loop", "reverse", "forward"],
 )  # fmt: skip
 def test_repeated_calls_keep_whichever_plan_ran_fastest(seconds, kept, monkeypatch, caplog):
     """The cost model sends ``seed_like`` to the sparse route; on a fake clock where the seed's
-    loop, a sparse pass, a batched reverse pass (its one-hot tangents) and a forward-tangent
+    loop, a sparse pass, a batched reverse pass and a forward-tangent
     pass take the given seconds, the trial keeps the fastest plan, and every call's matrix is
     the dense one."""
     clock = [0.0]
