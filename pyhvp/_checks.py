@@ -26,7 +26,7 @@ def fmt_shape(shape: Sequence[int | str]) -> str:
 def require_tensor(name: str, value: object) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    if value.device.type == "meta":
+    if value.is_meta:
         raise ValueError(
             f"{name} must hold values (on the CPU or a GPU), got a tensor on the meta device, "
             "which has shapes only"
