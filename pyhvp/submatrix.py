@@ -1601,9 +1601,9 @@ def _loop_rows(
     draws: random_states.Repeated,
 ) -> list[torch.Tensor]:
     """:func:`_reverse_rows` by the seed's loop, eagerly: one forward (a run of ``draws``) and
-    first backward that keeps its graph, then one backward of each selected gradient entry, its
-    row read at the columns. At a few components per tensor this costs less than any batched
-    pass (no one-hot tangents, no ``vmap`` nor compile-cache lookup): on the benchmark's models
+    first backward that keeps its graph, then one backward of the gradient per selected entry
+    (its one-hot cotangent), its row read at the columns. At a few components per tensor this
+    costs less than any batched pass (no ``vmap`` nor compile-cache lookup): on the benchmark's models
     at k = 2 per tensor the reverse route's fixed cost made it 1.05-1.3x this loop. Attention
     takes its math path throughout (fused kernels have no second derivative), and embeddings
     with sparse gradients and embedding bags run as ops autograd can differentiate twice
