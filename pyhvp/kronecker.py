@@ -32,7 +32,14 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from pyhvp._checks import as_int, fmt_shape, require_floating, require_like, require_tensor
+from pyhvp._checks import (
+    as_int,
+    fmt_shape,
+    require_dense,
+    require_floating,
+    require_like,
+    require_tensor,
+)
 
 
 class KroneckerHVP:
@@ -46,7 +53,8 @@ class KroneckerHVP:
     and ``v`` keep the first update's dtype, which roots and results have. Roots are computed
     on the first ``apply`` after an update and cached; with ``refresh_every=k`` a cached root is
     reused until ``k`` updates have happened since it was computed (Shampoo-style amortisation;
-    ``k=1`` is the post).
+    ``k=1`` is the post). :meth:`state_dict` saves the cached roots too, so that a run resumed
+    with :meth:`load_state_dict` continues bit for bit as the uninterrupted one would.
 
     A gradient that never changes and is the same along every other mode (a uniform one) has
     zero covariance, so only the damping is left and the product of the ``d`` roots
@@ -195,40 +203,64 @@ class KroneckerHVP:
         return self.apply(v)
 
     def state_dict(self) -> dict[str, object]:
-        """Copies of the statistics (float64), the gradients' dtype and the EMA weight not yet
-        given to gradients: ``{"step": t, "mean": Tensor | None, "factors": [...], "dtype":
-        torch.dtype, "decay": the product of the updates' betas}``.
+        """Copies of the statistics (float64), the gradients' dtype, the EMA weight not yet
+        given to gradients and the cached roots:
+
+        - ``"step"``: the number of updates ``t``; ``"mean"``: ``(n, *modes)`` or None before
+          any update; ``"factors"``: one ``(n, m_i, m_i)`` per mode; ``"dtype"``: the gradients'
+          ``torch.dtype``; ``"decay"``: the product of the updates' betas;
+        - ``"roots"``: the cached roots, one ``(n, m_i, m_i)`` per mode in the gradients' dtype,
+          or None when none are cached; ``"updates_since_roots"``: the updates since they were
+          computed (an int in ``[0, t]``); ``"roots_damping"`` and ``"roots_power"``: the damping
+          and power (``1 / len(modes)`` for None) they were computed with, None without roots.
 
         The options (beta, damping, power, refresh_every) are the constructor's, not state.
         """
+        roots = self._roots
         return {
             "step": self._step,
             "mean": None if self._mean is None else self._mean.clone(),
             "factors": [f.clone() for f in self._factors],
             "dtype": self._dtype,
             "decay": self._decay,
+            "roots": None if roots is None else [root.clone() for root in roots],
+            "updates_since_roots": self._updates_since_roots,
+            "roots_damping": None if roots is None else self.damping,
+            "roots_power": None if roots is None else self._power_for(len(roots)),
         }
 
+    def _power_for(self, modes: int) -> float:
+        """The roots' power for ``modes`` modes (``power=None``: ``1 / modes``)."""
+        return 1 / modes if self.power is None else self.power
+
     def load_state_dict(self, state: dict[str, object]) -> None:
-        """Restore statistics saved by :meth:`state_dict` (copied; roots are recomputed).
+        """Restore statistics saved by :meth:`state_dict` (copied), and its cached roots
+        (copied) where this instance's damping and power are those they were computed with
+        (``state["roots_damping"]``, ``state["roots_power"]``), so that the run continues as
+        the saved one would have; else, or for states without roots (saved before 2026-12-07),
+        the roots are recomputed on the next ``apply``.
 
         Everything is validated first: a refused state raises ValueError/TypeError naming the
-        entry and leaves the current statistics untouched.
+        entry and leaves the current statistics untouched. Each root must have the shape
+        ``(n, m_i, m_i)`` of ``state["mean"]``'s mode ``i``, its device, the dtype
+        ``state["dtype"]``, finite and symmetric entries.
         """
         required = {"step", "mean", "factors"}  # and "dtype" (states saved before 2026-12-04:
-        # statistics in the gradients' dtype, which they give) and "decay" (before 2026-12-06:
-        # beta ** step)
-        optional = {"dtype", "decay"}
+        # statistics in the gradients' dtype, which they give), "decay" (before 2026-12-06:
+        # beta ** step) and the roots' entries (before 2026-12-07: recomputed)
+        roots_keys = {"roots", "updates_since_roots", "roots_damping", "roots_power"}
+        optional = {"dtype", "decay"} | roots_keys
         if not isinstance(state, dict) or not required <= set(state) <= required | optional:
             keys = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise ValueError(
-                f"state must be a dict with keys ['decay', 'dtype', 'factors', 'mean', 'step'] "
-                f"('decay' and 'dtype' optional), got {keys}"
+                f"state must be a dict with keys {sorted(required | optional)} "
+                f"({sorted(optional)} optional), got {keys}"
             )
         step = as_int(state["step"])  # a NumPy int too, as the options take them
         if step is None or step < 0:
             raise ValueError(f"state['step'] must be an int >= 0, got {state['step']!r}")
         if step == 0:
+            self._loaded_roots(state, 0, None, torch.float64)  # checks that there are none
             self.reset()
             return
         mean = require_floating("state['mean']", state["mean"])
@@ -263,6 +295,7 @@ class KroneckerHVP:
             # up to the rounding of U U^T products, relative to the factor's largest entry
             if f.numel() and float((f - f.mT).abs().max()) > 1e-5 * float(f.abs().max()):
                 raise ValueError(f"state['factors'][{i}] must be symmetric, got an asymmetric one")
+        roots, since = self._loaded_roots(state, step, mean, dtype)
         mean = mean.detach().to(torch.float64, copy=True)
         factors = [f.detach().to(torch.float64, copy=True) for f in factors]
         decay = _real_option("state['decay']", state.get("decay", self.beta**step),
@@ -272,6 +305,72 @@ class KroneckerHVP:
         self.reset()
         self._step, self._mean, self._dtype, self._factors = step, mean, dtype, factors
         self._decay = decay
+        self._roots, self._updates_since_roots = roots, since
+
+    def _loaded_roots(
+        self, state: dict[str, object], step: int, mean: torch.Tensor | None, dtype: torch.dtype
+    ) -> tuple[list[torch.Tensor] | None, int]:
+        """The roots of a state being loaded (validated ``mean``, None at ``step`` 0), copied
+        where this instance's damping and power are those they were computed with (else
+        None: recomputed), and the updates since they were computed."""
+        since = as_int(state.get("updates_since_roots", 0))  # a NumPy int too, as step
+        if since is None or not 0 <= since <= step:
+            raise ValueError(
+                f"state['updates_since_roots'] must be an int in [0, state['step']] = "
+                f"[0, {step}], got {state['updates_since_roots']!r}"
+            )
+        given = state.get("roots")
+        if given is None:
+            return None, since
+        if mean is None:
+            raise ValueError(
+                f"state['roots'] must be None at step 0 (no statistics to have roots of), "
+                f"got {type(given).__name__}"
+            )
+        if not isinstance(given, (list, tuple)):
+            raise TypeError(
+                f"state['roots'] must be a list of tensors or None, got {type(given).__name__}"
+            )
+        missing = sorted({"updates_since_roots", "roots_damping", "roots_power"} - set(state))
+        if missing:
+            raise ValueError(
+                f"state['roots'] comes with {missing} (the updates since the roots and the "
+                f"options they were computed with), missing from the state"
+            )
+        damping = _real_option("state['roots_damping']", state["roots_damping"],
+                               "a float >= 0", lambda d: d >= 0)  # fmt: skip
+        power = _real_option("state['roots_power']", state["roots_power"],
+                             "a float > 0", lambda p: p > 0)  # fmt: skip
+        expected = [(mean.shape[0], m, m) for m in mean.shape[1:]]
+        if len(given) != len(expected):
+            raise ValueError(
+                f"state['roots'] must hold one root per mode of state['mean'] ({len(expected)}), "
+                f"got {len(given)}"
+            )
+        roots = [require_dense(f"state['roots'][{i}]", root) for i, root in enumerate(given)]
+        for i, (root, shape) in enumerate(zip(roots, expected, strict=True)):
+            name = f"state['roots'][{i}]"
+            if tuple(root.shape) != shape:
+                raise ValueError(
+                    f"{name} must have shape {fmt_shape(shape)} ((n, m_i, m_i) of "
+                    f"state['mean']), got {fmt_shape(root.shape)}"
+                )
+            if root.device != mean.device:
+                raise ValueError(
+                    f"{name} must be on state['mean']'s device {mean.device}, got {root.device}"
+                )
+            if root.dtype != dtype:
+                raise ValueError(
+                    f"{name} must have the gradients' dtype (state['dtype']) {dtype}, "
+                    f"got {root.dtype}"
+                )
+            if not bool(root.isfinite().all()):
+                raise ValueError(f"{name} must be finite, got NaN or infinite entries")
+            if not torch.equal(root, root.mT):  # symmetrised exactly when computed
+                raise ValueError(f"{name} must be symmetric, got an asymmetric one")
+        if (damping, power) != (self.damping, self._power_for(len(expected))):
+            return None, since  # the loader chose other options: recomputed
+        return [root.detach().clone(memory_format=torch.contiguous_format) for root in roots], since
 
     def _check_grad(self, grad: object) -> torch.Tensor:
         grad = require_floating("grad", grad)
@@ -299,7 +398,7 @@ class KroneckerHVP:
 
     def _compute_roots(self) -> list[torch.Tensor]:
         assert self._mean is not None
-        power = 1 / len(self._factors) if self.power is None else self.power
+        power = self._power_for(len(self._factors))
         roots = []
         for cov in _covariances(self._mean, self._factors, self._decay):
             vals, vecs = torch.linalg.eigh(cov)
