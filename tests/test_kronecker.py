@@ -258,6 +258,55 @@ def test_state_round_trip_continues_identically(device):
     assert all(map(torch.equal, ours, [restored(grad, v) for grad in grads[3:]]))
 
 
+RESUME_CASES = {
+    # name: (refresh_every, updates (each followed by an apply) before the save, dtype); the
+    # run goes on to 9 updates, across a refresh of the roots
+    "refresh-every-3-stale-roots": (3, 5, F64),
+    "refresh-every-3-fresh-roots-float32": (3, 4, torch.float32),
+    "refresh-every-4-due-at-the-next-apply": (4, 4, F64),
+}
+
+
+@pytest.mark.parametrize("case", RESUME_CASES.values(), ids=RESUME_CASES.keys())
+def test_a_resumed_run_continues_bit_for_bit_with_the_cached_roots(case, device):
+    """A run saved and resumed with refresh_every > 1 recomputed its roots at the first apply
+    after loading, where the uninterrupted run reused its cached ones (until 2026-12-07 the
+    state had no roots): a checkpointed run gave other numbers than an uninterrupted one."""
+    refresh_every, saved_after, dtype = case
+    grads = gradient_history(9, (2, 3, 4), device, dtype)
+    v = torch.randn(2, 2, 3, 4, device=device, dtype=dtype)
+    original = KroneckerHVP(beta=0.9, damping=0.01, refresh_every=refresh_every)
+    for grad in grads[:saved_after]:
+        original(grad, v)
+    buffer = io.BytesIO()
+    torch.save(original.state_dict(), buffer)
+    buffer.seek(0)
+    restored = KroneckerHVP(beta=0.9, damping=0.01, refresh_every=refresh_every)
+    restored.load_state_dict(torch.load(buffer))
+    ours = [original(grad, v) for grad in grads[saved_after:]]
+    assert all(map(torch.equal, ours, [restored(grad, v) for grad in grads[saved_after:]]))
+
+
+@pytest.mark.parametrize("option, value", [("damping", 0.5), ("power", 1.0)])
+def test_a_state_loaded_with_another_damping_or_power_recomputes_its_roots(option, value, device):
+    """The saved roots are those of the saved damping and power: an instance that chose others
+    computes its own, as the original does when that option is set on it."""
+    original = KroneckerHVP(beta=0.9, refresh_every=3)
+    v = torch.randn(2, 3, 4, device=device, dtype=F64)
+    for grad in gradient_history(3, (2, 3, 4), device):
+        original(grad, v)  # roots of the first update, stale at the last
+    restored = KroneckerHVP(beta=0.9, refresh_every=3, **{option: value})
+    restored.load_state_dict(original.state_dict())
+    setattr(original, option, value)
+    assert torch.equal(restored.apply(v), original.apply(v))
+
+
+def test_a_state_saved_before_any_update_loads_as_a_reset(device):
+    kron = fitted(device)
+    kron.load_state_dict(KroneckerHVP().state_dict())
+    assert same_state(kron.state_dict(), KroneckerHVP().state_dict())
+
+
 def test_statistics_are_float64_on_the_first_grads_device_roots_in_its_dtype(device):
     kron = KroneckerHVP()
     kron.update(torch.randn(2, 3, 4, device=device, dtype=torch.float32))
@@ -300,6 +349,23 @@ def test_a_state_saved_with_statistics_in_the_gradients_dtype_still_loads(device
     torch.testing.assert_close(kron.apply(v), fitted_like(state).apply(v), rtol=1e-2, atol=1e-3)
 
 
+def test_a_state_saved_without_its_roots_still_loads_and_recomputes_them(device):
+    """States saved before 2026-12-07: no ``roots``, ``updates_since_roots``, ``roots_damping``
+    or ``roots_power``; the roots are those of the loaded statistics, not the saved run's stale
+    ones."""
+    grads = gradient_history(2, (2, 3, 4), device)
+    v = torch.randn(2, 3, 4, device=device, dtype=F64)
+    original = KroneckerHVP(beta=0.9, refresh_every=3)
+    for grad in grads:
+        original(grad, v)  # roots of the first update, reused at the second
+    new_keys = {"roots", "updates_since_roots", "roots_damping", "roots_power"}
+    old = {k: value for k, value in original.state_dict().items() if k not in new_keys}
+    kron = KroneckerHVP(beta=0.9, refresh_every=3)
+    kron.load_state_dict(old)
+    expected = dense_apply(dense_kronecker(grads, beta=0.9), v, 2)
+    torch.testing.assert_close(kron.apply(v).cpu(), expected)
+
+
 def test_a_loaded_state_is_copied_not_shared(device):
     """Float64 statistics were taken as they were: the next update wrote into the caller's."""
     state = fitted(device).state_dict()
@@ -335,12 +401,13 @@ def test_numpy_scalars_are_options_as_python_numbers_are():
     assert (kron.beta, kron.damping, kron.refresh_every) == (0.9, 0.5, 2)
 
 
-def test_a_state_whose_step_is_a_numpy_int_loads_as_with_a_python_int(device):
+def test_a_state_whose_counts_are_numpy_ints_loads_as_with_python_ints(device):
     # a state that went through NumPy (a checkpoint's metadata): refused before 2026-12-07
     numpy = pytest.importorskip("numpy")
     state, v = state_with(device), torch.randn(5, 2, 3, 4, device=device)
     as_numpy, as_python = KroneckerHVP(), KroneckerHVP()
-    as_numpy.load_state_dict({**state, "step": numpy.int64(state["step"])})
+    counts = {key: numpy.int64(state[key]) for key in ("step", "updates_since_roots")}
+    as_numpy.load_state_dict({**state, **counts})
     as_python.load_state_dict(state)
     assert torch.equal(as_numpy.apply(v), as_python.apply(v))
 
@@ -361,8 +428,10 @@ def test_a_loaded_state_that_requires_grad_gives_results_without_a_graph(device)
 
 
 def fitted(device):
+    """One update of float32 gradients, its roots cached (so that its state has them)."""
     kron = KroneckerHVP()
     kron.update(torch.randn(2, 3, 4, device=device))
+    kron.roots()
     return kron
 
 
@@ -384,6 +453,12 @@ def with_factors(device, change):
 def asymmetric_factors(device):
     factors = state_with(device)["factors"]
     return state_with(device, factors=[f + torch.triu(torch.ones_like(f), 1) for f in factors])
+
+
+def with_roots(device, change):
+    """A state with its cached roots (float32, shapes (2, 3, 3) and (2, 4, 4)) changed."""
+    state = state_with(device)
+    return {**state, "roots": change(state["roots"])}
 
 
 BAD_STATES = {
@@ -426,6 +501,52 @@ BAD_STATES = {
         ValueError,
         "not finite",
     ),
+    "root-wrong-shape": (
+        lambda d: with_roots(d, lambda r: [r[0], r[0]]),
+        ValueError,
+        r"roots'\]\[1\] must have shape \(2, 4, 4\).*got \(2, 3, 3\)",
+    ),
+    "root-wrong-dtype": (
+        lambda d: with_roots(d, lambda r: [r[0], r[1].double()]),
+        ValueError,
+        r"roots'\]\[1\] must have .*float32, got torch.float64",
+    ),
+    "roots-one-too-few": (
+        lambda d: with_roots(d, lambda r: r[:1]),
+        ValueError,
+        r"roots'\] must hold one root per mode .*\(2\), got 1",
+    ),
+    "roots-not-a-list": (lambda d: with_roots(d, lambda r: r[0]), TypeError, r"roots'\]"),
+    "root-not-finite": (
+        lambda d: with_roots(d, lambda r: [r[0], torch.full_like(r[1], math.nan)]),
+        ValueError,
+        r"roots'\]\[1\] must be finite",
+    ),
+    "root-asymmetric": (
+        lambda d: with_roots(d, lambda r: [r[0] + torch.triu(torch.ones_like(r[0]), 1), r[1]]),
+        ValueError,
+        r"roots'\]\[0\] must be symmetric",
+    ),
+    "roots-at-step-0 (no statistics to have roots of)": (
+        lambda d: state_with(d, step=0),
+        ValueError,
+        r"roots'\] must be None at step 0",
+    ),
+    "roots-without-the-options-they-were-computed-with": (
+        lambda d: {k: v for k, v in state_with(d).items() if k != "roots_damping"},
+        ValueError,
+        "roots_damping",
+    ),
+    "updates-since-roots-negative": (
+        lambda d: state_with(d, updates_since_roots=-1),
+        ValueError,
+        "updates_since_roots",
+    ),
+    "updates-since-roots-beyond-step": (
+        lambda d: state_with(d, updates_since_roots=2),
+        ValueError,
+        "updates_since_roots",
+    ),
 }
 
 
@@ -435,9 +556,20 @@ def test_a_refused_state_leaves_the_statistics_untouched(bad, device):
     before = kron.state_dict()
     with pytest.raises((ValueError, TypeError)):
         kron.load_state_dict(bad(device))
-    after = kron.state_dict()
-    assert after["step"] == before["step"] and torch.equal(after["mean"], before["mean"])
-    assert all(map(torch.equal, after["factors"], before["factors"]))
+    assert same_state(kron.state_dict(), before)  # the cached roots too
+
+
+def same_state(a, b):
+    """The same entries, tensors (in lists too) equal bit for bit."""
+
+    def same(x, y):
+        if isinstance(x, list):
+            return isinstance(y, list) and len(x) == len(y) and all(map(same, x, y))
+        if isinstance(x, torch.Tensor):
+            return isinstance(y, torch.Tensor) and torch.equal(x, y)
+        return x == y
+
+    return a.keys() == b.keys() and all(same(a[key], b[key]) for key in a)
 
 
 ERROR_CASES = {
