@@ -1637,13 +1637,25 @@ def _rows_by_loop(
             blocks.append(y.new_zeros(len(rows), len(columns)))
             continue
         # one-hot cotangents of the whole gradient: selecting its entry (``g.reshape(-1)[j]``,
-        # the seed's) adds a select and its backward to every pass, 0.03 of its 0.18 ms
-        cotangents, full = _one_hot(rows, g), []
-        for cotangent in cotangents:  # a loop, not a comprehension: _in_loop_backward reads
-            (row,) = _backward(g, [y], cotangent=cotangent)  # frames
-            full.append(row.reshape(-1))
-        blocks.append(torch.stack(full).index_select(1, columns.to(y.device)))
+        # the seed's) adds a select and its backward to every pass, 0.03 of its 0.18 ms. Made
+        # and read at the columns a chunk of rows at a time: every row at once held (k, P)
+        # cotangents and full rows (the fallback's every selected row, 0.9 GB each at 600 rows
+        # of a 400k tensor)
+        columns, full = columns.to(y.device), []
+        step = max(1, _LOOP_ENTRIES // max(1, g.numel()))
+        for start in range(0, len(rows), step):
+            chunk = []
+            for cotangent in _one_hot(rows[start : start + step], g):  # a loop, not a
+                (row,) = _backward(g, [y], cotangent=cotangent)  # comprehension:
+                chunk.append(row.reshape(-1))  # _in_loop_backward reads frames
+            full.append(torch.stack(chunk).index_select(1, columns))
+        blocks.append(full[0] if len(full) == 1 else torch.cat(full))
     return blocks
+
+
+_LOOP_ENTRIES = 2**22
+"""How many entries of one-hot cotangents (and of the full rows they give) :func:`_rows_by_loop`
+holds at once (16 MB of float32), or one row of a larger tensor."""
 
 
 _ENGINE = Variable._execution_engine

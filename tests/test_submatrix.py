@@ -1336,3 +1336,32 @@ def test_progress_rank_is_the_rank_in_the_group(monkeypatch):
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_rank", lambda g=None: 0 if g is None else 3)
     assert shows_progress(None) and not shows_progress(group)
+
+
+def test_the_seeds_loop_holds_a_bounded_chunk_of_rows_of_a_large_tensor():
+    """The seed's loop (a batch's fallback where kernels fail: every selected row, chunk_size
+    not applying) holds a bounded number of full rows and one-hot cotangents at once, not
+    ``(k, P)`` of each (+k*P*itemsize peak memory: 600 rows of a 400k tensor, 0.9 GB each)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        most = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.most = max(self.most, t.numel())
+            return out
+
+    size, k = 2**20, 24
+    x = torch.randn(size, dtype=torch.float64)
+    y = x.detach().requires_grad_()
+    rows = torch.arange(0, size, size // k)[:k]
+    total = (torch.tanh(y) ** 3).sum()
+    with Largest() as largest:
+        (block,) = submatrix._rows_by_loop(total, [y], [rows], [rows])
+    assert largest.most <= max(submatrix._LOOP_ENTRIES, size)  # before: k * size
+    t = torch.tanh(x[rows])
+    expected = torch.diag(3 * (2 * t * (1 - t**2) ** 2 - 2 * t**3 * (1 - t**2)))
+    torch.testing.assert_close(block, expected)
