@@ -1649,11 +1649,11 @@ def _rows_by_loop(
         # of a 400k tensor)
         columns, full = columns.to(y.device), []
         step = max(1, _LOOP_ENTRIES // max(1, g.numel()))
-        for start in range(0, len(rows), step):
+        for part in (rows,) if len(rows) <= step else rows.split(step):
             chunk = []
-            for cotangent in _one_hot(rows[start : start + step], g):  # a loop, not a
-                (row,) = _backward(g, [y], cotangent=cotangent)  # comprehension:
-                chunk.append(row.reshape(-1))  # _in_loop_backward reads frames
+            for cotangent in _one_hot(part, g):  # a loop, not a comprehension:
+                (row,) = _backward(g, [y], cotangent=cotangent)  # _in_loop_backward
+                chunk.append(row.reshape(-1))  # reads frames
             full.append(torch.stack(chunk).index_select(1, columns))
         blocks.append(full[0] if len(full) == 1 else torch.cat(full))
     return blocks
