@@ -471,8 +471,9 @@ def _check_index(name: str, index: object, shape: torch.Size, of: str) -> torch.
     checked = index if index.dtype == torch.long else index.long()
     if checked.numel() == 0:
         return checked
-    if checked.is_cpu and checked.numel() <= _FEW_INDICES:  # from a list: a fourth of
-        # aminmax's time at a few indices (100-200x it at 1e5-2e6: a Python int per entry)
+    if checked.is_cpu and checked.numel() <= _FEW_INDICES and not nested.inside_transform():
+        # from a list: a fourth of aminmax's time at a few indices (100-200x it at 1e5-2e6: a
+        # Python int per entry); under vmap, aminmax's .item() names what a batched index does
         entries = checked.tolist()
         low, high = min(entries), max(entries)
     else:

@@ -988,6 +988,17 @@ def test_vmap_over_params_gives_each_ones_sub_hessian(index, device):
     torch.testing.assert_close(got, expected)
 
 
+def test_vmap_over_the_index_is_refused_by_vmaps_item_message(device):
+    """One selection per vmapped sample is not supported: its bounds are read back, which vmap
+    refuses by name (a CPU index read as a list failed with "Cannot access data pointer")."""
+    weights = torch.randn(3, 4, 5, dtype=torch.float64, device=device)
+    indices = torch.tensor([[0, 1], [1, 2], [2, 3]], device=device)
+    with pytest.raises(RuntimeError, match=r"vmap: It looks like you're calling \.item\(\)"):
+        torch.func.vmap(lambda w, i: pyhvp.sub_hessian(lambda p: (p**3).sum(), w, i))(
+            weights, indices
+        )
+
+
 class _Interleaving(nn.Module):
     """Lets thread "second" run its forward between the two layers of thread "first"'s where
     sub_hessian allows it (each waits at most 0.5 s for the other)."""
