@@ -1650,7 +1650,7 @@ def _rows_by_loop(
         # of a 400k tensor)
         columns, full = columns.to(y.device), []
         step = max(1, _LOOP_ENTRIES // max(1, g.numel()))
-        for part in (rows,) if len(rows) <= step else rows.split(step):
+        for part in (rows,) if len(rows) <= step else torch.split(rows, step):
             chunk = []
             for cotangent in _one_hot(part, g):  # a loop, not a comprehension:
                 (row,) = _backward(g, [y], cotangent=cotangent)  # _in_loop_backward
