@@ -248,8 +248,7 @@ class KroneckerHVP:
         required = {"step", "mean", "factors"}  # and "dtype" (states saved before 2026-12-04:
         # statistics in the gradients' dtype, which they give), "decay" (before 2026-12-06:
         # beta ** step) and the roots' entries (before 2026-12-07: recomputed)
-        roots_keys = {"roots", "updates_since_roots", "roots_damping", "roots_power"}
-        optional = {"dtype", "decay"} | roots_keys
+        optional = {"dtype", "decay", *_ROOTS_KEYS}
         if not isinstance(state, dict) or not required <= set(state) <= required | optional:
             keys = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise ValueError(
@@ -260,7 +259,7 @@ class KroneckerHVP:
         if step is None or step < 0:
             raise ValueError(f"state['step'] must be an int >= 0, got {state['step']!r}")
         if step == 0:
-            self._loaded_roots(state, 0, None, torch.float64)  # checks that there are none
+            self._loaded_roots(state, 0, None, [])  # checks that there are none
             self.reset()
             return
         mean = require_floating("state['mean']", state["mean"])
@@ -289,13 +288,13 @@ class KroneckerHVP:
             (f"state['factors'][{i}]", f) for i, f in enumerate(factors)
         ]:
             require_like(name, tensor, "state['mean']", mean)
-            if not bool(tensor.isfinite().all()):
-                raise ValueError(f"{name} must be finite, got NaN or infinite entries")
+            _require_finite(name, tensor)
         for i, f in enumerate(factors):  # second moments: symmetric (eigh reads one triangle),
             # up to the rounding of U U^T products, relative to the factor's largest entry
             if f.numel() and float((f - f.mT).abs().max()) > 1e-5 * float(f.abs().max()):
                 raise ValueError(f"state['factors'][{i}] must be symmetric, got an asymmetric one")
-        roots, since = self._loaded_roots(state, step, mean, dtype)
+        grad = mean.new_empty(0, dtype=dtype)  # the saved gradients' device and dtype
+        roots, since = self._loaded_roots(state, step, grad, expected)
         mean = mean.detach().to(torch.float64, copy=True)
         factors = [f.detach().to(torch.float64, copy=True) for f in factors]
         decay = _real_option("state['decay']", state.get("decay", self.beta**step),
@@ -308,11 +307,16 @@ class KroneckerHVP:
         self._roots, self._updates_since_roots = roots, since
 
     def _loaded_roots(
-        self, state: dict[str, object], step: int, mean: torch.Tensor | None, dtype: torch.dtype
+        self,
+        state: dict[str, object],
+        step: int,
+        grad: torch.Tensor | None,
+        shapes: list[tuple[int, int, int]],
     ) -> tuple[list[torch.Tensor] | None, int]:
-        """The roots of a state being loaded (validated ``mean``, None at ``step`` 0), copied
-        where this instance's damping and power are those they were computed with (else
-        None: recomputed), and the updates since they were computed."""
+        """The roots of a state being loaded, one per ``shapes`` with ``grad``'s device and
+        dtype (the saved gradients'; None at ``step`` 0), copied where this instance's damping
+        and power are those they were computed with (else None: recomputed), and the updates
+        since they were computed."""
         since = as_int(state.get("updates_since_roots", 0))  # a NumPy int too, as step
         if since is None or not 0 <= since <= step:
             raise ValueError(
@@ -322,7 +326,7 @@ class KroneckerHVP:
         given = state.get("roots")
         if given is None:
             return None, since
-        if mean is None:
+        if grad is None:
             raise ValueError(
                 f"state['roots'] must be None at step 0 (no statistics to have roots of), "
                 f"got {type(given).__name__}"
@@ -331,7 +335,7 @@ class KroneckerHVP:
             raise TypeError(
                 f"state['roots'] must be a list of tensors or None, got {type(given).__name__}"
             )
-        missing = sorted({"updates_since_roots", "roots_damping", "roots_power"} - set(state))
+        missing = sorted(set(_ROOTS_KEYS) - set(state))
         if missing:
             raise ValueError(
                 f"state['roots'] comes with {missing} (the updates since the roots and the "
@@ -341,34 +345,24 @@ class KroneckerHVP:
                                "a float >= 0", lambda d: d >= 0)  # fmt: skip
         power = _real_option("state['roots_power']", state["roots_power"],
                              "a float > 0", lambda p: p > 0)  # fmt: skip
-        expected = [(mean.shape[0], m, m) for m in mean.shape[1:]]
-        if len(given) != len(expected):
+        if len(given) != len(shapes):
             raise ValueError(
-                f"state['roots'] must hold one root per mode of state['mean'] ({len(expected)}), "
+                f"state['roots'] must hold one root per mode of state['mean'] ({len(shapes)}), "
                 f"got {len(given)}"
             )
         roots = [require_dense(f"state['roots'][{i}]", root) for i, root in enumerate(given)]
-        for i, (root, shape) in enumerate(zip(roots, expected, strict=True)):
+        for i, (root, shape) in enumerate(zip(roots, shapes, strict=True)):
             name = f"state['roots'][{i}]"
             if tuple(root.shape) != shape:
                 raise ValueError(
                     f"{name} must have shape {fmt_shape(shape)} ((n, m_i, m_i) of "
                     f"state['mean']), got {fmt_shape(root.shape)}"
                 )
-            if root.device != mean.device:
-                raise ValueError(
-                    f"{name} must be on state['mean']'s device {mean.device}, got {root.device}"
-                )
-            if root.dtype != dtype:
-                raise ValueError(
-                    f"{name} must have the gradients' dtype (state['dtype']) {dtype}, "
-                    f"got {root.dtype}"
-                )
-            if not bool(root.isfinite().all()):
-                raise ValueError(f"{name} must be finite, got NaN or infinite entries")
+            require_like(name, root, "the saved grad", grad)
+            _require_finite(name, root)
             if not torch.equal(root, root.mT):  # symmetrised exactly when computed
                 raise ValueError(f"{name} must be symmetric, got an asymmetric one")
-        if (damping, power) != (self.damping, self._power_for(len(expected))):
+        if (damping, power) != (self.damping, self._power_for(len(shapes))):
             return None, since  # the loader chose other options: recomputed
         return [root.detach().clone(memory_format=torch.contiguous_format) for root in roots], since
 
@@ -405,6 +399,15 @@ class KroneckerHVP:
             root = (vecs * vals.abs().add(self.damping).pow(power)[:, None, :]) @ vecs.mT
             roots.append(((root + root.mT) / 2).to(self._dtype))
         return roots
+
+
+_ROOTS_KEYS = ("roots", "updates_since_roots", "roots_damping", "roots_power")
+"""The state's entries of the cached roots (states saved before 2026-12-07 have none)."""
+
+
+def _require_finite(name: str, tensor: torch.Tensor) -> None:
+    if not bool(tensor.isfinite().all()):
+        raise ValueError(f"{name} must be finite, got NaN or infinite entries")
 
 
 def _covariances(
