@@ -209,7 +209,10 @@ def einsum_contribution(
     computed = "".join(letter for letter in rest if letter in present)
     if tensors:
         lead = batch_letter if batch_letter in present else ""
-        values = torch.einsum(f"{','.join(specs)}->{lead}{computed}", *tensors)
+        equation = f"{','.join(specs)}->{lead}{computed}"
+        # one gathered operand already in the output's order (x @ W.T): it is the tangents
+        same = len(tensors) == 1 and specs[0] == lead + computed
+        values = tensors[0] if same else torch.einsum(equation, *tensors)
         if not lead:  # no other operand shares an index with the selection
             values = values.expand(k, *values.shape)
     else:
