@@ -1207,6 +1207,62 @@ def test_a_sub_hessian_inside_a_differentiating_transform_is_refused_and_vmap_ru
     torch.testing.assert_close(torch.func.vmap(sub)(p[None])[0], torch.diag(12 * p[:2] ** 2))
 
 
+def tanh_squared_of_a_layer(inputs):
+    """``sum(tanh(inputs @ W.T) ** 2)`` as a function of ``W``, and its sub-Hessian in closed
+    form: ``H[(o, i), (o', i')] = [o == o'] sum_b f''(u_bo) x_bi x_bi'``, ``f = tanh^2``,
+    ``f'' = 2 (1 - t^2)(1 - 3 t^2)``."""
+
+    def loss(weight):
+        return torch.tanh(inputs @ weight.T).pow(2).sum()
+
+    def closed_form(weight, index):
+        rows, columns = index // weight.shape[1], index % weight.shape[1]
+        t = torch.tanh(inputs @ weight.T)[:, rows]  # (batch, k)
+        curvature = 2 * (1 - t**2) * (1 - 3 * t**2)
+        x = inputs[:, columns]
+        same_row = rows[:, None] == rows[None, :]
+        return same_row * torch.einsum("bp,bp,bq->pq", curvature, x, x)
+
+    return loss, closed_form
+
+
+@pytest.mark.parametrize(
+    "view", [lambda w: w.T, lambda w: w.mT, lambda w: w.permute(1, 0), lambda w: w.t()],
+    ids=["W.T", "W.mT", "W.permute", "W.t()"],
+)  # fmt: skip
+@pytest.mark.parametrize("method", ["sparse", "forward"])
+def test_the_sparse_routes_find_the_entries_of_a_permuted_view_from_its_strides(view, method):
+    """No op of the call makes an index of the weight's size: applying the view to every
+    position of ``W`` took 400 ms a call at 4096 x 4096 (an index the size of ``W``, and its
+    inverse), where the product itself took 12."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        most = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and not t.is_floating_point():
+                    self.most = max(self.most, t.numel())
+            return out
+
+    weight, inputs = (
+        torch.randn(64, 32, dtype=torch.float64),
+        torch.randn(4, 32, dtype=torch.float64),
+    )
+    _, closed_form = tanh_squared_of_a_layer(inputs)
+    index = torch.tensor([0, 40, 2047])
+
+    def loss(w):
+        return torch.tanh(inputs @ view(w)).pow(2).sum()
+
+    with Largest() as largest:
+        got = pyhvp.sub_hessian(loss, weight, index, method=method, backend=EAGER)
+    assert largest.most < weight.numel()
+    torch.testing.assert_close(got, closed_form(weight, index), **F64)
+
+
 @pytest.mark.parametrize("method", ["sparse", "forward"])
 def test_a_forced_route_that_cannot_run_the_loss_is_refused_by_name_at_every_call(method):
     """Not once: an equal call after a refusal took the seed's loop silently."""

@@ -84,7 +84,7 @@ from pyhvp.restricted.closed_forms import (
     closed_form,
     layer_norm_affine,
 )
-from pyhvp.restricted.mode import contribution_of, view_positions
+from pyhvp.restricted.mode import contribution_of, permuted_dims, ravel, view_positions
 from pyhvp.restricted.ops import (
     BIASES,
     CONTRACTED,
@@ -817,6 +817,12 @@ class Tangents(TorchFunctionMode):
         """Whether ``out`` is a view of a :class:`Seed` (``W.T``, ``W[1:]``, ``W.chunk(2)``),
         now followed as seeds of their own; else its tangents are pushed as any op's."""
         seed = self._seed(args[0]) if args else None
+        order = None if seed is None else permuted_dims(seed.tensor, out)
+        if seed is not None and order is not None:  # W.T: its entries' indices permuted
+            flat = ravel(seed.coords[order], out.shape)
+            self.seeds[id(out)] = Seed(out, seed.group, seed.rows, flat,
+                                       selected_entries(out, flat), seed.offset, seed.held)  # fmt: skip
+            return True
         positions = None if seed is None else view_positions(func, args, kwargs, out)
         if seed is None or positions is None:
             return False

@@ -88,7 +88,7 @@ from pyhvp.restricted.mode import (
     LAYOUT,
     NotSparse,
     WritesSelected,
-    view_positions,
+    followed_view,
 )
 from pyhvp.restricted.ops import (
     BIASES,
@@ -397,7 +397,7 @@ class Survey(TorchFunctionMode):
         )
         out = func(*detached_args, **detached_kwargs)
         if (op == "view" and args and self._source(args[0]) is not None
-                and view_positions(func, args, kwargs, out) is not None):  # fmt: skip
+                and followed_view(func, args, kwargs, out)):  # fmt: skip
             return func(*args, **kwargs)
         return out
 
@@ -526,7 +526,7 @@ class Survey(TorchFunctionMode):
         if op == "view" and args and self._source(args[0]) is not None:
             source = self._source(args[0])
             assert source is not None
-            if view_positions(func, args, kwargs, out) is not None:
+            if followed_view(func, args, kwargs, out):
                 self._note(source, f"{name} (a view, followed)")
                 if any(name == f"W.{p}" for p in PROPERTIES):
                     self.usage[source].property_view = name
