@@ -286,8 +286,10 @@ def _local_sums(
             "params' shape, dtype": (tuple(tensor.shape), str(tensor.dtype)),
             "index": flat.tolist(),
         })  # fmt: skip
-        plan = _Plan(selection, [tensor], [flat], [], selection, [tensor], [flat], one_block=True,
-                     batch=batch)  # fmt: skip
+        # its one block is the whole matrix: summed as a block of its own, not placed in a
+        # matrix over every tensor's entries (which cost 50 us of a 390 us call)
+        plan = _Plan(selection, [tensor], [flat], [], selection, [tensor], [flat],
+                     one_block=False, batch=batch)  # fmt: skip
         return _sums(plan, batches, chunk_size, resolved, method), fingerprint
     module = loss.module if isinstance(loss, _NamedByModule) else None
     fixed, flats = _check_named(params, index, joint, module)
@@ -765,8 +767,9 @@ class _Plan:
     """Both routes to one call's blocks. The sparse route runs ``sparse`` (a per-tensor
     :class:`_Selection`) over ``tensors`` themselves, whose identity it tracks, and gives the joint
     ``(K, K)``; the reverse route runs ``reverse`` over ``leaves`` (the tensors, or with ``joint``
-    one concatenated vector) with ``leaf_flats``. ``one_block``: the result is one matrix (a tensor
-    ``params`` or ``joint=True``), else one diagonal block per tensor."""
+    one concatenated vector) with ``leaf_flats``. ``one_block``: the result is one matrix over
+    several tensors (``joint=True``), else one diagonal block per tensor (a tensor ``params``:
+    its one block)."""
 
     sparse: _Selection
     tensors: list[torch.Tensor]
