@@ -32,10 +32,11 @@ sparse groups and the reverse route. Tensors the sparse route refuses (an op wit
 rule on a tensor over ``restricted.DENSE_LIMIT`` entries, a write, an embedding's padding row, a
 use its mode does not see, found by the survey; all, under ``"auto"`` inside a ``torch.func``
 transform, where the survey cannot look for those) take the reverse route; below
-``routes.MIN_COMPONENTS`` in all, every tensor does without a survey (unless the backend
-compiles from the first call), by the seed's loop eagerly. The reverse route runs as the seed's
-loop itself (one backward per component: no one-hot tangents, no batching setup) eagerly at most
-``FEW_TANGENTS`` (4) components per tensor, and where the cost model prices it cheaper. With
+``routes.MIN_COMPONENTS`` in all, of tensors of at most ``routes.LOOP_ENTRIES`` entries, every
+tensor does without a survey (unless the backend compiles from the first call), by the seed's
+loop. The reverse route runs as the seed's loop itself (one backward per component: no batched
+tangents, no batching setup) at most ``FEW_TANGENTS`` (4) components per tensor unless the
+backend compiles from the first call, and where the cost model prices it cheaper. With
 ``joint=True`` the reverse route's rows fill the cross blocks of its tensors. An equal call made
 again (no ``data``; ``compile`` False or True) measures: the model's routes against the seed's
 loop and, unless compiling, the sparse and the reverse route alone, and the forward route
@@ -792,9 +793,11 @@ def _static_refusal(plan: _Plan, backend: Backend, method: str) -> str | None:
     if method != "auto" or (backend.compile is True and restricted.compiles()):
         return None
     total = sum(len(flat) for flat in plan.flats)
-    if total < routes.MIN_COMPONENTS:
+    largest = max((t.numel() for t in plan.tensors), default=0)
+    if total < routes.MIN_COMPONENTS and largest <= routes.LOOP_ENTRIES:
         return (
-            f"{total} components, fewer than {routes.MIN_COMPONENTS}: the reverse route costs less"
+            f"{total} components, fewer than {routes.MIN_COMPONENTS}, of tensors of at most "
+            f"{routes.LOOP_ENTRIES} entries: the reverse route costs less"
         )
     return None
 
@@ -855,9 +858,13 @@ def _loops(plan: _Plan, chosen: routes.Routes, backend: Backend) -> bool:
 
 def _by_loop(plan: _Plan, members: Iterable[int], backend: Backend) -> bool:
     """Whether the reverse route runs the seed's loop for the selected tensors ``members``:
-    eagerly (``compile=False``) at most :data:`FEW_TANGENTS` components of each, outside
-    ``torch.func`` transforms (``vmap`` around the call: autograd's loop cannot run inside)."""
-    eager = isinstance(backend, TorchBackend) and backend.compile is False
+    at most :data:`FEW_TANGENTS` components of each, unless the backend compiles from the first
+    call (``compile=True``), outside ``torch.func`` transforms (``vmap`` around the call:
+    autograd's loop cannot run inside). The default ``compile="auto"`` included: its eager
+    batched pass took 1.2-1.9x the seed's loop at 3 components of one tensor (16k to 1M
+    entries), and compiled at so few it saves nothing (the benchmark's reverse route at k = 2,
+    compiled: 0.91-1.08x the loop)."""
+    eager = isinstance(backend, TorchBackend) and backend.compile is not True
     few = max((len(plan.flats[i]) for i in members), default=0) <= FEW_TANGENTS
     return eager and few and not nested.inside_transform()
 

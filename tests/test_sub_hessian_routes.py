@@ -1226,6 +1226,36 @@ def tanh_squared_of_a_layer(inputs):
     return loss, closed_form
 
 
+@pytest.mark.parametrize("backend", [EAGER, "torch"], ids=["eager", "default"])
+def test_a_large_tensor_is_surveyed_at_few_components(backend, caplog):
+    """Below ``MIN_COMPONENTS`` the seed's loop runs unsurveyed only over tensors of at most
+    ``LOOP_ENTRIES`` entries; each of its passes writes a gradient of the tensor's size, and
+    the sparse route takes a larger one (3 entries of a 512 x 2048 weight: 0.3x the loop's
+    time, where it ran the loop)."""
+    weight = torch.randn(4 * pyhvp.restricted.routes.LOOP_ENTRIES // 64, 64, dtype=torch.float64)
+    loss, closed_form = tanh_squared_of_a_layer(torch.randn(64, 64, dtype=torch.float64))
+    index = torch.tensor([0, 70, weight.numel() - 1])
+    with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"):
+        got = pyhvp.sub_hessian(loss, weight, index, backend=backend)
+    assert routes_taken(caplog) == ["sparse"]
+    torch.testing.assert_close(got, closed_form(weight, index), **F64)
+
+
+@pytest.mark.parametrize("backend", [EAGER, "torch"], ids=["eager", "default"])
+def test_few_components_of_a_small_tensor_take_the_seeds_loop_on_the_default_backend(
+    backend, caplog
+):
+    """``compile="auto"`` (the default) as ``compile=False``: the seed's loop, where its eager
+    batched pass took 1.2-1.9x the loop's time at 3 components of one tensor."""
+    weight = torch.randn(8, 16, dtype=torch.float64)
+    loss, closed_form = tanh_squared_of_a_layer(torch.randn(4, 16, dtype=torch.float64))
+    index = torch.tensor([3, 17, 18])
+    with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"):
+        got = pyhvp.sub_hessian(loss, weight, index, backend=backend)
+    assert [r.getMessage() for r in caplog.records if submatrix.BY_LOOP in r.getMessage()]
+    torch.testing.assert_close(got, closed_form(weight, index), **F64)
+
+
 @pytest.mark.parametrize(
     "view", [lambda w: w.T, lambda w: w.mT, lambda w: w.permute(1, 0), lambda w: w.t()],
     ids=["W.T", "W.mT", "W.permute", "W.t()"],

@@ -122,11 +122,12 @@ def test_repeated_calls_compile_once_whether_the_loss_is_reused_or_rebuilt(
     make_loss, compiled, compile_after_eager_calls
 ):
     """The function handed to the backend is keyed by what it computes, so a loss reused, or
-    rebuilt per step over the same module and data, compiles once under "auto"."""
+    rebuilt per step over the same module and data, compiles once under "auto" (more than
+    ``FEW_TANGENTS`` components of a tensor: at fewer the seed's loop runs, never compiled)."""
     compile_after_eager_calls(2)
     net = mlp()
     inputs, targets = torch.randn(8, 5), torch.randint(0, 3, (8,))
-    index = {"0.weight": torch.tensor([0, 5]), "2.bias": torch.tensor([1])}
+    index = {"0.weight": torch.tensor([0, 5, 1, 7, 9]), "2.bias": torch.tensor([1])}
     loss_and_params = make_loss(net, nn.CrossEntropyLoss(), inputs, targets)
     results = [pyhvp.sub_hessian(*loss_and_params(), index, method="reverse") for _ in range(4)]
     assert len(compiled) == 1
