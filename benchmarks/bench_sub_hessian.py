@@ -11,7 +11,9 @@ Models (float32, cross-entropy, random data):
   tanh, linear 64->4 (64 sentences);
 * a one-block transformer encoder: d = 64, 4 heads (attention written out), LayerNorm after
   attention and after a GELU MLP (64->256->64), mean over 32 tokens, linear 64->4 (16
-  sequences).
+  sequences);
+* a wide layer by hand, ``X @ W.T + b`` with ``W`` of 256 x 1024 (64 samples, 256 classes): a
+  tensor of 2^18 entries, over ``routes.LOOP_ENTRIES``, so surveyed at any k.
 
 k = 2, 16, 128 random components per tensor (all of a tensor that has fewer). Every row builds
 the loss anew per call, as the seed's user writes it (``sub_hessian(*module_loss(...), index)``).
@@ -123,6 +125,21 @@ def by_hand(product):
     return make
 
 
+def wide_layer(inputs, outputs):
+    """The seed's loss by hand over a wider layer, ``X @ W.T + b`` with ``W`` of ``outputs x
+    inputs``: a tensor whose every loop pass writes a gradient of 2^18 entries."""
+    torch.manual_seed(1)
+    params = {"weight": torch.randn(outputs, inputs) / inputs**0.5, "bias": torch.zeros(outputs)}
+
+    def make(X, y):
+        def loss(p):
+            return F.cross_entropy(X @ p["weight"].T + p["bias"], y)
+
+        return loss, {name: t.to(X.device) for name, t in params.items()}
+
+    return make
+
+
 def module_problem(model):
     criterion = nn.CrossEntropyLoss()
 
@@ -195,6 +212,7 @@ def problems(device):
     small, small_labels = torch.rand(64, 1, 28, 28), torch.randint(0, 10, (64,))
     tokens, classes = torch.randint(0, 5000, (64, 32)), torch.randint(0, 4, (64,))
     sequences, sequence_classes = torch.randn(16, 32, 64), torch.randint(0, 4, (16,))
+    wide, wide_labels = torch.randn(64, 1024), torch.randint(0, 256, (64,))
     data = {
         "seed Linear(784, 10)": (module_problem(MnistModel()), images, labels),
         "seed by hand, X @ W.T": (by_hand(lambda x, w: x @ w.T), images, labels),
@@ -207,6 +225,7 @@ def problems(device):
         "LeNet-5": (module_problem(LeNet5()), small, small_labels),
         "text classifier": (module_problem(TextClassifier()), tokens, classes),
         "transformer encoder": (module_problem(Encoder()), sequences, sequence_classes),
+        "wide layer, 1024 -> 256": (wide_layer(1024, 256), wide, wide_labels),
     }
     return {name: (make, X.to(device), y.to(device)) for name, (make, X, y) in data.items()}
 

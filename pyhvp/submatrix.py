@@ -1654,31 +1654,45 @@ def _rows_by_loop(
             blocks.append(y.new_zeros(len(rows), len(columns)))
             continue
         # one-hot cotangents of the whole gradient: selecting its entry (``g.reshape(-1)[j]``,
-        # the seed's) adds a select and its backward to every pass, 0.03 of its 0.18 ms; each
-        # row read at the columns as it comes (full rows stacked first copied each: a 4096 x
-        # 4096 weight, 90 of a call's 380 ms at k = 3)
-        columns, picked = columns.to(y.device), []
-        for cotangent in _one_hots(rows, g):  # a loop, not a comprehension:
-            (row,) = _backward(g, [y], cotangent=cotangent)  # _in_loop_backward reads frames
+        # the seed's) adds a select and its backward to every pass, 0.03 of its 0.18 ms
+        columns = columns.to(y.device)
+        if len(rows) * g.numel() <= _FEW_ENTRIES:  # made by one scatter, read by one gather
+            full = []
+            for cotangent in _one_hot(rows, g):  # a loop, not a comprehension:
+                (row,) = _backward(g, [y], cotangent=cotangent)  # _in_loop_backward
+                full.append(row.reshape(-1))  # reads frames
+            blocks.append(torch.stack(full).index_select(1, columns))
+            continue
+        picked = []  # each row read as it comes (full rows stacked first copied each: a 4096
+        for cotangent in _one_hots(rows, g):  # x 4096 weight, 90 of a call's 380 ms at k = 3)
+            (row,) = _backward(g, [y], cotangent=cotangent)
             picked.append(row.reshape(-1).index_select(0, columns))
         blocks.append(torch.stack(picked))
     return blocks
 
 
+_FEW_ENTRIES = 2**15
+"""Most entries of the one-hot rows of one tensor that :func:`_rows_by_loop` makes at once, by
+one ``scatter_``, and whose full rows it reads at once (128 KB of float32, under glibc's first
+threshold for fresh memory): the seed's two rows of 7840 made and read so took 2% less of a
+1 ms call than one at a time."""
+
+
 def _one_hots(entries: torch.Tensor, like: torch.Tensor) -> Iterator[torch.Tensor]:
     """Each entry's one-hot tensor of ``like``'s shape, in turn, each used before the next. On
     the CPU one buffer, its entry set and then cleared: the seed's loop fills a tensor of the
-    gradient's size per pass (a 256 x 1024 weight at k = 3: 1.13x its time, with 2x its page
-    faults, where ``k`` rows made at once were new memory each call). Elsewhere
-    :func:`_one_hot`'s, :data:`_LOOP_ENTRIES` entries at a time (a pass may still read a
-    buffer the next write would change on another stream)."""
+    gradient's size per pass, and ``k`` rows made at once were new memory each call (a 256 x
+    1024 weight at k = 3: 1.13x the seed's time, with twice its page faults). Elsewhere
+    :func:`_one_hot`'s rows, :data:`_LOOP_ENTRIES` entries at a time (a pass may still read a
+    buffer that the next write would change, on another stream)."""
     if like.device.type == "cpu":
         buffer = torch.zeros(like.shape, dtype=like.dtype, device=like.device)
         flat = buffer.view(-1)
         for entry in entries.tolist():
-            flat[entry] = 1
+            one = flat[entry]  # (a view, written twice: 3 us where two writes by index took 4)
+            one.fill_(1)
             yield buffer
-            flat[entry] = 0
+            one.fill_(0)
         return
     step = max(1, _LOOP_ENTRIES // max(1, like.numel()))
     for part in (entries,) if len(entries) <= step else torch.split(entries, step):
