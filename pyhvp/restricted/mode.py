@@ -11,7 +11,8 @@ Per use of a selected tensor (or of a view of one, followed as a selected tensor
   :class:`Injected`, so that the reverse passes move ``k`` copies of the pooled value, not of
   every token's);
 * a view (``W.T``, ``W.view``, ``W[2:]``, ``W.chunk``): applied to the tensor, and the entries'
-  positions in the result found by applying it to their flat indices;
+  positions in the result read off its strides where it permutes the tensor's dims
+  (:func:`permuted_dims`), else found by applying it to every flat index;
 * a bias of a contraction, or an elementwise, reduction or normalisation op: ``W + scatter(z)``;
 * a write to a selected tensor: :class:`NotSparse`;
 * anything else: ``W + scatter(z)`` for a tensor of at most :data:`DENSE_LIMIT` entries, else
