@@ -32,9 +32,9 @@ sparse groups and the reverse route. Tensors the sparse route refuses (an op wit
 rule on a tensor over ``restricted.DENSE_LIMIT`` entries, a write, an embedding's padding row, a
 use its mode does not see, found by the survey; all, under ``"auto"`` inside a ``torch.func``
 transform, where the survey cannot look for those) take the reverse route; below
-``routes.MIN_COMPONENTS`` in all, of tensors of at most ``routes.LOOP_ENTRIES`` entries, every
-tensor does without a survey (unless the backend compiles from the first call), by the seed's
-loop. The reverse route runs as the seed's loop itself (one backward per component: no batched
+``routes.MIN_COMPONENTS`` in all, of tensors of at most ``routes.LOOP_ENTRIES`` entries (of a
+larger one, at its first call), every tensor does without a survey (unless the backend compiles
+from the first call), by the seed's loop. The reverse route runs as the seed's loop itself (one backward per component: no batched
 tangents, no batching setup) at most ``FEW_TANGENTS`` (4) components per tensor unless the
 backend compiles from the first call, and where the cost model prices it cheaper. With
 ``joint=True`` the reverse route's rows fill the cross blocks of its tensors. An equal call made
@@ -793,13 +793,37 @@ def _static_refusal(plan: _Plan, backend: Backend, method: str) -> str | None:
     if method != "auto" or (backend.compile is True and restricted.compiles()):
         return None
     total = sum(len(flat) for flat in plan.flats)
-    largest = max((t.numel() for t in plan.tensors), default=0)
-    if total < routes.MIN_COMPONENTS and largest <= routes.LOOP_ENTRIES:
-        return (
-            f"{total} components, fewer than {routes.MIN_COMPONENTS}, of tensors of at most "
-            f"{routes.LOOP_ENTRIES} entries: the reverse route costs less"
-        )
-    return None
+    if total >= routes.MIN_COMPONENTS:
+        return None
+    large = max((t.numel() for t in plan.tensors), default=0) > routes.LOOP_ENTRIES
+    if large and _called_before(plan):
+        return None
+    return (
+        f"{total} components, fewer than {routes.MIN_COMPONENTS}"
+        f"{', a first call' if large else ''}: the reverse route costs less"
+    )
+
+
+def _called_before(plan: _Plan) -> bool:
+    """Whether an equal call came before (the loss's key, the params' metadata, the selection's
+    sizes; not the batch's): a tensor over ``routes.LOOP_ENTRIES`` entries at a few components is
+    surveyed from its second call on, and later calls reuse the survey. A loss rebuilt per call
+    over new tensors (a closure over each step's batch) never repeats its key: surveyed at every
+    call, where the cost model then kept the loop, it took up to 3x the seed's loop."""
+    try:
+        sizes = tuple(len(flat) for flat in plan.flats)
+        key = compile_policy.signature("sub_hessian, few components", plan.sparse, sizes,
+                                       (*plan.tensors, *plan.others))  # fmt: skip
+        hash(key)
+    except TypeError:  # an unhashable loss: as a first call
+        return False
+    seen = compile_policy.recall(_FEW_CALLS, key) is not None
+    compile_policy.keep(_FEW_CALLS, key, True)
+    return seen
+
+
+_FEW_CALLS: OrderedDict[Hashable, bool] = OrderedDict()
+""":func:`_called_before`'s calls seen, most recent last."""
 
 
 def _written(label: str, what: str) -> str:
@@ -946,7 +970,9 @@ def _choose_routes(
         )
 
     auto = method == "auto"
-    later = backend.compile == "auto"  # compiled once its eager time pays for that
+    # compiled once its eager time pays for that; not weighed at a few components (a large
+    # tensor's), where weighing it probed dynamo on W.T first, 1.6 s of a first call
+    later = backend.compile == "auto" and sum(sizes) >= routes.MIN_COMPONENTS
     chosen = routes.choose(
         found, sizes, joint, compiled, method != "sparse", together, auto, auto and forward, later
     )

@@ -111,13 +111,15 @@ from pyhvp.restricted.state import Changes, putting_back
 
 MIN_COMPONENTS = 8
 """Fewest selected components for which ``method="auto"`` surveys the loss unless the backend
-compiles from the first call or a selected tensor has over :data:`LOOP_ENTRIES` entries: below
+compiles from the first call or (called again) a selected tensor has over :data:`LOOP_ENTRIES`
+entries: below
 it the reverse route's few Hessian-vector products cost less than the sparse route's fixed setup
 (and the survey) on every model measured."""
 
 LOOP_ENTRIES = 2**16
 """Most entries of a selected tensor for which ``method="auto"`` takes the seed's loop at fewer
-than :data:`MIN_COMPONENTS` components without a survey: each of the loop's passes writes a
+than :data:`MIN_COMPONENTS` components without a survey (a larger one is surveyed from its
+second equal call, ``pyhvp.submatrix._called_before``): each of the loop's passes writes a
 gradient of the tensor's size, and the tensor's use a dense product with it. ``tanh(X @ W.T)``
 at 3 entries of ``W``, 64 samples, one core, surveyed (the cost model then choosing): 1.04x
 the seed's loop at 2^16 entries (it kept the loop), 0.97x at 90k, 0.82x at 2^17, 0.55x at
