@@ -123,7 +123,7 @@ second equal call, ``pyhvp.submatrix._called_before``): each of the loop's passe
 gradient of the tensor's size, and the tensor's use a dense product with it. ``tanh(X @ W.T)``
 at 3 entries of ``W``, 64 samples, one core, surveyed (the cost model then choosing): 1.04x
 the seed's loop at 2^16 entries (it kept the loop), 0.97x at 90k, 0.82x at 2^17, 0.55x at
-2^18, 0.24x at 2^20 (the sparse route), against 0.99-1.03x unsurveyed."""
+2^18, 0.24x at 2^20 (the sparse route), against 1.01-1.10x unsurveyed (the loop)."""
 
 MAC_NS = 0.05
 """Nanoseconds per multiply-add of a contraction (a GEMM or a convolution)."""
