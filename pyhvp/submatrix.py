@@ -1680,37 +1680,33 @@ def _rows_by_loop(
             blocks.append(y.new_zeros(len(rows), len(columns)))
             continue
         # one-hot cotangents of the whole gradient: selecting its entry (``g.reshape(-1)[j]``,
-        # the seed's) adds a select and its backward to every pass, 0.03 of its 0.18 ms
-        columns = columns.to(y.device)
-        if len(rows) * g.numel() <= _FEW_ENTRIES:  # made by one scatter, read by one gather
-            full = []
-            for cotangent in _one_hot(rows, g):  # a loop, not a comprehension:
-                (row,) = _backward(g, [y], cotangent=cotangent)  # _in_loop_backward
-                full.append(row.reshape(-1))  # reads frames
-            blocks.append(torch.stack(full).index_select(1, columns))
-            continue
-        picked = []  # each row read as it comes (full rows stacked first copied each: a 4096
-        for cotangent in _one_hots(rows, g):  # x 4096 weight, 90 of a call's 380 ms at k = 3)
+        # the seed's) adds a select and its backward to every pass, 0.03 of its 0.18 ms. A few
+        # small rows are read at the columns at once, larger ones each as it comes (full rows
+        # stacked first copied each: a 4096 x 4096 weight, 90 of a call's 380 ms at k = 3)
+        columns, read = columns.to(y.device), []
+        at_once = len(rows) * g.numel() <= _FEW_ENTRIES  # (not through a generator: 2% of a call)
+        # a loop, not a comprehension: _in_loop_backward reads frames
+        for cotangent in _one_hot(rows, g) if at_once else _one_hots(rows, g):
             (row,) = _backward(g, [y], cotangent=cotangent)
-            picked.append(row.reshape(-1).index_select(0, columns))
-        blocks.append(torch.stack(picked))
+            read.append(row.reshape(-1) if at_once else row.reshape(-1).index_select(0, columns))
+        block = torch.stack(read)
+        blocks.append(block.index_select(1, columns) if at_once else block)
     return blocks
 
 
 _FEW_ENTRIES = 2**15
 """Most entries of the one-hot rows of one tensor that :func:`_rows_by_loop` makes at once, by
-one ``scatter_``, and whose full rows it reads at once (128 KB of float32, under glibc's first
-threshold for fresh memory): the seed's two rows of 7840 made and read so took 2% less of a
-1 ms call than one at a time."""
+one ``scatter_``, and reads at once (128 KB of float32, under glibc's first threshold for fresh memory): the seed's two rows of
+7840 made and read so took 2% less of a 1 ms call than one at a time."""
 
 
 def _one_hots(entries: torch.Tensor, like: torch.Tensor) -> Iterator[torch.Tensor]:
-    """Each entry's one-hot tensor of ``like``'s shape, in turn, each used before the next. On
-    the CPU one buffer, its entry set and then cleared: the seed's loop fills a tensor of the
-    gradient's size per pass, and ``k`` rows made at once were new memory each call (a 256 x
-    1024 weight at k = 3: 1.13x the seed's time, with twice its page faults). Elsewhere
-    :func:`_one_hot`'s rows, :data:`_LOOP_ENTRIES` entries at a time (a pass may still read a
-    buffer that the next write would change, on another stream)."""
+    """Each entry's one-hot tensor of ``like``'s shape, in turn, each used before the next (more
+    than :data:`_FEW_ENTRIES` in all). On the CPU one buffer, its entry set and then cleared: the
+    seed's loop fills a tensor of the gradient's size per pass, and ``k`` rows made at once were
+    new memory each call (a 256 x 1024 weight at k = 3: 1.13x the seed's time, with twice its
+    page faults). Elsewhere :func:`_one_hot`'s rows, :data:`_LOOP_ENTRIES` entries at a time (a
+    pass may still read a buffer that the next write would change, on another stream)."""
     if like.device.type == "cpu":
         buffer = torch.zeros(like.shape, dtype=like.dtype, device=like.device)
         flat = buffer.view(-1)
@@ -1726,8 +1722,8 @@ def _one_hots(entries: torch.Tensor, like: torch.Tensor) -> Iterator[torch.Tenso
 
 
 _LOOP_ENTRIES = 2**22
-"""How many entries of one-hot cotangents :func:`_one_hots` holds at once off the CPU (16 MB
-of float32), or one row of a larger tensor."""
+"""How many entries of one-hot cotangents :func:`_one_hots` holds at once where it makes them
+(16 MB of float32), or one row of a larger tensor."""
 
 
 _ENGINE = Variable._execution_engine
