@@ -79,15 +79,13 @@ class KroneckerHVP:
         refresh_every: int = 1,
     ) -> None:
         self.beta, self.damping, self.power = beta, damping, power
-        every = as_int(refresh_every)  # a NumPy int too, as samples= and chunk_size= take
-        if every is None or every < 1:
-            raise ValueError(f"refresh_every must be a positive int, got {refresh_every!r}")
-        self.refresh_every = every
+        self.refresh_every = refresh_every
         self.reset()
 
     # The options may be set between calls (dampings tried on the same statistics): each is
     # checked as the constructor checks it; the cached roots are computed anew with a damping or
-    # power set, and a beta weighs the updates after it.
+    # power set, a beta weighs the updates after it, and a refresh_every counts the updates
+    # since the cached roots were computed.
 
     @property
     def beta(self) -> float:
@@ -126,6 +124,20 @@ class KroneckerHVP:
             else _real_option("power", value, "None or a float > 0", lambda p: p > 0)
         )
         self._roots = None
+
+    @property
+    def refresh_every(self) -> int:
+        """How many updates a cached root serves, a positive int (a NumPy int too, as
+        ``samples=`` and ``chunk_size=`` take; until 2026-12-07 a value set after construction
+        went unchecked: ``2.5`` was taken, ``"x"`` failed at the next ``apply``)."""
+        return self._refresh_every
+
+    @refresh_every.setter
+    def refresh_every(self, value: int) -> None:
+        every = as_int(value)
+        if every is None or every < 1:
+            raise ValueError(f"refresh_every must be a positive int, got {value!r}")
+        self._refresh_every = every
 
     def reset(self) -> None:
         """Forget all statistics; the next ``update`` starts afresh (any shape, device, dtype)."""

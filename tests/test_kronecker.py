@@ -767,7 +767,11 @@ def test_a_beta_set_between_updates_weighs_later_updates_and_the_bias_correction
     torch.testing.assert_close(restored.apply(v), expected, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("option, value", [("damping", -1.0), ("power", 0.0), ("beta", 1.0)])
+@pytest.mark.parametrize(
+    "option, value",
+    [("damping", -1.0), ("power", 0.0), ("beta", 1.0), ("refresh_every", 0),
+     ("refresh_every", 2.5), ("refresh_every", "x")],
+)  # fmt: skip
 def test_an_option_set_after_construction_is_checked_as_the_constructor_checks_it(option, value):
     with pytest.raises(ValueError, match=f"{option} must be"):
         setattr(KroneckerHVP(), option, value)
