@@ -277,7 +277,9 @@ def check_instances(
     derivatives still couple the instances); check at a generic point, not a symmetric one.
 
     The message names one instance that leaked into another, verified by one more pass. ``f``
-    may return any ``batch_shape + out_shape``; args are held constant.
+    may return any ``batch_shape + out_shape``; args are held constant. The random cotangents
+    and moves are drawn from ``generator`` (the same state, the same check), or from torch's
+    global generator, which the check then advances.
 
     >>> check_instances(lambda x: (x**2).sum(-1), torch.randn(5, 3))      # independent: passes
     >>> check_instances(lambda x: ((x - x.mean(0)) ** 2).sum(-1), torch.randn(5, 3))  # doctest: +ELLIPSIS
