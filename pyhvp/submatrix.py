@@ -105,7 +105,7 @@ from pyhvp.distributed import Fingerprint, check_group, sum_over_ranks
 from pyhvp.restricted import NotSparse, WritesSelected, routes
 from pyhvp.restricted.forward import forward_hessian
 from pyhvp.restricted.mode import PADDING_ROW
-from pyhvp.restricted.state import Held, Snapshot, recorded
+from pyhvp.restricted.state import Held, recorded
 from pyhvp.restricted.trial import CONFIRM_AFTER, MODEL, Trial
 
 if TYPE_CHECKING:
@@ -1143,15 +1143,17 @@ def _sums(
         # every kernel of the batch draws what its first drew, as the seed's one forward does
         draws = random_states.Repeated(device)
         failed: Exception | None = None
+        inputs = (*plan.tensors, *plan.others, *batch_values)  # (the loss's, in order)
+        held: Held | None = None  # what the call's runs put back, where they may be several
         try:
             if refusal is None:
                 assert isinstance(backend, TorchBackend)  # _static_refusal's condition
-                inputs = (*plan.tensors, *plan.others, *batch_values)  # (the loss's, in order)
                 if trial is None or spec != surveyed_spec:  # (the state it puts back is
                     # held by each input's position: a batch of another structure has others)
                     trial = _choose_routes(plan, backend, batch_values, spec, method, forward)
                     surveyed_spec = spec
-                draws.hold(trial.state.snapshot(inputs).restore)
+                held = trial.state
+                draws.hold(held.snapshot(inputs).restore)
                 # a trial compares calls of one batch; a data set's batches may differ in size
                 name, chosen, timed = (
                     trial.next() if batches is None else (MODEL, trial.model, False)
@@ -1167,7 +1169,8 @@ def _sums(
                         raise ValueError(f"method='sparse' does not apply: {error}") from None
                     draws.begin()  # the state before the kernel's run, for the survey
                     trial = _choose_routes(plan, backend, batch_values, spec, method, forward, True)
-                    draws.hold(trial.state.snapshot(inputs).restore)
+                    held = trial.state
+                    draws.hold(held.snapshot(inputs).restore)
                     name, chosen, timed = MODEL, trial.model, False
                     try:
                         parts = _sparse_parts(
@@ -1187,8 +1190,8 @@ def _sums(
                 loop = _by_loop(plan, reverse, backend)
                 if not loop:  # every pass, and the seed's loop where one fails, from the state
                     # before the call (the loop runs the loss once)
-                    before, unsurveyed = _unsurveyed_state(plan, spec, batch_values, chunk_size)
-                    draws.hold(before.restore)
+                    held, unsurveyed = _unsurveyed_state(plan, spec, batch_values, chunk_size)
+                    draws.hold(held.snapshot(inputs).restore)
                     loop = (unsurveyed is not None and unsurveyed.fails
                             and not nested.inside_transform())  # fmt: skip
                 _log.debug("sub_hessian: reverse route%s (%s)", f" {BY_LOOP}" if loop else "",
@@ -1203,6 +1206,9 @@ def _sums(
         except (ValueError, torch.cuda.OutOfMemoryError):
             raise
         except Exception as error:
+            written = _leaf_written(plan, spec, batch_values, error)
+            if written is not None:
+                raise written from None
             if (
                 not _kernel_failure(error)
                 or loop
@@ -1221,6 +1227,7 @@ def _sums(
                        name if refusal is None else "the reverse route", type(failed).__name__,
                        failed)  # fmt: skip
             timed = False
+            _refuse_unheld_writes(plan, spec, inputs, held, failed, trial, unsurveyed)
             # a loss that fails by itself (a torch error in its own frame) raises it here
             refused = (f"method={method!r} does not apply: its kernels cannot run this loss "
                        f"({type(failed).__name__}: {failed})")  # fmt: skip
@@ -1231,6 +1238,9 @@ def _sums(
                 # the loop's forward raises the loss's bugs as they are; its backward, what
                 # autograd cannot differentiate (an op whose backward has no derivative), is
                 # refused by name
+                written = _leaf_written(plan, spec, batch_values, loop_error)
+                if written is not None:
+                    raise written from None
                 if not (method in FORCED and _in_loop_backward(loop_error)
                         and _kernel_failure(loop_error)):  # fmt: skip
                     raise
@@ -1239,9 +1249,10 @@ def _sums(
             if method in FORCED:
                 raise ValueError(f"{refused}; method='auto' takes the seed's loop") from failed
         for position, (t, version) in enumerate(zip(watched, versions, strict=True)):
-            if _version(t) != version:  # under no_grad, which autograd allows: found after it
-                raise ValueError(_written(_params_label(plan, position), "was written by the loss "
-                                          "under no_grad (it now holds the written values)"))  # fmt: skip
+            if _version(t) != version:  # where autograd allows it (under no_grad, or to a tensor
+                # held constant): found after it
+                raise ValueError(_written(_params_label(plan, position), "was written in place "
+                                          "by the loss (it now holds the written values)"))  # fmt: skip
         # a run that compiled a kernel, checked one or ran its eager turn is not the plan's
         # steady state: the plan runs again, timed then
         if timed and unsettled_calls() == unsettled:
@@ -1258,6 +1269,79 @@ def _sums(
 
 TORCH_PACKAGE = os.path.dirname(torch.__file__) + os.sep
 _RAISES = frozenset({"RAISE_VARARGS", "RERAISE"})  # the opcodes of a raise statement
+
+
+_LEAF_WRITES = (
+    "a leaf Variable that requires grad is being used in an in-place operation",
+    "a view of a leaf Variable that requires grad is being used in an in-place operation",
+)
+"""autograd's refusals of a write to a tensor that requires grad (a selected tensor, as the
+routes differentiate it), or to a view of one."""
+
+
+def _leaf_written(plan: _Plan, spec: Any, batch_values: list[Any], error: Exception
+                  ) -> ValueError | None:  # fmt: skip
+    """Where autograd refused ``error``, the loss's write to a leaf, and the survey's mode finds
+    it writes a selected tensor (it stops before the write): that tensor's refusal, as a write
+    under ``no_grad`` is refused. Until 2026-12-07 autograd's own error was raised, which names
+    no tensor. None where the leaf is another (the loss's own)."""
+    if not (isinstance(error, RuntimeError) and any(m in str(error) for m in _LEAF_WRITES)):
+        return None
+    loss = dataclasses.replace(plan.sparse, batch_spec=spec)
+    with torch.inference_mode(False):
+        normal = _normal((*plan.tensors, *plan.others, *batch_values))
+        try:
+            found = routes.survey(loss, cast(list[torch.Tensor], normal[: len(plan.tensors)]),
+                                  normal[len(plan.tensors) :], unseen=False)  # fmt: skip
+        except WritesSelected as write:
+            return ValueError(_written(_label(plan, write.source), write.what))
+        except Exception:  # the survey cannot tell: autograd's error is raised
+            return None
+    for i, usage in enumerate(found.usage):
+        for use in usage.uses:
+            if use.endswith(routes.WRITE):
+                return ValueError(_written(_label(plan, i), f"is written in place by "
+                                           f"{use.removesuffix(routes.WRITE)}"))  # fmt: skip
+    return None
+
+
+_CAPTURED_WRITE = "that would mutate a captured Tensor"
+"""``torch.func``'s refusal, before it runs, of an in-place op on a tensor the transformed
+function captured."""
+
+
+def _refuse_unheld_writes(plan: _Plan, spec: Any, inputs: tuple[Any, ...], held: Held | None,
+                          failed: Exception, trial: Trial | None,
+                          unsurveyed: _Unsurveyed | None) -> None:  # fmt: skip
+    """Before the seed's loop runs the loss again where a kernel ``failed`` after its run: raise
+    ``ValueError`` where the loss writes state that ``held`` (what the call puts back before
+    each run, found on an earlier equal call) does not hold -- a loss that first writes it on a
+    later call. The failed run wrote it, so the loop would run from the changed state (until
+    2026-12-07 a silently wrong block, 100% off, and a buffer scaled twice). One run under a mode
+    that notes the changes finds it (a forward's cost, on a failing call alone: equal calls then
+    take the loop, which runs the loss once), and the routes chosen and the state found for this
+    call are forgotten: the next call finds the state anew and puts it back. Not where the
+    failure is ``torch.func``'s refusal of a write to a tensor its function captured, which it
+    raises before the first such write: that run wrote none."""
+    if _CAPTURED_WRITE in str(failed):
+        return
+    with torch.inference_mode(False):
+        writes = recorded(dataclasses.replace(plan.sparse, batch_spec=spec), _normal(inputs))
+    n_params = len(plan.tensors) + len(plan.others)  # (writes to params are refused apart)
+    unheld = writes.unheld_by(held, (*[None] * n_params, *inputs[n_params:]))
+    if not unheld:
+        return
+    for cache, entry in ((_ROUTES, trial), (_STATES, unsurveyed)):
+        for key in [key for key, value in cache.items() if value is entry]:
+            del cache[key]
+    raise ValueError(
+        f"the loss wrote {unheld} in this call, which the state pyhvp puts back between the "
+        f"loss's runs did not hold (an equal call before did not write it), and a kernel failed "
+        f"after its run ({type(failed).__name__}): the seed's loop would run the loss from the "
+        "changed state, so no sub-Hessian at the state before the call can be given. The state "
+        "now holds one run's writes, as after one forward; an equal call from now on finds "
+        "what the loss writes and puts it back"
+    ) from None
 
 
 def _kernel_failure(error: Exception) -> bool:
@@ -1489,7 +1573,7 @@ before (see :func:`_unsurveyed_state`)."""
 
 
 def _unsurveyed_state(plan: _Plan, spec: Any, batch_values: list[Any], chunk_size: int | None
-                      ) -> tuple[Snapshot, _Unsurveyed | None]:  # fmt: skip
+                      ) -> tuple[Held, _Unsurveyed | None]:  # fmt: skip
     """The state the loss changes beyond its values, as it is before the call's first run, for
     the reverse route's batched passes where no survey ran (:func:`~pyhvp.restricted.state.
     recorded`: one run under a mode that notes the changes, put back), and for a single pass
@@ -1499,7 +1583,8 @@ def _unsurveyed_state(plan: _Plan, spec: Any, batch_values: list[Any], chunk_siz
     where it no longer holds), and an equal call after a failure takes the loop at once,
     which runs the loss once (one recording run cost 1.8-2.6x a forward: +30-55% of a small
     call). State a later call first changes is seen there only where the kernel first fails
-    on that call."""
+    on that call, and refused where it fails after the loss's run
+    (:func:`_refuse_unheld_writes`)."""
     loss = dataclasses.replace(plan.sparse, batch_spec=spec)
     inputs = (*plan.tensors, *plan.others, *batch_values)
     key: Hashable = None
@@ -1513,9 +1598,7 @@ def _unsurveyed_state(plan: _Plan, spec: Any, batch_values: list[Any], chunk_siz
     if kept is None or not kept.held.holds():
         with torch.inference_mode(False):  # (as the survey runs it)
             kept = _Unsurveyed(recorded(loss, _normal(inputs)))
-    if key is None:
-        return kept.held.snapshot(inputs), None
-    return kept.held.snapshot(inputs), compile_policy.keep(_STATES, key, kept)
+    return kept.held, None if key is None else compile_policy.keep(_STATES, key, kept)
 
 
 def _reverse_blocks(

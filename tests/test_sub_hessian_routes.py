@@ -408,10 +408,30 @@ def test_a_write_to_a_selected_tensor_is_never_run_by_the_sparse_route(loss, wri
     with pytest.raises(ValueError, match=f"is written by {writer}"):
         pyhvp.sub_hessian(loss, params, torch.tensor([0]), method="sparse")
     assert torch.equal(params, before)  # the survey stopped before the write
-    with caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"), pytest.raises(RuntimeError):
-        pyhvp.sub_hessian(loss, params, torch.arange(20))  # reverse: a leaf written
+    with (
+        caplog.at_level(logging.DEBUG, "pyhvp.sub_hessian"),
+        pytest.raises(ValueError, match=f"^params is written in place by {writer}"),
+    ):  # reverse: autograd refuses the write to its leaf, the survey names it
+        pyhvp.sub_hessian(loss, params, torch.arange(20))
     assert set(routes_taken(caplog)) == {"reverse"}  # and the seed's loop, which fails as well
     assert torch.equal(params, before)
+
+
+@pytest.mark.parametrize("method", ["auto", "reverse", "forward"])
+@pytest.mark.parametrize("components", [2, 6], ids=["the loop", "batched"])
+def test_a_write_to_a_selected_tensor_with_grad_on_is_refused_naming_it(method, components):
+    """autograd refuses the write to the leaf the routes differentiate; its error, "a leaf
+    Variable that requires grad is being used in an in-place operation", named no tensor."""
+    params = {"a": torch.randn(6, 6, dtype=torch.float64), "b": torch.randn(6, dtype=torch.float64)}
+    before = {name: t.clone() for name, t in params.items()}
+
+    def loss(p):
+        return p["a"][0:2].mul_(2).pow(3).sum() + p["b"].pow(4).sum()  # a view of params['a']
+
+    index = {"a": torch.arange(components), "b": torch.tensor([0, 1])}
+    with pytest.raises(ValueError, match=r"^params\['a'\] is written in place by Tensor\.mul_"):
+        pyhvp.sub_hessian(loss, params, index, method=method)
+    assert all(torch.equal(params[name], before[name]) for name in params)
 
 
 def reads_metadata(p):
@@ -1191,7 +1211,7 @@ def test_a_write_to_a_tensor_of_params_that_is_not_selected_is_refused_naming_it
     def loss(p):
         return torch.tanh(F.embedding(tokens, p["e"], max_norm=1.0) @ p["w"]).pow(2).sum()
 
-    with pytest.raises(ValueError, match=r"params\['e'\] was written by the loss under no_grad"):
+    with pytest.raises(ValueError, match=r"params\['e'\] was written in place by the loss"):
         pyhvp.sub_hessian(loss, params, {"w": torch.arange(12)})
 
 

@@ -909,6 +909,40 @@ def test_an_unsurveyed_pass_that_failed_before_takes_the_loop_whatever_state_app
     torch.testing.assert_close((got, scale), (expected, torch.tensor(2.0, dtype=torch.float64)))
 
 
+def conv_not_normed(p):
+    images = torch.linspace(-1, 1, 192, dtype=torch.float64).reshape(4, 3, 4, 4)
+    return torch.tanh(F.conv2d(images, p)).pow(2).sum()
+
+
+def test_a_kernel_failing_where_the_loss_first_writes_state_is_refused_then_served():
+    """The state a call puts back between runs is found on an earlier equal call: a later call
+    whose loss first doubled a buffer, and whose batched kernel then failed (group_norm, in the
+    same branch), ran the seed's loop from the doubled buffer (reviewer A's model: 100% off)
+    and doubled it again. Refused now, the buffer as one forward leaves it; the next equal call
+    finds the write and is served."""
+    scale, writing = torch.ones((), dtype=torch.float64), [False]
+
+    def loss(p):
+        if not writing[0]:
+            return conv_not_normed(p)
+        with torch.no_grad():
+            scale.mul_(2)
+        return conv_group_normed(p) * scale
+
+    p = torch.randn(4, 3, 2, 2, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    index = torch.arange(0, 48, 8)  # 6 components: the batched kernel, unsurveyed
+    pyhvp.sub_hessian(loss, p, index, method="reverse", backend=EAGER)
+    writing[0] = True
+    with pytest.raises(
+        ValueError, match=r"^the loss wrote a tensor of shape \(\) \(torch.float64\)"
+    ):
+        pyhvp.sub_hessian(loss, p, index, method="reverse", backend=EAGER)
+    assert scale.item() == 2.0
+    got = pyhvp.sub_hessian(loss, p, index, method="reverse", backend=EAGER)
+    expected = 4 * dense_sub_hessian(conv_group_normed, p, index)
+    torch.testing.assert_close((got, scale), (expected, torch.tensor(4.0, dtype=torch.float64)))
+
+
 class DroppedEmbeddings(nn.Module):
     def __init__(self, sparse):
         super().__init__()

@@ -109,6 +109,9 @@ from pyhvp.restricted.ops import (
 )
 from pyhvp.restricted.state import Changes, putting_back
 
+WRITE = " (a write)"
+"""How :attr:`Usage.uses` ends a write to the selected tensor (``"Tensor.mul_ (a write)"``)."""
+
 MIN_COMPONENTS = 8
 """Fewest selected components for which ``method="auto"`` surveys the loss unless the backend
 compiles from the first call or (called again) a selected tensor has over :data:`LOOP_ENTRIES`
@@ -500,7 +503,7 @@ class Survey(TorchFunctionMode):
         if not grad and shared:
             raise WritesSelected(source, f"is written by {describe(func)} under no_grad")
         what = "is written" if shared else "has a copy (that the sparse route follows) written"
-        self._note(source, f"{describe(func)} (a write)", f"{what} by {describe(func)}")
+        self._note(source, f"{describe(func)}{WRITE}", f"{what} by {describe(func)}")
         raise NotSparse(f"{describe(func)} writes to a selected tensor")
 
     def _refuse_hidden_writes(self, op: str, args: Sequence[Any], kwargs: dict[str, Any]) -> None:

@@ -13,7 +13,9 @@ written in place) is held by the input's position, as each call and batch passes
 The torch backend's compiled kernels use :class:`Recording` too: a kernel's first call runs it
 eagerly as well, to check the compiled result by. Only what the survey (or, where no survey
 runs, :func:`recorded`) sees through torch functions is found: a write in a custom
-``autograd.Function`` or TorchScript, or one that only later batches make, is not.
+``autograd.Function`` or TorchScript, or one that only later batches make, is not (where a
+kernel fails after such a write, the seed's loop would run from it: that call is refused,
+``pyhvp.submatrix._refuse_unheld_writes``).
 """
 
 from __future__ import annotations
@@ -177,12 +179,25 @@ class Held(NamedTuple):
 
     def snapshot(self, inputs: Sequence[object]) -> Snapshot:
         """The state now, of this call's ``inputs`` and of the other memory and generators."""
+        storages = [t.untyped_storage() for t in self._memory(inputs).values()]
+        saved = [(s, _copy(s)) for s in storages]
+        return Snapshot(saved, [(g, g.get_state()) for g in self.generators])
+
+    def unheld_by(self, other: Held | None, inputs: Sequence[object]) -> str:
+        """What of this state ``other`` does not hold, in words (``""``: it holds all of it):
+        memory of this call's ``inputs`` or other memory, by where it starts, and generators."""
+        memory, held = self._memory(inputs), {} if other is None else other._memory(inputs)
+        tensors = [t for start, t in memory.items() if start not in held]
+        described = [f"a tensor of shape {tuple(t.shape)} ({t.dtype})" for t in tensors]
+        generators = {id(g) for g in (() if other is None else other.generators)}
+        described += ["a torch.Generator" for g in self.generators if id(g) not in generators]
+        return ", ".join(described)
+
+    def _memory(self, inputs: Sequence[object]) -> dict[int | None, torch.Tensor]:
+        """A tensor over each memory held, by where the memory starts."""
         tensors = [inputs[i] for i in self.positions]
         tensors += [t for t in (ref() for ref in self.owners) if t is not None]
-        storages = {_storage(t): t.untyped_storage() for t in tensors
-                    if isinstance(t, torch.Tensor)}  # fmt: skip
-        saved = [(s, _copy(s)) for s in storages.values()]
-        return Snapshot(saved, [(g, g.get_state()) for g in self.generators])
+        return {_storage(t): t for t in tensors if isinstance(t, torch.Tensor)}
 
 
 class Snapshot(NamedTuple):
