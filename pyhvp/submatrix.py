@@ -655,6 +655,21 @@ def _warn_on_uneven_batches(batches: Iterable[Any], criterion: str) -> Iterator[
         yield batch
 
 
+def _warn_unreached() -> None:
+    """Warn that the loss's value carries no derivative to any selected tensor (the seed's loop
+    and the survey see it; the batched kernels' zeros do not show it): a loss that closes over
+    a model and ignores ``params`` gave zero blocks with no word, a first-day review's trap."""
+    warnings.warn(
+        "sub_hessian: the loss reaches none of the selected tensors of params (its value "
+        "carries no derivative to them; with data=, on this batch), so their blocks are zero "
+        "there. A loss that computes with a module's own parameters rather than those it is "
+        "given (a closure over the model) ignores params: pass pyhvp.module_loss(model, "
+        "criterion, X, y), or compute with torch.func.functional_call(model, params, (X,))",
+        UserWarning,
+        stacklevel=stacklevel_outside_pyhvp(),
+    )
+
+
 _ACCEPTS: dict[tuple[object, ...], bool] = {}
 """:func:`_accepts` of plain functions by what their signature depends on: a loss rebuilt at every
 call (``module_loss`` in a loop) reads it once, where ``inspect.signature`` costs 10-50 us a call
@@ -946,6 +961,8 @@ def _choose_routes(
                                   normal[len(plan.tensors) :], unseen=checked)  # fmt: skip
     except WritesSelected as error:
         raise ValueError(_written(_label(plan, error.source), error.what)) from None
+    if not found.reached:
+        _warn_unreached()
     if method == "auto" and not checked:
         for usage in found.usage:
             usage.refusal = usage.refusal or UNCHECKED
@@ -1365,11 +1382,13 @@ def _kernel_failure(error: Exception) -> bool:
 
 def _in_loop_backward(error: Exception) -> bool:
     """Whether ``error`` was raised inside a backward pass that :func:`_rows_by_loop` itself
-    ran (:func:`_backward`), not by the loss (whose own ``torch.autograd.grad`` may fail)."""
+    ran (:func:`_backward`, :func:`_reached`), not by the loss (whose own
+    ``torch.autograd.grad`` may fail)."""
+    passes = (_backward.__code__, _reached.__code__)
     traceback = error.__traceback__
     while traceback is not None and traceback.tb_next is not None:
         if (traceback.tb_frame.f_code is _rows_by_loop.__code__
-                and traceback.tb_next.tb_frame.f_code is _backward.__code__):  # fmt: skip
+                and traceback.tb_next.tb_frame.f_code in passes):  # fmt: skip
             return True
         traceback = traceback.tb_next
     return False
@@ -1752,11 +1771,11 @@ def _rows_by_loop(
     column_flats: list[torch.Tensor],
 ) -> list[torch.Tensor]:
     """:func:`_loop_rows`' backward passes, of the loss ``total`` of the leaves ``ys``."""
-    grads = (
-        _backward(total, ys, create_graph=True)
-        if total.requires_grad  # (a constant loss has no graph)
-        else tuple(map(torch.zeros_like, ys))
-    )
+    # (a constant loss has no graph)
+    found = _reached(total, ys, create_graph=True) if total.requires_grad else (None,) * len(ys)
+    if all(g is None for g in found):
+        _warn_unreached()
+    grads = _zeros_for_unused(found, ys)
     blocks = []
     for y, g, rows, columns in zip(ys, grads, row_flats, column_flats, strict=True):
         if not (g.requires_grad and len(rows)):  # f affine in y, or no rows
@@ -1824,14 +1843,28 @@ def _backward(
     without its checks of arguments pyhvp made (they cost the seed's loop at k = 2 per tensor 0.2
     of its 1.4 ms). A tensor subclass's ``output`` goes through ``autograd.grad``, which
     dispatches its ``__torch_function__``."""
+    return _zeros_for_unused(_reached(output, inputs, create_graph, cotangent), inputs)
+
+
+def _reached(
+    output: torch.Tensor,
+    inputs: Sequence[torch.Tensor],
+    create_graph: bool = False,
+    cotangent: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, ...]:
+    """:func:`_backward`'s gradients, None for an input ``output`` does not reach."""
     if cotangent is None:
         cotangent = torch.ones_like(output)
     if type(output) is not torch.Tensor:
-        found = torch.autograd.grad(output, inputs, cotangent, retain_graph=True,
-                                    create_graph=create_graph, allow_unused=True)  # fmt: skip
-    else:
-        found = _ENGINE.run_backward((output,), (cotangent,), True, create_graph, tuple(inputs),
-                                     True, False)  # fmt: skip
+        return tuple(torch.autograd.grad(output, inputs, cotangent, retain_graph=True,
+                                         create_graph=create_graph, allow_unused=True))  # fmt: skip
+    return tuple(_ENGINE.run_backward((output,), (cotangent,), True, create_graph, tuple(inputs),
+                                      True, False))  # fmt: skip
+
+
+def _zeros_for_unused(
+    found: Sequence[torch.Tensor | None], inputs: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, ...]:
     return tuple(
         torch.zeros_like(x) if g is None else g for g, x in zip(found, inputs, strict=True)
     )

@@ -84,6 +84,27 @@ def test_a_loss_calling_a_function_compiled_by_torch_compile_is_told_to_pass_it_
         pyhvp.sub_hessian(lambda w: head(X.double() @ w), W, torch.tensor([0, 5]), method="reverse")
 
 
+SURVEYED = {name: torch.arange(4) for name in ("0.weight", "0.bias", "2.weight")}
+"""12 components: surveyed from the first call (INDEX's 2 take the seed's loop)."""
+
+
+@pytest.mark.parametrize("index", [INDEX, SURVEYED], ids=["the loop", "surveyed"])
+def test_a_loss_ignoring_params_for_the_models_own_is_warned_about(index):
+    """Every block was zero with no word: a first-day review's loss closed over the model."""
+    model = net()
+    with pytest.warns(UserWarning, match=re.escape("ignores params: pass pyhvp.module_loss(")):
+        blocks = pyhvp.sub_hessian(lambda p: (model(X) - Y).pow(2).sum(), params(model), index)
+    assert all(not block.any() for block in blocks.values())
+
+
+def test_a_loss_linear_in_params_has_zero_blocks_without_a_warning():
+    """Zero second derivatives of a loss that reads params are no mistake."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        block = pyhvp.sub_hessian(lambda w: (X @ w).sum(), torch.randn(3, 2), torch.arange(4))
+    assert not block.any()
+
+
 def test_an_index_of_row_col_pairs_is_told_how_to_flatten_them():
     with pytest.raises(ValueError, match=re.escape("row * 4 + col, as np.ravel_multi_index")):
         pyhvp.sub_hessian(lambda p: (p**4).sum(), torch.randn(3, 4), torch.tensor([[0, 1], [2, 3]]))

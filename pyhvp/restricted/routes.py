@@ -332,6 +332,10 @@ class Survey(TorchFunctionMode):
         self._first = 0
         self.changes = Changes(inputs)
         """What the run of ``loss(*inputs)`` changes beyond its values (put back once it ran)."""
+        self.reached = True
+        """Whether the loss uses a selected tensor at all: an op this mode saw takes one, or
+        (:meth:`refuse_unseen_uses`) its derivative reaches the loss through one it did not
+        (where :func:`survey` runs without ``unseen``, taken as it does)."""
 
     def _source(self, value: object) -> int | None:
         return _held(self._sources, value)
@@ -769,6 +773,7 @@ def survey(
                     usage.refusal = "was not surveyed: the loss writes to a selected tensor first"
         else:
             mode.refuse_unseen_uses(value)
+            mode.reached = not unseen or any(usage.uses for usage in mode.usage)
     return mode
 
 
