@@ -1382,13 +1382,11 @@ def _kernel_failure(error: Exception) -> bool:
 
 def _in_loop_backward(error: Exception) -> bool:
     """Whether ``error`` was raised inside a backward pass that :func:`_rows_by_loop` itself
-    ran (:func:`_backward`, :func:`_reached`), not by the loss (whose own
-    ``torch.autograd.grad`` may fail)."""
-    passes = (_backward.__code__, _reached.__code__)
+    ran (:func:`_backward`), not by the loss (whose own ``torch.autograd.grad`` may fail)."""
     traceback = error.__traceback__
     while traceback is not None and traceback.tb_next is not None:
         if (traceback.tb_frame.f_code is _rows_by_loop.__code__
-                and traceback.tb_next.tb_frame.f_code in passes):  # fmt: skip
+                and traceback.tb_next.tb_frame.f_code is _backward.__code__):  # fmt: skip
             return True
         traceback = traceback.tb_next
     return False
@@ -1772,10 +1770,10 @@ def _rows_by_loop(
 ) -> list[torch.Tensor]:
     """:func:`_loop_rows`' backward passes, of the loss ``total`` of the leaves ``ys``."""
     # (a constant loss has no graph)
-    found = _reached(total, ys, create_graph=True) if total.requires_grad else (None,) * len(ys)
+    found = _backward(total, ys, create_graph=True) if total.requires_grad else (None,) * len(ys)
     if all(g is None for g in found):
         _warn_unreached()
-    grads = _zeros_for_unused(found, ys)
+    grads = [torch.zeros_like(y) if g is None else g for g, y in zip(found, ys, strict=True)]
     blocks = []
     for y, g, rows, columns in zip(ys, grads, row_flats, column_flats, strict=True):
         if not (g.requires_grad and len(rows)):  # f affine in y, or no rows
@@ -1790,6 +1788,7 @@ def _rows_by_loop(
         # a loop, not a comprehension: _in_loop_backward reads frames
         for cotangent in _one_hot(rows, g) if at_once else _one_hots(rows, g):
             (row,) = _backward(g, [y], cotangent=cotangent)
+            row = torch.zeros_like(y) if row is None else row  # g reaches y through no op
             read.append(row.reshape(-1) if at_once else row.reshape(-1).index_select(0, columns))
         block = torch.stack(read)
         blocks.append(block.index_select(1, columns) if at_once else block)
@@ -1836,23 +1835,13 @@ def _backward(
     inputs: Sequence[torch.Tensor],
     create_graph: bool = False,
     cotangent: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, ...]:
-    """``torch.autograd.grad(output, inputs, cotangent, retain_graph=True,
-    create_graph=create_graph, allow_unused=True)`` (a scalar ``output``'s cotangent: one),
-    unused inputs' gradients zero: by autograd's engine itself, as ``autograd.grad`` calls it,
-    without its checks of arguments pyhvp made (they cost the seed's loop at k = 2 per tensor 0.2
-    of its 1.4 ms). A tensor subclass's ``output`` goes through ``autograd.grad``, which
-    dispatches its ``__torch_function__``."""
-    return _zeros_for_unused(_reached(output, inputs, create_graph, cotangent), inputs)
-
-
-def _reached(
-    output: torch.Tensor,
-    inputs: Sequence[torch.Tensor],
-    create_graph: bool = False,
-    cotangent: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
-    """:func:`_backward`'s gradients, None for an input ``output`` does not reach."""
+    """``torch.autograd.grad(output, inputs, cotangent, retain_graph=True,
+    create_graph=create_graph, allow_unused=True)`` (a scalar ``output``'s cotangent: one; None
+    for an input ``output`` does not reach): by autograd's engine itself, as ``autograd.grad``
+    calls it, without its checks of arguments pyhvp made (they cost the seed's loop at k = 2 per
+    tensor 0.2 of its 1.4 ms). A tensor subclass's ``output`` goes through ``autograd.grad``,
+    which dispatches its ``__torch_function__``."""
     if cotangent is None:
         cotangent = torch.ones_like(output)
     if type(output) is not torch.Tensor:
@@ -1860,14 +1849,6 @@ def _reached(
                                          create_graph=create_graph, allow_unused=True))  # fmt: skip
     return tuple(_ENGINE.run_backward((output,), (cotangent,), True, create_graph, tuple(inputs),
                                       True, False))  # fmt: skip
-
-
-def _zeros_for_unused(
-    found: Sequence[torch.Tensor | None], inputs: Sequence[torch.Tensor]
-) -> tuple[torch.Tensor, ...]:
-    return tuple(
-        torch.zeros_like(x) if g is None else g for g, x in zip(found, inputs, strict=True)
-    )
 
 
 def _one_hot(entries: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
