@@ -914,6 +914,23 @@ def conv_not_normed(p):
     return torch.tanh(F.conv2d(images, p)).pow(2).sum()
 
 
+def test_a_loss_making_its_own_generator_is_served_where_its_kernel_fails():
+    """A generator the loss makes on each run is another object each time: compared by
+    identity, it was refused as state the call did not hold, on every call (a review)."""
+
+    def loss(p):
+        noise = torch.randn(4, 3, 4, 4, generator=torch.Generator().manual_seed(0),
+                            dtype=torch.float64)  # fmt: skip
+        images = torch.linspace(-1, 1, 192, dtype=torch.float64).reshape(4, 3, 4, 4)
+        return torch.tanh(F.group_norm(F.conv2d(images + 0.1 * noise, p), 2)).pow(2).sum()
+
+    p = torch.randn(4, 3, 2, 2, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    index = torch.arange(0, 48, 8)  # 6 components: the batched kernel, which fails
+    for _ in range(2):
+        got = pyhvp.sub_hessian(loss, p, index, method="reverse", backend=EAGER)
+        torch.testing.assert_close(got, dense_sub_hessian(loss, p, index))
+
+
 def test_a_kernel_failing_where_the_loss_first_writes_state_is_refused_then_served():
     """The state a call puts back between runs is found on an earlier equal call: a later call
     whose loss first doubled a buffer, and whose batched kernel then failed (group_norm, in the
