@@ -291,7 +291,7 @@ def _local_sums(
         # matrix over every tensor's entries (which cost 50 us of a 390 us call)
         plan = _Plan(selection, [tensor], [flat], [], selection, [tensor], [flat],
                      one_block=False, batch=batch)  # fmt: skip
-        return _sums(plan, batches, chunk_size, resolved, method), fingerprint
+        return _reach_noted(plan, batches, chunk_size, resolved, method), fingerprint
     module = loss.module if isinstance(loss, _NamedByModule) else None
     fixed, flats = _check_named(params, index, joint, module)
     fingerprint = _compared(group, lambda: {
@@ -318,7 +318,7 @@ def _local_sums(
             one_block=False,
             batch=batch,
         )
-        return _sums(plan, batches, chunk_size, resolved, method), fingerprint
+        return _reach_noted(plan, batches, chunk_size, resolved, method), fingerprint
     layouts = tuple(_Layout.of(fixed[name]) for name in names)
     reverse = _Selection(loss, tuple(fixed), tuple(names), joint_layouts=layouts)
     vector = torch.cat([t.reshape(-1) for t in tensors])
@@ -335,7 +335,7 @@ def _local_sums(
         one_block=True,
         batch=batch,
     )
-    return _sums(plan, batches, chunk_size, resolved, method), fingerprint
+    return _reach_noted(plan, batches, chunk_size, resolved, method), fingerprint
 
 
 def module_loss(
@@ -655,19 +655,46 @@ def _warn_on_uneven_batches(batches: Iterable[Any], criterion: str) -> Iterator[
         yield batch
 
 
-def _warn_unreached() -> None:
-    """Warn that the loss's value carries no derivative to any selected tensor (the seed's loop
-    and the survey see it; the batched kernels' zeros do not show it): a loss that closes over
-    a model and ignores ``params`` gave zero blocks with no word, a first-day review's trap."""
-    warnings.warn(
-        "sub_hessian: the loss reaches none of the selected tensors of params (its value "
-        "carries no derivative to them; with data=, on this batch), so their blocks are zero "
-        "there. A loss that computes with a module's own parameters rather than those it is "
-        "given (a closure over the model) ignores params: pass pyhvp.module_loss(model, "
-        "criterion, X, y), or compute with torch.func.functional_call(model, params, (X,))",
-        UserWarning,
-        stacklevel=stacklevel_outside_pyhvp(),
-    )
+class _Reach(threading.local):
+    """This thread's calls in progress (nested: a loss may call ``sub_hessian``), each with how
+    many of its batches were found to use a selected tensor and how many to use none."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[int]] = []
+
+
+_REACH = _Reach()
+
+
+def _note_reach(reached: bool) -> None:
+    """Note whether a batch's loss uses a selected tensor, where the seed's loop (its first
+    backward reaches a selected leaf) or the survey (an op takes one) finds it."""
+    if _REACH.calls:
+        _REACH.calls[-1][0 if reached else 1] += 1
+
+
+def _reach_noted(plan: _Plan, batches: Iterable[Any] | None, chunk_size: int | None,
+                 backend: Backend, method: str) -> list[torch.Tensor]:  # fmt: skip
+    """:func:`_sums`, with a warning where the loss uses no selected tensor on any batch found
+    (the batched kernels' zeros do not show it): a loss that closes over a model and ignores
+    ``params`` gave zero blocks with no word, a first-day review's trap. Not where one batch of
+    ``data`` uses a tensor and another does not."""
+    _REACH.calls.append([0, 0])
+    try:
+        sums = _sums(plan, batches, chunk_size, backend, method)
+    finally:
+        reached, unreached = _REACH.calls.pop()
+    if unreached and not reached:
+        warnings.warn(
+            "sub_hessian: the loss uses none of the selected tensors of params (its value "
+            "carries no derivative from them), so their blocks are zero. A loss that computes with a module's own "
+            "parameters rather than those it is given (a closure over the model) ignores "
+            "params: pass pyhvp.module_loss(model, criterion, X, y), or compute with "
+            "torch.func.functional_call(model, params, (X,))",
+            UserWarning,
+            stacklevel=stacklevel_outside_pyhvp(),
+        )
+    return sums
 
 
 _ACCEPTS: dict[tuple[object, ...], bool] = {}
@@ -961,8 +988,8 @@ def _choose_routes(
                                   normal[len(plan.tensors) :], unseen=checked)  # fmt: skip
     except WritesSelected as error:
         raise ValueError(_written(_label(plan, error.source), error.what)) from None
-    if not found.reached:
-        _warn_unreached()
+    if checked:
+        _note_reach(found.reached)
     if method == "auto" and not checked:
         for usage in found.usage:
             usage.refusal = usage.refusal or UNCHECKED
@@ -1771,8 +1798,7 @@ def _rows_by_loop(
     """:func:`_loop_rows`' backward passes, of the loss ``total`` of the leaves ``ys``."""
     # (a constant loss has no graph)
     found = _backward(total, ys, create_graph=True) if total.requires_grad else (None,) * len(ys)
-    if all(g is None for g in found):
-        _warn_unreached()
+    _note_reach(any(g is not None for g in found))
     grads = [torch.zeros_like(y) if g is None else g for g, y in zip(found, ys, strict=True)]
     blocks = []
     for y, g, rows, columns in zip(ys, grads, row_flats, column_flats, strict=True):

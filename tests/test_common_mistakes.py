@@ -97,6 +97,18 @@ def test_a_loss_ignoring_params_for_the_models_own_is_warned_about(index):
     assert all(not block.any() for block in blocks.values())
 
 
+def test_a_batch_of_data_that_uses_no_selected_tensor_is_no_mistake_where_another_does():
+    """A review's loss read params['b'] alone on its one-sample batch: the warning, per batch,
+    told it to use module_loss."""
+
+    def loss(p, batch):
+        return torch.tanh(batch @ p["a"]).pow(2).sum() if len(batch) > 1 else batch.sum()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pyhvp.sub_hessian(loss, {"a": torch.randn(3, 3)}, {"a": torch.arange(2)}, data=[X, X[:1]])
+
+
 def test_a_loss_linear_in_params_has_zero_blocks_without_a_warning():
     """Zero second derivatives of a loss that reads params are no mistake."""
     with warnings.catch_warnings():
