@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -138,6 +139,12 @@ class KroneckerHVP:
         if every is None or every < 1:
             raise ValueError(f"refresh_every must be a positive int, got {value!r}")
         self._refresh_every = every
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # an instance pickled before 2026-12-07 holds refresh_every as a plain attribute
+        if "refresh_every" in state:
+            state["_refresh_every"] = state.pop("refresh_every")
+        self.__dict__.update(state)
 
     def reset(self) -> None:
         """Forget all statistics; the next ``update`` starts afresh (any shape, device, dtype)."""

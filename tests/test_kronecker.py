@@ -767,6 +767,20 @@ def test_a_beta_set_between_updates_weighs_later_updates_and_the_bias_correction
     torch.testing.assert_close(restored.apply(v), expected, rtol=1e-10, atol=1e-12)
 
 
+def test_an_instance_pickled_before_refresh_every_was_a_property_loads_with_it():
+    """Pickled before 2026-12-07, refresh_every was a plain attribute: reading it after
+    loading raised AttributeError (a review of the property)."""
+    kron = KroneckerHVP(refresh_every=3)
+    kron.update(torch.randn(2, 3, 4, dtype=F64))
+    state = dict(vars(kron))
+    state["refresh_every"] = state.pop("_refresh_every")  # the old pickle's
+    old = KroneckerHVP.__new__(KroneckerHVP)
+    old.__setstate__(state)
+    v = torch.randn(2, 3, 4, dtype=F64)
+    assert old.refresh_every == 3
+    torch.testing.assert_close(old.apply(v), kron.apply(v), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize(
     "option, value",
     [("damping", -1.0), ("power", 0.0), ("beta", 1.0), ("refresh_every", 0),
