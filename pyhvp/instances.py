@@ -81,13 +81,14 @@ class PerInstance:
         try:
             return vmap_batch_dims(fn_single, x.ndim - self.event_dims)(x, *batched)
         except (RuntimeError, IndexError) as error:
-            hint = self._whole_arg_hint(x, args) if _shape_error(error) else None
+            hint = self.whole_arg_hint(x, args) if _shape_error(error) else None
             if hint is not None:
                 note(error, hint)
             raise
 
-    def _whole_arg_hint(self, x: torch.Tensor, args: Sequence[object]) -> str | None:
-        """For an error of ``f_single``: a tensor arg that starts with x's batch dims but has none
+    def whole_arg_hint(self, x: torch.Tensor, args: Sequence[object]) -> str | None:
+        """For an error of ``f_single``, or an output of another shape than the caller takes
+        (a ``(B, B)`` where an HVP takes ``(B,)``): a tensor arg that starts with x's batch dims but has none
         under its ``arg_event_dims`` (a ``(B,)`` scale with the default 1) went whole to every
         instance, where its shape says one entry per instance."""
         batch = tuple(x.shape[: x.ndim - self.event_dims])

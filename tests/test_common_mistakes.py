@@ -460,6 +460,19 @@ def test_a_per_instance_scale_of_shape_batch_is_told_arg_event_dims_0(call, devi
     assert "give it arg_event_dims=0" in full_message(raised.value)
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["hvp", "grad_and_hvp"])
+def test_a_per_instance_scale_that_broadcasts_into_each_output_is_told_arg_event_dims_0(grad):
+    """``scale * (y**2).sum()`` with a (B,) scale ran without error inside f_single, each
+    instance returning B values: the HVP's "f must return shape (4,) ..., got (4, 4)" said
+    nothing of the scale (a first-day review)."""
+    f = pyhvp.per_instance(lambda y, scale: scale * (y**2).sum())
+    x, scale = torch.randn(4, 3), torch.randn(4)
+    op = pyhvp.grad_and_hvp if grad else pyhvp.hvp
+    with pytest.raises(ValueError, match=re.escape("got (4, 4)")) as raised:
+        op(f, x, torch.ones_like(x), scale)
+    assert "args[0] of shape (4,) went whole to every instance" in full_message(raised.value)
+
+
 @pytest.mark.parametrize("call", PER_INSTANCE_CALLS.values(), ids=PER_INSTANCE_CALLS.keys())
 def test_walkers_with_the_default_event_dims_are_told_to_raise_it(call, device):
     """A log-psi of walkers (W, N, 3) summed over (N, 3), called without event_dims=2, was

@@ -122,7 +122,14 @@ class InstanceSum:
     def __call__(self, y: torch.Tensor, *args: object) -> torch.Tensor:
         out = self.f(y, *args)
         batch_shape = y.shape[: y.ndim - self.event_dims]
-        check_output("f", out, batch_shape, "one value per instance: x.shape[:-event_dims]")
+        try:
+            check_output("f", out, batch_shape, "one value per instance: x.shape[:-event_dims]")
+        except ValueError as error:  # a per_instance f's (B,) arg that went whole to each
+            whole = getattr(self.f, "whole_arg_hint", None)  # (PerInstance's: no import cycle)
+            hint = whole(y, args) if whole is not None else None
+            if hint is not None:
+                note(error, hint)
+            raise
         return out.sum()
 
 
