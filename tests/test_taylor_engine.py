@@ -292,6 +292,26 @@ def _(t):
 
 pyhvp.register_jet_rule(reverse, indexing=True)
 
+
+@torch.library.custom_op("pyhvp_test::log_cosh", mutates_args=())
+def log_cosh(t: torch.Tensor) -> torch.Tensor:
+    return torch.log(torch.cosh(t))
+
+
+@log_cosh.register_fake
+def _(t):
+    return torch.empty_like(t)
+
+
+def test_a_custom_op_without_a_rule_or_a_derivative_formula_is_told_so():
+    """torch's reason quoted was "an autograd.Function ... must override the setup_context
+    staticmethod", about a class the user never wrote (a first-day review)."""
+    with pytest.raises(
+        pyhvp.UnsupportedOpError, match=r"no derivative formula .*register_autograd"
+    ):
+        pyhvp.laplacian(lambda y: log_cosh(y).sum(-1), torch.randn(5, 3, dtype=torch.float64))
+
+
 KERNEL = torch.tensor([0.25, 0.5, 0.25], dtype=torch.float64)
 USER_RULES = {
     "a rule (softsign)": (

@@ -444,6 +444,9 @@ def _no_derivatives(op: object, error: Exception, order: int = 2) -> Unsupported
         why = "its dense derivatives need more memory than there is"
     elif "tracing tensor" in reason or "data-dependent" in reason:
         why = "its derivatives branch on the values, which a kernel cannot trace"
+    elif "setup_context" in reason:  # (torch's word for an op with no autograd formula)
+        why = ("it has no derivative formula (a torch.library.custom_op without "
+               "register_autograd)")  # fmt: skip
     elif order > 2:
         why = f"autograd cannot give its derivatives of order {order} here"
     else:
