@@ -120,7 +120,13 @@ class PerInstance:
 def check_event_dims_of(f: object, event_dims: object, x: torch.Tensor) -> int:
     """``check_event_dims``, and for a :class:`PerInstance` ``f`` the ``event_dims`` it was
     built with: another would cut ``x`` into other instances than ``f``'s (other results,
-    silently)."""
+    silently). A class for ``f`` (``nn.Tanh``, not ``nn.Tanh()``) is refused first: called on
+    ``x`` it made an instance or failed in its ``__init__``, naming no argument."""
+    if isinstance(f, type):
+        raise TypeError(
+            f"f must be a function of x, got the class {f.__name__} itself: pass an instance "
+            f"({f.__name__}(...)) or a function"
+        )
     event_dims = check_event_dims(event_dims, x)
     if isinstance(f, PerInstance) and f.event_dims != event_dims:
         raise ValueError(

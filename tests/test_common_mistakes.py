@@ -474,6 +474,14 @@ def test_a_per_instance_scale_that_broadcasts_into_each_output_is_told_arg_event
 
 
 @pytest.mark.parametrize("call", PER_INSTANCE_CALLS.values(), ids=PER_INSTANCE_CALLS.keys())
+def test_a_module_class_for_f_is_told_to_pass_an_instance(call):
+    """``nn.Tanh`` for ``nn.Tanh()``: "Tanh.__init__() takes 1 positional argument but 2 were
+    given", naming no argument (a first-day review)."""
+    with pytest.raises(TypeError, match=re.escape("got the class Tanh itself: pass an instance")):
+        call(nn.Tanh, torch.randn(4, 3))
+
+
+@pytest.mark.parametrize("call", PER_INSTANCE_CALLS.values(), ids=PER_INSTANCE_CALLS.keys())
 def test_walkers_with_the_default_event_dims_are_told_to_raise_it(call, device):
     """A log-psi of walkers (W, N, 3) summed over (N, 3), called without event_dims=2, was
     refused with 'f must return ... batch_shape = (5, 4) ..., got (5,)', which did not say that
