@@ -87,10 +87,10 @@ class PerInstance:
             raise
 
     def whole_arg_hint(self, x: torch.Tensor, args: Sequence[object]) -> str | None:
-        """For an error of ``f_single``, or an output of another shape than the caller takes
-        (a ``(B, B)`` where an HVP takes ``(B,)``): a tensor arg that starts with x's batch dims but has none
-        under its ``arg_event_dims`` (a ``(B,)`` scale with the default 1) went whole to every
-        instance, where its shape says one entry per instance."""
+        """For an error of ``f_single``, or an output of another shape than the caller takes (a
+        ``(B, B)`` where an HVP takes ``(B,)``): a tensor arg that starts with x's batch dims but
+        has none under its ``arg_event_dims`` (a ``(B,)`` scale with the default 1) went whole
+        to every instance, where its shape says one entry per instance."""
         batch = tuple(x.shape[: x.ndim - self.event_dims])
         own_dims = per_arg_event_dims(self.arg_event_dims, self.event_dims, len(args))
         for i, (arg, own) in enumerate(zip(args, own_dims, strict=True)):

@@ -34,8 +34,8 @@ use its mode does not see, found by the survey; all, under ``"auto"`` inside a `
 transform, where the survey cannot look for those) take the reverse route; below
 ``routes.MIN_COMPONENTS`` in all, of tensors of at most ``routes.LOOP_ENTRIES`` entries (of a
 larger one, at its first call), every tensor does without a survey (unless the backend compiles
-from the first call), by the seed's loop. The reverse route runs as the seed's loop itself (one backward per component: no batched
-tangents, no batching setup) at most ``FEW_TANGENTS`` (4) components per tensor unless the
+from the first call), by the seed's loop. The reverse route runs as the seed's loop itself
+(one backward per component: no batched tangents, no batching setup) at most ``FEW_TANGENTS`` (4) components per tensor unless the
 backend compiles from the first call, and where the cost model prices it cheaper. With
 ``joint=True`` the reverse route's rows fill the cross blocks of its tensors. An equal call made
 again (no ``data``; ``compile`` False or True) measures: the model's routes against the seed's
@@ -687,10 +687,10 @@ def _reach_noted(plan: _Plan, batches: Iterable[Any] | None, chunk_size: int | N
     if unreached and not reached:
         warnings.warn(
             "sub_hessian: the loss uses none of the selected tensors of params (its value "
-            "carries no derivative from them), so their blocks are zero. A loss that computes with a module's own "
-            "parameters rather than those it is given (a closure over the model) ignores "
-            "params: pass pyhvp.module_loss(model, criterion, X, y), or compute with "
-            "torch.func.functional_call(model, params, (X,))",
+            "carries no derivative from them), so their blocks are zero. A loss that computes "
+            "with a module's own parameters rather than those it is given (a closure over the "
+            "model) ignores params: pass pyhvp.module_loss(model, criterion, X, y), or compute "
+            "with torch.func.functional_call(model, params, (X,))",
             UserWarning,
             stacklevel=stacklevel_outside_pyhvp(),
         )
@@ -779,6 +779,10 @@ class _Selection:
     def __name__(self) -> str:
         """The loss, as messages name it."""
         return getattr(self.loss, "__name__", type(self.loss).__name__)
+
+    def taking_batch(self, spec: Any) -> _Selection:
+        """This loss taking a batch of the structure ``spec`` flat (``None``: none)."""
+        return self if spec is self.batch_spec else dataclasses.replace(self, batch_spec=spec)
 
     def __call__(self, *values: Any) -> torch.Tensor:
         n_leaves = 1 if not self.names or self.joint_layouts is not None else len(self.selected)
@@ -959,7 +963,7 @@ def _choose_routes(
     of the loss on this batch (:mod:`pyhvp.restricted.routes`), or as chosen before for an equal
     call (``fresh``: survey anew); under ``"auto"``, on trial against the other plans
     (:func:`_alternatives`)."""
-    loss = dataclasses.replace(plan.sparse, batch_spec=spec)
+    loss = plan.sparse.taking_batch(spec)
     compiled = backend.compile is True and restricted.compiles()
     joint = plan.one_block and bool(plan.sparse.names)
     sizes = tuple(len(flat) for flat in plan.flats)
@@ -988,8 +992,8 @@ def _choose_routes(
                                   normal[len(plan.tensors) :], unseen=checked)  # fmt: skip
     except WritesSelected as error:
         raise ValueError(_written(_label(plan, error.source), error.what)) from None
-    if checked:
-        _note_reach(found.reached)
+    if checked:  # (where it runs with unseen: a use it did not see counts)
+        _note_reach(found.used)
     if method == "auto" and not checked:
         for usage in found.usage:
             usage.refusal = usage.refusal or UNCHECKED
@@ -1234,7 +1238,7 @@ def _sums(
                 loop = _by_loop(plan, reverse, backend)
                 if not loop:  # every pass, and the seed's loop where one fails, from the state
                     # before the call (the loop runs the loss once)
-                    held, unsurveyed = _unsurveyed_state(plan, spec, batch_values, chunk_size)
+                    held, unsurveyed = _unsurveyed_state(plan, spec, inputs, chunk_size)
                     draws.hold(held.snapshot(inputs).restore)
                     loop = (unsurveyed is not None and unsurveyed.fails
                             and not nested.inside_transform())  # fmt: skip
@@ -1250,9 +1254,7 @@ def _sums(
         except (ValueError, torch.cuda.OutOfMemoryError):
             raise
         except Exception as error:
-            written = _leaf_written(plan, spec, batch_values, error)
-            if written is not None:
-                raise written from None
+            _refuse_leaf_write(plan, spec, inputs, error)
             if (
                 not _kernel_failure(error)
                 or loop
@@ -1282,9 +1284,7 @@ def _sums(
                 # the loop's forward raises the loss's bugs as they are; its backward, what
                 # autograd cannot differentiate (an op whose backward has no derivative), is
                 # refused by name
-                written = _leaf_written(plan, spec, batch_values, loop_error)
-                if written is not None:
-                    raise written from None
+                _refuse_leaf_write(plan, spec, inputs, loop_error)
                 if not (method in FORCED and _in_loop_backward(loop_error)
                         and _kernel_failure(loop_error)):  # fmt: skip
                     raise
@@ -1295,8 +1295,8 @@ def _sums(
         for position, (t, version) in enumerate(zip(watched, versions, strict=True)):
             if _version(t) != version:  # where autograd allows it (under no_grad, or to a tensor
                 # held constant): found after it
-                raise ValueError(_written(_params_label(plan, position), "was written in place "
-                                          "by the loss (it now holds the written values)"))  # fmt: skip
+                what = "was written in place by the loss (it now holds the written values)"
+                raise ValueError(_written(_params_label(plan, position), what))
         # a run that compiled a kernel, checked one or ran its eager turn is not the plan's
         # steady state: the plan runs again, timed then
         if timed and unsettled_calls() == unsettled:
@@ -1323,30 +1323,27 @@ _LEAF_WRITES = (
 routes differentiate it), or to a view of one."""
 
 
-def _leaf_written(plan: _Plan, spec: Any, batch_values: list[Any], error: Exception
-                  ) -> ValueError | None:  # fmt: skip
+def _refuse_leaf_write(plan: _Plan, spec: Any, inputs: tuple[Any, ...], error: Exception
+                       ) -> None:  # fmt: skip
     """Where autograd refused ``error``, the loss's write to a leaf, and the survey's mode finds
-    it writes a selected tensor (it stops before the write): that tensor's refusal, as a write
-    under ``no_grad`` is refused. Until 2026-12-07 autograd's own error was raised, which names
-    no tensor. None where the leaf is another (the loss's own)."""
+    it writes a selected tensor (it stops before the write): raise that tensor's refusal, as a
+    write under ``no_grad`` is refused. Until 2026-12-07 autograd's own error was raised, which
+    names no tensor; it still is where the leaf is another (the loss's own)."""
     if not (isinstance(error, RuntimeError) and any(m in str(error) for m in _LEAF_WRITES)):
-        return None
-    loss = dataclasses.replace(plan.sparse, batch_spec=spec)
+        return
     with torch.inference_mode(False):
-        normal = _normal((*plan.tensors, *plan.others, *batch_values))
+        normal = _normal(inputs)
         try:
-            found = routes.survey(loss, cast(list[torch.Tensor], normal[: len(plan.tensors)]),
+            found = routes.survey(plan.sparse.taking_batch(spec),
+                                  cast(list[torch.Tensor], normal[: len(plan.tensors)]),
                                   normal[len(plan.tensors) :], unseen=False)  # fmt: skip
         except WritesSelected as write:
-            return ValueError(_written(_label(plan, write.source), write.what))
+            raise ValueError(_written(_label(plan, write.source), write.what)) from None
         except Exception:  # the survey cannot tell: autograd's error is raised
-            return None
-    for i, usage in enumerate(found.usage):
-        for use in usage.uses:
-            if use.endswith(routes.WRITE):
-                return ValueError(_written(_label(plan, i), f"is written in place by "
-                                           f"{use.removesuffix(routes.WRITE)}"))  # fmt: skip
-    return None
+            return
+    if found.written is not None:
+        source, op = found.written
+        raise ValueError(_written(_label(plan, source), f"is written in place by {op}")) from None
 
 
 _CAPTURED_WRITE = "that would mutate a captured Tensor"
@@ -1370,9 +1367,9 @@ def _refuse_unheld_writes(plan: _Plan, spec: Any, inputs: tuple[Any, ...], held:
     if _CAPTURED_WRITE in str(failed):
         return
     with torch.inference_mode(False):
-        writes = recorded(dataclasses.replace(plan.sparse, batch_spec=spec), _normal(inputs))
-    n_params = len(plan.tensors) + len(plan.others)  # (writes to params are refused apart)
-    unheld = writes.unheld_by(held, (*[None] * n_params, *inputs[n_params:]))
+        writes = recorded(plan.sparse.taking_batch(spec), _normal(inputs))
+    # (writes to params are refused apart)
+    unheld = writes.unheld_by(held, inputs, len(plan.tensors) + len(plan.others))
     if not unheld:
         return
     for cache, entry in ((_ROUTES, trial), (_STATES, unsurveyed)):
@@ -1533,7 +1530,7 @@ def _group_loss(
 ) -> tuple[_Selection, list[torch.Tensor]]:
     """The loss as a function of the selected tensors ``group`` (then the other params, then
     the batch), and those other params, held constant."""
-    loss = plan.sparse if spec is None else dataclasses.replace(plan.sparse, batch_spec=spec)
+    loss = plan.sparse.taking_batch(spec)
     if not plan.sparse.names:
         return loss, []
     names = tuple(plan.sparse.selected[i] for i in group)
@@ -1616,7 +1613,7 @@ _STATES: OrderedDict[Hashable, _Unsurveyed] = OrderedDict()
 before (see :func:`_unsurveyed_state`)."""
 
 
-def _unsurveyed_state(plan: _Plan, spec: Any, batch_values: list[Any], chunk_size: int | None
+def _unsurveyed_state(plan: _Plan, spec: Any, inputs: tuple[Any, ...], chunk_size: int | None
                       ) -> tuple[Held, _Unsurveyed | None]:  # fmt: skip
     """The state the loss changes beyond its values, as it is before the call's first run, for
     the reverse route's batched passes where no survey ran (:func:`~pyhvp.restricted.state.
@@ -1629,8 +1626,7 @@ def _unsurveyed_state(plan: _Plan, spec: Any, batch_values: list[Any], chunk_siz
     call). State a later call first changes is seen there only where the kernel first fails
     on that call, and refused where it fails after the loss's run
     (:func:`_refuse_unheld_writes`)."""
-    loss = dataclasses.replace(plan.sparse, batch_spec=spec)
-    inputs = (*plan.tensors, *plan.others, *batch_values)
+    loss = plan.sparse.taking_batch(spec)
     key: Hashable = None
     kept = None
     if _passes(plan, chunk_size) == 1:
@@ -1797,12 +1793,11 @@ def _rows_by_loop(
 ) -> list[torch.Tensor]:
     """:func:`_loop_rows`' backward passes, of the loss ``total`` of the leaves ``ys``."""
     # (a constant loss has no graph)
-    found = _backward(total, ys, create_graph=True) if total.requires_grad else (None,) * len(ys)
-    _note_reach(any(g is not None for g in found))
-    grads = [torch.zeros_like(y) if g is None else g for g, y in zip(found, ys, strict=True)]
+    grads = _backward(total, ys, create_graph=True) if total.requires_grad else (None,) * len(ys)
+    _note_reach(any(g is not None for g in grads))
     blocks = []
     for y, g, rows, columns in zip(ys, grads, row_flats, column_flats, strict=True):
-        if not (g.requires_grad and len(rows)):  # f affine in y, or no rows
+        if g is None or not (g.requires_grad and len(rows)):  # unused, f affine in y, no rows
             blocks.append(y.new_zeros(len(rows), len(columns)))
             continue
         # one-hot cotangents of the whole gradient: selecting its entry (``g.reshape(-1)[j]``,
@@ -1823,8 +1818,9 @@ def _rows_by_loop(
 
 _FEW_ENTRIES = 2**15
 """Most entries of the one-hot rows of one tensor that :func:`_rows_by_loop` makes at once, by
-one ``scatter_``, and reads at once (128 KB of float32, under glibc's first threshold for fresh memory): the seed's two rows of
-7840 made and read so took 2% less of a 1 ms call than one at a time."""
+one ``scatter_``, and reads at once (128 KB of float32, under glibc's first threshold for fresh
+memory): the seed's two rows of 7840 made and read so took 2% less of a 1 ms call than one at
+a time."""
 
 
 def _one_hots(entries: torch.Tensor, like: torch.Tensor) -> Iterator[torch.Tensor]:

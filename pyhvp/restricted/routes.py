@@ -109,15 +109,11 @@ from pyhvp.restricted.ops import (
 )
 from pyhvp.restricted.state import Changes, putting_back
 
-WRITE = " (a write)"
-"""How :attr:`Usage.uses` ends a write to the selected tensor (``"Tensor.mul_ (a write)"``)."""
-
 MIN_COMPONENTS = 8
 """Fewest selected components for which ``method="auto"`` surveys the loss unless the backend
 compiles from the first call or (called again) a selected tensor has over :data:`LOOP_ENTRIES`
-entries: below
-it the reverse route's few Hessian-vector products cost less than the sparse route's fixed setup
-(and the survey) on every model measured."""
+entries: below it the reverse route's few Hessian-vector products cost less than the sparse
+route's fixed setup (and the survey) on every model measured."""
 
 LOOP_ENTRIES = 2**16
 """Most entries of a selected tensor for which ``method="auto"`` takes the seed's loop at fewer
@@ -332,13 +328,19 @@ class Survey(TorchFunctionMode):
         self._first = 0
         self.changes = Changes(inputs)
         """What the run of ``loss(*inputs)`` changes beyond its values (put back once it ran)."""
-        self.reached = True
-        """Whether the loss uses a selected tensor at all: an op this mode saw takes one, or
-        (:meth:`refuse_unseen_uses`) its derivative reaches the loss through one it did not
-        (where :func:`survey` runs without ``unseen``, taken as it does)."""
+        self.written: tuple[int, str] | None = None
+        """The selected tensor the loss writes to where autograd guards it, and the op
+        (:meth:`_refuse_writes_to_params`, which stops the run before the write)."""
 
     def _source(self, value: object) -> int | None:
         return _held(self._sources, value)
+
+    @property
+    def used(self) -> bool:
+        """Whether the loss uses a selected tensor at all: an op this mode saw takes one, or
+        (after :meth:`refuse_unseen_uses`, with ``unseen``) its derivative reaches the loss
+        through one it did not."""
+        return any(usage.uses for usage in self.usage)
 
     def _note(self, source: int, use: str, refusal: str | None = None) -> None:
         usage = self.usage[source]
@@ -507,7 +509,8 @@ class Survey(TorchFunctionMode):
         if not grad and shared:
             raise WritesSelected(source, f"is written by {describe(func)} under no_grad")
         what = "is written" if shared else "has a copy (that the sparse route follows) written"
-        self._note(source, f"{describe(func)}{WRITE}", f"{what} by {describe(func)}")
+        self._note(source, f"{describe(func)} (a write)", f"{what} by {describe(func)}")
+        self.written = source, describe(func)
         raise NotSparse(f"{describe(func)} writes to a selected tensor")
 
     def _refuse_hidden_writes(self, op: str, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
@@ -773,7 +776,6 @@ def survey(
                     usage.refusal = "was not surveyed: the loss writes to a selected tensor first"
         else:
             mode.refuse_unseen_uses(value)
-            mode.reached = not unseen or any(usage.uses for usage in mode.usage)
     return mode
 
 

@@ -183,11 +183,12 @@ class Held(NamedTuple):
         saved = [(s, _copy(s)) for s in storages]
         return Snapshot(saved, [(g, g.get_state()) for g in self.generators])
 
-    def unheld_by(self, other: Held | None, inputs: Sequence[object]) -> str:
+    def unheld_by(self, other: Held | None, inputs: Sequence[object], first: int = 0) -> str:
         """What memory of this state ``other`` does not hold, in words (``""``: it holds all of
-        it): of this call's ``inputs`` or other memory, by where it starts. Not generators: one
-        the loss makes on each run is another object each time (refused at every call, by
-        identity, in a review of this check)."""
+        it): of this call's ``inputs`` from position ``first`` on, or other memory, by where it
+        starts. Not generators: one the loss makes on each run is another object each time
+        (refused at every call, by identity, in a review of this check)."""
+        inputs = (*[None] * first, *inputs[first:])
         memory, held = self._memory(inputs), {} if other is None else other._memory(inputs)
         tensors = [t for start, t in memory.items() if start not in held]
         return ", ".join(f"a tensor of shape {tuple(t.shape)} ({t.dtype})" for t in tensors)
