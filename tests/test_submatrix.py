@@ -860,8 +860,10 @@ def test_an_embedding_bag_is_differentiated_at_the_calls_state(method, component
     torch.testing.assert_close((got, dict(bags.named_buffers())), expected)
 
 
-def conv_group_normed(p):
-    images = torch.linspace(-1, 1, 192, dtype=torch.float64).reshape(4, 3, 4, 4)
+IMAGES = torch.linspace(-1, 1, 192, dtype=torch.float64).reshape(4, 3, 4, 4)
+
+
+def conv_group_normed(p, images=IMAGES):
     return torch.tanh(F.group_norm(F.conv2d(images, p), 2)).pow(2).sum()
 
 
@@ -910,8 +912,7 @@ def test_an_unsurveyed_pass_that_failed_before_takes_the_loop_whatever_state_app
 
 
 def conv_not_normed(p):
-    images = torch.linspace(-1, 1, 192, dtype=torch.float64).reshape(4, 3, 4, 4)
-    return torch.tanh(F.conv2d(images, p)).pow(2).sum()
+    return torch.tanh(F.conv2d(IMAGES, p)).pow(2).sum()
 
 
 def test_a_loss_making_its_own_generator_is_served_where_its_kernel_fails():
@@ -921,8 +922,7 @@ def test_a_loss_making_its_own_generator_is_served_where_its_kernel_fails():
     def loss(p):
         noise = torch.randn(4, 3, 4, 4, generator=torch.Generator().manual_seed(0),
                             dtype=torch.float64)  # fmt: skip
-        images = torch.linspace(-1, 1, 192, dtype=torch.float64).reshape(4, 3, 4, 4)
-        return torch.tanh(F.group_norm(F.conv2d(images + 0.1 * noise, p), 2)).pow(2).sum()
+        return conv_group_normed(p, IMAGES + 0.1 * noise)
 
     p = torch.randn(4, 3, 2, 2, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
     index = torch.arange(0, 48, 8)  # 6 components: the batched kernel, which fails
