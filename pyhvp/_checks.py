@@ -34,6 +34,15 @@ def require_tensor(name: str, value: object) -> torch.Tensor:
     return value
 
 
+def require_generator(generator: object) -> None:
+    """``generator`` is None or a ``torch.Generator`` (torch refuses to make one on the meta
+    device)."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(
+            f"generator must be a torch.Generator or None, got {type(generator).__name__}"
+        )
+
+
 def require_dense(name: str, value: object) -> torch.Tensor:
     """A tensor of the strided layout: what an operator differentiates or indexes by (a sparse
     one, held constant in ``args`` or an unselected parameter, is the function's business)."""

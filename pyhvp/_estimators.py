@@ -19,6 +19,7 @@ from pyhvp._checks import (
     check_batched_output,
     fmt_shape,
     require_floating,
+    require_generator,
     require_instance_variables,
     require_like,
 )
@@ -40,10 +41,7 @@ def check_method(method: object, samples: object, generator: object,
     methods = (EXACT, HUTCHINSON) if sketched is None else (EXACT, HUTCHINSON, sketched)
     if method not in methods:
         raise ValueError(f"method must be one of {list(methods)}, got {method!r}")
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(
-            f"generator must be a torch.Generator or None, got {type(generator).__name__}"
-        )
+    require_generator(generator)
     if method == EXACT:
         if samples is not None or generator is not None:
             raise ValueError(

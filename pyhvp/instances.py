@@ -29,6 +29,7 @@ from pyhvp._checks import (
     pad_arg_to_batch,
     per_arg_event_dims,
     require_floating,
+    require_generator,
     require_instance_variables,
 )
 from pyhvp._public import public_operator
@@ -306,10 +307,7 @@ def check_instances(
     event_dims = check_event_dims_of(f, event_dims, x)
     require_instance_variables(x, event_dims)
     check_args(args, x)
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(
-            f"generator must be a torch.Generator or None, got {type(generator).__name__}"
-        )
+    require_generator(generator)
     batch_shape = x.shape[: x.ndim - event_dims]
     if math.prod(batch_shape) < 2:
         return

@@ -41,6 +41,7 @@ from pyhvp._checks import (
     require_like,
     require_tensor,
 )
+from pyhvp.backends.nested import inside_transform
 
 
 class KroneckerHVP:
@@ -386,6 +387,13 @@ class KroneckerHVP:
         return [root.detach().clone(memory_format=torch.contiguous_format) for root in roots], since
 
     def _check_grad(self, grad: object) -> torch.Tensor:
+        if inside_transform():
+            raise ValueError(
+                "KroneckerHVP.update (and calling it) cannot run inside a torch.func transform "
+                "(vmap, grad, jacrev, ...): it folds concrete gradients into one running state; "
+                "call it outside, on the whole grad of shape (n, *modes) (apply(v) may run "
+                "inside vmap)"
+            )
         grad = require_floating("grad", grad)
         if grad.ndim < 2 or 0 in grad.shape:
             raise ValueError(

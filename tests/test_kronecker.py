@@ -789,3 +789,26 @@ def test_an_instance_pickled_before_refresh_every_was_a_property_loads_with_it()
 def test_an_option_set_after_construction_is_checked_as_the_constructor_checks_it(option, value):
     with pytest.raises(ValueError, match=f"{option} must be"):
         setattr(KroneckerHVP(), option, value)
+
+
+TRANSFORMS_AROUND_UPDATE = {
+    "vmap": lambda kron, grads: torch.func.vmap(lambda g: kron(g, g))(grads),
+    "grad": lambda kron, grads: torch.func.grad(lambda g: kron(g, g).sum())(grads[0]),
+}
+
+
+@pytest.mark.parametrize("around", TRANSFORMS_AROUND_UPDATE.values(),
+                         ids=TRANSFORMS_AROUND_UPDATE.keys())  # fmt: skip
+def test_an_update_inside_a_transform_is_refused_and_folds_nothing_in(around, device):
+    """Until 2026-12-07 vmap failed inside the finiteness check with torch's "data-dependent
+    control flow" error; grad would have kept wrapped tensors as the running state."""
+    kron = KroneckerHVP()
+    with pytest.raises(ValueError, match="cannot run inside a torch.func transform"):
+        around(kron, torch.randn(2, 3, 4, 5, device=device))
+    assert kron.state_dict()["step"] == 0
+
+
+def test_apply_inside_vmap_gives_apply_of_the_whole_batch(device):
+    kron = fitted(device)
+    v = torch.randn(5, 2, 3, 4, device=device)
+    assert torch.allclose(torch.func.vmap(kron.apply)(v), kron.apply(v))
