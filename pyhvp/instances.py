@@ -255,13 +255,15 @@ def check_instances(
     is opt-in (call it once per function and layout), in two parts:
 
     * **through derivatives**, exact up to rounding: one forward and ``2 * ceil(log2 B) + 2``
-      reverse passes. Pass ``p`` puts random positive cotangents on the instances whose flat
+      reverse passes, plus one per output beyond the first. Pass ``p`` puts random positive cotangents on the instances whose flat
       index has bit ``p`` equal to 0 (then 1); a non-zero gradient at an instance outside that
       set means a receiver reads it, and any two instances differ in some bit, so every
       dependence between two instances whose first derivative is not zero at this ``x`` is
-      seen. Each receiver's cotangents are divided by its
-      own gradient's size, and each output's change below is judged against its own values: rounding
-      is per receiving instance, so a stiff one does not hide another's coupling;
+      seen. Rounding is judged per output and per entry of ``x``: each output's cotangents are
+      divided by its own gradient's size (one more pass per output, up to 64 outputs per
+      instance; one for them all beyond), each gradient entry by that entry's own derivative,
+      and each output's change below against its own value, so a stiff instance, output or
+      entry (``1e6 * x**2`` beside a coupled output) does not hide another's coupling;
     * **through values that carry no derivative** (``x - x.mean(0).detach()``, a statistic taken
       under ``torch.no_grad()`` or through ``.item()``), which no derivative shows: ``f`` is run
       again, ``2 * ceil(log2 B) + 2`` forwards from the random state of the first, with the
@@ -384,7 +386,7 @@ class _Runs:
         # its coupling through a detached mean went unseen). Not f's own generators: two runs
         # that draw from one anew still differ
         self.state = Snapshot(recording.changes.snapshot().storages, [])
-        self.own_gradient: torch.Tensor | None = None  # (B, 1), set by the derivatives pass
+        self.own_gradient: torch.Tensor | None = None  # (B, outputs or 1): the derivatives pass's
 
     def x_scale(self) -> float:
         """``1 + max |x|`` over x's finite entries (a NaN or infinite entry's scale would make
@@ -422,26 +424,45 @@ def _leak_through_derivatives(run: _Runs) -> str | None:
         return None
     per_instance_out = run.out.reshape(run.count, -1)
 
-    def gradient_sizes(cotangent: torch.Tensor) -> torch.Tensor:
-        """Per instance, the largest entry of the gradient of ``sum(cotangent * f)``."""
+    def gradient_rows(cotangent: torch.Tensor) -> torch.Tensor:
+        """``(B, n)``: the size of each entry of the gradient of ``sum(cotangent * f)``."""
         (gradient,) = torch.autograd.grad(
             per_instance_out, run.y, cotangent, retain_graph=True, allow_unused=True,
             materialize_grads=True,
         )  # fmt: skip
-        return gradient.reshape(run.count, -1).abs().amax(-1)
+        return gradient.reshape(run.count, -1).abs()
 
-    # each instance's own scale: the gradient at its x with every instance receiving (its own
-    # derivative where f does not couple). A receiver's weights are divided by it, so that a
-    # leak is judged against the receiver's own magnitude: a stiff instance (a value of 1e17)
-    # neither hides another's coupling nor leaks by rounding
-    own = gradient_sizes(run.random(per_instance_out.shape))
-    run.own_gradient = torch.where(own.isfinite(), own, torch.ones_like(own))[:, None]
-    scale = torch.where(own.isfinite() & (own > 0), own, torch.ones_like(own))
+    # each output's own gradient, with every instance receiving (its own derivative where f
+    # does not couple): one pass per output up to _SCALED_OUTPUTS outputs, one for them all
+    # beyond. Leaks are judged against these scales, so that rounding is relative to what is
+    # read and a stiff part neither hides another's coupling nor leaks by rounding: an instance
+    # of values of 1e17; an output, 1e6 x**2 beside a coupled one; an entry of x, 1e8 x1**2
+    # beside a coupling through x0 (the last two passed until 2026-12-07)
+    outputs = per_instance_out.shape[-1]
+    if 0 < outputs <= _SCALED_OUTPUTS:
+        draws = run.random(per_instance_out.shape)
+        columns = torch.arange(outputs, device=draws.device)
+        rows = [gradient_rows(torch.where(columns == m, draws, 0)) for m in range(outputs)]
+    else:
+        rows = [gradient_rows(run.random(per_instance_out.shape))]
+    # per entry of x: its largest own derivative over the outputs
+    entries = _positive_or_one(torch.stack(rows).amax(0))
+
+    def gradient_sizes(cotangent: torch.Tensor) -> torch.Tensor:
+        """Per instance, the largest entry of the gradient of ``sum(cotangent * f)``, each
+        entry relative to its own derivative."""
+        return (gradient_rows(cotangent) / entries).amax(-1)
+
+    # per output: how much it reads of its own instance's x (the values' floor), and relative to
+    # the entries' own derivatives (a receiver's weights are divided by it)
+    own = torch.stack([row.amax(-1) for row in rows], -1)
+    run.own_gradient = torch.where(own.isfinite(), own, torch.ones_like(own))
+    scale = _positive_or_one(torch.stack([(row / entries).amax(-1) for row in rows], -1))
 
     def leak_sizes(receivers: torch.Tensor) -> torch.Tensor:
         """Per instance, the largest gradient of sum over receivers of w_b f_b (random w > 0:
         no two receivers' dependences cancel; each divided by its receiver's scale)."""
-        weights = run.random(per_instance_out.shape) / scale[:, None]
+        weights = run.random(per_instance_out.shape) / scale
         # zero where not received, by selection: a weight that overflowed (float16, an instance
         # whose own gradient is below 2^-16) times 0 was a NaN cotangent, a NaN gradient at an
         # instance outside the receivers, read as a leak of an independent f
@@ -487,13 +508,13 @@ def _leak_through_values(run: _Runs) -> str | None:
     base = run.values(None)
     if base.shape[-1] == 0:  # out_shape holds no value (a dim of 0): none can change
         return None
-    # rounding, per receiving instance: relative to its own finite values (a stiff instance's
-    # do not hide another's change)
+    # rounding, per output of each receiving instance: relative to its own finite value (a
+    # stiff instance's, or a stiff output's, do not hide another's change)
     finite = torch.where(base.isfinite(), base, torch.zeros_like(base))
     # (the floor, at most 1, is what a change at x's scale makes of f through its own
     # gradient: a floor of 1 hid every change of an f whose values are small, 1e-6 in float32)
     floor = 1.0 if run.own_gradient is None else (run.own_gradient * run.x_scale()).clamp(max=1)
-    threshold = _rounding(base.dtype, 2**-4) * (floor + finite.abs().amax(-1, keepdim=True))
+    threshold = _rounding(base.dtype, 2**-4) * (floor + finite.abs())
 
     def changed(moved: torch.Tensor | None) -> torch.Tensor:
         """Per instance, whether f's value changed with the instances in ``moved`` shifted."""
@@ -528,6 +549,16 @@ def _leak_through_values(run: _Runs) -> str | None:
         f"f couples instances: its value for instance {at(receiver)} depends on x at other "
         f"instances"
     )
+
+
+_SCALED_OUTPUTS = 64
+"""Up to how many outputs per instance the check through derivatives scales each output by
+its own gradient (one reverse pass each); beyond, one scale per instance for them all."""
+
+
+def _positive_or_one(sizes: torch.Tensor) -> torch.Tensor:
+    """``sizes`` where they are finite and positive, 1 elsewhere: a scale to divide by."""
+    return torch.where(sizes.isfinite() & (sizes > 0), sizes, torch.ones_like(sizes))
 
 
 def _rounding(dtype: torch.dtype, cap: float) -> float:

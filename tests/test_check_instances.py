@@ -146,6 +146,23 @@ COUPLED = {
         torch.cat([X[:2], X[2:3].clone().fill_diagonal_(torch.nan), X[3:]]),
         ((1,), (2,)),
     ),
+    # until 2026-12-07 rounding was judged per instance: a stiff output or entry of x hid a
+    # coupling in another (its per-instance Hessian diagonal then read 0 for 1.39)
+    "mean-centring in one output, beside a stiff one (float32)": (
+        lambda x: torch.stack([1e6 * (x**2).sum(-1), (x[:, 0] - x[:, 0].mean()) ** 2], -1),
+        X.float(),
+        None,
+    ),
+    "mean-centring by a detached mean in one output, beside a stiff one (float32)": (
+        lambda x: torch.stack([1e6 * (x**2).sum(-1), (x[:, 0] - x[:, 0].mean().detach()) ** 2], -1),
+        X.float(),
+        None,
+    ),
+    "mean-centring through x0, beside a stiff x1 (float32)": (
+        lambda x: 1e8 * x[:, 1] ** 2 + (x[:, 0] - x[:, 0].mean()) ** 2,
+        X.float(),
+        None,
+    ),
     "mean-centring by a detached mean, next to an infinite own value": (
         lambda x: ((x - x.mean(0).detach()) ** 2).sum(-1) - torch.log(x.norm(dim=-1)),
         torch.cat([torch.zeros(1, 3, dtype=torch.float64), X[1:]]),
