@@ -21,7 +21,9 @@ symmetrised in float64 before the cast, so the operator ``apply`` uses is exactl
 system (its computed action is, up to rounding). Gradients that are not finite, or so large
 that their second moments would overflow float64 (above ``sqrt(finfo.max / N)``), are rejected
 before they can poison the running statistics; a diverging sampler then stops with a ValueError
-rather than NaNs or a failed eigh.
+rather than NaNs or a failed eigh. An operator whose largest eigenvalue times ``sqrt(N)`` would
+overflow the gradients' dtype (float16 gradients of 300 have a covariance of 9e4) is refused with
+a ValueError when its roots are computed, where its results were inf or NaN.
 """
 
 from __future__ import annotations
@@ -109,8 +111,10 @@ class KroneckerHVP:
 
     @damping.setter
     def damping(self, value: float) -> None:
-        self._damping = _real_option("damping", value, "a float >= 0", lambda d: d >= 0)
-        self._roots = None
+        damping = _real_option("damping", value, "a float >= 0", lambda d: d >= 0)
+        if damping != getattr(self, "_damping", None):  # (the same value keeps a resumed run's)
+            self._roots = None
+        self._damping = damping
 
     @property
     def power(self) -> float | None:
@@ -120,12 +124,14 @@ class KroneckerHVP:
 
     @power.setter
     def power(self, value: float | None) -> None:
-        self._power = (
+        power = (
             None
             if value is None
             else _real_option("power", value, "None or a float > 0", lambda p: p > 0)
         )
-        self._roots = None
+        if power != getattr(self, "_power", 0.0):  # (0.0: no power yet; None is one)
+            self._roots = None
+        self._power = power
 
     @property
     def refresh_every(self) -> int:
@@ -420,11 +426,26 @@ class KroneckerHVP:
     def _compute_roots(self) -> list[torch.Tensor]:
         assert self._mean is not None
         power = self._power_for(len(self._factors))
-        roots = []
+        roots, norm = [], torch.ones((), dtype=torch.float64, device=self._mean.device)
         for cov in _covariances(self._mean, self._factors, self._decay):
             vals, vecs = torch.linalg.eigh(cov)
-            root = (vecs * vals.abs().add(self.damping).pow(power)[:, None, :]) @ vecs.mT
+            scaled = vals.abs().add(self.damping).pow(power)
+            norm = norm * scaled.amax(-1)  # per system: the operator's largest eigenvalue
+            root = (vecs * scaled[:, None, :]) @ vecs.mT
             roots.append(((root + root.mT) / 2).to(self._dtype))
+        # float64 statistics of gradients fine in a half or float32 dtype can still have roots,
+        # or an operator, that overflow it: inf or NaN results (float16 gradients of 300)
+        size = self._mean[0].numel()
+        limit = torch.finfo(self._dtype).max / math.sqrt(size)
+        largest = float(norm.max())
+        if not largest <= limit:
+            name = str(self._dtype).removeprefix("torch.")
+            raise ValueError(
+                f"KroneckerHVP's operator overflows the gradients' dtype {name}: its largest "
+                f"eigenvalue is {largest:.3g}, over {name}'s largest value / sqrt({size}) = "
+                f"{limit:.3g}; pass gradients in a wider dtype (grad.float() or grad.double()), "
+                f"scaled down, or take a smaller power"
+            )
         return roots
 
 

@@ -803,7 +803,7 @@ def test_an_update_inside_a_transform_is_refused_and_folds_nothing_in(around, de
     """Until 2026-12-07 vmap failed inside the finiteness check with torch's "data-dependent
     control flow" error; grad would have kept wrapped tensors as the running state."""
     kron = KroneckerHVP()
-    with pytest.raises(ValueError, match="cannot run inside a torch.func transform"):
+    with pytest.raises(ValueError, match=r"cannot run inside a torch\.func transform"):
         around(kron, torch.randn(2, 3, 4, 5, device=device))
     assert kron.state_dict()["step"] == 0
 
@@ -812,3 +812,41 @@ def test_apply_inside_vmap_gives_apply_of_the_whole_batch(device):
     kron = fitted(device)
     v = torch.randn(5, 2, 3, 4, device=device)
     assert torch.allclose(torch.func.vmap(kron.apply)(v), kron.apply(v))
+
+
+OVERFLOWING = {
+    "float16 grads of 300, one mode (a root is the covariance, 9e4)": (
+        lambda: torch.randn(4, 3, dtype=torch.float16) * 300,
+        {},
+    ),
+    "float32 grads of 1e20, power 1": (lambda: torch.randn(2, 3, 4) * 1e20, {"power": 1.0}),
+    "float32 grads of 1e30 (roots of 1e30 fit, their product does not)": (
+        lambda: torch.randn(2, 3, 4) * 1e30,
+        {},
+    ),
+}
+
+
+@pytest.mark.parametrize(("make_grad", "options"), OVERFLOWING.values(), ids=OVERFLOWING.keys())
+def test_an_operator_that_overflows_the_gradients_dtype_is_refused(make_grad, options):
+    """Until 2026-12-07 such grads passed the float64 check and apply gave inf or NaN."""
+    torch.manual_seed(0)
+    kron = KroneckerHVP(**options)
+    grad = make_grad()
+    kron.update(grad)
+    kron.update(-grad)
+    with pytest.raises(ValueError, match="overflows the gradients' dtype"):
+        kron.apply(torch.ones_like(grad))
+
+
+@pytest.mark.parametrize("option", ["damping", "power"])
+def test_an_option_set_to_its_own_value_keeps_the_cached_roots(option, monkeypatch):
+    """A config applied again after load_state_dict recomputed the roots: with refresh_every > 1
+    the resumed run then left the uninterrupted one's (until 2026-12-07)."""
+    kron = fitted(torch.device("cpu"))
+    calls = []
+    eigh = torch.linalg.eigh
+    monkeypatch.setattr(torch.linalg, "eigh", lambda a: calls.append(a.shape) or eigh(a))
+    setattr(kron, option, getattr(kron, option))
+    kron.apply(torch.ones(2, 3, 4))
+    assert calls == []
