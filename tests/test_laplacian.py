@@ -767,7 +767,16 @@ def _factors_made_under_no_grad(x, w):
     return torch.sin(x).sum(-1) * scale * w.sum()
 
 
-STOPS = {"detach()": _detached_factors, "torch.no_grad()": _factors_made_under_no_grad}
+def _factors_detached_in_place(x, w):
+    """``detach_`` has no aten op: until 2026-12-07 the Taylor engine differentiated through it."""
+    return torch.sin(x).sum(-1) * x.clone().detach_().pow(2).sum(-1) * w.sum() / w.norm().detach_()
+
+
+STOPS = {
+    "detach()": _detached_factors,
+    "detach_()": _factors_detached_in_place,
+    "torch.no_grad()": _factors_made_under_no_grad,
+}
 
 
 def _nested_laplacian(f, x, *args):

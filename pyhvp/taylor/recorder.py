@@ -393,6 +393,13 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's _
         self.labels.pop(id(t), None)
         self._describe(t)
 
+    def stop(self, t: Tensor) -> None:
+        """``t`` was detached in place (``Tensor.detach_``, which autograd handles without an
+        aten op this mode would see): from here on the program reads it as a constant."""
+        label = self._label(t)
+        if label is not None:
+            self.stopped.add(label)
+
     def _is_constant(self, t: Tensor) -> bool:
         """``t`` is (or becomes, if not seen yet) a constant of the program."""
         label = self._label(t)
@@ -520,7 +527,7 @@ def _record(f: Callable[..., Tensor], variable: Tensor, args: Sequence[object],
     recorders = _recorders()
     recorders.append(recorder)
     try:
-        with recording_state(), guard, recorder, _REFUSING_NUMPY:
+        with recording_state(), guard, recorder, _WATCHED_METHODS:
             out = f(variable, *args)
     finally:
         recorders.pop()
@@ -561,9 +568,24 @@ def _refusing(name: str) -> Callable[..., Any]:
     return convert
 
 
-_REFUSING_NUMPY = Replacement([(Tensor, name, _refusing(name)) for name in TO_NUMPY])
+def _detach_in_place(self: Tensor) -> Tensor:
+    out = _DETACH_IN_PLACE(self)
+    for recorder in _recorders():  # (nested too)
+        recorder.stop(self)
+    return out
+
+
+_DETACH_IN_PLACE = Tensor.detach_
+
+
+_WATCHED_METHODS = Replacement(
+    [*((Tensor, name, _refusing(name)) for name in TO_NUMPY), (Tensor, "detach_", _detach_in_place)]
+)
 """While ``f`` is recorded, a tensor that depends on ``x`` refuses to become a NumPy array: the
-recorder sees no op of NumPy's, so its results were constants (a Laplacian of zeros). The
+recorder sees no op of NumPy's, so its results were constants (a Laplacian of zeros); and a
+tensor ``f`` detaches in place (``t.detach_()``) is a constant from then on, as for autograd
+(it has no aten op: until 2026-12-07 the Taylor operators differentiated through it, the
+Hessian diagonal of ``(z.clone().detach_() * z**2).sum()`` read 6z for autograd's 2z). The
 methods are replaced on ``torch.Tensor`` while any record is in progress (a function mode
 would cost every op of every record); tensors of no record keep their behaviour."""
 
