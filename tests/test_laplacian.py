@@ -29,7 +29,7 @@ from pyhvp import TorchBackend, taylor
 from pyhvp import _estimators as est
 from pyhvp.backends import torch as torch_backend
 from pyhvp.backends.compile_policy import function_key
-from pyhvp.taylor import program
+from pyhvp.taylor import kernel, program
 from pyhvp.taylor.kernel import basis_event, identity
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -755,6 +755,27 @@ def test_gradient_in_x_is_the_third_derivative(device):
         lambda y: instance_laplacian(net, y).sum() + instance_jacobian(net, y).pow(2).sum()
     )(x.detach())
     torch.testing.assert_close(dx, expected)
+
+
+@pytest.mark.parametrize(
+    "operator",
+    [pyhvp.laplacian, lambda f, x: pyhvp.hessian_diagonal(f, x).sum(-1)],
+    ids=["laplacian", "hessian_diagonal"],
+)
+def test_a_hessian_around_the_operator_leaves_later_transforms_working(operator, monkeypatch):
+    """Until 2026-12-07 torch.func.hessian around it cached the identity it made inside the
+    transform, a wrapper of that level: every later transform around either operator, in any
+    process-wide call, failed with functorch's "level <= current_level INTERNAL ASSERT"."""
+    monkeypatch.setattr(kernel, "_IDENTITIES", type(kernel._IDENTITIES)())  # none made yet
+    x = torch.tensor([[0.5, -1.0], [0.2, 0.7]], dtype=torch.float64)
+
+    def f(z):
+        return (torch.sin(z) * z).sum(-1)
+
+    total = lambda z: operator(f, z).sum()  # noqa: E731
+    expected = lambda z: instance_laplacian(f, z).sum()  # noqa: E731
+    torch.testing.assert_close(hessian(total)(x), hessian(expected)(x))
+    torch.testing.assert_close(grad(total)(x), grad(expected)(x))
 
 
 def _detached_factors(x, w):

@@ -75,7 +75,11 @@ def identity(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     their memory instead of comparing N x N values (with two ``eye`` per call, 20-60 us of a
     0.5-3 ms call). Read only: one written in place (through any view: its version counter
     says so) is made anew. Made outside inference mode and without grad, so that it serves
-    every call."""
+    every call. Inside a ``torch.func`` transform ``torch.eye`` gives a wrapper of the
+    transform's level, which is made anew and never kept: kept, it failed every later call
+    inside a transform ("level <= current_level INTERNAL ASSERT FAILED", found by review)."""
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return torch.eye(n, dtype=dtype, device=device)
     key = (n, dtype, device)
     eye = _IDENTITIES.pop(key, None)
     if eye is None or eye._version:
