@@ -43,6 +43,31 @@ def require_generator(generator: object) -> None:
         )
 
 
+def plain_tensor(name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a plain ``torch.Tensor`` aliasing it (its autograd history kept) where it is of a
+    subclass that only tags it (``class Tagged(torch.Tensor): pass``: its ops are torch's, their
+    results re-wrapped as new objects, which the Taylor engine's recorder cannot follow: until
+    2026-12-07 a Hessian diagonal of zeros). A subclass with a ``__torch_function__`` or
+    ``__torch_dispatch__`` of its own, whose ops the engine cannot see, raises ``TypeError``;
+    one that disables ``__torch_function__`` (``nn.Parameter``) is kept."""
+    cls = type(t)
+    if cls is torch.Tensor or cls.__torch_function__ is torch._C._disabled_torch_function_impl:
+        return t
+    if (
+        getattr(cls.__torch_function__, "__func__", None) is not _TENSOR_FUNCTION
+        or cls.__torch_dispatch__ is not torch._C._disabled_torch_dispatch_impl
+    ):
+        raise TypeError(
+            f"{name} is a {cls.__name__}, a tensor subclass with its own __torch_function__ or "
+            "__torch_dispatch__, whose operations the Taylor engine cannot follow: pass plain "
+            "tensors (t.as_subclass(torch.Tensor))"
+        )
+    return t.as_subclass(torch.Tensor)
+
+
+_TENSOR_FUNCTION = getattr(torch.Tensor.__torch_function__, "__func__", None)
+
+
 def require_dense(name: str, value: object) -> torch.Tensor:
     """A tensor of the strided layout: what an operator differentiates or indexes by (a sparse
     one, held constant in ``args`` or an unselected parameter, is the function's business)."""

@@ -3,6 +3,7 @@ singular matrices against closed forms, gradients of Laplacians (third order) ag
 differences, users' own jet rules, the errors of ops it cannot carry, and which Python floats
 are program inputs (one program for every value) rather than part of the program's key."""
 
+import re
 from collections import OrderedDict
 
 import pytest
@@ -1097,3 +1098,72 @@ def test_a_fourth_order_matrix_decomposition_is_refused_before_its_dense_fallbac
         pyhvp.bilaplacian(f, x, event_dims=2)
     with pytest.raises(pyhvp.UnsupportedOpError, match="does not carry this one above third order"):
         pyhvp.directional_derivatives(f, x, x, event_dims=2, order=4)
+
+
+class Tagged(torch.Tensor):
+    """A subclass that only tags its tensors: its ops are torch's, their results re-wrapped."""
+
+
+class Overriding(torch.Tensor):
+    """A subclass with a ``__torch_function__`` of its own (here torch's, but unseen as such)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+TAGGED_OPERATORS = {
+    "hessian_diagonal": lambda f, x, *args: pyhvp.hessian_diagonal(f, x, *args),
+    "laplacian": lambda f, x, *args: pyhvp.laplacian(f, x, *args),
+    "bilaplacian": lambda f, x, *args: pyhvp.bilaplacian(f, x, *args),
+    "directional_derivatives": lambda f, x, *args: pyhvp.directional_derivatives(
+        f, x, torch.ones_like(x), *args, order=3
+    ),
+}
+TAGGED_WHERE = {  # operator -> its result with a Tagged tensor there; plain tensors otherwise
+    "x": lambda op, x, w: op(lambda z: (w * torch.sin(z) ** 3).sum(-1), x.as_subclass(Tagged)),
+    "args": lambda op, x, w: op(
+        lambda z, a: (a * torch.sin(z) ** 3).sum(-1), x, w.as_subclass(Tagged)
+    ),
+    "captured": lambda op, x, w: op(
+        lambda z: (w.as_subclass(Tagged) * torch.sin(z) ** 3).sum(-1), x
+    ),
+}
+
+
+@pytest.mark.parametrize("where", TAGGED_WHERE.values(), ids=TAGGED_WHERE.keys())
+@pytest.mark.parametrize("operator", TAGGED_OPERATORS.values(), ids=TAGGED_OPERATORS.keys())
+def test_a_tagging_tensor_subclass_gives_the_plain_tensors_results(operator, where, device):
+    """Until 2026-12-07 its re-wrapped results were new objects to the recorder: a Hessian
+    diagonal of zeros, a Laplacian raising "Multiple dispatch failed"."""
+    x = torch.tensor([[0.5, -1.0], [0.2, 0.7]], dtype=torch.float64, device=device)
+    w = torch.tensor([1.5, -2.0], dtype=torch.float64, device=device)
+    expected = operator(lambda z: (w * torch.sin(z) ** 3).sum(-1), x)
+    torch.testing.assert_close(where(operator, x, w), expected, rtol=1e-12, atol=1e-12)
+
+
+OPAQUE_TENSORS = {  # f's call -> the refusal (a subclass of its own ops; a sparse tensor)
+    "overriding x": (
+        lambda f, x, c: pyhvp.laplacian(f, x.as_subclass(Overriding)),
+        TypeError,
+        "x is a Overriding, a tensor subclass with its own __torch_function__",
+    ),
+    "overriding, captured": (
+        lambda f, x, c: pyhvp.laplacian(lambda z: f(z) * c.as_subclass(Overriding), x),
+        pyhvp.UnsupportedOpError,
+        "a tensor f captures is a Overriding",
+    ),
+    "sparse, captured (until 2026-12-07: 'unsupported operand type(s) for *')": (
+        lambda f, x, c: (lambda s: pyhvp.laplacian(lambda z: s * f(z), x))(c.to_sparse()),
+        pyhvp.UnsupportedOpError,
+        "f uses a torch.sparse_coo tensor",
+    ),
+}
+
+
+@pytest.mark.parametrize(("call", "error", "message"), OPAQUE_TENSORS.values(),
+                         ids=OPAQUE_TENSORS.keys())  # fmt: skip
+def test_a_tensor_whose_ops_the_engine_cannot_follow_is_refused_naming_it(call, error, message):
+    x = torch.tensor([[0.5, -1.0], [0.2, 0.7]], dtype=torch.float64)
+    with pytest.raises(error, match=re.escape(message)):
+        call(lambda z: (z**3).sum(-1), x, torch.ones(2, dtype=torch.float64))

@@ -75,7 +75,7 @@ from pyhvp import _random_state as random_states
 from pyhvp import restricted, taylor
 from pyhvp._attention import math_attention
 from pyhvp._batched_backward import batched_grad
-from pyhvp._checks import check_output, fmt_shape
+from pyhvp._checks import check_output, fmt_shape, plain_tensor
 from pyhvp._keys import version_of
 from pyhvp._norm_biases import biases_outside_norms
 from pyhvp._public import operator_depth
@@ -877,6 +877,9 @@ class TorchBackend:
         mode of ``order`` (:mod:`pyhvp.taylor`); ``f`` is recorded once for all chunks, the
         per-direction outputs of the chunks concatenated, the collapsed one summed."""
         mode = taylor.JetMode(order, collapsed, outputs, weights is not None)
+        x, directions = plain_tensor("x", x), plain_tensor("v", directions)
+        args = [pytree.tree_map_only(torch.Tensor, partial(plain_tensor, f"args[{i}]"), arg)
+                for i, arg in enumerate(args)]  # fmt: skip
         if nested.inside_transform():
             return nested.taylor_coefficients(f, x, directions, args, chunk_size, mode, weights)
         size = chunk_size or len(directions)

@@ -31,6 +31,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from pyhvp._attention import math_attention
+from pyhvp._checks import plain_tensor
 from pyhvp._keys import Identity, value_key
 from pyhvp._replacing import Replacement
 from pyhvp.taylor.custom_ops import DET_BY_SVD, det_needs_svd
@@ -342,11 +343,17 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's _
         if isinstance(value, Tensor):
             label = self._label(value)
             if label is None:
+                # (refused as UnsupportedOpError, not as a TypeError: an operator such as *
+                # takes that for "not mine", and says "unsupported operand type(s)")
                 if value.layout != torch.strided:
-                    raise dense_only(f"f uses a {value.layout} tensor")
+                    raise UnsupportedOpError(str(dense_only(f"f uses a {value.layout} tensor")))
+                try:
+                    constant = plain_tensor("a tensor f captures", value)
+                except TypeError as error:
+                    raise UnsupportedOpError(str(error)) from None
                 label = ("constant", len(self.constants))
                 self.labels[id(value)] = (label, None)
-                self.constants.append(value)
+                self.constants.append(constant)
                 self.inputs.add(storage_id(value))
                 self.inputs.discard(0)
             if kind is None:
@@ -496,7 +503,9 @@ def recording_state() -> Iterator[None]:
     try:
         if mha is not None:
             mha.set_fastpath_enabled(False)
-        with torch.enable_grad(), math_attention:
+        # a tensor subclass's own wrapping of results (a captured Parameter of a tagging
+        # subclass) would give them new objects the recorder cannot follow
+        with torch.enable_grad(), math_attention, torch._C.DisableTorchFunctionSubclass():
             yield
     finally:
         if mha is not None:
