@@ -878,8 +878,8 @@ class TorchBackend:
         per-direction outputs of the chunks concatenated, the collapsed one summed."""
         mode = taylor.JetMode(order, collapsed, outputs, weights is not None)
         x, directions = plain_tensor("x", x), plain_tensor("v", directions)
-        args = [pytree.tree_map_only(torch.Tensor, partial(plain_tensor, f"args[{i}]"), arg)
-                for i, arg in enumerate(args)]  # fmt: skip
+        args = tuple(pytree.tree_map_only(torch.Tensor, partial(plain_tensor, f"args[{i}]"), arg)
+                     for i, arg in enumerate(args))  # fmt: skip
         if nested.inside_transform():
             return nested.taylor_coefficients(f, x, directions, args, chunk_size, mode, weights)
         size = chunk_size or len(directions)
