@@ -31,6 +31,11 @@ def require_tensor(name: str, value: object) -> torch.Tensor:
             f"{name} must hold values (on the CPU or a GPU), got a tensor on the meta device, "
             "which has shapes only"
         )
+    if value.is_nested:  # (its sizes raise torch's "Internal error" at the first shape check)
+        raise TypeError(
+            f"{name} must be a regular tensor, got a nested tensor (instances of several "
+            "shapes): pad it to one shape (torch.nested.to_padded_tensor) or call per shape"
+        )
     return value
 
 

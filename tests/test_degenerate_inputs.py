@@ -2,6 +2,8 @@
 constant functions, inference mode, outputs that are not real floating tensors, unused
 parameters, half precision, functions that compute in another dtype than x's."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -133,6 +135,16 @@ def test_a_sparse_x_is_refused_naming_it(call):
     sparse kernel, ``reshape is not implemented for sparse tensors``, ``aten::amax``)."""
     with pytest.raises(TypeError, match=r"^(x|params|grad) must be a dense \(strided\) tensor"):
         call(cubic, torch.randn(4, 3).to_sparse(), "torch")
+
+
+@pytest.mark.parametrize("call", SPARSE_CALLS.values(), ids=SPARSE_CALLS.keys())
+def test_a_nested_x_is_refused_naming_it(call):
+    """Until 2026-12-07: torch's "Internal error: NestedTensorImpl doesn't support sizes"."""
+    with warnings.catch_warnings():  # (nested tensors are a prototype: torch warns so)
+        warnings.simplefilter("ignore")
+        nested = torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)])
+    with pytest.raises(TypeError, match=r"^(x|params|grad) must be a regular tensor, got a nested"):
+        call(cubic, nested, "torch")
 
 
 BATCHED_CALLS = {name: call for name, call in SPARSE_CALLS.items()
