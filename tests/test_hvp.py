@@ -170,6 +170,28 @@ def test_result_stays_differentiable_when_inputs_require_grad():
     torch.testing.assert_close(dmu, expected)
 
 
+LINEAR_IN_X = {  # operator -> its results for f(z) = w . z per instance (all constants)
+    "hvp": lambda f, x, v: (pyhvp.hvp(f, x, v),),
+    "grad_and_hvp": lambda f, x, v: pyhvp.grad_and_hvp(f, x, v),
+    "hessian_diagonal hutchinson": lambda f, x, v: (
+        pyhvp.hessian_diagonal(f, x, method="hutchinson", samples=2),
+    ),
+}
+
+
+@pytest.mark.parametrize("operator", LINEAR_IN_X.values(), ids=LINEAR_IN_X.keys())
+def test_results_of_an_f_linear_in_x_are_differentiable_with_zero_derivatives(operator):
+    """A constant to autograd (until 2026-12-07 it had no graph: ``.backward()`` through it
+    raised torch's "does not require grad", where a Laplacian's was differentiable)."""
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    w = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+    results = operator(lambda z: z @ w, x, v)
+    total = sum((r**2).sum() for r in results)
+    derivatives = torch.autograd.grad(total, (x, v), allow_unused=True, materialize_grads=True)
+    assert all(torch.equal(d, torch.zeros_like(d)) for d in derivatives)
+
+
 # how parameters travel as one container arg (functional_call's dict), and f reading them
 CONTAINERS = {
     "a dict": (lambda mu: {"mu": mu}, lambda x, params: gaussian(x, params["mu"])),

@@ -419,6 +419,45 @@ class _InductorGraph:
         return tuple(self.compiled(*inputs))  # a list, where the eager kernel returns a tuple
 
 
+def _with_zero_derivatives(out: object, inputs: Sequence[object]) -> object:
+    """``out``, whose tensors that carry no graph where an input requires grad (the HVP of an
+    ``f`` linear in ``x``: a constant to autograd) get one of zero derivatives: results are
+    differentiable whenever an input requires grad, as the contract says (until 2026-12-07
+    ``(hvp(f, x, v) ** 2).sum().backward()`` raised torch's "does not require grad" there)."""
+    if not torch.is_grad_enabled():
+        return out
+    sources = [t for v in inputs for t in pytree.tree_leaves(v)
+               if isinstance(t, torch.Tensor) and t.requires_grad]  # fmt: skip
+    if not sources:
+        return out
+
+    def connected(t: torch.Tensor) -> torch.Tensor:
+        if t.requires_grad or not (t.is_floating_point() or t.is_complex()):
+            return t
+        return cast(torch.Tensor, _ZeroDerivatives.apply(t, *sources))  # type: ignore[no-untyped-call]
+
+    return pytree.tree_map_only(torch.Tensor, connected, out)
+
+
+class _ZeroDerivatives(torch.autograd.Function):
+    """``value`` (a copy), with a zero derivative in each of ``sources``."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor, *sources: torch.Tensor) -> torch.Tensor:
+        ctx.sources = [(s.shape, s.dtype, s.device) for s in sources]
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        zeros = [torch.zeros(shape, dtype=dtype, device=device)
+                 for shape, dtype, device in ctx.sources]  # fmt: skip
+        return (None, *zeros)
+
+    @staticmethod
+    def jvp(ctx: Any, value: torch.Tensor | None, *sources: torch.Tensor | None) -> object:
+        return value  # (forward mode: the value's own tangent, none from the sources)
+
+
 def _needs_autograd(values: Sequence[object]) -> bool:
     """Whether a result must carry derivatives: reverse mode's graph (grad mode on and an input
     requiring grad) or forward mode's tangents (an input that is a dual tensor). Inputs are
@@ -985,7 +1024,7 @@ class TorchBackend:
             inputs = _normal(inputs)  # outside inference mode: grad mode is on
             tensors_only = all(isinstance(t, torch.Tensor) for t in inputs)
             if not (differentiable_compiled and tensors_only and _plain_autograd()):
-                return eager(*inputs)
+                return cast(Result, _with_zero_derivatives(eager(*inputs), inputs))
             detour = partial(_Detour.run, eager, cast(tuple[torch.Tensor, ...], inputs))
             return cast(Result, self._dispatch(eager, traced_kernel, f, static, inputs,
                                                compilable, detour))  # fmt: skip
