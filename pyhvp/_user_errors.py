@@ -56,8 +56,14 @@ EMBEDDING_BAG_HINT = (
     "it through the module. Elsewhere, write the pooling with F.embedding and a sum, or use the "
     "Taylor-engine operators (hessian_diagonal, laplacian), whose rules do not need it"
 )
+INFERENCE_TENSOR_HINT = (
+    "f uses a tensor made under torch.inference_mode() (weights built or loaded there), which "
+    "autograd cannot save for the derivatives the HVPs take: clone it outside inference mode "
+    "(w = w.clone()), or pass it to the operator as an arg (pyhvp clones an inference arg)"
+)
 HINTS = {
     "Can't call numpy() on Tensor that requires grad": NUMPY_HINT,
+    "Inference tensors cannot be saved for backward": INFERENCE_TENSOR_HINT,
     "the derivative for '_embedding_bag_backward'": EMBEDDING_BAG_HINT,
     "the derivative for '": NO_SECOND_DERIVATIVE_HINT,
 }

@@ -310,6 +310,17 @@ def test_f_writing_to_an_x_that_requires_grad_is_refused_and_x_left_unchanged(ma
     assert torch.equal(x.detach(), before)
 
 
+@pytest.mark.parametrize("call", OPERATORS_ON_HVPS.values(), ids=OPERATORS_ON_HVPS.keys())
+def test_weights_made_in_inference_mode_and_captured_by_f_are_named_with_the_fix(call):
+    """torch's "Inference tensors cannot be saved for backward" said nothing of f."""
+    with torch.inference_mode():
+        weight = torch.randn(2, 3)
+    with pytest.raises(RuntimeError, match="Inference tensors") as raised:
+        call(lambda z: torch.tanh(z @ weight.T).pow(2).sum(-1), torch.randn(4, 3))
+    said = [str(raised.value), *getattr(raised.value, "__notes__", ())]  # (3.10: in the message)
+    assert any("clone it outside inference mode" in text for text in said)
+
+
 def writes_to_x_without_grad(x):
     with torch.no_grad():
         x.mul_(2.0)  # a projection step, say: autograd allows it
