@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
 
 import pyhvp
 from pyhvp.backends import compile_policy, inductor
@@ -58,8 +59,22 @@ SAME_KEY = {
     ),
     "captured numbers equal in type and value": (scaled(2.5), scaled(2.5)),
 }
+
+
+def in_namespace(scale: float):
+    """``lambda x: (A * x).sum()`` exec'd in a namespace of its own where ``A = scale``: the same
+    code object, other globals (a script run as ``__main__`` and imported, say)."""
+    namespace = {"A": scale}
+    exec("f = lambda x: (A * x**3).sum(-1)", namespace)
+    return namespace["f"]
+
+
 model = Model()
 OTHER_KEY = {
+    "same code in two namespaces (until 2026-12-07: one key)": (
+        in_namespace(2.0),
+        in_namespace(5.0),
+    ),
     "lambda over an equal but distinct tensor": (scaled(W), scaled(W.clone())),
     "captured numbers of different types": (scaled(2), scaled(2.0)),
     "same code, different function": (scaled(W), lambda x: (W * x).sum()),
@@ -344,6 +359,44 @@ def rebindable(scale):
         scale = value
 
     return f, set_scale
+
+
+@pytest.mark.slow
+def test_a_kernel_never_serves_the_same_code_reading_other_globals(compiled):
+    """Until 2026-12-07 the second function got the first's kernel: an HVP 2/5 of its own."""
+    x = torch.randn(4, 3, dtype=torch.float64)
+    backend = pyhvp.TorchBackend(compile=True)
+    pyhvp.hvp(in_namespace(2.0), x, x, backend=backend)
+    torch.testing.assert_close(pyhvp.hvp(in_namespace(5.0), x, x, backend=backend), 30 * x * x)
+
+
+HOOKS = {  # registers a hook that triples the hidden layer's output; returns its handle
+    "forward hook": lambda net: net[1].register_forward_hook(lambda m, i, o: 3 * o),
+    "forward pre-hook": lambda net: net[2].register_forward_pre_hook(lambda m, i: (3 * i[0],)),
+    "global forward hook": lambda net: nn.modules.module.register_module_forward_hook(
+        lambda m, i, o: 3 * o if m is net[1] else None
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("register", HOOKS.values(), ids=HOOKS.keys())
+def test_a_hook_registered_after_the_kernel_compiled_takes_effect(register, compiled):
+    """Until 2026-12-07 dynamo's default (no guards on hooks) let the kernel compiled before
+    serve: an HVP a third of the hooked one. A global hook, which dynamo guards nowhere, runs
+    the call eagerly."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    x, v = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    f = lambda z: net(z)[..., 0]  # noqa: E731
+    pyhvp.hvp(f, x, v, backend=pyhvp.TorchBackend(compile=True))
+    handle = register(net)
+    try:
+        got = pyhvp.hvp(f, x, v, backend=pyhvp.TorchBackend(compile=True))
+        expected = pyhvp.hvp(f, x, v, backend=pyhvp.TorchBackend(compile=False))
+    finally:
+        handle.remove()
+    torch.testing.assert_close(got, expected)
 
 
 @pytest.mark.slow

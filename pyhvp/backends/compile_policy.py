@@ -35,7 +35,8 @@ script of ten calls never stalls on a compile and a loop of thousands still runs
 **Keys.** Functions are keyed by what they compute, not by object identity: a function rebuilt on
 every call from the same code over the same captured objects (a lambda in a training loop, a
 ``module_loss`` per step) has the key of the first one and reuses its compiled kernel. The key of
-a Python function is its code object and the keys of its defaults and captured objects (cells);
+a Python function is its code object, its globals (by identity) and the keys of its defaults and
+captured objects (cells);
 of a bound method, its function and the identity of its ``self``; of a ``functools.partial``, its
 function, arguments and keywords; of a frozen dataclass (pyhvp's own wrappers), its type and the
 keys of its attributes; of a pytree spec (a batch's structure), the spec; of an immutable scalar
@@ -85,6 +86,35 @@ log = logging.getLogger("pyhvp.compile")
 ``logging.getLogger("pyhvp").setLevel(logging.ERROR)``."""
 
 
+class HookGuards:
+    """Dynamo guards modules' hooks too (its default skips them): a forward hook registered
+    after a first call changes ``f``, so the graph traced before must not serve (until
+    2026-12-07 the compiled HVP kernels ignored such a hook: an HVP a third of the hooked one).
+    Held around every call of a compiled function of ``f`` (a retrace comes at a call). Set and
+    reset by hand: ``torch._dynamo.config.patch`` cost 17 us a call (3% of a small
+    Laplacian)."""
+
+    def __enter__(self) -> None:
+        self.skipped = torch._dynamo.config.skip_nnmodule_hook_guards
+        if self.skipped:
+            torch._dynamo.config.skip_nnmodule_hook_guards = False
+
+    def __exit__(self, *_: object) -> None:
+        if self.skipped:
+            torch._dynamo.config.skip_nnmodule_hook_guards = True
+
+
+def global_module_hooks() -> bool:
+    """Whether a forward hook is registered for every module
+    (``torch.nn.modules.module.register_module_forward_hook``, ``..._pre_hook``), which
+    dynamo's guards do not see: a function that may run one is not compiled."""
+    module = torch.nn.modules.module
+    return any(getattr(module, name, None) for name in _GLOBAL_HOOKS)
+
+
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks")
+
+
 def function_key(f: object, _seen: frozenset[int] = frozenset()) -> Hashable:
     """What ``f`` computes, as a hashable key (see the module docstring)."""
     value = value_key(f)  # first: most leaves are names and numbers
@@ -97,7 +127,10 @@ def function_key(f: object, _seen: frozenset[int] = frozenset()) -> Hashable:
         cells = tuple(_cell_key(cell, seen) for cell in f.__closure__ or ())
         defaults = tuple(function_key(d, seen) for d in f.__defaults__ or ())
         kwdefaults = tuple((k, function_key(d, seen)) for k, d in (f.__kwdefaults__ or {}).items())
-        return ("function", f.__code__, cells, defaults, kwdefaults)
+        # its globals too: code objects compare by value, and two functions of one source in two
+        # namespaces (exec'd twice, a script run as __main__ and imported) read other globals
+        # (until 2026-12-07 the second got the first's compiled kernel: an HVP 0.4 of its own)
+        return ("function", f.__code__, Identity(f.__globals__), cells, defaults, kwdefaults)
     if isinstance(f, types.MethodType):
         return ("method", function_key(f.__func__, seen), Identity(f.__self__))
     if isinstance(f, functools.partial):

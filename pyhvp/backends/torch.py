@@ -1048,7 +1048,9 @@ class TorchBackend:
     ) -> object:
         """``eager(*inputs)`` or the compiled kernel's results under the compile policy;
         ``detour`` (calls that autograd differentiates) runs the compiled kernel instead."""
-        if self.compile is False:
+        # (a global module hook: dynamo guards none, so a kernel compiled before one was
+        # registered ignored it, and one compiled under it would keep it once removed)
+        if self.compile is False or compile_policy.global_module_hooks():
             return eager(*inputs)
         try:
             key = compile_policy.signature(traced_kernel.__name__, f, static, inputs)
@@ -1152,7 +1154,8 @@ class TorchBackend:
 
         error: Exception | None = None
         try:
-            with quiet_tracing():  # dynamo traces f: a bug of f's is reported by eager below
+            # dynamo traces f: a bug of f's is reported by eager below
+            with quiet_tracing(), compile_policy.HookGuards():
                 if first_call:
                     later: list[Callable[[float], None]] = []  # the backward runs after this
                     start = compile_policy.clock()

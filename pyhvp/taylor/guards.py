@@ -51,6 +51,7 @@ from torch import fx
 
 from pyhvp._keys import Identity
 from pyhvp._user_errors import quiet_tracing
+from pyhvp.backends.compile_policy import HookGuards, global_module_hooks
 from pyhvp.taylor.recorder import (
     DET,
     ITEM,
@@ -230,16 +231,6 @@ def _classes(network: torch.nn.Module) -> tuple[type[torch.nn.Module], ...]:
     return found
 
 
-_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks")
-
-
-def _global_hooks() -> bool:
-    """Whether a forward hook is registered for every module
-    (``torch.nn.modules.module.register_module_forward_hook``, ``..._pre_hook``)."""
-    module = torch.nn.modules.module
-    return any(getattr(module, name, None) for name in _GLOBAL_HOOKS)
-
-
 def _globals_read(func: object) -> list[object]:
     """The global variables a Python function's code reads by name (a module-level network
     a lambda calls), as they are now."""
@@ -260,21 +251,6 @@ def _cells(func: object) -> list[types.CellType]:
             continue
         filled.append(cell)
     return filled
-
-
-class _HookGuards:
-    """Dynamo guards modules' hooks too (its default skips them): a forward hook registered
-    after a first call changes ``f``, so the graph traced before must not serve. Set and reset
-    by hand: ``torch._dynamo.config.patch`` cost 17 us a call (3% of a small Laplacian)."""
-
-    def __enter__(self) -> None:
-        self.skipped = torch._dynamo.config.skip_nnmodule_hook_guards
-        if self.skipped:
-            torch._dynamo.config.skip_nnmodule_hook_guards = False
-
-    def __exit__(self, *_: object) -> None:
-        if self.skipped:
-            torch._dynamo.config.skip_nnmodule_hook_guards = True
 
 
 def _plain_call() -> bool:
@@ -303,7 +279,7 @@ def capture(f: Callable[..., Tensor], variable: Tensor, args: Sequence[object], 
     first of each graph) ends dynamo's before it replays any, so ``f`` runs once per call.
     Where dynamo raises, ``f`` is recorded here: an error of ``f``'s own is raised by the
     record, as eager code raises it, and declines nothing; any other declines the route."""
-    if not _plain_call() or _global_hooks():  # dynamo guards no global hook: record f
+    if not _plain_call() or global_module_hooks():  # dynamo guards none: record f
         return None
     parts = _parts(f)
     key = _route_key(parts[0])
@@ -316,7 +292,7 @@ def capture(f: Callable[..., Tensor], variable: Tensor, args: Sequence[object], 
     returned: object = None
     failed: Exception | None = None
     try:
-        with recording_state(), quiet_tracing(), _HookGuards():  # f's errors: its record's
+        with recording_state(), quiet_tracing(), HookGuards():  # f's errors: its record's
             returned = route.compiled(*parts, variable, *args)
     except _Unchecked:
         pass
