@@ -41,7 +41,8 @@ of a bound method, its function and the identity of its ``self``; of a ``functoo
 function, arguments and keywords; of a frozen dataclass (pyhvp's own wrappers), its type and the
 keys of its attributes; of a pytree spec (a batch's structure), the spec; of an immutable scalar
 (int, float, str, dtype, ...), its type and exact value; anything else -- tensors, modules, lists,
-mutable dataclasses -- is keyed by identity, held weakly (a key never keeps captured data alive).
+mutable dataclasses -- is keyed by identity, held weakly (a key never keeps captured data alive;
+a cached kernel keeps the function it was compiled for, in at most ``CACHE_SIZE`` entries).
 Python numbers among the inputs are keyed by value too: each value is a signature of its own,
 rather than a recompile of one. A compiled kernel runs the function it was compiled for; before
 it serves an equal-keyed other function, that function's key is computed again, so state changed
