@@ -1125,9 +1125,9 @@ TAGGED_WHERE = {  # operator -> its result with a Tagged tensor there; plain ten
     "args": lambda op, x, w: op(
         lambda z, a: (a * torch.sin(z) ** 3).sum(-1), x, w.as_subclass(Tagged)
     ),
-    "captured": lambda op, x, w: op(
-        lambda z: (w.as_subclass(Tagged) * torch.sin(z) ** 3).sum(-1), x
-    ),
+    "captured": lambda op, x, w: (
+        lambda tagged: op(lambda z: (tagged * torch.sin(z) ** 3).sum(-1), x)
+    )(w.as_subclass(Tagged)),
 }
 
 
@@ -1149,7 +1149,9 @@ OPAQUE_TENSORS = {  # f's call -> the refusal (a subclass of its own ops; a spar
         "x is a Overriding, a tensor subclass with its own __torch_function__",
     ),
     "overriding, captured": (
-        lambda f, x, c: pyhvp.laplacian(lambda z: f(z) * c.as_subclass(Overriding), x),
+        lambda f, x, c: (lambda o: pyhvp.laplacian(lambda z: f(z) * o, x))(
+            c.as_subclass(Overriding)
+        ),
         pyhvp.UnsupportedOpError,
         "a tensor f captures is a Overriding",
     ),
