@@ -58,6 +58,7 @@ def plain_tensor(name: str, t: torch.Tensor) -> torch.Tensor:
     cls = type(t)
     if cls is torch.Tensor or cls.__torch_function__ is torch._C._disabled_torch_function_impl:
         return t
+    require_tensor(name, t)  # (a jagged nested tensor is a subclass: said as nested)
     if (
         getattr(cls.__torch_function__, "__func__", None) is not _TENSOR_FUNCTION
         or cls.__torch_dispatch__ is not torch._C._disabled_torch_dispatch_impl

@@ -57,9 +57,10 @@ EMBEDDING_BAG_HINT = (
     "Taylor-engine operators (hessian_diagonal, laplacian), whose rules do not need it"
 )
 INFERENCE_TENSOR_HINT = (
-    "f uses a tensor made under torch.inference_mode() (weights built or loaded there), which "
-    "autograd cannot save for the derivatives the HVPs take: clone it outside inference mode "
-    "(w = w.clone()), or pass it to the operator as an arg (pyhvp clones an inference arg)"
+    "the function differentiated uses a tensor made under torch.inference_mode() (weights "
+    "built or loaded there), which autograd cannot save for the derivatives pyhvp takes: clone "
+    "it outside inference mode (w = w.clone()), or pass it to the operator as an arg (pyhvp "
+    "clones an inference arg)"
 )
 HINTS = {
     "Can't call numpy() on Tensor that requires grad": NUMPY_HINT,

@@ -260,7 +260,7 @@ def check_instances(
       set means a receiver reads it, and any two instances differ in some bit, so every
       dependence between two instances whose first derivative is not zero at this ``x`` is
       seen. Rounding is judged per output and per entry of ``x``: each output's cotangents are
-      divided by its own gradient's size (one more pass per output, up to 64 outputs per
+      divided by its own gradient's size (one more pass per output, up to 16 outputs per
       instance; one for them all beyond), each gradient entry by that entry's own derivative,
       and each output's change below against its own value, so a stiff instance, output or
       entry (``1e6 * x**2`` beside a coupled output) does not hide another's coupling;
@@ -446,7 +446,10 @@ def _leak_through_derivatives(run: _Runs) -> str | None:
     else:
         rows = [gradient_rows(run.random(per_instance_out.shape))]
     # per entry of x: its largest own derivative over the outputs
-    entries = _positive_or_one(torch.stack(rows).amax(0))
+    largest_row = rows[0].clone()
+    for row in rows[1:]:
+        torch.maximum(largest_row, row, out=largest_row)
+    entries = _positive_or_one(largest_row)
 
     def gradient_sizes(cotangent: torch.Tensor) -> torch.Tensor:
         """Per instance, the largest entry of the gradient of ``sum(cotangent * f)``, each
@@ -462,7 +465,10 @@ def _leak_through_derivatives(run: _Runs) -> str | None:
     def leak_sizes(receivers: torch.Tensor) -> torch.Tensor:
         """Per instance, the largest gradient of sum over receivers of w_b f_b (random w > 0:
         no two receivers' dependences cancel; each divided by its receiver's scale)."""
-        weights = run.random(per_instance_out.shape) / scale
+        # (a weight that overflowed, float16 over a scale of 1e-5, is the largest finite one:
+        # an infinite one made a NaN gradient of 0 * inf through a matmul's exact zeros)
+        high = torch.finfo(per_instance_out.dtype).max
+        weights = torch.nan_to_num(run.random(per_instance_out.shape) / scale, posinf=high)
         # zero where not received, by selection: a weight that overflowed (float16, an instance
         # whose own gradient is below 2^-16) times 0 was a NaN cotangent, a NaN gradient at an
         # instance outside the receivers, read as a leak of an independent f
@@ -551,9 +557,10 @@ def _leak_through_values(run: _Runs) -> str | None:
     )
 
 
-_SCALED_OUTPUTS = 64
+_SCALED_OUTPUTS = 16
 """Up to how many outputs per instance the check through derivatives scales each output by
-its own gradient (one reverse pass each); beyond, one scale per instance for them all."""
+its own gradient (one reverse pass each, whose gradient it keeps: memory of that many ``x``);
+beyond, one scale per instance for them all."""
 
 
 def _positive_or_one(sizes: torch.Tensor) -> torch.Tensor:

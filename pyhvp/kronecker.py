@@ -21,9 +21,10 @@ symmetrised in float64 before the cast, so the operator ``apply`` uses is exactl
 system (its computed action is, up to rounding). Gradients that are not finite, or so large
 that their second moments would overflow float64 (above ``sqrt(finfo.max / N)``), are rejected
 before they can poison the running statistics; a diverging sampler then stops with a ValueError
-rather than NaNs or a failed eigh. An operator whose largest eigenvalue times ``sqrt(N)`` would
-overflow the gradients' dtype (float16 gradients of 300 have a covariance of 9e4) is refused with
-a ValueError when its roots are computed, where its results were inf or NaN.
+rather than NaNs or a failed eigh. An operator whose largest eigenvalue, or a root's entry,
+overflows the gradients' dtype (float16 gradients of 300 have a covariance of 9e4) is refused with
+a ValueError when its roots are computed, where its results were inf or NaN (a ``v`` whose
+product with a representable operator overflows still gives inf, as a matmul would).
 """
 
 from __future__ import annotations
@@ -434,17 +435,15 @@ class KroneckerHVP:
             root = (vecs * scaled[:, None, :]) @ vecs.mT
             roots.append(((root + root.mT) / 2).to(self._dtype))
         # float64 statistics of gradients fine in a half or float32 dtype can still have roots,
-        # or an operator, that overflow it: inf or NaN results (float16 gradients of 300)
-        size = self._mean[0].numel()
-        limit = torch.finfo(self._dtype).max / math.sqrt(size)
-        largest = float(norm.max())
-        if not largest <= limit:
+        # or an operator, beyond it: inf or NaN results (float16 gradients of 300)
+        limit, largest = torch.finfo(self._dtype).max, float(norm.max())
+        if not (largest <= limit and all(bool(root.isfinite().all()) for root in roots)):
             name = str(self._dtype).removeprefix("torch.")
             raise ValueError(
                 f"KroneckerHVP's operator overflows the gradients' dtype {name}: its largest "
-                f"eigenvalue is {largest:.3g}, over {name}'s largest value / sqrt({size}) = "
-                f"{limit:.3g}; pass gradients in a wider dtype (grad.float() or grad.double()), "
-                f"scaled down, or take a smaller power"
+                f"eigenvalue is {largest:.3g} (or a root's entry is), over {name}'s largest "
+                f"value {limit:.3g}; pass gradients in a wider dtype (grad.float() or "
+                f"grad.double()), scaled down, or take a smaller power"
             )
         return roots
 

@@ -1026,8 +1026,9 @@ class TorchBackend:
             if not (differentiable_compiled and tensors_only and _plain_autograd()):
                 return cast(Result, _with_zero_derivatives(eager(*inputs), inputs))
             detour = partial(_Detour.run, eager, cast(tuple[torch.Tensor, ...], inputs))
-            return cast(Result, self._dispatch(eager, traced_kernel, f, static, inputs,
-                                               compilable, detour))  # fmt: skip
+            out = self._dispatch(eager, traced_kernel, f, static, inputs, compilable, detour)
+            return cast(Result, _with_zero_derivatives(out, inputs))  # (eager there: compile
+            # False, or a global module hook; a detour's results carry a graph)
         # no_grad: leaving inference mode turns grad mode on, and a kernel compiled with grad
         # mode on would be a forward-and-backward graph whose backward never runs
         with torch.inference_mode(False), torch.no_grad():

@@ -588,11 +588,12 @@ _DETACH_IN_PLACE = Tensor.detach_
 
 
 _WATCHED_METHODS = Replacement(
-    [*((Tensor, name, _refusing(name)) for name in TO_NUMPY), (Tensor, "detach_", _detach_in_place)]
-)
+    [*((Tensor, name, _refusing(name)) for name in TO_NUMPY),
+     (Tensor, "detach_", _detach_in_place), (torch, "detach_", _detach_in_place)]
+)  # fmt: skip
 """While ``f`` is recorded, a tensor that depends on ``x`` refuses to become a NumPy array: the
 recorder sees no op of NumPy's, so its results were constants (a Laplacian of zeros); and a
-tensor ``f`` detaches in place (``t.detach_()``) is a constant from then on, as for autograd
+tensor ``f`` detaches in place (``t.detach_()``, ``torch.detach_(t)``) is a constant from then on, as for autograd
 (it has no aten op: until 2026-12-07 the Taylor operators differentiated through it, the
 Hessian diagonal of ``(z.clone().detach_() * z**2).sum()`` read 6z for autograd's 2z). The
 methods are replaced on ``torch.Tensor`` while any record is in progress (a function mode
