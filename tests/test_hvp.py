@@ -176,17 +176,35 @@ LINEAR_IN_X = {  # operator -> its results for f(z) = w . z per instance (all co
     "hessian_diagonal hutchinson": lambda f, x, v: (
         pyhvp.hessian_diagonal(f, x, method="hutchinson", samples=2),
     ),
+    "laplacian, compile=False": lambda f, x, v: (
+        pyhvp.laplacian(f, x, backend=pyhvp.TorchBackend(compile=False)),
+    ),
+    "bilaplacian, compile=False": lambda f, x, v: (
+        pyhvp.bilaplacian(f, x, backend=pyhvp.TorchBackend(compile=False)),
+    ),
 }
 
 
 @pytest.mark.parametrize("operator", LINEAR_IN_X.values(), ids=LINEAR_IN_X.keys())
-def test_results_of_an_f_linear_in_x_are_differentiable_with_zero_derivatives(operator):
+@pytest.mark.parametrize("global_hook", [False, True], ids=["", "under a global module hook"])
+def test_results_of_an_f_linear_in_x_are_differentiable_with_zero_derivatives(
+    operator, global_hook
+):
     """A constant to autograd (until 2026-12-07 it had no graph: ``.backward()`` through it
     raised torch's "does not require grad", where a Laplacian's was differentiable)."""
     x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
     v = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
     w = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
-    results = operator(lambda z: z @ w, x, v)
+    hook = (
+        torch.nn.modules.module.register_module_forward_hook(lambda *_: None)
+        if global_hook
+        else None
+    )
+    try:
+        results = operator(lambda z: z @ w, x, v)
+    finally:
+        if hook is not None:
+            hook.remove()
     total = sum((r**2).sum() for r in results)
     derivatives = torch.autograd.grad(total, (x, v), allow_unused=True, materialize_grads=True)
     assert all(torch.equal(d, torch.zeros_like(d)) for d in derivatives)

@@ -850,3 +850,14 @@ def test_an_option_set_to_its_own_value_keeps_the_cached_roots(option, monkeypat
     setattr(kron, option, getattr(kron, option))
     kron.apply(torch.ones(2, 3, 4))
     assert calls == []
+
+
+def test_an_ordinary_float16_run_is_not_refused():
+    """A 256 x 256 system of gradients of spread 20: its largest eigenvalue (about 640) times
+    sqrt(N) passed float16's 65504, which the first bound of 2026-12-07 refused; the operator
+    fits (its product with ones is about 1800)."""
+    torch.manual_seed(0)
+    kron = KroneckerHVP()
+    for _ in range(20):
+        kron.update((20 * torch.randn(1, 256, 256)).half())
+    assert bool(kron.apply(torch.ones(1, 256, 256, dtype=torch.float16)).isfinite().all())

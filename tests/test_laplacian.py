@@ -793,9 +793,14 @@ def _factors_detached_in_place(x, w):
     return torch.sin(x).sum(-1) * x.clone().detach_().pow(2).sum(-1) * w.sum() / w.norm().detach_()
 
 
+def _factors_detached_by_torch_detach_(x, w):
+    return torch.sin(x).sum(-1) * torch.detach_(x.clone()).pow(2).sum(-1) * w.sum()
+
+
 STOPS = {
     "detach()": _detached_factors,
     "detach_()": _factors_detached_in_place,
+    "torch.detach_()": _factors_detached_by_torch_detach_,
     "torch.no_grad()": _factors_made_under_no_grad,
 }
 
