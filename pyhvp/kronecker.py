@@ -130,7 +130,9 @@ class KroneckerHVP:
             if value is None
             else _real_option("power", value, "None or a float > 0", lambda p: p > 0)
         )
-        if power != getattr(self, "_power", 0.0):  # (0.0: no power yet; None is one)
+        # the same power keeps the cached roots: None is 1 / modes once the modes are known
+        modes, before = len(getattr(self, "_factors", ())), getattr(self, "_power", 0.0)
+        if (_effective(power, modes) != _effective(before, modes)) if modes else power != before:
             self._roots = None
         self._power = power
 
@@ -258,7 +260,7 @@ class KroneckerHVP:
 
     def _power_for(self, modes: int) -> float:
         """The roots' power for ``modes`` modes (``power=None``: ``1 / modes``)."""
-        return 1 / modes if self.power is None else self.power
+        return _effective(self.power, modes)
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         """Restore statistics saved by :meth:`state_dict` (copied), and its cached roots
@@ -450,6 +452,11 @@ class KroneckerHVP:
 
 _ROOTS_KEYS = ("roots", "updates_since_roots", "roots_damping", "roots_power")
 """The state's entries of the cached roots (states saved before 2026-12-07 have none)."""
+
+
+def _effective(power: float | None, modes: int) -> float:
+    """The roots' power of the option ``power`` for ``modes`` modes (None: ``1 / modes``)."""
+    return 1 / modes if power is None else power
 
 
 def _require_finite(name: str, tensor: torch.Tensor) -> None:

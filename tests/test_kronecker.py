@@ -861,3 +861,20 @@ def test_an_ordinary_float16_run_is_not_refused():
     for _ in range(20):
         kron.update((20 * torch.randn(1, 256, 256)).half())
     assert bool(kron.apply(torch.ones(1, 256, 256, dtype=torch.float16)).isfinite().all())
+
+
+def test_power_none_and_its_value_one_over_the_modes_are_one_power(monkeypatch):
+    """Setting ``power=1/2`` on two modes, where it was None, kept nothing until 2026-12-07: a
+    resumed run with ``refresh_every > 1`` then left the uninterrupted one."""
+    kron = fitted(torch.device("cpu"))  # two modes, power None
+    calls = []
+    eigh = torch.linalg.eigh
+    monkeypatch.setattr(torch.linalg, "eigh", lambda a: calls.append(a.shape) or eigh(a))
+    kron.power = 0.5
+    kron.apply(torch.ones(2, 3, 4))
+    kron.power = None
+    kron.apply(torch.ones(2, 3, 4))
+    assert calls == []
+    kron.power = 1.0  # another power: its own roots
+    kron.apply(torch.ones(2, 3, 4))
+    assert len(calls) == 2
