@@ -105,15 +105,13 @@ class HookGuards:
             torch._dynamo.config.skip_nnmodule_hook_guards = True
 
 
-def global_module_hooks() -> bool:
-    """Whether a forward hook is registered for every module
-    (``torch.nn.modules.module.register_module_forward_hook``, ``..._pre_hook``), which
-    dynamo's guards do not see: a function that may run one is not compiled."""
-    module = torch.nn.modules.module
-    return any(getattr(module, name, None) for name in _GLOBAL_HOOKS)
-
-
-_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks")
+def global_module_hooks() -> tuple[int, ...]:
+    """The handle id of each forward (pre-)hook registered for every module
+    (``torch.nn.modules.module.register_module_forward_hook``, ``..._pre_hook``), which every
+    module's call runs and dynamo's guards do not see: a function that may run one is not
+    compiled (empty, false: none)."""
+    modules = torch.nn.modules.module  # (where torch keeps them)
+    return (*modules._global_forward_pre_hooks, *modules._global_forward_hooks)
 
 
 def function_key(f: object, _seen: frozenset[int] = frozenset()) -> Hashable:

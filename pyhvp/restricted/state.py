@@ -30,6 +30,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from pyhvp.backends.compile_policy import global_module_hooks
 from pyhvp.restricted.ops import call_kind, hidden_writes, writes_to
 
 
@@ -114,7 +115,7 @@ class Changes:
             else:
                 owners.append(weakref.ref(owner))
         return Held(tuple(positions), tuple(owners), tuple(g for g, _ in self.generators.values()),
-                    tuple(self.modes.values()), _global_hooks())  # fmt: skip
+                    tuple(self.modes.values()), global_module_hooks())  # fmt: skip
 
 
 class CalledModule(NamedTuple):
@@ -146,13 +147,6 @@ def _callees(module: torch.nn.Module) -> tuple[tuple[int, ...], tuple[int, ...]]
     return tuple(map(id, module._modules.values())), hooks
 
 
-def _global_hooks() -> tuple[int, ...]:
-    """The handle id of each global forward (pre-)hook (``register_module_forward_hook``), which
-    every module's call runs."""
-    modules = torch.nn.modules.module  # (where torch keeps them)
-    return (*modules._global_forward_pre_hooks, *modules._global_forward_hooks)
-
-
 class Held(NamedTuple):
     """What one call's runs share and put back: :meth:`snapshot` before its first run."""
 
@@ -163,7 +157,7 @@ class Held(NamedTuple):
     modes: tuple[CalledModule, ...] = ()
     """The modules the run called and their submodules, as it found them."""
     global_hooks: tuple[int, ...] = ()
-    """:func:`_global_hooks` after the run."""
+    """:func:`~pyhvp.backends.compile_policy.global_module_hooks` after the run."""
 
     def holds(self) -> bool:
         """Whether every tensor over the other memory still exists (where one is gone, the loss
@@ -174,7 +168,7 @@ class Held(NamedTuple):
         return (
             all(ref() is not None for ref in self.owners)
             and all(mode.holds() for mode in self.modes)
-            and _global_hooks() == self.global_hooks
+            and global_module_hooks() == self.global_hooks
         )
 
     def snapshot(self, inputs: Sequence[object]) -> Snapshot:
