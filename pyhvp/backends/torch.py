@@ -424,7 +424,13 @@ def _with_zero_derivatives(out: object, inputs: Sequence[object]) -> object:
     ``f`` linear in ``x``: a constant to autograd) get one of zero derivatives: results are
     differentiable whenever an input requires grad, as the contract says (until 2026-12-07
     ``(hvp(f, x, v) ** 2).sum().backward()`` raised torch's "does not require grad" there)."""
-    if not torch.is_grad_enabled():
+
+    def lacking(t: object) -> bool:
+        return (isinstance(t, torch.Tensor) and not t.requires_grad
+                and (t.is_floating_point() or t.is_complex()))  # fmt: skip
+
+    # (results that carry a graph, the usual case, are looked at alone)
+    if not (torch.is_grad_enabled() and any(map(lacking, pytree.tree_leaves(out)))):
         return out
     sources = [t for v in inputs for t in pytree.tree_leaves(v)
                if isinstance(t, torch.Tensor) and t.requires_grad]  # fmt: skip
@@ -432,7 +438,7 @@ def _with_zero_derivatives(out: object, inputs: Sequence[object]) -> object:
         return out
 
     def connected(t: torch.Tensor) -> torch.Tensor:
-        if t.requires_grad or not (t.is_floating_point() or t.is_complex()):
+        if not lacking(t):
             return t
         return cast(torch.Tensor, _ZeroDerivatives.apply(t, *sources))  # type: ignore[no-untyped-call]
 
@@ -917,8 +923,12 @@ class TorchBackend:
         per-direction outputs of the chunks concatenated, the collapsed one summed."""
         mode = taylor.JetMode(order, collapsed, outputs, weights is not None)
         x, directions = plain_tensor("x", x), plain_tensor("v", directions)
-        args = tuple(pytree.tree_map_only(torch.Tensor, partial(plain_tensor, f"args[{i}]"), arg)
-                     for i, arg in enumerate(args))  # fmt: skip
+        args = tuple(
+            plain_tensor(f"args[{i}]", arg)
+            if isinstance(arg, torch.Tensor)
+            else pytree.tree_map_only(torch.Tensor, partial(plain_tensor, f"args[{i}]"), arg)
+            for i, arg in enumerate(args)
+        )  # (a tensor arg directly, as _normal takes it)
         if nested.inside_transform():
             return nested.taylor_coefficients(f, x, directions, args, chunk_size, mode, weights)
         size = chunk_size or len(directions)
