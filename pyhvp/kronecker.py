@@ -83,9 +83,9 @@ class KroneckerHVP:
         power: float | None = None,
         refresh_every: int = 1,
     ) -> None:
+        self.reset()  # (first: the options' setters look at the cached roots)
         self.beta, self.damping, self.power = beta, damping, power
         self.refresh_every = refresh_every
-        self.reset()
 
     # The options may be set between calls (dampings tried on the same statistics): each is
     # checked as the constructor checks it; the cached roots are computed anew with a damping or
@@ -113,7 +113,8 @@ class KroneckerHVP:
     @damping.setter
     def damping(self, value: float) -> None:
         damping = _real_option("damping", value, "a float >= 0", lambda d: d >= 0)
-        if damping != getattr(self, "_damping", None):  # (the same value keeps a resumed run's)
+        # (no modes yet: no roots either; the same value keeps a resumed run's)
+        if self._factors and damping != self.damping:
             self._roots = None
         self._damping = damping
 
@@ -130,9 +131,9 @@ class KroneckerHVP:
             if value is None
             else _real_option("power", value, "None or a float > 0", lambda p: p > 0)
         )
-        # the same power keeps the cached roots: None is 1 / modes once the modes are known
-        modes, before = len(getattr(self, "_factors", ())), getattr(self, "_power", 0.0)
-        if (_effective(power, modes) != _effective(before, modes)) if modes else power != before:
+        # the same power keeps the cached roots: None is 1 / modes (no modes yet: no roots)
+        modes = len(self._factors)
+        if modes and _effective(power, modes) != _effective(self.power, modes):
             self._roots = None
         self._power = power
 
