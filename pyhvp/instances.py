@@ -255,15 +255,16 @@ def check_instances(
     is opt-in (call it once per function and layout), in two parts:
 
     * **through derivatives**, exact up to rounding: one forward and ``2 * ceil(log2 B) + 2``
-      reverse passes, plus one per output beyond the first. Pass ``p`` puts random positive cotangents on the instances whose flat
-      index has bit ``p`` equal to 0 (then 1); a non-zero gradient at an instance outside that
-      set means a receiver reads it, and any two instances differ in some bit, so every
-      dependence between two instances whose first derivative is not zero at this ``x`` is
-      seen. Rounding is judged per output and per entry of ``x``: each output's cotangents are
-      divided by its own gradient's size (one more pass per output, up to 16 outputs per
-      instance; one for them all beyond), each gradient entry by that entry's own derivative,
-      and each output's change below against its own value, so a stiff instance, output or
-      entry (``1e6 * x**2`` beside a coupled output) does not hide another's coupling;
+      reverse passes, plus one per output beyond the first. Pass ``p`` puts random positive
+      cotangents on the instances whose flat index has bit ``p`` equal to 0 (then 1); a non-zero
+      gradient at an instance outside that set means a receiver reads it, and any two
+      instances differ in some bit, so every dependence between two instances whose first
+      derivative is not zero at this ``x`` is seen. Rounding is judged per output and per
+      entry of ``x``: each output's cotangents are divided by its own gradient's size (one more
+      pass per output, up to 16 outputs per instance; one for them all beyond), each gradient
+      entry by that entry's own derivative, and each output's change below against its own
+      value, so a stiff instance, output or entry (``1e6 * x**2`` beside a coupled output) does
+      not hide another's coupling;
     * **through values that carry no derivative** (``x - x.mean(0).detach()``, a statistic taken
       under ``torch.no_grad()`` or through ``.item()``), which no derivative shows: ``f`` is run
       again, ``2 * ceil(log2 B) + 2`` forwards from the random state of the first, with the

@@ -35,8 +35,9 @@ transform, where the survey cannot look for those) take the reverse route; below
 ``routes.MIN_COMPONENTS`` in all, of tensors of at most ``routes.LOOP_ENTRIES`` entries (of a
 larger one, at its first call), every tensor does without a survey (unless the backend compiles
 from the first call), by the seed's loop. The reverse route runs as the seed's loop itself
-(one backward per component: no batched tangents, no batching setup) at most ``FEW_TANGENTS`` (4) components per tensor unless the
-backend compiles from the first call, and where the cost model prices it cheaper. With
+(one backward per component: no batched tangents, no batching setup) at most
+``FEW_TANGENTS`` (4) components per tensor unless the backend compiles from the first call,
+and where the cost model prices it cheaper. With
 ``joint=True`` the reverse route's rows fill the cross blocks of its tensors. An equal call made
 again (no ``data``; ``compile`` False or True) measures: the model's routes against the seed's
 loop and, unless compiling, the sparse and the reverse route alone, and the forward route

@@ -59,10 +59,10 @@ ENGINE = (
 refusals named only the second-order operators, not the one called)."""
 
 
-def dense_only(what: str) -> TypeError:
+def dense_only(what: str, kind: type[Exception] = TypeError) -> Exception:
     """The refusal of a sparse (non-strided) tensor; ``what`` says where ``f`` has it."""
-    return TypeError(f"{what}: {ENGINE} supports dense (strided) tensors only; convert it with "
-                     f".to_dense()")  # fmt: skip
+    return kind(f"{what}: {ENGINE} supports dense (strided) tensors only; convert it with "
+                f".to_dense()")  # fmt: skip
 
 
 @dataclass(frozen=True)

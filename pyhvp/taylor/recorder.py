@@ -346,7 +346,7 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's _
                 # (refused as UnsupportedOpError, not as a TypeError: an operator such as *
                 # takes that for "not mine", and says "unsupported operand type(s)")
                 if value.layout != torch.strided:
-                    raise UnsupportedOpError(str(dense_only(f"f uses a {value.layout} tensor")))
+                    raise dense_only(f"f uses a {value.layout} tensor", UnsupportedOpError)
                 try:
                     constant = plain_tensor("a tensor f captures", value)
                 except TypeError as error:
@@ -593,11 +593,12 @@ _WATCHED_METHODS = Replacement(
 )  # fmt: skip
 """While ``f`` is recorded, a tensor that depends on ``x`` refuses to become a NumPy array: the
 recorder sees no op of NumPy's, so its results were constants (a Laplacian of zeros); and a
-tensor ``f`` detaches in place (``t.detach_()``, ``torch.detach_(t)``) is a constant from then on, as for autograd
-(it has no aten op: until 2026-12-07 the Taylor operators differentiated through it, the
-Hessian diagonal of ``(z.clone().detach_() * z**2).sum()`` read 6z for autograd's 2z). The
-methods are replaced on ``torch.Tensor`` while any record is in progress (a function mode
-would cost every op of every record); tensors of no record keep their behaviour."""
+tensor ``f`` detaches in place (``t.detach_()``, ``torch.detach_(t)``) is a constant from then
+on, as for autograd (it has no aten op: until 2026-12-07 the Taylor operators differentiated
+through it, the Hessian diagonal of ``(z.clone().detach_() * z**2).sum()`` read 6z for
+autograd's 2z). The methods are replaced on ``torch.Tensor`` (and ``torch``) while any record
+is in progress (a function mode would cost every op of every record); tensors of no record keep
+their behaviour."""
 
 
 def recording_depth() -> int:
