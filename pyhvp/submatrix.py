@@ -537,6 +537,8 @@ def _check_named(
             "have no selected entries: its block is then (0, 0))"
         )
     fixed = {name: require_tensor(f"params[{name!r}]", p).detach() for name, p in params.items()}
+    if module is not None:
+        _check_module_shapes(fixed, module)
     first = next(iter(index))
     flats = {}
     for name in index:
@@ -552,6 +554,22 @@ def _check_named(
             f"index[{name!r}]", index[name], tensor.shape, f"params[{name!r}]"
         )
     return fixed, flats
+
+
+def _check_module_shapes(params: Mapping[str, torch.Tensor], module: torch.nn.Module) -> None:
+    """Each of ``params``' tensors has the shape of the module's parameter it stands in for:
+    ``functional_call`` takes any tensor, and one that broadcasts (a bias of one entry for two)
+    ran a different model, whose Hessian came back without a word. Dtype and device may differ
+    (a float64 sub-Hessian of a float32 module, with float64 inputs, is a use)."""
+    own = dict(module.named_parameters(remove_duplicate=False))
+    for name, tensor in params.items():
+        expected = own.get(name)
+        if expected is not None and tensor.shape != expected.shape:
+            raise ValueError(
+                f"params[{name!r}] must have the shape of the module's parameter {name!r}, "
+                f"{fmt_shape(expected.shape)}, got {fmt_shape(tensor.shape)}: module_loss's "
+                f"loss runs {type(module).__name__} with it"
+            )
 
 
 def _tied_to(module: torch.nn.Module | None, name: str) -> str:

@@ -1170,6 +1170,17 @@ def tied_module_loss():
     return pyhvp.module_loss(model, nn.MSELoss(), torch.randn(2, 3), torch.randn(2, 3))
 
 
+def with_bias_of(shape, batches=False):
+    """``sub_hessian`` of a ``Linear(3, 2)`` ``module_loss`` whose params' bias has ``shape``
+    (the module's is ``(2,)``), on one batch or (``batches``) through ``data=``."""
+    net = nn.Linear(3, 2)
+    X, y = torch.randn(5, 3), torch.randn(5, 2)
+    loss, params = pyhvp.module_loss(net, nn.MSELoss(), *(() if batches else (X, y)))
+    params["bias"] = torch.zeros(shape)
+    return pyhvp.sub_hessian(loss, params, {"bias": torch.tensor([0])},
+                             data=[(X, y)] if batches else None)  # fmt: skip
+
+
 ERRORS = {
     "index out of range": (
         lambda: pyhvp.sub_hessian(square, W, torch.tensor([0, 6])),
@@ -1299,6 +1310,16 @@ ERRORS = {
         lambda: pyhvp.module_loss(nn.Linear(3, 1), "mse", W, W),
         TypeError,
         "criterion",
+    ),
+    "module_loss params entry that broadcasts": (
+        lambda: with_bias_of((1,)),
+        ValueError,
+        "params['bias'] must have the shape of the module's parameter 'bias', (2,), got (1,)",
+    ),
+    "module_loss params entry that broadcasts, over data": (
+        lambda: with_bias_of((1,), batches=True),
+        ValueError,
+        "params['bias'] must have the shape of the module's parameter 'bias', (2,), got (1,)",
     ),
     "module without parameters": (
         lambda: pyhvp.module_loss(nn.Tanh(), nn.MSELoss(), W, W),
