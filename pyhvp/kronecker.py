@@ -302,7 +302,7 @@ class KroneckerHVP:
                 f"state['factors'] must be a list of tensors, got {type(state['factors']).__name__}"
             )
         factors = [
-            require_tensor(f"state['factors'][{i}]", f) for i, f in enumerate(state["factors"])
+            require_floating(f"state['factors'][{i}]", f) for i, f in enumerate(state["factors"])
         ]
         expected = [(mean.shape[0], m, m) for m in mean.shape[1:]]
         if [tuple(f.shape) for f in factors] != expected:

@@ -476,6 +476,11 @@ BAD_STATES = {
         "factors",
     ),
     "factors-not-a-list": (lambda d: state_with(d, factors=None), TypeError, "factors"),
+    "factor-sparse": (
+        lambda d: with_factors(d, lambda f: f.to_sparse()),
+        TypeError,
+        r"factors'\]\[0\] must be a dense \(strided\) tensor",
+    ),
     "decay-one (no weight given to any gradient)": (
         lambda d: state_with(d, decay=1.0),
         ValueError,
