@@ -35,7 +35,7 @@ from pyhvp._checks import (
 from pyhvp._public import public_operator
 from pyhvp._user_errors import note
 from pyhvp.backends import nested
-from pyhvp.backends.torch import Watched, write_to_x_refusal
+from pyhvp.backends.torch import Watched, _normal, write_to_x_refusal
 from pyhvp.restricted.state import Recording, Snapshot, without_dynamo
 from pyhvp.taylor import InPlaceInputError
 
@@ -316,7 +316,7 @@ def check_instances(
         return
     with torch.inference_mode(False), torch.enable_grad():  # also inside inference mode
         y = x.clone()  # (a write of f's never reaches the caller's x)
-        run = _Runs(f, y, args, batch_shape, generator)
+        run = _Runs(f, y, _normal(args), batch_shape, generator)  # (inference tensors: cloned)
         try:
             message = _leak_through_derivatives(run)
             if message is not None:

@@ -259,6 +259,16 @@ def test_inference_mode_changes_nothing(made_inside):
         assert pyhvp.check_instances(INDEPENDENT["vector-valued"][0], x) is None
 
 
+def test_an_arg_made_in_inference_mode_is_taken_as_the_operators_take_it():
+    """The operators clone inference tensors in ``args``; the check did not, and raised
+    autograd's "Inference tensors cannot be saved for backward" on a function they accept."""
+    with torch.inference_mode():
+        w = torch.randn(X.shape[-1], dtype=X.dtype)
+    assert pyhvp.check_instances(lambda x, w: ((x * w) ** 3).sum(-1), X, w) is None
+    with pytest.raises(pyhvp.InstanceCouplingError):
+        pyhvp.check_instances(lambda x, w: (((x - x.mean(0)) * w) ** 2).sum(-1), X, w)
+
+
 def test_a_coupling_is_caught_in_float32_at_a_large_batch():
     """The mean's share of one instance is 1/B, but the probe moves half the batch at once."""
     x = torch.randn(100_000, 2)
