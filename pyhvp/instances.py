@@ -82,6 +82,9 @@ class PerInstance:
         try:
             return vmap_batch_dims(fn_single, x.ndim - self.event_dims)(x, *batched)
         except (RuntimeError, IndexError) as error:
+            # an arg the operators refuse by name (NumPy, another device or dtype), called
+            # directly: named here, where it failed (a check on every call costs each HVP)
+            check_args(args, x)
             hint = self.whole_arg_hint(x, args) if _shape_error(error) else None
             if hint is not None:
                 note(error, hint)

@@ -427,6 +427,16 @@ ERRORS = {
         ValueError,
         ["f", "(4,)", "(4, 3)"],
     ),
+    "per_instance called directly with a NumPy arg": (
+        lambda: pyhvp.per_instance(gaussian_single)(X, MU.numpy()),
+        TypeError,
+        ["args[0]", "numpy.ndarray"],
+    ),
+    "per_instance called directly with an arg on another device": (
+        lambda: pyhvp.per_instance(gaussian_single)(X, MU.to("meta")),
+        ValueError,
+        ["args[0]", "cpu", "meta"],
+    ),
     "per_instance f_single returns no tensor": (
         lambda: pyhvp.per_instance(lambda x: 1.0)(X),
         TypeError,
