@@ -232,6 +232,11 @@ def require_output_tensor(what: str, out: object) -> torch.Tensor:
         )
     if not out.is_floating_point():
         raise TypeError(f"{what} must return a real floating tensor, got {out.dtype}")
+    if out.is_meta:  # (no values: an operator read zeros or failed inside torch)
+        raise ValueError(
+            f"{what} must return a tensor that holds values, got one on the meta device: "
+            f"a module made there (lazily) needs .to_empty(device=...) and its weights loaded"
+        )
     return out
 
 

@@ -127,6 +127,7 @@ SPARSE_CALLS = {
     "check_instances": lambda f, x, backend: pyhvp.check_instances(f, x),
     "KroneckerHVP": lambda f, x, backend: pyhvp.KroneckerHVP().update(x),
 }
+F_CALLS = [name for name in SPARSE_CALLS if name != "KroneckerHVP"]  # those that call f
 
 
 @pytest.mark.parametrize("call", SPARSE_CALLS.values(), ids=SPARSE_CALLS.keys())
@@ -135,6 +136,14 @@ def test_a_sparse_x_is_refused_naming_it(call):
     sparse kernel, ``reshape is not implemented for sparse tensors``, ``aten::amax``)."""
     with pytest.raises(TypeError, match=r"^(x|params|grad) must be a dense \(strided\) tensor"):
         call(cubic, torch.randn(4, 3).to_sparse(), "torch")
+
+
+@pytest.mark.parametrize("call", [SPARSE_CALLS[name] for name in F_CALLS], ids=F_CALLS)
+def test_an_output_on_the_meta_device_is_refused_naming_f(call):
+    """An output without values (a module left on the meta device): before, torch's "Cannot
+    copy out of meta tensor" or ".item() cannot be called on meta tensors", per operator."""
+    with pytest.raises(ValueError, match=r"^(f|loss) must return a tensor that holds values"):
+        call(lambda x: cubic(x).to("meta"), torch.randn(4, 3), "torch")
 
 
 @pytest.mark.parametrize("call", SPARSE_CALLS.values(), ids=SPARSE_CALLS.keys())
