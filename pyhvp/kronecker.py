@@ -42,7 +42,6 @@ from pyhvp._checks import (
     require_dense,
     require_floating,
     require_like,
-    require_tensor,
 )
 from pyhvp.backends.nested import inside_transform
 
