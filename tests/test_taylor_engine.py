@@ -438,11 +438,16 @@ MALFORMED_RULES = {
     "a number": (lambda ctx, out, u: 3.0, "returned a float for an output tensor"),
     "no parameter for the input's jet": (lambda ctx, out: out,
                                          r"cannot take this call of the op.*signature: \(ctx, out\)"),
+    "a derivative of another shape given to chain": (
+        lambda ctx, out, u: chain(ctx, out, u, 3 * u.value[:, 0] ** 2, 6 * u.value),
+        r"of .*cube.* raised RuntimeError: chain: derivative 1 has shape \(4,\), which does not "
+        r"broadcast to the output's \(4, 3\)"),
 }  # fmt: skip
 """A user's rule, and what the refusal says: these were used silently (another value; an axis
 of 1 for the K directions, broadcast: every direction given one sum's coefficient) or
 crashed inside the rules downstream (a rule without the input's parameter, in a bare TypeError
-naming neither the op nor the rule)."""
+naming neither the op nor the rule; a derivative of another shape, in torch's broadcasting
+error, naming neither)."""
 
 
 def _malformed_cube(name, rule):
@@ -460,11 +465,13 @@ def _malformed_cube(name, rule):
 MALFORMED_OPS = {name: _malformed_cube(name, rule) for name, (rule, _) in MALFORMED_RULES.items()}
 
 
+@pytest.mark.parametrize("operator", [pyhvp.laplacian, pyhvp.hessian_diagonal],
+                         ids=["laplacian", "hessian_diagonal"])  # fmt: skip
 @pytest.mark.parametrize("name", MALFORMED_RULES)
-def test_a_malformed_user_rule_is_refused_naming_the_op_and_the_fault(name):
+def test_a_malformed_user_rule_is_refused_naming_the_op_and_the_fault(name, operator):
     op, (_, message) = MALFORMED_OPS[name], MALFORMED_RULES[name]
     with pytest.raises(pyhvp.UnsupportedOpError, match=message):
-        pyhvp.laplacian(lambda y: op(y).sin().sum(-1), torch.rand(4, 3, dtype=torch.float64))
+        operator(lambda y: op(y).sin().sum(-1), torch.rand(4, 3, dtype=torch.float64))
 
 
 def test_index_add_runs_as_one_batched_index_add_in_the_kernel():

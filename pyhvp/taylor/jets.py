@@ -418,6 +418,10 @@ def chain(ctx: Context, out: Tensor, u: Jet, *derivatives: Tensor | None) -> Jet
     if len(derivatives) < ctx.order:
         raise NotAtThisOrder(f"it gives {len(derivatives)} derivatives, order {ctx.order} "
                              f"needs {ctx.order}")  # fmt: skip
+    for j, d in enumerate(derivatives[: ctx.order], 1):
+        if d is not None and not _broadcasts_to(d.shape, out.shape):
+            raise RuntimeError(f"chain: derivative {j} has shape {tuple(d.shape)}, which does "
+                               f"not broadcast to the output's {tuple(out.shape)}")  # fmt: skip
     d1 = cast(Tensor, derivatives[0])
     nd = d1.ndim
     first = first_times(u, d1, nd)
@@ -433,6 +437,13 @@ def chain(ctx: Context, out: Tensor, u: Jet, *derivatives: Tensor | None) -> Jet
     terms = faa_di_bruno(ctx, [None if t is None else lifted(t, nd) for t in dense_coefficients(u)],
                          derivatives[: ctx.order])  # fmt: skip
     return Jet(out, (first, *terms[1:]))
+
+
+def _broadcasts_to(shape: Sequence[int], target: Sequence[int]) -> bool:
+    try:
+        return torch.broadcast_shapes(shape, target) == tuple(target)
+    except RuntimeError:
+        return False
 
 
 def faa_di_bruno(ctx: Context, inner: Sequence[Tensor | None],

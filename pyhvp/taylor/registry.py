@@ -223,7 +223,8 @@ def register_jet_rule(
 
     A rule's results are checked: one per output, a jet's value the output itself, its first
     coefficient present, its coefficients shaped as above; else ``UnsupportedOpError`` names the
-    op and the fault. A constant returned for an output that does depend on ``x``, or a
+    op and the fault, as it names the rule for a torch error raised inside it (a derivative
+    given to ``chain`` that does not broadcast to the op's output). A constant returned for an output that does depend on ``x``, or a
     coefficient of size 1 along a dim where it varies, cannot be told from a correct rule:
     test a rule against autograd on a small problem.
 
@@ -330,6 +331,15 @@ def _checked(op: object, rule: Rule) -> Rule:
             if refusal is None:
                 raise
             raise refusal from error
+        except (UnsupportedOpError, torch.OutOfMemoryError):
+            raise
+        except RuntimeError as error:  # torch's, from inside the rule: named, as _check names
+            raise UnsupportedOpError(  # a malformed result (a derivative of another shape
+                # given to chain failed to broadcast, naming neither the op nor the rule)
+                f"pyhvp: the jet rule {getattr(rule, '__qualname__', rule)!r} of {op} raised "
+                f"{type(error).__name__}: {error} (a derivative or coefficient of a shape that "
+                f"does not broadcast to the op's output's? see pyhvp.register_jet_rule)"
+            ) from error
         _check(ctx, op, out, result, _directions_of(args, kwargs))
         return result
 
