@@ -331,6 +331,19 @@ def per_arg_event_dims(
     return tuple(checked)
 
 
+def checked_arg_event_dims(
+    arg_event_dims: int | Sequence[int] | None,
+) -> int | tuple[int, ...] | None:
+    """``arg_event_dims`` as a function of args takes it (:func:`pyhvp.per_instance`,
+    :func:`pyhvp.julia_function`), checked when the function is made, not at its first call:
+    None, an int >= 0, or one such int per arg (a tuple)."""
+    if isinstance(arg_event_dims, Sequence) and not isinstance(arg_event_dims, str):
+        return per_arg_event_dims(tuple(arg_event_dims), 0, len(arg_event_dims))
+    if arg_event_dims is not None:
+        per_arg_event_dims(arg_event_dims, 0, 1)
+    return arg_event_dims
+
+
 def pad_arg_to_batch(
     name: str, arg: torch.Tensor, own_dims: int, batch_shape: torch.Size
 ) -> torch.Tensor:

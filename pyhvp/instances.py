@@ -25,6 +25,7 @@ from pyhvp._checks import (
     check_args,
     check_batched_output,
     check_event_dims,
+    checked_arg_event_dims,
     fmt_shape,
     pad_arg_to_batch,
     per_arg_event_dims,
@@ -168,12 +169,7 @@ def per_instance(
     dims = as_int(event_dims)
     if dims is None or dims < 1:
         raise ValueError(f"event_dims must be a positive int, got {event_dims!r}")
-    event_dims = dims
-    if isinstance(arg_event_dims, Sequence) and not isinstance(arg_event_dims, str):
-        arg_event_dims = per_arg_event_dims(tuple(arg_event_dims), event_dims, len(arg_event_dims))
-    elif arg_event_dims is not None:  # checked now, not at the first call
-        per_arg_event_dims(arg_event_dims, event_dims, 1)
-    return PerInstance(f_single, event_dims, arg_event_dims)
+    return PerInstance(f_single, dims, checked_arg_event_dims(arg_event_dims))
 
 
 def vmap_batch_dims(fn_single: Callable[..., Out], n_batch: int) -> Callable[..., Out]:

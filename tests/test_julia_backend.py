@@ -122,6 +122,13 @@ def test_julia_function_rejects_empty_source():
         pyhvp.julia_function("  ")
 
 
+@pytest.mark.parametrize("dims", [-1, 1.5, "a", (1, -2)], ids=repr)
+def test_julia_function_rejects_bad_arg_event_dims_when_made(dims):
+    """As per_instance does: before, a bad value was only refused at the first call."""
+    with pytest.raises(ValueError, match="arg_event_dims must be None, an int >= 0"):
+        pyhvp.julia_function("(x, a) -> sum(x)", dims)
+
+
 @needs_julia
 def test_python_function_with_julia_backend_names_f():
     x = torch.ones(2, 3)

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from pyhvp._checks import pad_arg_to_batch, per_arg_event_dims
+from pyhvp._checks import checked_arg_event_dims, pad_arg_to_batch, per_arg_event_dims
 from pyhvp.backends import BackendUnavailableError
 from pyhvp.taylor.recorder import recording
 
@@ -87,7 +87,7 @@ class JuliaFunction:
         if not source.strip():
             raise ValueError("source must be Julia code for a function, got an empty string")
         self.source = source
-        self.arg_event_dims = arg_event_dims
+        self.arg_event_dims = checked_arg_event_dims(arg_event_dims)
 
     def __repr__(self) -> str:
         return f"julia_function({self.source!r})"
