@@ -1200,6 +1200,8 @@ def _sums(
     versions = [_version(t) for t in watched]
     every = tuple(range(len(plan.tensors)))
     for batch in [plan.batch] if batches is None else batches:
+        if batches is not None:  # (as module_loss's inputs and the operators' args are)
+            refuse_arrays("each batch of data", batch)
         batch_values, spec = (
             ([], None) if batches is None and plan.batch is None else pytree.tree_flatten(batch)
         )

@@ -1266,6 +1266,13 @@ ERRORS = {
         TypeError,
         "loss",
     ),
+    "a NumPy array in a batch of data": (
+        lambda: pyhvp.sub_hessian(
+            lambda p, batch: (p * batch[0]).sum() ** 2, W, torch.tensor([0]), data=[(W.numpy(),)]
+        ),
+        TypeError,
+        "each batch of data[0] must be a torch.Tensor, got a numpy.ndarray",
+    ),
     "data given, loss without a batch": (
         lambda: pyhvp.sub_hessian(square, W, torch.tensor([0]), data=[W]),
         TypeError,
