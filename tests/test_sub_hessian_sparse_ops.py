@@ -375,6 +375,19 @@ CASES = [
         {"w": (4, 6)},
         {"w": W_INDEX},
     ),
+    Case(  # W[:1] is (1, 1) with W's strides (1, 1): both its dims read as W's second (a
+        # permutation [1, 1]), so that W[1, 0] was taken for W[0, 0]
+        "a size-1 slice of a (2, 1) weight, W[:1], and of its transpose, W.T[:, :1]",
+        on(X, lambda x, p: squash(x[:, :1] @ p["w"][:1]) + squash(x[:, :1] @ p["w"].T[:, :1])),
+        {"w": (2, 1)},
+        {"w": [1, 0, 1]},
+    ),
+    Case(
+        "an empty slice of a selected tensor, W[1:] of a (1, 6) W",
+        on(X, lambda x, p: squash(torch.cat([x @ p["w"][1:].T, x @ p["w"][:1].T], 1))),
+        {"w": (1, 6)},
+        {"w": [0, 5, 2]},
+    ),
     Case(
         "a view called by keywords alone, torch.transpose(input=W, dim0=0, dim1=1)",
         on(X, lambda x, p: squash(x @ torch.transpose(input=p["w"], dim0=0, dim1=1))),

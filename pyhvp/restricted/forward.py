@@ -789,7 +789,7 @@ class Tangents(TorchFunctionMode):
         for i, value in enumerate(leaves):
             if i in carrying or not isinstance(value, Tensor) or value.grad_fn is None:
                 continue
-            if self.reaches_a_seed(value.grad_fn):
+            if value.numel() and self.reaches_a_seed(value.grad_fn):  # (empty: no entry)
                 raise NotForward(f"{describe(func)} takes a value that depends on a selected "
                                  "tensor through an op pyhvp's mode did not see (a custom "
                                  "autograd.Function, TorchScript, a complex value)")  # fmt: skip
@@ -828,7 +828,7 @@ class Tangents(TorchFunctionMode):
             return False
         outs = out if isinstance(out, (tuple, list)) else [out]
         for result, where in zip(outs, positions, strict=True):
-            if where is None:
+            if where is None or not result.numel():  # an empty view holds no entry: a constant
                 continue
             inverse = seed.flat.new_full((seed.tensor.numel(),), -1)
             inverse[where.reshape(-1)] = torch.arange(where.numel(), device=where.device)

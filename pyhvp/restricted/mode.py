@@ -161,9 +161,9 @@ def permuted_dims(tensor: torch.Tensor, out: object) -> list[int] | None:
     """Which dim of ``tensor`` each dim of the view ``out`` is, where ``out`` reads ``tensor``'s
     memory with its dims permuted (``W.T``, ``W.mT``, ``W.permute(...)``, ``W.view(W.shape)``:
     the same storage and offset, each dim's size and stride that of exactly one dim of ``tensor``,
-    whose strides tell its dims apart); None for any other view, and while tracing. Read off
-    the strides in 4 us, where applying the view to every position of a 4096 x 4096 ``W`` took
-    400 ms a call."""
+    whose strides tell its dims apart, each of them once); None for any other view, and while
+    tracing. Read off the strides in 4 us, where applying the view to every position of a
+    4096 x 4096 ``W`` took 400 ms a call."""
     if not isinstance(out, torch.Tensor) or out.ndim != tensor.ndim:
         return None
     memory, viewed = _plain(tensor), _plain(out)
@@ -181,7 +181,10 @@ def permuted_dims(tensor: torch.Tensor, out: object) -> list[int] | None:
     if len(dims) != memory.ndim or any(n > 1 and stride == 0 for n, stride in dims):
         return None  # two dims alike, or a broadcast one: the order is not determined
     order = [dims.get(pair) for pair in zip(viewed.shape, viewed.stride(), strict=True)]
-    return None if None in order else cast(list[int], order)
+    if None in order or len(set(order)) != len(order):
+        return None  # a dim of the view matches none, or two match one: a size-1 slice of a
+        # (2, 1) W, W[:1], read as (1, 1) with W's strides: its dims both matched W's second
+    return cast(list[int], order)
 
 
 def followed_view(
@@ -415,7 +418,7 @@ class Injection(TorchFunctionMode):
         outs = out if isinstance(out, (tuple, list)) else [out]
         flat = ravel(entry.coords, entry.tensor.shape)
         for result, where in zip(outs, positions, strict=True):
-            if where is None:
+            if where is None or not result.numel():  # an empty view holds no entry: a constant
                 continue
             inverse = flat.new_full((entry.tensor.numel(),), -1)
             inverse[where.reshape(-1)] = torch.arange(where.numel(), device=where.device)
