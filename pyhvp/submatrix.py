@@ -353,7 +353,8 @@ def module_loss(
     several positional arguments). Without ``inputs`` and ``targets``, the loss takes the batch
     instead -- ``loss(params, (inputs, targets))`` -- for ``sub_hessian(..., data=loader)``.
     Buffers come from the module; use ``module.eval()`` for layers that update buffers in
-    training mode (batch norm).
+    training mode (batch norm). Params passed to ``sub_hessian`` in place of these must have the
+    module's shapes (dtype and device may differ: float64 params and inputs for a float32 module).
 
     >>> net = torch.nn.Linear(2, 1, bias=False)              # loss = |X w|^2, H = 2 X^T X
     >>> loss, params = module_loss(net, lambda out, t: ((out - t) ** 2).sum(), torch.eye(2), torch.zeros(2, 1))
