@@ -1073,6 +1073,22 @@ class _Interleaving(nn.Module):
         return h
 
 
+@pytest.mark.parametrize("method", ["auto", "sparse", "reverse", "forward"])
+def test_float64_params_of_a_float32_module_give_its_float64_sub_hessian(method):
+    """What module_loss's docstring offers: params of another dtype than the module's (of its
+    shapes) run the module in theirs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    inputs, targets = torch.randn(5, 3, dtype=torch.float64), torch.randint(0, 2, (5,))
+    loss, params = pyhvp.module_loss(model, nn.CrossEntropyLoss(), inputs, targets)
+    params = {name: p.double() for name, p in params.items()}
+    index = {"0.weight": torch.tensor([0, 7, 3]), "2.bias": torch.tensor([1, 0])}
+    blocks = pyhvp.sub_hessian(loss, params, index, joint=True, method=method)
+    torch.testing.assert_close(
+        blocks, dense_sub_hessian(loss, params, index), rtol=1e-9, atol=1e-11
+    )
+
+
 def test_two_threads_on_one_module_each_get_their_sub_hessian():
     """A ``module_loss`` swaps the module's parameters for the call's: a second thread's call
     between the first's two layers made the first differentiate through the second's tensors
