@@ -90,7 +90,7 @@ from pyhvp._checks import (
     require_tensor,
 )
 from pyhvp._embeddings import TwiceDifferentiable, twice_differentiable_embeddings
-from pyhvp._norm_biases import biases_outside_norms
+from pyhvp._norms import twice_differentiable_norms
 from pyhvp._progress import progress_bar
 from pyhvp._public import public_operator
 from pyhvp._user_errors import PACKAGE, stacklevel_outside_pyhvp
@@ -1801,7 +1801,7 @@ def _loop_rows(
         ys = [cast(torch.Tensor, t).detach().requires_grad_() for t in _normal(tuple(leaves))]
         args = _normal(args)
         draws.begin(last=True)  # (the loop is a batch's last run: sparse parts run before it)
-        with twice_differentiable_embeddings, biases_outside_norms, weight_norms_written_out:
+        with twice_differentiable_embeddings, twice_differentiable_norms, weight_norms_written_out:
             total = loss(*ys, *args)
         refuse_compiled_backward(total)
         return _rows_by_loop(total, ys, row_flats, column_flats)

@@ -6,6 +6,7 @@ is only meant for small problems.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -62,7 +63,7 @@ def dense_sub_hessian(loss, params, index):
     its input is wrong (torch 2.5-2.14: asymmetric, 1.04 off finite differences on the attention
     block of ``test_sub_hessian_sparse_ops``), autograd's matches finite differences. Not a
     reference where a selected tensor is the bias of a norm without a weight either: autograd's
-    double backward drops it there (``test_norms_with_a_bias_and_no_weight``).
+    double backward drops it there (``test_norms_differentiated_twice``).
 
     ``params`` a tensor and ``index`` a 1-D index tensor -> ``(k, k)``; ``params`` a dict and
     ``index`` a dict of index tensors -> the joint ``(K, K)``, blocks in ``index``'s order. Pass
@@ -76,12 +77,16 @@ def dense_sub_hessian(loss, params, index):
         return loss({**params, **dict(zip(names, values, strict=True))})
 
     selected = tuple(params[n] for n in names)
-    # one batched backward per tensor, or one per entry where vmap cannot run the double
-    # backward (group_norm's); attention on its math path, as in dense_hessian
+    # one batched backward per tensor, or one per entry through a group norm, whose batched
+    # double backward torch gets wrong (or fails in); attention on its math path, as in
+    # dense_hessian
     with sdpa_kernel(SDPBackend.MATH):
-        try:
-            pairs = torch.autograd.functional.hessian(of_selected, selected, vectorize=True)
-        except RuntimeError:
+        with _group_norms_seen() as seen:
+            try:
+                pairs = torch.autograd.functional.hessian(of_selected, selected, vectorize=True)
+            except RuntimeError:
+                seen.append("a batched backward torch cannot run")
+        if seen:
             pairs = torch.autograd.functional.hessian(of_selected, selected)
     full = {a: dict(zip(names, row, strict=True)) for a, row in zip(names, pairs, strict=True)}
     return torch.cat(
@@ -96,6 +101,23 @@ def dense_sub_hessian(loss, params, index):
             for a in names
         ]
     )
+
+
+@contextlib.contextmanager
+def _group_norms_seen():
+    """A list that gets an entry per ``torch.group_norm`` call (``F.group_norm`` calls it) made
+    inside, without running anything twice (a loss that draws would draw anew)."""
+    seen, torchs = [], torch.group_norm
+
+    def group_norm(*args, **kwargs):
+        seen.append("group_norm")
+        return torchs(*args, **kwargs)
+
+    torch.group_norm = group_norm
+    try:
+        yield seen
+    finally:
+        torch.group_norm = torchs
 
 
 def loop_sub_hessian(loss, params, index):

@@ -40,7 +40,7 @@ from torch.overrides import TorchFunctionMode
 
 from pyhvp import taylor
 from pyhvp._attention import math_attention
-from pyhvp._norm_biases import PARAMETERS, per_channel
+from pyhvp._norms import PARAMETERS, per_channel
 from pyhvp._user_errors import note
 from pyhvp.taylor.program import logcumsumexp_by_prefixes
 from pyhvp.taylor.rules.elementwise import sinc_written_out

@@ -77,7 +77,7 @@ from pyhvp._attention import math_attention
 from pyhvp._batched_backward import batched_grad
 from pyhvp._checks import check_output, fmt_shape, plain_tensor
 from pyhvp._keys import version_of
-from pyhvp._norm_biases import biases_outside_norms
+from pyhvp._norms import twice_differentiable_norms
 from pyhvp._public import operator_depth
 from pyhvp._user_errors import note, quiet_tracing, stacklevel_outside_pyhvp
 from pyhvp._weight_norms import weight_norms_written_out
@@ -1002,7 +1002,7 @@ class TorchBackend:
         return parts
 
     @math_attention  # fused attention kernels have no second derivative
-    @biases_outside_norms  # torch's double backward drops such a bias
+    @twice_differentiable_norms  # torch's double backward: a bias without weight, group norm batched
     @weight_norms_written_out  # torch's double backward of the fused one is wrong
     def _run(
         self,
