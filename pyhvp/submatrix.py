@@ -808,6 +808,7 @@ class _Selection:
         n_leaves = 1 if not self.names or self.joint_layouts is not None else len(self.selected)
         n_params = n_leaves + len(self.names) - len(self.selected)
         leaves, others, batch = values[:n_leaves], values[n_leaves:n_params], values[n_params:]
+        versions = None  # the versions of the tensors made for the loss here (joint)
         if not self.names:
             params: Any = leaves[0]
         else:
@@ -817,6 +818,8 @@ class _Selection:
                     layout.holding(part)
                     for part, layout in zip(parts, self.joint_layouts, strict=True)
                 )
+                if not torch.compiler.is_compiling():
+                    versions = [leaf._version for leaf in leaves]
             others_names = [name for name in self.names if name not in self.selected]
             given = dict(zip(self.selected, leaves, strict=True))
             given.update(zip(others_names, others, strict=True))
@@ -825,6 +828,10 @@ class _Selection:
             out = self.loss(params)
         else:
             out = self.loss(params, pytree.tree_unflatten(list(batch), self.batch_spec))
+        for name, leaf, version in zip(self.selected, leaves, versions or (), strict=False):
+            if leaf._version != version:  # a copy of the tensor's own, which no check of
+                # params' versions sees (joint): where autograd allows it, under no_grad
+                raise ValueError(_written(f"params[{name!r}]", "is written in place by the loss"))
         check_output("loss", out, (), "a scalar loss")
         return out
 
