@@ -77,7 +77,7 @@ from pyhvp._attention import math_attention
 from pyhvp._batched_backward import batched_grad
 from pyhvp._checks import check_output, fmt_shape, plain_tensor
 from pyhvp._keys import version_of
-from pyhvp._norms import twice_differentiable_norms
+from pyhvp._norms import batched_double_backward, twice_differentiable_norms
 from pyhvp._public import operator_depth
 from pyhvp._user_errors import note, quiet_tracing, stacklevel_outside_pyhvp
 from pyhvp._weight_norms import weight_norms_written_out
@@ -209,7 +209,10 @@ def _grad_and_block_hvps_eager(
         # aliases, not the leaves themselves: partial derivatives, never through args made from
         # a leaf
         ys = [_differentiable_alias(y) for y in leaves]
-        total = f(*ys, *args)
+        # (group norms written out where their double backward takes several cotangents)
+        batched = any(min(len(t), chunk_size or len(t)) > 1 for t in tangents)
+        with batched_double_backward if batched else contextlib.nullcontext():
+            total = f(*ys, *args)
         if not total.requires_grad:  # f is constant in every leaf
             return tuple(map(torch.zeros_like, leaves)), tuple(map(torch.zeros_like, tangents))
         refuse_compiled_backward(total)

@@ -74,7 +74,7 @@ from torch.utils import _pytree as pytree
 
 from pyhvp._attention import math_attention
 from pyhvp._batched_backward import batched_grad
-from pyhvp._norms import twice_differentiable_norms
+from pyhvp._norms import batched_double_backward, twice_differentiable_norms
 from pyhvp._weight_norms import weight_norms_written_out
 from pyhvp.restricted import contributions as rules
 from pyhvp.restricted import selected_entries
@@ -1351,6 +1351,7 @@ def pointwise_in(
 
 @math_attention  # fused attention kernels have no forward derivative
 @twice_differentiable_norms  # torch's double backward: a bias without weight, group norm batched
+@batched_double_backward  # (its Hessian products are)
 @weight_norms_written_out  # torch's double backward of the fused one is wrong
 def forward_hessian(
     loss: Callable[..., Tensor],
