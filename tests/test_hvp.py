@@ -653,3 +653,30 @@ def test_anomaly_detection_gives_the_results_without_it(call):
     with warnings.catch_warnings(), torch.autograd.detect_anomaly():
         warnings.simplefilter("ignore")  # (torch says the mode is slow)
         torch.testing.assert_close(call(x), expected)
+
+
+CHANNELS_LAST_POOLS = {
+    "max_pool2d": lambda h: F.max_pool2d(h, 2),
+    "adaptive_max_pool2d": lambda h: F.adaptive_max_pool2d(h, 2),
+}
+
+
+@pytest.mark.parametrize("pool", CHANNELS_LAST_POOLS.values(), ids=CHANNELS_LAST_POOLS.keys())
+def test_tangents_through_a_channels_last_max_pool_give_the_dense_hvps(pool):
+    """Torch cannot batch this double backward ("NYI: querying is_contiguous inside of vmap"):
+    several tangents raised it, where one tangent at a time is right; they now run so. The
+    reference: autograd's double backward, one tangent at a time."""
+    generator = torch.Generator().manual_seed(7)
+    kernel = torch.randn(3, 2, 3, 3, dtype=torch.float64, generator=generator)
+
+    def f(x):
+        h = x.view(-1, 2, 6, 6).contiguous(memory_format=torch.channels_last)
+        return pool(torch.tanh(F.conv2d(h, kernel))).pow(2).sum((1, 2, 3))
+
+    x = torch.randn(2, 72, dtype=torch.float64, generator=generator)
+    tangents = torch.randn(3, 2, 72, dtype=torch.float64, generator=generator)
+    y = x.clone().requires_grad_()  # (torch.func's reference cannot run channels_last either)
+    (gradient,) = torch.autograd.grad(f(y).sum(), y, create_graph=True)
+    expected = torch.stack([torch.autograd.grad(gradient, y, v, retain_graph=True)[0]
+                            for v in tangents])  # fmt: skip
+    torch.testing.assert_close(pyhvp.hvp(f, x, tangents), expected, rtol=1e-9, atol=1e-10)
