@@ -441,9 +441,10 @@ def chain(ctx: Context, out: Tensor, u: Jet, *derivatives: Tensor | None) -> Jet
 
 def _broadcasts_to(shape: Sequence[int], target: Sequence[int]) -> bool:
     try:
-        return torch.broadcast_shapes(shape, target) == tuple(target)
+        broadcast = torch.broadcast_shapes(shape, target)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
     except RuntimeError:
         return False
+    return tuple(broadcast) == tuple(target)
 
 
 def faa_di_bruno(ctx: Context, inner: Sequence[Tensor | None],
