@@ -7,8 +7,10 @@
   big batch and to the dense float64 Hessian; ``group=`` adds the ranks' sums, and every failure
   becomes an error on every rank, not a hang.
 
-The group tests spawn gloo ranks (two, or one for a world of one) on the loopback address (a
-free port picked at run time, a process-group timeout, a deadline for the whole run); the ranks
+The group tests spawn gloo ranks (two, or one for a world of one) that meet through a file store
+in the test's own directory (a TCP store's port, picked free at run time, could be taken before
+the ranks bound it: "address already in use", seen once under two pytest workers), with a
+process-group timeout and a deadline for the whole run; the ranks
 play every scenario in order, errors included, and the tests read what each rank returned or
 raised. No group is made in the test process itself.
 """
@@ -19,7 +21,6 @@ import datetime
 import itertools
 import os
 import re
-import socket
 import time
 import weakref
 from dataclasses import dataclass
@@ -535,7 +536,7 @@ PLAYS = {
 }
 
 
-def run_rank(rank, world, port, out, play):
+def run_rank(rank, world, out, play):
     """One rank: play every scenario of ``PLAYS[play]`` in order, record its value or its error
     and how long it took; saved to ``out/rank{rank}.pt``. The process then leaves without
     gloo's teardown: on torch 2.5.1 releasing a destroyed gloo group sometimes hangs in its
@@ -543,7 +544,7 @@ def run_rank(rank, world, port, out, play):
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=f"file://{Path(out) / 'store'}",
         rank=rank,
         world_size=world,
         timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
@@ -561,17 +562,11 @@ def run_rank(rank, world, port, out, play):
     os._exit(0)
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def play(name, world, out):
     """Each rank's outcomes of ``PLAYS[name]`` played by ``world`` spawned gloo ranks."""
     context = mp.start_processes(
         run_rank,
-        args=(world, free_port(), str(out), name),
+        args=(world, str(out), name),
         nprocs=world,
         join=False,
         start_method="spawn",
