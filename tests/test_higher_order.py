@@ -1148,3 +1148,17 @@ def test_a_refusal_of_the_taylor_engine_names_the_higher_order_operator_called(n
     with pytest.raises(TypeError, match="complex intermediates") as raised:
         HIGHER_ORDER_OPERATORS[name](lambda y: torch.fft.fft(y).abs().sum(-1), x)
     assert name in str(raised.value)
+
+
+@pytest.mark.parametrize("order", [5, 6])
+def test_values_of_one_instance_stacked_have_their_high_order_derivatives(order):
+    """Unbatched x: ``stack`` of 0-d values, whose jets went to the dense fallback, which stops
+    at order 4 ("aten.stack.default has no jet rule of order 5"); its rule holds for them."""
+    x = torch.linspace(-0.5, 0.7, 3, dtype=torch.float64)
+    v = torch.tensor([1.0, 0.5, -0.2], dtype=torch.float64)
+
+    def f(x):
+        return torch.stack([x[..., 0] * x[..., 2], torch.sin(x[..., 1])], -1).pow(3).sum(-1)
+
+    got = pyhvp.directional_derivatives(f, x, v, order=order)
+    torch.testing.assert_close(got, nested_directional_derivatives(f, x, v, order, event_dims=1))

@@ -127,6 +127,7 @@ SCALAR_SAFE = {
     aten.detach.default,
     aten._to_copy.default,
     aten.copy.default,
+    aten.stack.default,  # (0-d jets stacked: a 1-d jet; the dense fallback stops at order 4)
 }
 """Rules that hold for 0-d jets too (a dense fallback would multiply a NaN first derivative,
 which autograd has at a pole, by the zero second derivative of the view)."""
