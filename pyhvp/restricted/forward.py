@@ -828,7 +828,7 @@ class Tangents(TorchFunctionMode):
             return False
         outs = out if isinstance(out, (tuple, list)) else [out]
         for result, where in zip(outs, positions, strict=True):
-            if where is None or not result.numel():  # an empty view holds no entry: a constant
+            if where is None:
                 continue
             inverse = seed.flat.new_full((seed.tensor.numel(),), -1)
             inverse[where.reshape(-1)] = torch.arange(where.numel(), device=where.device)

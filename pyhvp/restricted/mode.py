@@ -118,8 +118,9 @@ def view_positions(
 ) -> list[torch.Tensor | None] | None:
     """Per output of the view ``out = func(tensor, *args[1:], **kwargs)``, the flat position in
     ``tensor`` of each of its entries (the view applied to ``arange(numel)``), or None for an
-    output that is not a tensor; None for a call that is not such a view (advanced indexing,
-    which may repeat entries, or a dtype view that reinterprets them)."""
+    output that is not a tensor or holds no entry (an empty view: a constant); None for a call
+    that is not such a view (advanced indexing, which may repeat entries, or a dtype view that
+    reinterprets them)."""
     tensor = args[0]
     name = getattr(func, "__name__", "")
     if name == "__getitem__" and not _basic_index(args[1]):
@@ -135,7 +136,7 @@ def view_positions(
         return None
     positions: list[torch.Tensor | None] = []
     for result, given in zip(results, outs, strict=True):
-        if not isinstance(given, torch.Tensor):
+        if not isinstance(given, torch.Tensor) or not given.numel():
             positions.append(None)
         elif not isinstance(result, torch.Tensor) or result.shape != given.shape:
             return None
@@ -418,7 +419,7 @@ class Injection(TorchFunctionMode):
         outs = out if isinstance(out, (tuple, list)) else [out]
         flat = ravel(entry.coords, entry.tensor.shape)
         for result, where in zip(outs, positions, strict=True):
-            if where is None or not result.numel():  # an empty view holds no entry: a constant
+            if where is None:
                 continue
             inverse = flat.new_full((entry.tensor.numel(),), -1)
             inverse[where.reshape(-1)] = torch.arange(where.numel(), device=where.device)
