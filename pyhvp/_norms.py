@@ -60,6 +60,11 @@ REDUCED = (torch.float16, torch.bfloat16)
 """Input dtypes torch's norm kernels compute in float32 (and round once)."""
 
 
+def _working(dtype: torch.dtype) -> torch.dtype:
+    """The dtype torch's norm kernels compute an input of ``dtype`` in."""
+    return torch.float32 if dtype in REDUCED else dtype
+
+
 def _group_norm(
     input: torch.Tensor,
     num_groups: int,
@@ -72,8 +77,6 @@ def _group_norm(
     the written-out form would differ: channels that the groups do not divide, which torch
     refuses; parameters of a dtype torch's kernel does not take with the input's; autocast,
     which casts torch's op as a whole)."""
-    dtype = input.dtype
-    work = torch.float32 if dtype in REDUCED else dtype
     if not (
         _REPLACED.inside()
         and _BATCHED.depth
@@ -83,11 +86,13 @@ def _group_norm(
         and isinstance(num_groups, int)
         and num_groups > 0
         and input.shape[1] % num_groups == 0
-        and all(t is None or (isinstance(t, torch.Tensor) and t.dtype in (dtype, work))
+        and all(t is None or (isinstance(t, torch.Tensor)
+                              and t.dtype in (input.dtype, _working(input.dtype)))
                 for t in (weight, bias))
         and not torch.is_autocast_enabled(input.device.type)
     ):  # fmt: skip
         return _GROUP_NORM_BIAS_OUTSIDE(input, num_groups, weight, bias, eps, cudnn_enabled)
+    dtype, work = input.dtype, _working(input.dtype)
     groups = input.to(work).reshape(input.shape[0], num_groups, -1)
     mean = groups.mean(-1, keepdim=True)
     variance = groups.var(-1, correction=0, keepdim=True)
