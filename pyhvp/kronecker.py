@@ -255,12 +255,8 @@ class KroneckerHVP:
             "roots": None if roots is None else [root.clone() for root in roots],
             "updates_since_roots": self._updates_since_roots,
             "roots_damping": None if roots is None else self.damping,
-            "roots_power": None if roots is None else self._power_for(len(roots)),
+            "roots_power": None if roots is None else _effective(self.power, len(roots)),
         }
-
-    def _power_for(self, modes: int) -> float:
-        """The roots' power for ``modes`` modes (``power=None``: ``1 / modes``)."""
-        return _effective(self.power, modes)
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         """Restore statistics saved by :meth:`state_dict` (copied), and its cached roots
@@ -391,7 +387,7 @@ class KroneckerHVP:
             _require_finite(name, root)
             if not torch.equal(root, root.mT):  # symmetrised exactly when computed
                 raise ValueError(f"{name} must be symmetric, got an asymmetric one")
-        if (damping, power) != (self.damping, self._power_for(len(shapes))):
+        if (damping, power) != (self.damping, _effective(self.power, len(shapes))):
             return None, since  # the loader chose other options: recomputed
         return [root.detach().clone(memory_format=torch.contiguous_format) for root in roots], since
 
@@ -428,7 +424,7 @@ class KroneckerHVP:
 
     def _compute_roots(self) -> list[torch.Tensor]:
         assert self._mean is not None
-        power = self._power_for(len(self._factors))
+        power = _effective(self.power, len(self._factors))
         roots, norm = [], torch.ones((), dtype=torch.float64, device=self._mean.device)
         for cov in _covariances(self._mean, self._factors, self._decay):
             vals, vecs = torch.linalg.eigh(cov)
