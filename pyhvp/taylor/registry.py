@@ -225,9 +225,9 @@ def register_jet_rule(
     A rule's results are checked: one per output, a jet's value the output itself, its first
     coefficient present, its coefficients shaped as above; else ``UnsupportedOpError`` names the
     op and the fault, as it names the rule for a torch error raised inside it (a derivative
-    given to ``chain`` that does not broadcast to the op's output). A constant returned for an output that does depend on ``x``, or a
-    coefficient of size 1 along a dim where it varies, cannot be told from a correct rule:
-    test a rule against autograd on a small problem.
+    given to ``chain`` that does not broadcast to the op's output). A constant returned for an
+    output that does depend on ``x``, or a coefficient of size 1 along a dim where it varies,
+    cannot be told from a correct rule: test a rule against autograd on a small problem.
 
     Without ``rule`` or a flag it returns a decorator. Registration replaces an earlier rule;
     jet kernels traced with the earlier one are not used again (each is traced anew, and
