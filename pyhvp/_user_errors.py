@@ -16,6 +16,7 @@ raised inside ``f`` is re-raised as it is -- its type and message -- with:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -154,11 +155,14 @@ def _in_package(frame: types.FrameType) -> bool:
 
 def stacklevel_outside_pyhvp() -> int:
     """The ``warnings.warn`` stacklevel, for the caller of this function, that names the first
-    frame outside the pyhvp package and torch's :data:`PLUMBING` (the ``torch.compiler.disable``
-    wrapper around every public operator): the user's call."""
+    frame outside the pyhvp package, torch's :data:`PLUMBING` (the ``torch.compiler.disable``
+    wrapper around every public operator) and ``contextlib``'s wrapper of the functions pyhvp
+    decorates with a context (until 2026-12-07 a warning from under one named that wrapper):
+    the user's call."""
     frame: types.FrameType | None = sys._getframe(1)
     level = 1
-    while frame is not None and (_in_package(frame) or frame.f_code.co_filename.endswith(PLUMBING)):
+    while frame is not None and (_in_package(frame) or frame.f_code.co_filename.endswith(PLUMBING)
+                                 or frame.f_code.co_filename == contextlib.__file__):  # fmt: skip
         frame, level = frame.f_back, level + 1
     return level
 

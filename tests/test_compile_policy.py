@@ -399,6 +399,23 @@ def test_a_hook_registered_after_the_kernel_compiled_takes_effect(register, comp
     torch.testing.assert_close(got, expected)
 
 
+@pytest.mark.parametrize("compile_option", [True, "auto"])
+def test_compile_true_under_a_global_module_hook_says_it_runs_eagerly(compile_option):
+    """Dynamo guards no global hook, so such calls run eagerly; asked for by name, compile=True
+    says so at the user's call (until 2026-12-07 without a word), and "auto", which chooses for
+    itself, is silent."""
+    x, v = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    handle = nn.modules.module.register_module_forward_hook(lambda *_: None)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pyhvp.hvp(lambda z: (z**3).sum(-1), x, v, backend=pyhvp.TorchBackend(compile_option))
+    finally:
+        handle.remove()
+    said_at = [w.filename for w in caught if "while a global module hook" in str(w.message)]
+    assert said_at == ([__file__] if compile_option is True else [])  # at the user's call
+
+
 @pytest.mark.slow
 def test_a_kernel_never_serves_an_equal_keyed_function_whose_first_one_changed(compiled):
     """f1 compiles, then its captured number is rebound; f2 has f1's old key and must not run

@@ -1064,7 +1064,18 @@ class TorchBackend:
         ``detour`` (calls that autograd differentiates) runs the compiled kernel instead."""
         # (a global module hook: dynamo guards none, so a kernel compiled before one was
         # registered ignored it, and one compiled under it would keep it once removed)
-        if self.compile is False or compile_policy.global_module_hooks():
+        if self.compile is False:
+            return eager(*inputs)
+        if compile_policy.global_module_hooks():
+            if self.compile is True:  # asked for by name: say why it is not served
+                warnings.warn(
+                    f"pyhvp: compile=True runs {_describe(traced_kernel, f, inputs)} eagerly "
+                    "while a global module hook is registered "
+                    "(torch.nn.modules.module.register_module_forward_hook or _pre_hook): "
+                    "torch.compile guards none, so a compiled kernel could ignore it",
+                    RuntimeWarning,
+                    stacklevel=stacklevel_outside_pyhvp(),
+                )
             return eager(*inputs)
         try:
             key = compile_policy.signature(traced_kernel.__name__, f, static, inputs)
