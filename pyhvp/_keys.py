@@ -119,6 +119,15 @@ class TensorMemo(Generic[Derived]):
         return value
 
 
+def wrapped(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor that a ``torch.func`` wrapper (``vmap``'s batched tensor, ``grad``'s tracking
+    tensor) wraps, through every level, or ``tensor`` itself: where a write through it lands,
+    and whose version counter moves (the wrapper's own never does)."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(tensor):
+        tensor = torch._C._functorch.get_unwrapped(tensor)
+    return tensor
+
+
 def version_of(tensor: torch.Tensor) -> int | None:
     """``tensor``'s version counter, or None where it keeps none of its own (an inference
     tensor, a ``torch.func`` wrapper). A view's is its base's, which a write to another view

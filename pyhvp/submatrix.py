@@ -90,6 +90,7 @@ from pyhvp._checks import (
     require_tensor,
 )
 from pyhvp._embeddings import TwiceDifferentiable, twice_differentiable_embeddings
+from pyhvp._keys import wrapped
 from pyhvp._norms import twice_differentiable_norms
 from pyhvp._progress import progress_bar
 from pyhvp._public import public_operator
@@ -819,7 +820,7 @@ class _Selection:
                     for part, layout in zip(parts, self.joint_layouts, strict=True)
                 )
                 if not torch.compiler.is_compiling():
-                    versions = [leaf._version for leaf in leaves]
+                    versions = [_version(leaf) for leaf in leaves]
             others_names = [name for name in self.names if name not in self.selected]
             given = dict(zip(self.selected, leaves, strict=True))
             given.update(zip(others_names, others, strict=True))
@@ -829,7 +830,7 @@ class _Selection:
         else:
             out = self.loss(params, pytree.tree_unflatten(list(batch), self.batch_spec))
         for name, leaf, version in zip(self.selected, leaves, versions or (), strict=False):
-            if leaf._version != version:  # a copy of the tensor's own, which no check of
+            if _version(leaf) != version:  # a copy of the tensor's own, which no check of
                 # params' versions sees (joint): where autograd allows it, under no_grad
                 raise ValueError(_written(f"params[{name!r}]", "is written in place by the loss"))
         check_output("loss", out, (), "a scalar loss")
@@ -1446,7 +1447,10 @@ def _in_loop_backward(error: Exception) -> bool:
 
 
 def _version(t: torch.Tensor) -> int | None:
-    """``t``'s version counter (None for an inference tensor, which keeps none)."""
+    """``t``'s version counter (None for an inference tensor, which keeps none); under ``vmap``
+    that of the tensor it wraps (a batched tensor's own never moves: until 2026-12-07 a write
+    to params under ``no_grad`` went unseen there, and the blocks were at the written values)."""
+    t = wrapped(t)
     return None if t.is_inference() else t._version
 
 

@@ -368,6 +368,27 @@ def test_f_writing_to_an_inference_tensor_x_is_refused_by_the_hvps(f, call):
             call(f, x)
 
 
+OPERATORS_ON_X = {
+    "hvp": lambda f, x: pyhvp.hvp(f, x, torch.ones_like(x)),
+    "grad_and_hvp": lambda f, x: pyhvp.grad_and_hvp(f, x, torch.ones_like(x)),
+    "laplacian": lambda f, x: pyhvp.laplacian(f, x),
+    "hessian_diagonal": lambda f, x: pyhvp.hessian_diagonal(f, x),
+    "bilaplacian": lambda f, x: pyhvp.bilaplacian(f, x),
+    "directional_derivatives": lambda f, x: pyhvp.directional_derivatives(
+        f, x, torch.ones(3), order=2),
+    "differential_operator": lambda f, x: pyhvp.differential_operator(f, x, {(0, 0): 1.0}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("call", OPERATORS_ON_X.values(), ids=OPERATORS_ON_X.keys())
+def test_f_writing_to_x_under_no_grad_inside_vmap_is_refused(call):
+    """Under vmap x is a wrapper, whose own version counter never moves: until 2026-12-07 the
+    write went unseen, and every result was that of the written x (the Laplacian twice the
+    true one here)."""
+    with pytest.raises(pyhvp.InPlaceInputError, match="f modifies x in place"):
+        torch.func.vmap(lambda x: call(writes_to_x_without_grad, x))(torch.randn(2, 4, 3))
+
+
 def test_a_write_to_another_view_of_xs_base_is_no_write_to_x():
     """Views share their base's version counter: a write to another row of the base refused
     an f that never wrote x."""

@@ -451,6 +451,28 @@ def test_a_write_to_a_selected_tensor_under_no_grad_is_refused_naming_it(joint, 
         pyhvp.sub_hessian(loss, params, index, joint=joint, method=method)
 
 
+@pytest.mark.parametrize("joint", [False, True], ids=["one tensor", "joint"])
+def test_a_write_to_params_under_no_grad_inside_vmap_is_refused(joint):
+    """Under vmap each tensor is a wrapper, whose own version counter never moves: until
+    2026-12-07 a write to a tensor params went unseen and its block was at the written values
+    (twice the true one here). Jointly, the loss's copies are views, which were watched."""
+
+    def loss(p):
+        w = p["w"] if joint else p
+        with torch.no_grad():
+            w.mul_(2)
+        return w.pow(3).sum() + (p["b"].pow(2).sum() if joint else 0)
+
+    stacked = {"w": torch.randn(3, 4, dtype=torch.float64), "b": torch.ones(3, 1).double()}
+    if joint:
+        index = {"w": torch.tensor([0, 2]), "b": torch.tensor([0])}
+        call = lambda w, b: pyhvp.sub_hessian(loss, {"w": w, "b": b}, index, joint=True)  # noqa: E731
+    else:
+        call = lambda w, b: pyhvp.sub_hessian(loss, w, torch.tensor([0, 2]))  # noqa: E731
+    with pytest.raises(ValueError, match=r"(params|params\['w'\]) (was|is) written in place"):
+        torch.func.vmap(call)(stacked["w"], stacked["b"])
+
+
 def reads_metadata(p):
     shape_read = p.new_ones(p.shape[0]) * p.size(1) / p.numel() + torch.zeros_like(p).sum()
     return (torch.tanh(F.linear(WIDE, p.view(p.dtype))) ** 2).sum() * shape_read.sum()

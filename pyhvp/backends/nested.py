@@ -52,8 +52,8 @@ def taylor_coefficients(
     weights: torch.Tensor | None,
 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """``TorchBackend.taylor_coefficients`` by ``mode.order`` nested derivatives along each of
-    ``directions`` (``(k, *x.shape)``), vmapped over them. ``x`` is copied: a stride-0 ``x``
-    is refused by the transforms."""
+    ``directions`` (``(k, *x.shape)``), vmapped over them, of a contiguous ``x`` of the caller's
+    own (a stride-0 ``x`` is refused by the transforms)."""
 
     def value(y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         with _Elementary(), math_attention:
@@ -65,7 +65,6 @@ def taylor_coefficients(
             coefficients = _along(coefficients, u)
         return coefficients(x)
 
-    x = x.clone(memory_format=torch.contiguous_format)  # under vmap .contiguous() may keep it
     try:
         along = vmap(derivatives, chunk_size=chunk_size)(directions.expand(-1, *x.shape))
     except (NotImplementedError, RuntimeError) as error:  # no derivative, a refusal, a vmap bug

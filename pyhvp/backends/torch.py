@@ -76,7 +76,7 @@ from pyhvp import restricted, taylor
 from pyhvp._attention import math_attention
 from pyhvp._batched_backward import batched_grad
 from pyhvp._checks import check_output, fmt_shape, plain_tensor
-from pyhvp._keys import version_of
+from pyhvp._keys import version_of, wrapped
 from pyhvp._norms import batched_double_backward, twice_differentiable_norms
 from pyhvp._public import operator_depth
 from pyhvp._user_errors import note, quiet_tracing, stacklevel_outside_pyhvp
@@ -272,9 +272,10 @@ def _writes_x(f: Callable[..., torch.Tensor], x: torch.Tensor, args: Sequence[ob
     """Whether ``f`` writes to its input: run once more on a copy of ``x`` that does not require
     grad (a write to a parameter that does is refused by autograd again, before any write)."""
     copy = x.detach().clone()
+    watched = Watched(copy)  # (under vmap a wrapper, which keeps no counter of its own)
     with contextlib.suppress(Exception), torch.enable_grad():
         f(copy, *args)
-    return copy._version > 0
+    return watched.written()
 
 
 WRITTEN_UNDER_NO_GRAD = (
@@ -284,15 +285,25 @@ WRITTEN_UNDER_NO_GRAD = (
 )
 
 
+WRITTEN_INSIDE_TRANSFORM = (
+    "f modifies x in place (under torch.no_grad() or through x.data, inside a torch.func "
+    "transform); the Taylor engine needs x to stay unchanged (write to a copy: x.clone())"
+)
+
+
 class Watched:
     """Whether ``f`` wrote to ``x`` during a call: its version counter moved, or its values
     changed. A view's counter is its base's (a write to another row moves it): its values tell.
     A write through ``x.data`` moves no counter: on the CPU the values tell (elsewhere comparing
     them would synchronise every call with the device). Until 2026-12-06 an ``f`` doubling
     ``x.data`` gave the HVPs at the doubled values, as one doubling a transposed or sliced ``x``
-    under ``no_grad`` did before."""
+    under ``no_grad`` did before. Under ``vmap`` (or another ``torch.func`` transform) ``x`` is a
+    wrapper, which keeps no counter: the tensor it wraps, which a write through it writes, is
+    watched (until 2026-12-07 such a write went unseen, and the HVPs were at the written
+    values)."""
 
     def __init__(self, x: torch.Tensor) -> None:
+        x = wrapped(x)
         self.x, self.version, self.view = x, version_of(x), x._is_view()
         self.always = x.device.type == "cpu"  # (values compared whether or not the counter moved)
         watched = self.version is not None and (self.always or self.view)
@@ -933,7 +944,21 @@ class TorchBackend:
             for i, arg in enumerate(args)
         )  # (a tensor arg directly, as _normal takes it)
         if nested.inside_transform():
-            return nested.taylor_coefficients(f, x, directions, args, chunk_size, mode, weights)
+            # (a stride-0 x is refused by the transforms; under vmap .contiguous() may keep it)
+            x = x.clone(memory_format=torch.contiguous_format)
+            watched = Watched(x)
+            try:
+                out = nested.taylor_coefficients(f, x, directions, args, chunk_size, mode,
+                                                 weights)  # fmt: skip
+            except RuntimeError as error:  # autograd's refusal of a write to x, said as ours
+                refusal = write_to_x_refusal(error, f, x, args)
+                if refusal is None:
+                    raise
+                raise refusal from error
+            if watched.written():  # (the recorder refuses it outside: until 2026-12-07, the
+                # coefficients inside were at the written values)
+                raise taylor.InPlaceInputError(WRITTEN_INSIDE_TRANSFORM)
+            return out
         size = chunk_size or len(directions)
         # one chunk: directions themselves (a split costs a few microseconds a call)
         chunks = (directions,) if size >= len(directions) else torch.split(directions, size)
