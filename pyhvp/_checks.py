@@ -359,6 +359,7 @@ def pad_arg_to_batch(
     ):
         raise ValueError(
             f"{name}'s leading dims {fmt_shape(lead)} must broadcast against x's batch dims "
-            f"{fmt_shape(batch_shape)} (its last {own_dims} dims are per-instance)"
+            f"{fmt_shape(batch_shape)} (its last {own_dims} dims are per-instance); for one "
+            f"tensor that every instance shares, give it arg_event_dims={arg.ndim}"
         )
     return arg.reshape((1,) * (len(batch_shape) - len(lead)) + tuple(arg.shape))

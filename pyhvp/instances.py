@@ -10,6 +10,7 @@ instance), and two wrappers of the same function compare equal (one compile cach
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -34,7 +35,7 @@ from pyhvp._checks import (
     require_instance_variables,
 )
 from pyhvp._public import public_operator
-from pyhvp._user_errors import note
+from pyhvp._user_errors import note, stacklevel_outside_pyhvp
 from pyhvp.backends import nested
 from pyhvp.backends.torch import Watched, _normal, write_to_x_refusal
 from pyhvp.restricted.state import Recording, Snapshot, without_dynamo
@@ -65,6 +66,8 @@ class PerInstance:
         """Tensor args viewed as ``batch-broadcastable dims + own dims`` (checked, no copy)."""
         batch_shape = x.shape[: x.ndim - self.event_dims]
         own_dims = per_arg_event_dims(self.arg_event_dims, self.event_dims, len(args))
+        if self.arg_event_dims is None:
+            self._warn_ambiguous(x, args, own_dims)
         return tuple(
             pad_arg_to_batch(f"args[{i}]", a, d, batch_shape) if isinstance(a, torch.Tensor) else a
             for i, (a, d) in enumerate(zip(args, own_dims, strict=True))
@@ -90,6 +93,33 @@ class PerInstance:
             if hint is not None:
                 note(error, hint)
             raise
+
+    def _warn_ambiguous(self, x: torch.Tensor, args: Sequence[object], own_dims: Sequence[int]
+                        ) -> None:  # fmt: skip
+        """Warn where x's batch dims equal its instances' leading dims (B == N) and a tensor arg
+        starts with them: its shape reads both as one entry per instance and as one tensor all
+        instances share, and the default ``arg_event_dims`` picks one without a word (a shared
+        ``(N, N)`` matrix read as one row per instance gave a diagonal 7 off in 1.9)."""
+        batch = tuple(x.shape[: x.ndim - self.event_dims])
+        coincide = bool(batch) and batch == tuple(x.shape[len(batch) : 2 * len(batch)])
+        if not coincide or torch.compiler.is_compiling():  # (the eager call before says it)
+            return
+        for i, (arg, own) in enumerate(zip(args, own_dims, strict=True)):
+            if not isinstance(arg, torch.Tensor) or tuple(arg.shape[: len(batch)]) != batch:
+                continue
+            read = ("one entry per instance" if arg.ndim - own >= len(batch)
+                    else "one tensor that every instance shares")  # fmt: skip
+            warnings.warn(
+                f"per_instance reads args[{i}] of shape {fmt_shape(arg.shape)} as {read} "
+                f"(arg_event_dims defaults to event_dims={self.event_dims}); x of shape "
+                f"{fmt_shape(x.shape)} has as many instances as each has variables, so the "
+                f"arg's shape cannot tell one entry per instance from one tensor all share: "
+                f"give arg_event_dims={arg.ndim - len(batch)} for one entry per instance or "
+                f"{arg.ndim} for one shared tensor (per_instance(f_single, arg_event_dims=...), "
+                f"an int for every arg or one per arg)",
+                UserWarning,
+                stacklevel=stacklevel_outside_pyhvp(),
+            )
 
     def whole_arg_hint(self, x: torch.Tensor, args: Sequence[object]) -> str | None:
         """For an error of ``f_single``, or an output of another shape than the caller takes (a
@@ -157,6 +187,9 @@ def per_instance(
     across the middle batch dims without being expanded. Any other arg -- a number, or a dict or
     list of tensors such as a module's parameters for ``functional_call`` -- is passed whole to
     every instance: per-instance tensors go as tensor args of their own, not inside a container.
+    Where x has as many instances as each has variables, an arg that starts with x's batch dims
+    reads both ways (one entry per instance, or one tensor all share): the default warns, and
+    an ``arg_event_dims`` given says which.
 
     >>> f = per_instance(lambda x, mu: ((x - mu) ** 2).sum())
     >>> f(torch.ones(4, 3), torch.zeros(3))

@@ -505,6 +505,46 @@ def test_a_per_instance_scale_that_broadcasts_into_each_output_is_told_arg_event
     assert "args[0] of shape (4,) went whole to every instance" in full_message(raised.value)
 
 
+AMBIGUOUS_ARGS = {  # B == N: each arg's shape reads both ways; (f_single, arg, read as)
+    "a per-instance scale (B,), read as shared": (
+        lambda y, scale: (scale * y**3).sum(), torch.tensor([1.0, 2.0, 3.0]), "shared"),
+    "a shared matrix (N, N), read per instance": (
+        lambda y, m: torch.tanh(y @ m).pow(2).sum(), torch.eye(3) + 0.5, "per instance"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("call", PER_INSTANCE_CALLS.values(), ids=PER_INSTANCE_CALLS.keys())
+@pytest.mark.parametrize("case", AMBIGUOUS_ARGS.values(), ids=AMBIGUOUS_ARGS.keys())
+def test_an_arg_whose_shape_reads_both_ways_when_b_equals_n_is_warned_of(case, call):
+    """With as many instances as variables each, nothing breaks either way: until 2026-12-07
+    the default arg_event_dims chose without a word (a shared matrix read as one row per
+    instance gave a diagonal 7 off in 1.9). The warning says which reading was taken and
+    names both values of arg_event_dims."""
+    f_single, arg, read = case
+    with pytest.warns(UserWarning, match="cannot tell one entry per instance") as caught:
+        call(pyhvp.per_instance(f_single), torch.randn(3, 3), arg)
+    said = str(caught[0].message)
+    assert ("as one entry per instance" in said) == (read == "per instance")
+
+
+@pytest.mark.parametrize("arg_event_dims", [0, 1, 2])
+def test_an_arg_event_dims_given_silences_the_ambiguity_warning(arg_event_dims):
+    """Either reading, asked for by name, is the user's choice: nothing to warn of."""
+    f = pyhvp.per_instance(lambda y, m: (m * y).sum(), arg_event_dims=arg_event_dims)
+    arg = torch.ones((3,) * max(arg_event_dims, 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pyhvp.hvp(f, torch.randn(3, 3), torch.ones(3, 3), arg)
+
+
+def test_a_shared_matrix_refused_for_its_leading_dims_is_told_arg_event_dims():
+    """B != N: the refusal said the leading dims must broadcast, not how to share the arg."""
+    f = pyhvp.per_instance(lambda y, m: torch.tanh(y @ m).pow(2).sum())
+    with pytest.raises(ValueError, match="for one tensor that every instance shares, give it "
+                       "arg_event_dims=2"):  # fmt: skip
+        pyhvp.hvp(f, torch.randn(4, 3), torch.ones(4, 3), torch.randn(3, 3))
+
+
 @pytest.mark.parametrize("call", PER_INSTANCE_CALLS.values(), ids=PER_INSTANCE_CALLS.keys())
 def test_a_module_class_for_f_is_told_to_pass_an_instance(call):
     """``nn.Tanh`` for ``nn.Tanh()``: "Tanh.__init__() takes 1 positional argument but 2 were
