@@ -90,6 +90,8 @@ class PerInstance:
             # directly: named here, where it failed (a check on every call costs each HVP)
             check_args(args, x)
             hint = self.whole_arg_hint(x, args) if _shape_error(error) else None
+            if hint is None and str(error).startswith(_VMAP_REFUSALS):
+                hint = VMAP_HINT
             if hint is not None:
                 note(error, hint)
             raise
@@ -150,6 +152,18 @@ class PerInstance:
             return out
 
         return self.map(checked, x, *args)
+
+
+_VMAP_REFUSALS = ("vmap: ", "Cannot access data pointer of Tensor that doesn't have storage")
+"""The starts of ``vmap``'s refusals of what ``f_single`` does (``.item()``, a branch on a value, a
+boolean mask; NumPy, whose array needs the memory a batched tensor does not have)."""
+
+VMAP_HINT = (
+    "per_instance runs f_single under torch.func.vmap, over every instance at once: its tensors "
+    "are batched, so NumPy (.numpy()), .item(), a Python branch on a tensor's value and "
+    "boolean-mask indexing cannot run in it. Write them with torch ops (torch.where, a mask "
+    "multiplied in), or pass a batched f of your own instead of per_instance(f_single)"
+)
 
 
 def check_event_dims_of(f: object, event_dims: object, x: torch.Tensor) -> int:

@@ -545,6 +545,25 @@ def test_a_shared_matrix_refused_for_its_leading_dims_is_told_arg_event_dims():
         pyhvp.hvp(f, torch.randn(4, 3), torch.ones(4, 3), torch.randn(3, 3))
 
 
+WHAT_VMAP_CANNOT_RUN = {
+    "NumPy": lambda y: torch.tensor(np.sum(y.numpy() ** 2)),
+    ".item()": lambda y: (y**2).sum() * y.max().item(),
+    "a branch on a value": lambda y: (y**2).sum() if y.sum() > 0 else y.sum(),
+    "a boolean mask": lambda y: (y[y > 0] ** 2).sum(),
+}
+
+
+@pytest.mark.parametrize("call", PER_INSTANCE_CALLS.values(), ids=PER_INSTANCE_CALLS.keys())
+@pytest.mark.parametrize("f_single", WHAT_VMAP_CANNOT_RUN.values(),
+                         ids=WHAT_VMAP_CANNOT_RUN.keys())  # fmt: skip
+def test_what_vmap_cannot_run_in_f_single_is_said_with_per_instance(f_single, call):
+    """vmap's own refusal named vmap, which the user never called (NumPy's: "Cannot access
+    data pointer of Tensor that doesn't have storage"), and nothing of per_instance."""
+    with pytest.raises(RuntimeError) as raised:
+        call(pyhvp.per_instance(f_single), torch.randn(3, 4, dtype=torch.float64))
+    assert "per_instance runs f_single under torch.func.vmap" in full_message(raised.value)
+
+
 @pytest.mark.parametrize("call", PER_INSTANCE_CALLS.values(), ids=PER_INSTANCE_CALLS.keys())
 def test_a_module_class_for_f_is_told_to_pass_an_instance(call):
     """``nn.Tanh`` for ``nn.Tanh()``: "Tanh.__init__() takes 1 positional argument but 2 were
