@@ -93,6 +93,11 @@ def require_floating(name: str, value: object) -> torch.Tensor:
         raise TypeError(
             f"{name} must have a floating dtype (float32/float64/...), got {tensor.dtype}"
         )
+    if tensor.dtype.itemsize < 2:  # float8 (and packed float4): storage formats, not for math
+        raise TypeError(
+            f"{name} must have a dtype torch computes and differentiates in (float16, bfloat16, "
+            f"float32, float64), got {tensor.dtype}: cast it first (.float())"
+        )
     return tensor
 
 

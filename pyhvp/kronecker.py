@@ -52,7 +52,7 @@ class KroneckerHVP:
     Shapes: ``update(grad)`` takes ``grad`` of shape ``(n, *modes)`` (any number of modes >= 1);
     ``apply(v)`` takes ``v`` of shape ``(*extra, n, *modes)`` and returns that shape;
     ``kron(grad, v)`` is ``update(grad)`` then ``apply(v)``. ``power=None`` means
-    ``1 / len(modes)``. The state (EMA mean, one factor per mode, step count, the product of
+    ``1 / len(modes)``; every dim after ``n`` is a mode, size-1 ones too (``(n, 1, 5)`` has two). The state (EMA mean, one factor per mode, step count, the product of
     the updates' betas) is created on the first update, on grad's device, in float64; ``grad``
     and ``v`` keep the first update's dtype, which roots and results have. Roots are computed
     on the first ``apply`` after an update and cached; with ``refresh_every=k`` a cached root is
@@ -151,10 +151,21 @@ class KroneckerHVP:
         self._refresh_every = every
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        # an instance pickled before 2026-12-07 holds refresh_every as a plain attribute
-        if "refresh_every" in state:
-            state["_refresh_every"] = state.pop("refresh_every")
-        self.__dict__.update(state)
+        if all(f"_{name}" in state for name in _OPTIONS) and "_decay" in state:
+            self.__dict__.update(state)
+            return
+        # pickled by an earlier pyhvp: its options plain attributes (before 2026-12-06 for
+        # beta, damping and power, 2026-12-07 for refresh_every), no "_decay" (before
+        # 2026-12-06): rebuilt from its options and statistics as load_state_dict takes them
+        # (validated, its roots computed anew); until 2026-12-07 such an instance loaded, then
+        # every use raised AttributeError
+        options = {name: state.get(f"_{name}", state.get(name)) for name in _OPTIONS}
+        self.__init__(**{name: value for name, value in options.items()  # type: ignore[misc]
+                         if value is not None or name == "power"})  # fmt: skip
+        saved = {"step": state.get("_step", 0), "mean": state.get("_mean"),
+                 "factors": state.get("_factors", [])}  # fmt: skip
+        saved.update({key: state[f"_{key}"] for key in ("dtype", "decay") if f"_{key}" in state})
+        self.load_state_dict(saved)
 
     def reset(self) -> None:
         """Forget all statistics; the next ``update`` starts afresh (any shape, device, dtype)."""
@@ -176,12 +187,18 @@ class KroneckerHVP:
             self._dtype = given.dtype
             self._mean = torch.zeros_like(grad)
             self._factors = [grad.new_zeros(grad.shape[0], m, m) for m in grad.shape[1:]]
+        # new tensors, never written in place: a copy (copy.copy) keeps its own statistics, and
+        # a call that fails puts the old ones back (until 2026-12-07 a shallow copy's update
+        # wrote the original's, whose next roots were 0.22 off)
         beta, size = self.beta, grad[0].numel()
-        self._mean.mul_(beta).add_(grad, alpha=1 - beta)
+        self._mean = self._mean.mul(beta).add_(grad, alpha=1 - beta)
+        factors = []
         for i, factor in enumerate(self._factors):
             unfolded = _unfold(grad, i)
             others = size // grad.shape[1 + i]  # product of the other mode sizes
-            factor.baddbmm_(unfolded, unfolded.mT, beta=beta, alpha=(1 - beta) / others)
+            factors.append(torch.baddbmm(factor, unfolded, unfolded.mT, beta=beta,
+                                         alpha=(1 - beta) / others))  # fmt: skip
+        self._factors = factors
         self._step += 1
         self._decay *= beta
         self._updates_since_roots += 1
@@ -207,13 +224,16 @@ class KroneckerHVP:
         v = _checked_v(v, mean.shape)
         lead = v.ndim - mean.ndim + 1  # position of the first mode dim in v
         require_like("v", v, "grad", roots[0])
-        out = v
+        # half dtypes contract in float32: an intermediate product overflowed float16 where the
+        # result fits (inf until 2026-12-07), as a matmul accumulates wider and rounds once
+        wide = torch.float32 if v.dtype.itemsize < 4 else v.dtype
+        out = v.to(wide)
         for root in roots:  # cycle: the next mode to the end, contract it with its root
             out = out.movedim(lead, -1)
             shape = out.shape
             rows = math.prod(shape[lead:-1])  # (not -1: an empty extra dim has no size to infer)
-            out = (out.reshape(*shape[:lead], rows, shape[-1]) @ root).reshape(shape)
-        return out
+            out = (out.reshape(*shape[:lead], rows, shape[-1]) @ root.to(wide)).reshape(shape)
+        return out.to(v.dtype)
 
     def _statistics(self) -> torch.Tensor:
         """The EMA mean of the gradients (its shape is grad's); RuntimeError before any update."""
@@ -224,12 +244,19 @@ class KroneckerHVP:
         return self._mean
 
     def __call__(self, grad: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``update(grad)`` then ``apply(v)``: the post's ``batch_hvp_fn`` given the gradient
-        (``v`` checked first: a call that raises folds nothing in)."""
+        """``update(grad)`` then ``apply(v)``: the post's ``batch_hvp_fn`` given the gradient (a
+        call that raises folds nothing in: ``v`` is checked first, and where the operator then
+        overflows the gradients' dtype the statistics before the call are put back; until
+        2026-12-07 that gradient stayed folded in)."""
         grad = require_floating("grad", grad)
         require_like("v", _checked_v(v, grad.shape), "grad", grad)
+        before = dict(vars(self))  # (update replaces the statistics' tensors, never writes them)
         self.update(grad)
-        return self.apply(v)
+        try:
+            return self.apply(v)
+        except Exception:
+            self.__dict__.update(before)
+            raise
 
     def state_dict(self) -> dict[str, object]:
         """Copies of the statistics (float64), the gradients' dtype, the EMA weight not yet
@@ -307,8 +334,11 @@ class KroneckerHVP:
                 f"got {[fmt_shape(f.shape) for f in factors]}"
             )
         dtype = state.get("dtype", mean.dtype)
-        if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise ValueError(f"state['dtype'] must be a floating torch.dtype, got {dtype!r}")
+        if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype.itemsize > 1):
+            raise ValueError(
+                f"state['dtype'] must be a floating torch.dtype torch computes in (float16, "
+                f"bfloat16, float32, float64), got {dtype!r}"
+            )
         for name, tensor in [("state['mean']", mean)] + [
             (f"state['factors'][{i}]", f) for i, f in enumerate(factors)
         ]:
@@ -445,6 +475,9 @@ class KroneckerHVP:
             )
         return roots
 
+
+_OPTIONS = ("beta", "damping", "power", "refresh_every")
+"""The constructor's options, each a property over an attribute ``_<name>``."""
 
 _ROOTS_KEYS = ("roots", "updates_since_roots", "roots_damping", "roots_power")
 """The state's entries of the cached roots (states saved before 2026-12-07 have none)."""

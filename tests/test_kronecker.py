@@ -7,8 +7,10 @@ weights over the whole gradient history, takes its root by eigh and forms the ex
 ``R_1 ⊗ ... ⊗ R_d`` with ``torch.kron``.
 """
 
+import copy
 import io
 import math
+import pickle
 
 import pytest
 import torch
@@ -669,6 +671,16 @@ ERROR_CASES = {
         ValueError,
         "dtype",
     ),
+    "state-dtype-float8 (until 2026-12-07: loaded, then apply raised 'isfinite not implemented')": (
+        lambda d: KroneckerHVP().load_state_dict(state_with(d, dtype=torch.float8_e4m3fn)),
+        ValueError,
+        "state\\['dtype'\\] must be a floating torch.dtype torch computes in",
+    ),
+    "grad-float8 (until 2026-12-07: 'max_values_cpu not implemented')": (
+        lambda d: KroneckerHVP().update(torch.ones(2, 3, 4, device=d).to(torch.float8_e5m2)),
+        TypeError,
+        "grad must have a dtype torch computes and differentiates in",
+    ),
     **{
         f"state-{name}": (lambda d, bad=bad: KroneckerHVP().load_state_dict(bad(d)), *raised)
         for name, (bad, *raised) in BAD_STATES.items()
@@ -883,3 +895,68 @@ def test_power_none_and_its_value_one_over_the_modes_are_one_power(monkeypatch):
     kron.power = 1.0  # another power: its own roots
     kron.apply(torch.ones(2, 3, 4))
     assert len(calls) == 2
+
+
+def test_an_update_of_a_shallow_copy_leaves_the_original_as_it_was():
+    """``update`` wrote the statistics in place, which ``copy.copy`` shares: one update of the
+    copy folded a gradient into the original's moments, not its step count (until 2026-12-07
+    its next roots were 0.22 off)."""
+    torch.manual_seed(0)
+    original = KroneckerHVP(beta=0.9, damping=1e-3)
+    for _ in range(3):
+        original.update(torch.randn(2, 3, 4, dtype=F64))
+    untouched = copy.deepcopy(original)
+    copy.copy(original).update(torch.randn(2, 3, 4, dtype=F64))
+    v = torch.randn(2, 3, 4, dtype=F64)
+    torch.testing.assert_close(original.apply(v), untouched.apply(v), rtol=0, atol=0)
+
+
+def test_a_call_whose_operator_overflows_folds_nothing_in():
+    """The overflow is found once the roots are computed, after ``update``: until 2026-12-07 the
+    gradient stayed folded in, and the next calls with ordinary gradients raised too."""
+    sign = torch.tensor([1.0, -1.0, 0.5, 2.0], dtype=torch.float16)
+    kron, v = KroneckerHVP(beta=0.9), torch.ones(2, 3, 4, dtype=torch.float16)
+    kron(torch.ones(2, 3, 4, dtype=torch.float16) * sign, v)
+    before = kron.state_dict()
+    with pytest.raises(ValueError, match="overflows the gradients' dtype"):
+        kron(torch.full((2, 3, 4), 300.0, dtype=torch.float16) * sign, v)
+    assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+               for a, b in zip(_flat(kron.state_dict()), _flat(before), strict=True))  # fmt: skip
+
+
+def _flat(state):
+    return [leaf for value in state.values()
+            for leaf in (value if isinstance(value, list) else [value])]  # fmt: skip
+
+
+def test_float16_products_whose_intermediate_overflows_but_whose_result_fits_are_finite():
+    """``apply`` contracts one mode at a time: an intermediate of float16 overflowed (inf) where
+    the result, 50304, fits float16's 65504 (until 2026-12-07); half dtypes contract in float32
+    now, as a matmul accumulates."""
+    first = torch.zeros(2000)
+    first[0] = 500**0.5
+    second = torch.tensor([1.0, -1.0])
+    kron = KroneckerHVP(beta=0.9)  # a rank-1 covariance of zero mean over the second mode
+    kron.update((first[:, None] * second)[None].half())
+    v = (4500 * first[:, None].sign() * second / 2**0.5)[None].half()
+    roots = [root.double() for root in kron.roots()]
+    exact = torch.einsum("nij,nkl,njl->nik", *roots, v.double())
+    torch.testing.assert_close(kron.apply(v).double(), exact, rtol=1e-3, atol=0.0)
+
+
+def test_an_instance_pickled_before_its_options_were_properties_loads_and_runs():
+    """Pickled before 2026-12-06, beta, damping and power were plain attributes and there was
+    no ``_decay``: the instance loaded, then every use raised AttributeError ('_beta')."""
+    torch.manual_seed(0)
+    grads = [torch.randn(2, 3, 4, dtype=F64) for _ in range(3)]
+    kron = KroneckerHVP(beta=0.9, damping=1e-3, refresh_every=2)
+    for grad in grads:
+        kron.update(grad)
+    old = {name: value for name, value in vars(kron).items() if name != "_decay"}
+    for option in ("beta", "damping", "power", "refresh_every"):
+        old[option] = old.pop(f"_{option}")  # that pickle's own attributes
+    loaded = pickle.loads(pickle.dumps(kron))
+    loaded.__dict__.clear()
+    loaded.__setstate__(old)
+    v = torch.randn(2, 3, 4, dtype=F64)
+    torch.testing.assert_close(loaded.apply(v), kron.apply(v), rtol=0, atol=0)
