@@ -94,13 +94,14 @@ from pyhvp._keys import wrapped
 from pyhvp._norms import twice_differentiable_norms
 from pyhvp._progress import progress_bar
 from pyhvp._public import public_operator
+from pyhvp._sinc import twice_differentiable_sinc
 from pyhvp._user_errors import PACKAGE, stacklevel_outside_pyhvp
 from pyhvp._weight_norms import weight_norms_written_out
 from pyhvp.backends import Backend, compile_policy, nested, require_primitive, resolve_backend
 from pyhvp.backends.torch import (
     TorchBackend,
     _normal,
-    refuse_compiled_backward,
+    check_twice_differentiable,
     unsettled_calls,
 )
 from pyhvp.distributed import Fingerprint, check_group, sum_over_ranks
@@ -1812,9 +1813,10 @@ def _loop_rows(
         ys = [cast(torch.Tensor, t).detach().requires_grad_() for t in _normal(tuple(leaves))]
         args = _normal(args)
         draws.begin(last=True)  # (the loop is a batch's last run: sparse parts run before it)
-        with twice_differentiable_embeddings, twice_differentiable_norms, weight_norms_written_out:
+        with (twice_differentiable_embeddings, twice_differentiable_norms,
+              weight_norms_written_out, twice_differentiable_sinc):  # fmt: skip
             total = loss(*ys, *args)
-        refuse_compiled_backward(total)
+        check_twice_differentiable(total)
         return _rows_by_loop(total, ys, row_flats, column_flats)
 
 

@@ -3,6 +3,7 @@ differential_operator) and of operators nested in one another, against nested
 ``torch.autograd.grad`` in float64 (tests/dense.py)."""
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -168,11 +169,58 @@ def test_sinc_has_its_own_derivatives_at_zero_and_near_it(device):
     got = pyhvp.directional_derivatives(lambda y: torch.sinc(y).sum(-1), x,
                                         torch.ones(1, dtype=x.dtype, device=device), order=6,
                                         backend=EAGER)  # fmt: skip
-    nodes, weights = (torch.from_numpy(a).to(device) for a in np.polynomial.legendre.leggauss(60))
-    s, w = (nodes + 1) / 2, weights / 2
-    expected = torch.stack([((math.pi * s) ** k * torch.cos(math.pi * x * s + k * math.pi / 2)
-                             * w).sum(-1) for k in range(7)])  # fmt: skip
+    expected = torch.stack([sinc_derivative(x, k) for k in range(7)])
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+
+
+def sinc_derivative(x, k):
+    """d^k/dx^k sinc(x) = int_0^1 (pi s)^k cos(pi x s + k pi / 2) ds, by Gauss-Legendre
+    quadrature, in x's dtype (x: (B, 1), the quadrature along its last dim)."""
+    nodes, weights = np.polynomial.legendre.leggauss(60)
+    s, w = (torch.from_numpy(a).to(x.device, x.dtype) for a in ((nodes + 1) / 2, weights / 2))
+    return ((math.pi * s) ** k * torch.cos(math.pi * x * s + k * math.pi / 2) * w).sum(-1)
+
+
+SINCS = {  # as f calls them (looked up at the call: pyhvp replaces them for the run)
+    "torch.sinc": lambda y: torch.sinc(y),
+    "torch.special.sinc": lambda y: torch.special.sinc(y),
+}
+SECOND_DERIVATIVES_OF_A_SUM = {  # each call's diagonal of f(x) = sum_i g(x_i) over x's (B, 1)
+    "hvp": lambda f, x: pyhvp.hvp(f, x, torch.ones_like(x), backend=EAGER)[:, 0],
+    **{f"sub_hessian {method}": lambda f, x, method=method: pyhvp.sub_hessian(
+        lambda p: f(p[:, None]).sum(), x[:, 0], torch.arange(len(x), device=x.device),
+        method=method).diagonal() for method in ("auto", "reverse", "forward", "sparse")},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("call", SECOND_DERIVATIVES_OF_A_SUM.values(),
+                         ids=SECOND_DERIVATIVES_OF_A_SUM.keys())  # fmt: skip
+@pytest.mark.parametrize("sinc", SINCS.values(), ids=SINCS.keys())
+def test_sinc_has_its_second_derivative_at_zero_and_near_it_outside_transforms(sinc, call,
+                                                                             dtype, device):  # fmt: skip
+    """HVPs and sub-Hessians of a plain x took autograd's second derivative of sinc: NaN at 0,
+    +5.96 for -3.29 at 1e-4 in float32, 0 at 1e-9 in float64 (until 2026-12-07; the Taylor
+    operators and the calls inside transforms had it right)."""
+    x = torch.tensor([0.0, 1e-9, 1e-4, 1e-2, 0.3, -1.7], dtype=dtype, device=device)[:, None]
+    got = call(lambda y: sinc(y).sum(-1), x)
+    expected = sinc_derivative(x.double(), 2).to(dtype)
+    torch.testing.assert_close(got, expected, **({} if dtype == torch.float64 else
+                                                 {"rtol": 1e-5, "atol": 1e-5}))  # fmt: skip
+
+
+BY_AUTOGRAD = ("hvp", "sub_hessian auto", "sub_hessian reverse")
+
+
+@pytest.mark.parametrize("name", BY_AUTOGRAD)
+def test_sinc_as_a_method_is_warned_of_outside_transforms(name):
+    """``x.sinc()`` is torch's own there (pyhvp does not replace tensor methods): its second
+    derivative is NaN at 0, and the calls that differentiate by autograd say so (the forward
+    and sparse routes refuse the NaN)."""
+    call = SECOND_DERIVATIVES_OF_A_SUM[name]
+    x = torch.tensor([0.0, 0.3], dtype=torch.float64)[:, None]
+    with pytest.warns(RuntimeWarning, match=re.escape("call torch.sinc(x)")):
+        call(lambda y: y.sinc().sum(-1), x)
 
 
 def gelu_tanh_in_elementary_ops(u):
@@ -203,7 +251,7 @@ WRITTEN_OUT_IN_TRANSFORMS = {  # an activation whose nested reverse-mode derivat
     # gets wrong at some points, and such points among others
     "gelu's tanh approximation, saturated": (
         lambda z: F.gelu(z, approximate="tanh"), [[30.0, 0.5], [0.1, -0.2]]),
-    "sinc at and near 0": (torch.sinc, [[0.0, 0.5], [1e-9, 2.0]]),
+    "sinc at and near 0": (lambda z: torch.sinc(z), [[0.0, 0.5], [1e-9, 2.0]]),
 }  # fmt: skip
 
 
@@ -230,7 +278,7 @@ def test_an_activation_inside_a_transform_has_the_derivatives_it_has_outside(g, 
 
 
 HALF_POINTS = {  # points where a half activation's written-out intermediates overflowed
-    "sinc": (torch.sinc, [0.5, 0.8]),  # (its series' gradient: t ** 31 for t = pi u > 1.43)
+    "sinc": (lambda z: torch.sinc(z), [0.5, 0.8]),  # (its series' gradient: t ** 31 for t = pi u > 1.43)
     "gelu's tanh approximation": (lambda z: F.gelu(z, approximate="tanh"), [160.0, -0.5]),
 }  # fmt: skip
 

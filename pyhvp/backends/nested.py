@@ -41,9 +41,9 @@ from torch.overrides import TorchFunctionMode
 from pyhvp import taylor
 from pyhvp._attention import math_attention
 from pyhvp._norms import PARAMETERS, per_channel
+from pyhvp._sinc import sinc_twice_differentiable
 from pyhvp._user_errors import note
 from pyhvp.taylor.program import logcumsumexp_by_prefixes
-from pyhvp.taylor.rules.elementwise import sinc_written_out
 
 
 def taylor_coefficients(
@@ -156,7 +156,7 @@ class _Elementary(TorchFunctionMode):
         if func in _SINCS and kwargs.get("out") is None:
             input = args[0] if args else kwargs.get("input")
             if isinstance(input, torch.Tensor) and input.is_floating_point():
-                return sinc_written_out(_wide(input)).to(input.dtype)
+                return sinc_twice_differentiable(input)
         if func in _CUMULATIVE_LOG_SUMS and self.cumulative and kwargs.get("out") is None:
             bound = dict(zip(("input", "dim"), args, strict=False)) | kwargs
             input = bound.get("input")

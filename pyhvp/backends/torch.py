@@ -79,6 +79,7 @@ from pyhvp._checks import check_output, fmt_shape, plain_tensor
 from pyhvp._keys import version_of, wrapped
 from pyhvp._norms import batched_double_backward, twice_differentiable_norms
 from pyhvp._public import operator_depth
+from pyhvp._sinc import twice_differentiable_sinc
 from pyhvp._user_errors import note, quiet_tracing, stacklevel_outside_pyhvp
 from pyhvp._weight_norms import weight_norms_written_out
 from pyhvp.backends import Blocks, compile_policy, inductor, nested
@@ -215,7 +216,7 @@ def _grad_and_block_hvps_eager(
             total = f(*ys, *args)
         if not total.requires_grad:  # f is constant in every leaf
             return tuple(map(torch.zeros_like, leaves)), tuple(map(torch.zeros_like, tangents))
-        refuse_compiled_backward(total)
+        check_twice_differentiable(total)
         grads = torch.autograd.grad(
             total, ys, create_graph=True, allow_unused=True, materialize_grads=True
         )
@@ -320,26 +321,41 @@ class Watched:
         return not unchanged
 
 
-def refuse_compiled_backward(total: torch.Tensor) -> None:
-    """Raise ``ValueError`` where autograd's graph of ``total`` holds a backward compiled by
-    ``torch.compile`` (aot_autograd's ``CompiledFunctionBackward``, a function the caller
-    compiled itself): autograd cannot differentiate it again, and a second backward that allows
-    unused inputs reads its second derivatives as zero, silently."""
+def check_twice_differentiable(total: torch.Tensor) -> None:
+    """Check autograd's graph of ``total`` before it is differentiated twice: raise
+    ``ValueError`` where it holds a backward compiled by ``torch.compile`` (aot_autograd's
+    ``CompiledFunctionBackward``, a function the caller compiled itself), which autograd cannot
+    differentiate again (a second backward that allows unused inputs reads its second
+    derivatives as zero, silently); warn where it holds torch's own ``sinc``, which
+    :data:`~pyhvp._sinc.twice_differentiable_sinc` did not replace (``x.sinc()``, or a function
+    bound before the call): its second derivative is NaN at 0 and loses its digits near it."""
     stack = [total.grad_fn] if total.grad_fn is not None else []
     seen = set(stack)
+    torch_sinc = False
     while stack:
         node = stack.pop()
-        if type(node).__name__ == "CompiledFunctionBackward":
+        name = type(node).__name__
+        if name == "CompiledFunctionBackward":
             raise ValueError(
                 "the function differentiated calls one compiled by torch.compile, whose "
                 "backward autograd cannot differentiate again (its second derivatives would "
                 "read as zero): pass it uncompiled (pyhvp compiles the whole function: "
                 "backend=pyhvp.TorchBackend(compile=True))"
             )
+        torch_sinc = torch_sinc or name == "SincBackward0"
         for child, _ in node.next_functions:  # (a loop: 60% of a generator's time)
             if child is not None and child not in seen:
                 seen.add(child)
                 stack.append(child)
+    if torch_sinc:
+        warnings.warn(
+            "pyhvp: the function differentiated calls torch's own sinc as a method (x.sinc()) "
+            "or bound before the call, whose second derivative autograd gets wrong at and near "
+            "0 (NaN at 0); pyhvp replaces torch.sinc and torch.special.sinc for its runs: call "
+            "torch.sinc(x)",
+            RuntimeWarning,
+            stacklevel=stacklevel_outside_pyhvp(),
+        )
 
 
 def _differentiable_alias(y: torch.Tensor) -> torch.Tensor:
@@ -1032,6 +1048,7 @@ class TorchBackend:
     @math_attention  # fused attention kernels have no second derivative
     @twice_differentiable_norms  # torch's double backward: a bias without weight, group norm batched
     @weight_norms_written_out  # torch's double backward of the fused one is wrong
+    @twice_differentiable_sinc  # torch's second derivative: NaN at 0, no digits near it
     def _run(
         self,
         eager_kernel: Callable[..., Result],

@@ -391,7 +391,12 @@ def sinc_written_out(u: Tensor) -> Tensor:
     tensor([1.0000, 0.6366])
     """
     near, t_near, t_far = _sinc_branches(u)
-    return torch.where(near, _horner(_sinc_series(0), t_near), torch.sin(t_far) / t_far)
+    return torch.where(near, _horner(_SINC_VALUE_SERIES, t_near), torch.sin(t_far) / t_far)
+
+
+_SINC_VALUE_SERIES = tuple(_sinc_series(0))
+""":func:`_sinc_series` of ``s`` itself, a constant: what dynamo reads in a compiled kernel that
+runs :func:`sinc_written_out` (a call of the cached function there is warned about)."""
 
 
 def _sinc(u: Tensor, y: Tensor, *, order: int) -> Sequence[Tensor | None]:

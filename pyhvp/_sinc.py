@@ -1,0 +1,59 @@
+"""``sinc`` differentiated twice: :data:`twice_differentiable_sinc`.
+
+Autograd's derivatives of ``torch.sinc`` divide by ``x`` where it is not 0: its second is NaN at
+0 and loses its digits near it (torch 2.13, float32: ``+5.96`` at ``x = 1e-4`` where ``-pi^2 / 3
+= -3.29``; float64: 0 at ``1e-9``). Inside the context ``torch.sinc`` and
+``torch.special.sinc`` run as :func:`~pyhvp.taylor.rules.elementwise.sinc_written_out`, whose
+nested derivatives are right at and near 0, with the same values (in float32 at least, as torch
+computes a half one). ``Tensor.sinc`` is not replaced: setting an attribute of ``torch.Tensor``
+empties Python's cache of every tensor method's lookup, which cost each HVP call 5-8 us (4% of
+a small one); where it ran, autograd's graph tells, and
+:func:`~pyhvp.backends.torch.check_twice_differentiable` warns.
+
+>>> with twice_differentiable_sinc:
+...     torch.sinc(torch.tensor([0.0, 0.5]))  # 1, sin(pi / 2) / (pi / 2)
+tensor([1.0000, 0.6366])
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from pyhvp._replacing import Replacement
+from pyhvp.taylor.rules.elementwise import sinc_written_out
+
+_OWNERS = ((torch, "sinc"), (torch.special, "sinc"))
+"""Where torch's ``sinc`` functions are found."""
+
+
+def _written_out(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    @functools.wraps(original)
+    def sinc(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """``original`` where this thread is outside the context, or for what the rewrite does
+        not take (an ``out=``, a tensor that is not floating)."""
+        plain = args or kwargs or not _REPLACED.inside()
+        if plain or not (isinstance(input, torch.Tensor) and input.is_floating_point()):
+            return original(input, *args, **kwargs)
+        return sinc_twice_differentiable(input)
+
+    return sinc
+
+
+def sinc_twice_differentiable(input: torch.Tensor) -> torch.Tensor:
+    """``torch.sinc(input)`` by :func:`~pyhvp.taylor.rules.elementwise.sinc_written_out`, in
+    float32 at least (a half one's power series overflows: ``t ** 31``)."""
+    wide = input.to(torch.promote_types(input.dtype, torch.float32))
+    return sinc_written_out(wide).to(input.dtype)
+
+
+_REPLACED = Replacement(
+    [(owner, name, _written_out(getattr(owner, name))) for owner, name in _OWNERS]
+)
+
+twice_differentiable_sinc = _REPLACED
+"""``with twice_differentiable_sinc:`` or ``@twice_differentiable_sinc``: see the module
+docstring. Another thread's calls, and a call bound to torch's function before, are torch's."""
