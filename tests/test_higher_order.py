@@ -223,6 +223,33 @@ def test_sinc_as_a_method_is_warned_of_outside_transforms(name):
         call(lambda y: y.sinc().sum(-1), x)
 
 
+TINY_NORMS = {  # f of a norm, its exact HVP, and a scale where float32 sums of |x|^p underflow
+    "x.norm(p=3) ** 3": (lambda y: y.norm(p=3, dim=-1) ** 3,
+                         lambda x, v: 6 * x.abs() * v, 1e-9),
+    "vector_norm(x)": (lambda y: torch.linalg.vector_norm(y, dim=-1),
+                       lambda x, v: (v - x * (x * v).sum(-1, keepdim=True) / (x * x).sum(
+                           -1, keepdim=True)) / x.norm(dim=-1, keepdim=True), 1e-14),
+}  # fmt: skip
+WRITTEN_OUT_ROUTES = {  # where the HVPs take the norms written out
+    "x that requires grad": lambda f, x, v: pyhvp.hvp(f, x.requires_grad_(), v).detach(),
+    "inside vmap": lambda f, x, v: torch.func.vmap(lambda y, u: pyhvp.hvp(f, y, u))(
+        x[None], v[None])[0],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("route", WRITTEN_OUT_ROUTES.values(), ids=WRITTEN_OUT_ROUTES.keys())
+@pytest.mark.parametrize("case", TINY_NORMS.values(), ids=TINY_NORMS.keys())
+def test_a_written_out_norm_of_a_tiny_vector_keeps_its_derivatives(case, route):
+    """The written-out norm summed ``|x| ** p`` as they come: in float32 that underflowed at
+    ``|x|`` of 1e-9 for p = 3, and the HVPs were -inf where torch's own op is exact (until
+    2026-12-07). Against the closed form in float64."""
+    f, exact, scale = case
+    x = torch.tensor([[1.0, 2.0, 3.0]], dtype=torch.float64) * scale
+    v = torch.tensor([[1.0, -1.0, 0.5]], dtype=torch.float64)
+    got = route(f, x.float(), v.float())
+    torch.testing.assert_close(got.double(), exact(x, v), rtol=1e-5, atol=0.0)
+
+
 def gelu_tanh_in_elementary_ops(u):
     return 0.5 * u * (1 + torch.tanh(math.sqrt(2 / math.pi) * (u + 0.044715 * u**3)))
 
