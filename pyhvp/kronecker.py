@@ -11,10 +11,12 @@ is ``(R_1 ⊗ ... ⊗ R_d) vec(v)`` per system, never formed: each mode of ``v``
 its own ``R_i`` (cost ``O(N sum m_i)`` per system for ``N = prod m_i``, against ``O(N^2)`` dense).
 
 Numerics: the statistics are kept in float64 whatever the gradients' dtype, and the covariances
-assembled and eigendecomposed in float64 (roots are cast back to the gradients' dtype). A
-covariance is a difference of second moments: kept in float32, a gradient whose mean dwarfs its
-spread (mean 1000, spread 0.1) lost the covariance to rounding (100x off; a constant gradient of
-123.5 with damping 1e-3 gave 22x the damping). So that near-singular covariances give no NaN,
+eigendecomposed in float64 (roots are cast back to the gradients' dtype). Each factor is kept as
+the scatter of its fibres about their mean, each update's combined with the running one as two
+groups' are (Chan, Golub and LeVeque), never as a difference of second moments: that cancelled
+where a gradient's mean dwarfs its spread, in float32 at a ratio of 1e4 (mean 1000, spread 0.1:
+a root 100x off, until 2026-12-04) and in float64 at 1e7 (the operator 5e4 times off, until
+2026-12-07). So that near-singular covariances give no NaN,
 ``abs`` maps the tiny negative eigenvalues of rounding to small
 positive ones and a zero eigenvalue gives a zero root eigenvalue (``power > 0``); roots are
 symmetrised in float64 before the cast, so the operator ``apply`` uses is exactly symmetric per
@@ -113,7 +115,7 @@ class KroneckerHVP:
     def damping(self, value: float) -> None:
         damping = _real_option("damping", value, "a float >= 0", lambda d: d >= 0)
         # (no modes yet: no roots either; the same value keeps a resumed run's)
-        if self._factors and damping != self.damping:
+        if self._scatters and damping != self.damping:
             self._roots = None
         self._damping = damping
 
@@ -131,7 +133,7 @@ class KroneckerHVP:
             else _real_option("power", value, "None or a float > 0", lambda p: p > 0)
         )
         # the same power keeps the cached roots: None is 1 / modes (no modes yet: no roots)
-        modes = len(self._factors)
+        modes = len(self._scatters)
         if modes and _effective(power, modes) != _effective(self.power, modes):
             self._roots = None
         self._power = power
@@ -151,14 +153,15 @@ class KroneckerHVP:
         self._refresh_every = every
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        if all(f"_{name}" in state for name in _OPTIONS) and "_decay" in state:
+        if "_scatters" in state:
             self.__dict__.update(state)
             return
-        # pickled by an earlier pyhvp: its options plain attributes (before 2026-12-06 for
-        # beta, damping and power, 2026-12-07 for refresh_every), no "_decay" (before
-        # 2026-12-06): rebuilt from its options and statistics as load_state_dict takes them
-        # (validated, its roots computed anew); until 2026-12-07 such an instance loaded, then
-        # every use raised AttributeError
+        # pickled by an earlier pyhvp: second moments as "_factors" (before 2026-12-07), its
+        # options maybe plain attributes (before 2026-12-06 for beta, damping and power,
+        # 2026-12-07 for refresh_every), maybe no "_decay" (before 2026-12-06): rebuilt from its
+        # options and statistics as load_state_dict takes a state of then (validated, its roots
+        # computed anew); until 2026-12-07 such an instance loaded, then every use raised
+        # AttributeError
         options = {name: state.get(f"_{name}", state.get(name)) for name in _OPTIONS}
         self.__init__(**{name: value for name, value in options.items()  # type: ignore[misc]
                          if value is not None or name == "power"})  # fmt: skip
@@ -173,7 +176,7 @@ class KroneckerHVP:
         self._decay = 1.0  # the EMA weight not yet given to gradients: the product of their betas
         self._dtype = torch.float64  # the gradients' (roots and results have it)
         self._mean: torch.Tensor | None = None
-        self._factors: list[torch.Tensor] = []
+        self._scatters: list[torch.Tensor] = []
         self._roots = None
         self._updates_since_roots = 0
 
@@ -186,19 +189,28 @@ class KroneckerHVP:
         if self._mean is None:
             self._dtype = given.dtype
             self._mean = torch.zeros_like(grad)
-            self._factors = [grad.new_zeros(grad.shape[0], m, m) for m in grad.shape[1:]]
+            self._scatters = [grad.new_zeros(grad.shape[0], m, m) for m in grad.shape[1:]]
         # new tensors, never written in place: a copy (copy.copy) keeps its own statistics, and
         # a call that fails puts the old ones back (until 2026-12-07 a shallow copy's update
         # wrote the original's, whose next roots were 0.22 off)
-        beta, size = self.beta, grad[0].numel()
+        # each factor is the scatter of its mode's fibres about their mean (the covariance
+        # times the weight the updates hold), combined with this update's as two groups' are
+        # (Chan et al.): no difference of second moments, which cancelled in float64 too where
+        # the mean dwarfed the spread (1e7 times: the operator 5e4 times off until 2026-12-07)
+        beta, held = self.beta, 1 - self._decay  # (the weight the updates so far hold)
+        scatters = []
+        for i, scatter in enumerate(self._scatters):
+            fibres = _unfold(grad, i)  # (n, m_i, product of the other modes)
+            fibres_mean = fibres.mean(-1, keepdim=True)
+            centred = fibres - fibres_mean
+            scatter = torch.baddbmm(scatter, centred, centred.mT, beta=beta,
+                                    alpha=(1 - beta) / fibres.shape[-1])  # fmt: skip
+            if held > 0:  # the two means' difference, weighted as the groups are
+                shift = fibres_mean - _unfold(self._mean, i).mean(-1, keepdim=True) / held
+                scatter.baddbmm_(shift, shift.mT, alpha=beta * held * (1 - beta) / (1 - self._decay * beta))  # fmt: skip
+            scatters.append(scatter)
         self._mean = self._mean.mul(beta).add_(grad, alpha=1 - beta)
-        factors = []
-        for i, factor in enumerate(self._factors):
-            unfolded = _unfold(grad, i)
-            others = size // grad.shape[1 + i]  # product of the other mode sizes
-            factors.append(torch.baddbmm(factor, unfolded, unfolded.mT, beta=beta,
-                                         alpha=(1 - beta) / others))  # fmt: skip
-        self._factors = factors
+        self._scatters = scatters
         self._step += 1
         self._decay *= beta
         self._updates_since_roots += 1
@@ -263,8 +275,10 @@ class KroneckerHVP:
         given to gradients and the cached roots:
 
         - ``"step"``: the number of updates ``t``; ``"mean"``: ``(n, *modes)`` or None before
-          any update; ``"factors"``: one ``(n, m_i, m_i)`` per mode; ``"dtype"``: the gradients'
-          ``torch.dtype``; ``"decay"``: the product of the updates' betas;
+          any update; ``"factors"``: one ``(n, m_i, m_i)`` per mode, the scatter of its fibres
+          about their mean (the covariance times ``1 - decay``); ``"factors_centred"``: True
+          (states saved before 2026-12-07 held second moments there); ``"dtype"``: the
+          gradients' ``torch.dtype``; ``"decay"``: the product of the updates' betas;
         - ``"roots"``: the cached roots, one ``(n, m_i, m_i)`` per mode in the gradients' dtype,
           or None when none are cached; ``"updates_since_roots"``: the updates since they were
           computed (an int in ``[0, t]``); ``"roots_damping"`` and ``"roots_power"``: the damping
@@ -276,7 +290,8 @@ class KroneckerHVP:
         return {
             "step": self._step,
             "mean": None if self._mean is None else self._mean.clone(),
-            "factors": [f.clone() for f in self._factors],
+            "factors": [f.clone() for f in self._scatters],
+            "factors_centred": True,
             "dtype": self._dtype,
             "decay": self._decay,
             "roots": None if roots is None else [root.clone() for root in roots],
@@ -299,8 +314,9 @@ class KroneckerHVP:
         """
         required = {"step", "mean", "factors"}  # and "dtype" (states saved before 2026-12-04:
         # statistics in the gradients' dtype, which they give), "decay" (before 2026-12-06:
-        # beta ** step) and the roots' entries (before 2026-12-07: recomputed)
-        optional = {"dtype", "decay", *_ROOTS_KEYS}
+        # beta ** step), the roots' entries (before 2026-12-07: recomputed) and
+        # "factors_centred" (before 2026-12-07: second moments, made scatters here)
+        optional = {"dtype", "decay", "factors_centred", *_ROOTS_KEYS}
         if not isinstance(state, dict) or not required <= set(state) <= required | optional:
             keys = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise ValueError(
@@ -344,8 +360,11 @@ class KroneckerHVP:
         ]:
             require_like(name, tensor, "state['mean']", mean)
             _require_finite(name, tensor)
-        for i, f in enumerate(factors):  # second moments: symmetric (eigh reads one triangle),
-            # up to the rounding of U U^T products, relative to the factor's largest entry
+        centred = state.get("factors_centred", False)
+        if not isinstance(centred, bool):
+            raise TypeError(f"state['factors_centred'] must be a bool, got {centred!r}")
+        for i, f in enumerate(factors):  # scatters (or second moments): symmetric (eigh reads
+            # one triangle), up to the rounding of U U^T products, relative to the largest entry
             if f.numel() and float((f - f.mT).abs().max()) > 1e-5 * float(f.abs().max()):
                 raise ValueError(f"state['factors'][{i}] must be symmetric, got an asymmetric one")
         grad = mean.new_empty(0, dtype=dtype)  # the saved gradients' device and dtype
@@ -354,10 +373,20 @@ class KroneckerHVP:
         factors = [f.detach().to(torch.float64, copy=True) for f in factors]
         decay = _real_option("state['decay']", state.get("decay", self.beta**step),
                              "a float in [0, 1)", lambda d: 0 <= d < 1)  # fmt: skip
-        for i, (cov, f) in enumerate(zip(_covariances(mean, factors, decay), factors, strict=True)):
-            _check_covariance(i, cov, f.abs().amax((-2, -1)) / (1 - decay))
+        moments = [f.abs().amax((-2, -1)) / (1 - decay) for f in factors]  # (their rounding)
+        limit = math.sqrt(torch.finfo(torch.float64).max / mean[0].numel())
+        if not bool(mean.abs().amax() / (1 - decay) <= limit):  # (a mean of gradients update
+            # takes; the next update's square of the means' difference would overflow)
+            raise ValueError(
+                f"state['mean'] over 1 - decay, the gradients' mean, must have |entries| <= "
+                f"{limit:.3g} (so that its square is finite in float64), as update() keeps it"
+            )
+        if not centred:
+            factors = _about_the_mean(mean, factors, decay)
+        for i, (cov, scale) in enumerate(zip(_covariances(factors, decay), moments, strict=True)):
+            _check_covariance(i, cov, scale)
         self.reset()
-        self._step, self._mean, self._dtype, self._factors = step, mean, dtype, factors
+        self._step, self._mean, self._dtype, self._scatters = step, mean, dtype, factors
         self._decay = decay
         self._roots, self._updates_since_roots = roots, since
 
@@ -454,9 +483,9 @@ class KroneckerHVP:
 
     def _compute_roots(self) -> list[torch.Tensor]:
         assert self._mean is not None
-        power = _effective(self.power, len(self._factors))
+        power = _effective(self.power, len(self._scatters))
         roots, norm = [], torch.ones((), dtype=torch.float64, device=self._mean.device)
-        for cov in _covariances(self._mean, self._factors, self._decay):
+        for cov in _covariances(self._scatters, self._decay):
             vals, vecs = torch.linalg.eigh(cov)
             scaled = vals.abs().add(self.damping).pow(power)
             norm = norm * scaled.amax(-1)  # per system: the operator's largest eigenvalue
@@ -493,27 +522,35 @@ def _require_finite(name: str, tensor: torch.Tensor) -> None:
         raise ValueError(f"{name} must be finite, got NaN or infinite entries")
 
 
-def _covariances(
-    mean: torch.Tensor, factors: list[torch.Tensor], decay: float
-) -> Iterator[torch.Tensor]:
-    """Each mode's bias-corrected covariance ``F_i / c - mu_i mu_i^T``, ``c = 1 - decay`` (the EMA
-    weight not yet given to gradients, ``beta ** step`` for one beta), ``mu_i`` the corrected mean over the other
-    modes: ``(n, m_i, m_i)``."""
-    correction = 1 - decay
-    d = len(factors)
+def _covariances(factors: list[torch.Tensor], decay: float) -> Iterator[torch.Tensor]:
+    """Each mode's bias-corrected covariance, its scatter over ``1 - decay`` (the weight the
+    updates hold; ``decay``: the EMA weight not yet given to gradients, ``beta ** step`` for one
+    beta): ``(n, m_i, m_i)``."""
+    for factor in factors:
+        yield factor / (1 - decay)
+
+
+def _about_the_mean(mean: torch.Tensor, factors: list[torch.Tensor], decay: float
+                    ) -> list[torch.Tensor]:  # fmt: skip
+    """The scatters of a state saved before 2026-12-07, whose ``factors`` were second moments
+    (the EMA of ``G_(i) G_(i)^T`` over the other modes' size): ``F_i - c mu_i mu_i^T``,
+    ``c = 1 - decay``, ``mu_i`` the corrected mean over the other modes (their rounding, once)."""
+    held = 1 - decay
     trailing = mean.unsqueeze(-1)  # a trailing 1 keeps the dim list below non-empty
+    scatters = []
     for i, factor in enumerate(factors):
-        others = [1 + j for j in range(d) if j != i] + [-1]  # mean(dim=[]) reduces all dims
-        mu = trailing.mean(dim=others) / correction  # (n, m_i)
-        yield factor / correction - mu[:, :, None] * mu[:, None, :]
+        others = [1 + j for j in range(len(factors)) if j != i] + [-1]  # mean(dim=[]): all dims
+        mu = trailing.mean(dim=others) / held  # (n, m_i)
+        scatters.append(factor - held * mu[:, :, None] * mu[:, None, :])
+    return scatters
 
 
 def _check_covariance(i: int, cov: torch.Tensor, moments: torch.Tensor) -> None:
     """A loaded state's mode-``i`` covariance must be finite and positive semi-definite up to
-    the rounding of its second ``moments`` (per system, the largest: a constant gradient's
-    covariance is 0 by cancellation) -- as every state :meth:`KroneckerHVP.update` makes is, an
-    average of outer products minus its mean's: else a negated factor's root, taken of
-    ``|eigenvalues|``, looked plausible."""
+    the rounding of its factor's ``moments`` (per system, the largest entry over ``1 - decay``:
+    a state saved as second moments gives a constant gradient's covariance 0 by cancellation)
+    -- as every state :meth:`KroneckerHVP.update` makes is, a sum of outer products: else a
+    negated factor's root, taken of ``|eigenvalues|``, looked plausible."""
     if not bool(cov.isfinite().all()):
         raise ValueError(
             f"state['factors'][{i}] and state['mean'] give a covariance that is not finite "
@@ -523,7 +560,7 @@ def _check_covariance(i: int, cov: torch.Tensor, moments: torch.Tensor) -> None:
     if bool((values.amin(-1) < -1e-5 * moments).any()):
         raise ValueError(
             f"state['factors'][{i}] with state['mean'] must give a positive semi-definite "
-            f"covariance (second moments at least the mean's square), got a negative eigenvalue "
+            f"covariance (a sum of outer products), got a negative eigenvalue "
             f"{float(values.amin()):.3g}: not a state update() makes"
         )
 
