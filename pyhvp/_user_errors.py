@@ -28,6 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import ParamSpec, TypeVar
 
+import torch
+
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -153,18 +155,25 @@ def _in_package(frame: types.FrameType) -> bool:
     return frame.f_code.co_filename.startswith(PACKAGE)
 
 
-def stacklevel_outside_pyhvp() -> int:
+def stacklevel_outside_pyhvp(through_torch: bool = False) -> int:
     """The ``warnings.warn`` stacklevel, for the caller of this function, that names the first
     frame outside the pyhvp package, torch's :data:`PLUMBING` (the ``torch.compiler.disable``
     wrapper around every public operator) and ``contextlib``'s wrapper of the functions pyhvp
     decorates with a context (until 2026-12-07 a warning from under one named that wrapper):
-    the user's call."""
+    the user's call. ``through_torch``: outside torch too (a hook autograd's engine calls)."""
     frame: types.FrameType | None = sys._getframe(1)
     level = 1
-    while frame is not None and (_in_package(frame) or frame.f_code.co_filename.endswith(PLUMBING)
-                                 or frame.f_code.co_filename == contextlib.__file__):  # fmt: skip
+    while frame is not None and (
+        _in_package(frame)
+        or frame.f_code.co_filename.endswith(PLUMBING)
+        or frame.f_code.co_filename == contextlib.__file__
+        or (through_torch and frame.f_code.co_filename.startswith(_TORCH_PACKAGE))
+    ):
         frame, level = frame.f_back, level + 1
     return level
+
+
+_TORCH_PACKAGE = str(Path(torch.__file__).resolve().parent) + os.sep
 
 
 def _add_hint(error: BaseException) -> None:
