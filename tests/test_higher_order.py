@@ -251,6 +251,17 @@ def test_a_written_out_norm_of_a_tiny_vector_keeps_its_derivatives(case, route):
     torch.testing.assert_close(got.double(), exact(x, v), rtol=1e-5, atol=0.0)
 
 
+@pytest.mark.parametrize("scale", [1e-15, 1e-18, 1e18])
+def test_the_laplacian_of_a_float32_norm_far_from_one_keeps_its_accuracy(scale):
+    """The Taylor engine summed powers of the entries as they came: in float32 the Laplacian of
+    ``|x|`` was -inf at ``|x|`` of 1e-15 and 1e-18, and 9% off at 1e18 (until 2026-12-07).
+    Against the closed form ``(n - 1) / |x|`` in float64."""
+    x = torch.randn(2, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    x = x * scale
+    got = pyhvp.laplacian(lambda y: torch.linalg.vector_norm(y, dim=-1), x.float())
+    torch.testing.assert_close(got.double(), 11 / x.norm(dim=-1), rtol=1e-5, atol=0.0)
+
+
 @pytest.mark.parametrize("at_zero", [True, False], ids=["x = 0", "random x"])
 def test_a_zero_gradient_reaching_logcumsumexp_is_warned_of(at_zero):
     """Torch's backward of logcumsumexp takes the log of its gradient, constant where it is 0:

@@ -397,10 +397,18 @@ def _vector_norm(
     # through the unselected branch of a where (|u| ** 1.5 at a zero vector made them NaN)
     zero = out == 0
     vector_zero = _kept(zero, u.value.shape, dims)
-    base = u if ord == 2 else _where_not(vector_zero, magnitude)
+    # over the largest entry (a constant: the norm is homogeneous), so that the sum of powers
+    # neither underflows nor overflows: float32's Laplacian of |x| was -inf at |x| of 1e-15 and
+    # 0 at 1e-25 where it is 3.5e25 (until 2026-12-07)
+    largest = u.value.detach().abs().amax(dims, keepdim=True)
+    scale = torch.where((largest == 0) | largest.isinf(), 1.0, largest)
+    scaled = apply(ctx, aten.div.Tensor, u, scale)
+    base = scaled if ord == 2 else _where_not(vector_zero, apply(ctx, aten.abs.default, scaled))
     total = apply(ctx, aten.sum.dim_IntList, apply(ctx, aten.pow.Tensor_Scalar, base, ord), dims,
                   keepdim)  # fmt: skip
-    norm = apply(ctx, aten.pow.Tensor_Scalar, _where_not(zero, total), 1 / ord)
+    norm = apply(ctx, aten.mul.Tensor,
+                 apply(ctx, aten.pow.Tensor_Scalar, _where_not(zero, total), 1 / ord),
+                 scale if keepdim else scale.squeeze(dims))  # fmt: skip
     coefficients = [None if c is None else torch.where(zero, 0.0, c)
                     for c in dense_coefficients(norm)]  # fmt: skip
     if ord > 0 and not ctx.collapses(1) and all(c is None for c in u.coefficients[1:]):
