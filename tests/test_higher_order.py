@@ -251,6 +251,22 @@ def test_a_written_out_norm_of_a_tiny_vector_keeps_its_derivatives(case, route):
     torch.testing.assert_close(got.double(), exact(x, v), rtol=1e-5, atol=0.0)
 
 
+@pytest.mark.parametrize("route", WRITTEN_OUT_ROUTES.values(), ids=WRITTEN_OUT_ROUTES.keys())
+def test_a_written_out_norm_of_entries_spanning_float32s_range_keeps_its_derivatives(route):
+    """Divided by its largest entry, 1e10, the entry 1e-30 became subnormal, and the HVP of
+    ``|x|_1.5 ** 3`` there was inf (2026-12-07, before the scaling was kept to sums out of
+    range). Against autograd in float64."""
+    x = torch.tensor([[1e-30, 1.0, 1e10, 1.0]], dtype=torch.float64)
+    v = torch.ones_like(x)
+
+    def f(y):
+        return torch.linalg.vector_norm(y, ord=1.5, dim=-1) ** 3
+
+    expected = torch.func.hessian(lambda y: f(y[None])[0])(x[0]) @ v[0]
+    got = route(f, x.float(), v.float())
+    torch.testing.assert_close(got.double()[0], expected, rtol=1e-5, atol=0.0)
+
+
 @pytest.mark.parametrize("scale", [1e-15, 1e-18, 1e18])
 def test_the_laplacian_of_a_float32_norm_far_from_one_keeps_its_accuracy(scale):
     """The Taylor engine summed powers of the entries as they came: in float32 the Laplacian of

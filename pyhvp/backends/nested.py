@@ -305,9 +305,9 @@ def _zero_safe_norm(input: object, ord: float, dims: tuple[int, ...] | None, kee
     1 there, so that nested reverse mode multiplies no ``inf`` by 0 (torch's own second and
     higher derivatives of a norm at a zero vector are NaN: the zero self-distances of a pair
     potential made every entry of ``grad`` of its Laplacian NaN). The entries are divided by the
-    largest first (a constant: the norm is homogeneous), so that the sum neither underflows nor
-    overflows: until 2026-12-07 ``|x| ** 3`` of a float32 ``x`` of 1e-9 did, and the derivatives
-    of ``x.norm(p=3) ** 3`` were -inf there. None outside ``1 < ord < inf`` and for complex or
+    largest first (a constant: the norm is homogeneous) where their plain sum of powers is out of
+    the range its derivatives need: until 2026-12-07 ``|x| ** 3`` of a float32 ``x`` of 1e-9
+    underflowed, and the derivatives of ``x.norm(p=3) ** 3`` were -inf there. None outside ``1 < ord < inf`` and for complex or
     integer input."""
     if not (isinstance(input, torch.Tensor) and input.is_floating_point()):
         return None
@@ -316,9 +316,16 @@ def _zero_safe_norm(input: object, ord: float, dims: tuple[int, ...] | None, kee
     x = input if dtype is None else input.to(dtype)
     wide = _wide(x)
     dims = tuple(range(x.ndim)) if dims is None else dims
-    largest = wide.detach().abs().amax(dims, keepdim=True)
+    magnitude = wide.detach().abs()
+    largest = magnitude.amax(dims, keepdim=True)
     zero_vector = largest == 0
-    scale = torch.where(zero_vector | largest.isinf(), 1.0, largest)  # (inf: the norm is inf)
+    # scaled only where the plain sum is out of range for its derivatives: scaling a vector
+    # whose entries span more than float32's range made the smallest subnormal (an HVP of
+    # |x|_1.5 ** 3 over [1e-30, 1e10] was inf)
+    finfo = torch.finfo(wide.dtype)
+    plain = magnitude.pow(ord).sum(dims, keepdim=True)
+    in_range = (plain >= finfo.max**-0.125) & (plain <= finfo.max**0.5)
+    scale = torch.where(zero_vector | largest.isinf() | in_range, 1.0, largest)
     base = torch.where(zero_vector, 1.0, wide / scale)  # (|0| ** ord: its derivatives too)
     total = (base if ord == 2 else base.abs()).pow(ord).sum(dims, keepdim=True)
     root = total.pow(1 / ord) * scale
