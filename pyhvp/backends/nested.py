@@ -305,10 +305,10 @@ def _zero_safe_norm(input: object, ord: float, dims: tuple[int, ...] | None, kee
     1 there, so that nested reverse mode multiplies no ``inf`` by 0 (torch's own second and
     higher derivatives of a norm at a zero vector are NaN: the zero self-distances of a pair
     potential made every entry of ``grad`` of its Laplacian NaN). The entries are divided by the
-    largest first (a constant: the norm is homogeneous) where their plain sum of powers is out of
-    the range its derivatives need: until 2026-12-07 ``|x| ** 3`` of a float32 ``x`` of 1e-9
-    underflowed, and the derivatives of ``x.norm(p=3) ** 3`` were -inf there. None outside ``1 < ord < inf`` and for complex or
-    integer input."""
+    largest first (a constant: the norm is homogeneous) where their plain sum of powers is out
+    of the range its derivatives need: until 2026-12-07 ``|x| ** 3`` of a float32 ``x`` of 1e-9
+    underflowed, and the derivatives of ``x.norm(p=3) ** 3`` were -inf there. None outside
+    ``1 < ord < inf`` and for complex or integer input."""
     if not (isinstance(input, torch.Tensor) and input.is_floating_point()):
         return None
     if not 1 < ord < math.inf:
