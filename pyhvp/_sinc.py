@@ -38,16 +38,9 @@ def _written_out(original: Callable[..., torch.Tensor]) -> Callable[..., torch.T
         plain = args or kwargs or not _REPLACED.inside()
         if plain or not (isinstance(input, torch.Tensor) and input.is_floating_point()):
             return original(input, *args, **kwargs)
-        return sinc_twice_differentiable(input)
+        return sinc_written_out(input)
 
     return sinc
-
-
-def sinc_twice_differentiable(input: torch.Tensor) -> torch.Tensor:
-    """``torch.sinc(input)`` by :func:`~pyhvp.taylor.rules.elementwise.sinc_written_out`, in
-    float32 at least (a half one's power series overflows: ``t ** 31``)."""
-    wide = input.to(torch.promote_types(input.dtype, torch.float32))
-    return sinc_written_out(wide).to(input.dtype)
 
 
 _REPLACED = Replacement(

@@ -41,9 +41,9 @@ from torch.overrides import TorchFunctionMode
 from pyhvp import taylor
 from pyhvp._attention import math_attention
 from pyhvp._norms import PARAMETERS, per_channel
-from pyhvp._sinc import sinc_twice_differentiable
 from pyhvp._user_errors import note
 from pyhvp.taylor.program import logcumsumexp_by_prefixes
+from pyhvp.taylor.rules.elementwise import sinc_written_out
 
 
 def taylor_coefficients(
@@ -156,7 +156,7 @@ class _Elementary(TorchFunctionMode):
         if func in _SINCS and kwargs.get("out") is None:
             input = args[0] if args else kwargs.get("input")
             if isinstance(input, torch.Tensor) and input.is_floating_point():
-                return sinc_twice_differentiable(input)
+                return sinc_written_out(input)
         if func in _CUMULATIVE_LOG_SUMS and self.cumulative and kwargs.get("out") is None:
             bound = dict(zip(("input", "dim"), args, strict=False)) | kwargs
             input = bound.get("input")
@@ -278,9 +278,9 @@ def _written_gelu_tanh(args: Sequence[Any], kwargs: dict[str, Any]) -> torch.Ten
 
 def _wide(input: torch.Tensor) -> torch.Tensor:
     """``input`` in float32 at least, as torch's kernels compute a half one: a written-out op's
-    intermediates overflow in half -- a norm's sums, the gradient of sinc's power series (``t **
-    31``) and of gelu's cube (``3 u ** 2``) --, so that its derivatives were NaN (a half sinc's
-    Hessian-vector product at 0.5 in ``vmap``) where torch's own are finite."""
+    intermediates overflow in half -- a norm's sums, the gradient of gelu's cube (``3 u ** 2``;
+    :func:`~pyhvp.taylor.rules.elementwise.sinc_written_out` widens itself) --, so that its
+    derivatives were NaN where torch's own are finite."""
     return input.to(torch.promote_types(input.dtype, torch.float32))
 
 

@@ -385,13 +385,16 @@ def _sinc_branches(u: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 def sinc_written_out(u: Tensor) -> Tensor:
     """``sinc(u)`` in elementary ops whose nested reverse-mode derivatives are right at and
     near 0 (torch's own are NaN at 0 and lose every digit near it): the power series of
-    ``s(t) = sin(t) / t`` near 0, ``sin(t) / t`` elsewhere, each on a safe ``t``.
+    ``s(t) = sin(t) / t`` near 0, ``sin(t) / t`` elsewhere, each on a safe ``t``; in float32
+    at least, as torch computes a half one (a half power series' gradient overflows:
+    ``t ** 31``), and rounded back to ``u``'s dtype.
 
     >>> sinc_written_out(torch.tensor([0.0, 0.5]))  # 1, sin(pi / 2) / (pi / 2)
     tensor([1.0000, 0.6366])
     """
-    near, t_near, t_far = _sinc_branches(u)
-    return torch.where(near, _horner(_SINC_VALUE_SERIES, t_near), torch.sin(t_far) / t_far)
+    near, t_near, t_far = _sinc_branches(u.to(torch.promote_types(u.dtype, torch.float32)))
+    value = torch.where(near, _horner(_SINC_VALUE_SERIES, t_near), torch.sin(t_far) / t_far)
+    return value.to(u.dtype)
 
 
 _SINC_VALUE_SERIES = tuple(_sinc_series(0))
