@@ -54,7 +54,8 @@ class KroneckerHVP:
     Shapes: ``update(grad)`` takes ``grad`` of shape ``(n, *modes)`` (any number of modes >= 1);
     ``apply(v)`` takes ``v`` of shape ``(*extra, n, *modes)`` and returns that shape;
     ``kron(grad, v)`` is ``update(grad)`` then ``apply(v)``. ``power=None`` means
-    ``1 / len(modes)``; every dim after ``n`` is a mode, size-1 ones too (``(n, 1, 5)`` has two). The state (EMA mean, one factor per mode, step count, the product of
+    ``1 / len(modes)``; every dim after ``n`` is a mode, size-1 ones too (``(n, 1, 5)`` has
+    two). The state (EMA mean, one factor per mode, step count, the product of
     the updates' betas) is created on the first update, on grad's device, in float64; ``grad``
     and ``v`` keep the first update's dtype, which roots and results have. Roots are computed
     on the first ``apply`` after an update and cached; with ``refresh_every=k`` a cached root is
@@ -190,14 +191,15 @@ class KroneckerHVP:
             self._dtype = given.dtype
             self._mean = torch.zeros_like(grad)
             self._scatters = [grad.new_zeros(grad.shape[0], m, m) for m in grad.shape[1:]]
-        # new tensors, never written in place: a copy (copy.copy) keeps its own statistics, and
-        # a call that fails puts the old ones back (until 2026-12-07 a shallow copy's update
-        # wrote the original's, whose next roots were 0.22 off)
-        # each factor is the scatter of its mode's fibres about their mean (the covariance
+        # Each factor is the scatter of its mode's fibres about their mean (the covariance
         # times the weight the updates hold), combined with this update's as two groups' are
         # (Chan et al.): no difference of second moments, which cancelled in float64 too where
-        # the mean dwarfed the spread (1e7 times: the operator 5e4 times off until 2026-12-07)
+        # the mean dwarfed the spread (1e7 times: the operator 5e4 times off until 2026-12-07).
+        # New tensors, never written in place: a copy (copy.copy) keeps its own statistics, and
+        # a call that fails puts the old ones back (until 2026-12-07 a shallow copy's update
+        # wrote the original's, whose next roots were 0.22 off).
         beta, held = self.beta, 1 - self._decay  # (the weight the updates so far hold)
+        after = beta * held + (1 - beta)  # (and with this one)
         scatters = []
         for i, scatter in enumerate(self._scatters):
             fibres = _unfold(grad, i)  # (n, m_i, product of the other modes)
@@ -206,8 +208,8 @@ class KroneckerHVP:
             scatter = torch.baddbmm(scatter, centred, centred.mT, beta=beta,
                                     alpha=(1 - beta) / fibres.shape[-1])  # fmt: skip
             if held > 0:  # the two means' difference, weighted as the groups are
-                shift = fibres_mean - _unfold(self._mean, i).mean(-1, keepdim=True) / held
-                scatter.baddbmm_(shift, shift.mT, alpha=beta * held * (1 - beta) / (1 - self._decay * beta))  # fmt: skip
+                shift = fibres_mean - _mode_mean(self._mean, i)[..., None] / held
+                scatter.baddbmm_(shift, shift.mT, alpha=beta * held * (1 - beta) / after)
             scatters.append(scatter)
         self._mean = self._mean.mul(beta).add_(grad, alpha=1 - beta)
         self._scatters = scatters
@@ -238,7 +240,7 @@ class KroneckerHVP:
         require_like("v", v, "grad", roots[0])
         # half dtypes contract in float32: an intermediate product overflowed float16 where the
         # result fits (inf until 2026-12-07), as a matmul accumulates wider and rounds once
-        wide = torch.float32 if v.dtype.itemsize < 4 else v.dtype
+        wide = torch.promote_types(v.dtype, torch.float32)
         out = v.to(wide)
         for root in roots:  # cycle: the next mode to the end, contract it with its root
             out = out.movedim(lead, -1)
@@ -374,7 +376,7 @@ class KroneckerHVP:
         decay = _real_option("state['decay']", state.get("decay", self.beta**step),
                              "a float in [0, 1)", lambda d: 0 <= d < 1)  # fmt: skip
         moments = [f.abs().amax((-2, -1)) / (1 - decay) for f in factors]  # (their rounding)
-        limit = math.sqrt(torch.finfo(torch.float64).max / mean[0].numel())
+        limit = _largest_gradient(mean[0].numel())
         if not bool(mean.abs().amax() / (1 - decay) <= limit):  # (a mean of gradients update
             # takes; the next update's square of the means' difference would overflow)
             raise ValueError(
@@ -472,7 +474,7 @@ class KroneckerHVP:
                 )
             like = self._mean.new_empty(0, dtype=self._dtype)  # the first grad's device, dtype
             require_like("grad", grad, "the first update's grad", like)
-        limit = math.sqrt(torch.finfo(torch.float64).max / grad[0].numel())
+        limit = _largest_gradient(grad[0].numel())
         largest = grad.abs().amax().double()  # the limit overflows float32
         if not bool(largest <= limit):  # also rejects NaN
             raise ValueError(
@@ -512,6 +514,12 @@ _ROOTS_KEYS = ("roots", "updates_since_roots", "roots_damping", "roots_power")
 """The state's entries of the cached roots (states saved before 2026-12-07 have none)."""
 
 
+def _largest_gradient(size: int) -> float:
+    """The largest ``|entry|`` of a system's gradient of ``size`` entries whose second moments
+    fit in float64."""
+    return math.sqrt(torch.finfo(torch.float64).max / size)
+
+
 def _effective(power: float | None, modes: int) -> float:
     """The roots' power of the option ``power`` for ``modes`` modes (None: ``1 / modes``)."""
     return 1 / modes if power is None else power
@@ -536,13 +544,16 @@ def _about_the_mean(mean: torch.Tensor, factors: list[torch.Tensor], decay: floa
     (the EMA of ``G_(i) G_(i)^T`` over the other modes' size): ``F_i - c mu_i mu_i^T``,
     ``c = 1 - decay``, ``mu_i`` the corrected mean over the other modes (their rounding, once)."""
     held = 1 - decay
-    trailing = mean.unsqueeze(-1)  # a trailing 1 keeps the dim list below non-empty
     scatters = []
     for i, factor in enumerate(factors):
-        others = [1 + j for j in range(len(factors)) if j != i] + [-1]  # mean(dim=[]): all dims
-        mu = trailing.mean(dim=others) / held  # (n, m_i)
+        mu = _mode_mean(mean, i) / held  # (n, m_i)
         scatters.append(factor - held * mu[:, :, None] * mu[:, None, :])
     return scatters
+
+
+def _mode_mean(tensor: torch.Tensor, mode: int) -> torch.Tensor:
+    """``(n, m_mode)``: the mean of ``(n, *modes)`` over every mode but ``mode``."""
+    return _unfold(tensor, mode).mean(-1)
 
 
 def _check_covariance(i: int, cov: torch.Tensor, moments: torch.Tensor) -> None:
