@@ -6,14 +6,16 @@ conversions while the Taylor engine records ``f``, the embedding functions while
 ``sub_hessian`` differentiates a loss twice, dynamo's handlers of tensor properties while the
 sparse route's kernels trace (:mod:`pyhvp.restricted.dynamo_views`). A replacement decides per call whether to act, from
 whether its own thread is inside a context (:meth:`Replacement.inside`); another thread's
-calls reach it too, and get the original's behaviour.
+calls reach it too, and get the original's behaviour. :class:`Together` enters several
+contexts as one.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from contextlib import ContextDecorator
+from contextlib import AbstractContextManager, ContextDecorator
+from typing import Any
 
 _MISSING = object()
 """No attribute of the owner's own (an inherited one): deleted again, not set."""
@@ -65,3 +67,24 @@ class Replacement(ContextDecorator):
                         delattr(owner, name)
                     else:
                         setattr(owner, name, found)
+
+
+class Together(ContextDecorator):
+    """Several contexts entered as one (``with together:`` or ``@together``), in order, and left
+    in reverse; where one fails to enter, those entered before are left again."""
+
+    def __init__(self, *contexts: AbstractContextManager[object]) -> None:
+        self._contexts = contexts
+
+    def __enter__(self) -> None:
+        for entered, context in enumerate(self._contexts):
+            try:
+                context.__enter__()
+            except BaseException:
+                for earlier in reversed(self._contexts[:entered]):
+                    earlier.__exit__(None, None, None)
+                raise
+
+    def __exit__(self, *exc: Any) -> None:
+        for context in reversed(self._contexts):
+            context.__exit__(*exc)

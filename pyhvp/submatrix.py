@@ -89,14 +89,12 @@ from pyhvp._checks import (
     require_like,
     require_tensor,
 )
+from pyhvp._differentiated_twice import differentiated_twice
 from pyhvp._embeddings import TwiceDifferentiable, twice_differentiable_embeddings
 from pyhvp._keys import wrapped
-from pyhvp._norms import twice_differentiable_norms
 from pyhvp._progress import progress_bar
 from pyhvp._public import public_operator
-from pyhvp._sinc import twice_differentiable_sinc
 from pyhvp._user_errors import PACKAGE, stacklevel_outside_pyhvp
-from pyhvp._weight_norms import weight_norms_written_out
 from pyhvp.backends import Backend, compile_policy, nested, require_primitive, resolve_backend
 from pyhvp.backends.torch import (
     TorchBackend,
@@ -1813,8 +1811,7 @@ def _loop_rows(
         ys = [cast(torch.Tensor, t).detach().requires_grad_() for t in _normal(tuple(leaves))]
         args = _normal(args)
         draws.begin(last=True)  # (the loop is a batch's last run: sparse parts run before it)
-        with (twice_differentiable_embeddings, twice_differentiable_norms,
-              weight_norms_written_out, twice_differentiable_sinc):  # fmt: skip
+        with twice_differentiable_embeddings, differentiated_twice:
             total = loss(*ys, *args)
         check_twice_differentiable(total)
         return _rows_by_loop(total, ys, row_flats, column_flats)

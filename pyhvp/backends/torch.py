@@ -76,12 +76,11 @@ from pyhvp import restricted, taylor
 from pyhvp._attention import math_attention
 from pyhvp._batched_backward import batched_grad
 from pyhvp._checks import check_output, fmt_shape, plain_tensor
+from pyhvp._differentiated_twice import differentiated_twice
 from pyhvp._keys import version_of, wrapped
-from pyhvp._norms import batched_double_backward, twice_differentiable_norms
+from pyhvp._norms import batched_double_backward
 from pyhvp._public import operator_depth
-from pyhvp._sinc import twice_differentiable_sinc
 from pyhvp._user_errors import note, quiet_tracing, stacklevel_outside_pyhvp
-from pyhvp._weight_norms import weight_norms_written_out
 from pyhvp.backends import Blocks, compile_policy, inductor, nested
 from pyhvp.backends.compile_policy import CompileCache
 from pyhvp.restricted.state import Recording, Snapshot
@@ -1069,9 +1068,7 @@ class TorchBackend:
         return parts
 
     @math_attention  # fused attention kernels have no second derivative
-    @twice_differentiable_norms  # torch's double backward: a bias without weight, group norm batched
-    @weight_norms_written_out  # torch's double backward of the fused one is wrong
-    @twice_differentiable_sinc  # torch's second derivative: NaN at 0, no digits near it
+    @differentiated_twice  # norms, weight norms, sinc: torch's double backwards are wrong
     def _run(
         self,
         eager_kernel: Callable[..., Result],

@@ -74,9 +74,8 @@ from torch.utils import _pytree as pytree
 
 from pyhvp._attention import math_attention
 from pyhvp._batched_backward import batched_grad
-from pyhvp._norms import batched_double_backward, twice_differentiable_norms
-from pyhvp._sinc import twice_differentiable_sinc
-from pyhvp._weight_norms import weight_norms_written_out
+from pyhvp._differentiated_twice import differentiated_twice
+from pyhvp._norms import batched_double_backward
 from pyhvp.restricted import contributions as rules
 from pyhvp.restricted import selected_entries
 from pyhvp.restricted.closed_forms import (
@@ -1351,10 +1350,8 @@ def pointwise_in(
 
 
 @math_attention  # fused attention kernels have no forward derivative
-@twice_differentiable_norms  # torch's double backward: a bias without weight, group norm batched
+@differentiated_twice  # norms, weight norms, sinc: torch's double backwards are wrong
 @batched_double_backward  # (its Hessian products are)
-@weight_norms_written_out  # torch's double backward of the fused one is wrong
-@twice_differentiable_sinc  # torch's derivatives: NaN at 0, no digits near it
 def forward_hessian(
     loss: Callable[..., Tensor],
     tensors: Sequence[Tensor],
