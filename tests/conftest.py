@@ -45,6 +45,14 @@ def compile_cache(monkeypatch) -> compile_policy.CompileCache:
 
 
 @pytest.fixture
+def denormals_restored():
+    """The thread's arithmetic of subnormal numbers is put back as it was after the test."""
+    kept = compile_policy.denormals_kept()
+    yield
+    torch.set_flush_denormal(not kept)
+
+
+@pytest.fixture
 def compile_after_eager_calls(monkeypatch, compile_cache):
     """``set(n)``: every eager call counts one second and a compile is expected to cost n
     seconds, so "auto" runs a signature eagerly n times and compiles on call n + 1."""

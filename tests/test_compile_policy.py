@@ -911,3 +911,76 @@ def test_an_operator_inside_the_users_torch_compile_is_a_graph_break(operator, c
         with torch.no_grad():
             for p in params:
                 p.mul_(0.9)
+
+
+class FlushingBackward(torch.autograd.Function):
+    """``2 x`` whose backward turns on flush-to-zero where ``loads``, as loading a compiled
+    backward does."""
+
+    @staticmethod
+    def forward(ctx, x, loads):
+        ctx.loads = loads
+        return 2 * x
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.loads:
+            torch.set_flush_denormal(True)
+        return 2 * g, None
+
+
+def doubled(f, x, w):
+    return 2 * (x * w)
+
+
+def loading(calls, at_call):
+    """Whether the compiled run numbered ``len(calls)`` loads a kernel: at ``at_call``."""
+    if len(calls) == at_call == 2:  # a graph traced anew, as dynamo counts them
+        torch._dynamo.utils.counters["stats"]["unique_graphs"] += 1
+    return len(calls) == at_call
+
+
+FLUSHING_KERNELS = {  # torch 2.5's inductor kernels turn flush-to-zero on when they load
+    "at its first call": lambda x, w, calls: (
+        torch.set_flush_denormal(True) if loading(calls, 1) else None, 2 * (x * w))[1],
+    "in its first backward": lambda x, w, calls: FlushingBackward.apply(x * w, len(calls) == 1),
+    "at a retrace": lambda x, w, calls: (
+        torch.set_flush_denormal(True) if loading(calls, 2) else None, 2 * (x * w))[1],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("user_flushes", [False, True], ids=["kept", "flushed by the user"])
+@pytest.mark.parametrize("kernel", FLUSHING_KERNELS.values(), ids=FLUSHING_KERNELS.keys())
+def test_a_compile_leaves_the_arithmetic_of_subnormals_as_it_found_it(
+    monkeypatch, compile_cache, denormals_restored, kernel, user_flushes
+):  # fmt: skip
+    """Torch 2.5's compiled CPU kernels turn on flush-to-zero for the process when they load
+    (gcc's ``-ffast-math`` startup code): from pyhvp's first compile on, every float32 result
+    below 1e-38 was 0, the user's own too, and the Laplacian of a norm at 1e19 (until
+    2026-12-07). What the user chose with ``torch.set_flush_denormal`` stays."""
+    torch.set_flush_denormal(user_flushes)
+    calls = []
+
+    def compile_flushing(traced_kernel, f, static):
+        def run(x, w):
+            calls.append("compiled")
+            return kernel(x, w, calls)
+
+        return run
+
+    monkeypatch.setattr(torch_backend, "_compile_bound", compile_flushing)
+    backend = pyhvp.TorchBackend(compile=True)
+    x, w = torch.arange(3.0), torch.ones(3, requires_grad=True)
+    for _ in range(2):
+        backend._run(doubled, doubled, scaled, (), (x, w), True).sum().backward()
+    assert compile_policy.denormals_kept() is not user_flushes
+
+
+def test_a_real_compile_keeps_subnormals(denormals_restored):
+    """The same with torch.compile itself: torch 2.5.1's first compiled HVP turned flush-to-zero
+    on (until 2026-12-07); later torches' do not."""
+    torch.set_flush_denormal(False)
+    x = torch.randn(4, 3)
+    pyhvp.hvp(lambda y: (y.sin() ** 2).sum(-1), x, torch.ones(4, 3),
+              backend=pyhvp.TorchBackend(compile=True))  # fmt: skip
+    assert compile_policy.denormals_kept()

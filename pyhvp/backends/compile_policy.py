@@ -105,6 +105,37 @@ class HookGuards:
             torch._dynamo.config.skip_nnmodule_hook_guards = True
 
 
+def denormals_kept() -> bool:
+    """Whether this thread's float arithmetic keeps subnormal numbers (neither flushes a result
+    below the smallest normal to zero nor reads such an operand as zero); about 2 us."""
+    return bool((torch.tensor([2.0**-130]) * 1.0).item() != 0)
+
+
+class KeepingDenormals:
+    """Held around a compile: puts back the arithmetic of subnormal numbers where the compile
+    turned it off. Torch 2.5's inductor links its CPU kernels with gcc's ``-ffast-math``, whose
+    startup code (gcc < 13) sets flush-to-zero in the thread that loads a kernel: from pyhvp's
+    first compile on, every float32 result below 1e-38 in the process was 0, the user's own too
+    (in pyhvp, the Laplacian of a norm at 1e19 was 0; torch 2.13's inductor no longer does it).
+    Where the thread flushed them before, it is left so (``torch.set_flush_denormal(True)`` is
+    the user's choice). ``last_seen``: the state before the last compile, for a compile found
+    only after it ran (a retrace)."""
+
+    last_seen = True
+
+    def __enter__(self) -> None:
+        self.kept = KeepingDenormals.last_seen = denormals_kept()
+
+    def __exit__(self, *_: object) -> None:
+        restore_denormals(self.kept)
+
+
+def restore_denormals(kept: bool) -> None:
+    """Keep subnormal numbers again if they were (``kept``) and a compile since turned that off."""
+    if kept and not denormals_kept():
+        torch.set_flush_denormal(False)
+
+
 def global_module_hooks() -> tuple[int, ...]:
     """The handle id of each forward (pre-)hook registered for every module
     (``torch.nn.modules.module.register_module_forward_hook``, ``..._pre_hook``), which every

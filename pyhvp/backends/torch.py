@@ -629,8 +629,10 @@ class _Detour(torch.autograd.Function):
                 ctx.inner = None
             try:
                 start = compile_policy.clock()
-                got = _Detour._grads(results, grads, [aliases[i] for i in wanted], wanted,
-                                     len(inputs), retain=keep)  # fmt: skip
+                first = hooks.checked is not None  # a compiled backward loads at its first call
+                with compile_policy.KeepingDenormals() if first else contextlib.nullcontext():
+                    got = _Detour._grads(results, grads, [aliases[i] for i in wanted], wanted,
+                                         len(inputs), retain=keep)  # fmt: skip
                 if hooks.spent is not None:
                     hooks.spent(compile_policy.clock() - start)
             except torch.cuda.OutOfMemoryError:
@@ -1247,7 +1249,8 @@ class TorchBackend:
                     later: list[Callable[[float], None]] = []  # the backward runs after this
                     start = compile_policy.clock()
                     cpu = device.type == "cpu"
-                    with warnings.catch_warnings():  # torch's deprecations inside inductor
+                    with warnings.catch_warnings(), compile_policy.KeepingDenormals():
+                        # (torch's deprecations inside inductor)
                         warnings.filterwarnings("ignore", category=FutureWarning, module="torch")
                         out = run((lambda s: later[0](s) if later else None) if cpu else None)
                     later.append(_CACHE.record_compile(entry, compile_policy.clock() - start))
@@ -1269,6 +1272,7 @@ class TorchBackend:
         # flipped, a branch taken anew) is checked like a first one: only the first graph was
         retraced = not first_call and _graphs_traced() != graphs
         if retraced:
+            compile_policy.restore_denormals(compile_policy.KeepingDenormals.last_seen)
             _unsettle()
             entry.backward_checked = False
         if first_call or retraced:  # a compiled graph serves only once its result is eager's
