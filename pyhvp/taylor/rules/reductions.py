@@ -395,13 +395,11 @@ def _vector_norm(
     # root, and the power of |u| (not u^2: smooth at 0), are taken of entries that are 1 there,
     # so that no inf * 0 reaches the kernel's own derivatives (gradients through the Laplacian)
     # through the unselected branch of a where (|u| ** 1.5 at a zero vector made them NaN)
-    zero = out == 0
-    vector_zero = _kept(zero, u.value.shape, dims)
-    # over the largest entry (a constant: the norm is homogeneous), so that the sum of powers
-    # neither underflows nor overflows: float32's Laplacian of |x| was -inf at |x| of 1e-15 to
-    # 1e-18 and 9% off at 1e18 (until 2026-12-07)
+    # (zero where every entry is: torch's own norm of 1e-20s is 0 in float32)
     largest = magnitude.value.detach().amax(dims, keepdim=True)
-    scale = torch.where((largest == 0) | largest.isinf(), 1.0, largest)
+    vector_zero = largest == 0
+    zero = vector_zero if keepdim else vector_zero.squeeze(dims)
+    scale = _norm_scale(ctx, u, largest, ord, dims)
     scaled = apply(ctx, aten.div.Tensor, u if ord == 2 else magnitude, scale)
     base = scaled if ord == 2 else _where_not(vector_zero, scaled)
     total = apply(ctx, aten.sum.dim_IntList, apply(ctx, aten.pow.Tensor_Scalar, base, ord), dims,
@@ -420,6 +418,44 @@ def _vector_norm(
         along = _norm_or_zero(first, ord, [d + 1 for d in dims], keepdim)
         coefficients[0] = torch.where(zero, along, cast(Tensor, coefficients[0]))
     return Jet(out, tuple(coefficients))
+
+
+def _norm_scale(ctx: Context, u: Jet, largest: Tensor, ord: float, dims: list[int]) -> Tensor:
+    """A power of two each vector of ``u`` is divided by before its norm (which is homogeneous),
+    so that no intermediate of the rule leaves the dtype's normal range.
+
+    With ``A`` the largest entry (``largest``, over ``dims`` kept), ``C`` the largest first-order coefficient and the scale
+    ``A ** a * C ** (1 - a)``, the order-``K`` rule's extremes are the scaled coefficients to the
+    ``K``-th power, ``(C / A) ** (a K)``, and the root's derivative, ``(A / C) ** ((1 - a) (1 - K
+    ord))``; ``a`` balances the two. In float32 the Laplacian of ``|x|`` was -inf at ``|x|`` of
+    1e-15 to 1e-18 and 9% off at 1e18 unscaled (until 2026-12-07); scaled by ``A`` alone its
+    squared coefficients were 1e-38 at ``|x| = 1e19``, flushed to zero where denormals are
+    (torch 2.5's compiled kernels turn that on for the process), and the Laplacian was 0."""
+    largest = torch.where((largest == 0) | ~largest.isfinite(), 1.0, largest)
+    steepest = _largest_first(u, dims).detach().to(largest.dtype)
+    steepest = torch.where((steepest == 0) | ~steepest.isfinite(), largest, steepest)
+    order = ctx.order * ord - 1
+    a = order / (order + ctx.order)
+    return torch.exp2(torch.round(a * largest.log2() + (1 - a) * steepest.log2()))
+
+
+def _largest_first(u: Jet, dims: list[int]) -> Tensor:
+    """An upper bound of ``|u|``'s first-order coefficients over the directions and ``dims``
+    (kept as size 1), without multiplying out a factored or diagonal coefficient."""
+    c, ndim = u.coefficient, u.value.ndim
+    if isinstance(c, DiagonalCoefficient):  # its basis entries are 0 and 1
+        diagonal = c.diagonal
+        if not isinstance(diagonal, Tensor):
+            return u.value.new_tensor(abs(diagonal))
+        return _right_aligned(diagonal.abs(), ndim).amax(dims, keepdim=True)
+    if isinstance(c, FactoredCoefficient):
+        return _right_aligned(c.factor.abs(), ndim).amax(dims, keepdim=True) * c.shared.abs().max()
+    return lifted(c, ndim).abs().amax([0, *(d + 1 for d in dims)], keepdim=True)[0]
+
+
+def _right_aligned(t: Tensor, ndim: int) -> Tensor:
+    """``t`` with leading unit dims up to ``ndim`` (as it broadcasts against a value)."""
+    return t.reshape((1,) * (ndim - t.ndim) + tuple(t.shape))
 
 
 def _norm_or_zero(t: Tensor, ord: float, dims: list[int], keepdim: bool) -> Tensor:
