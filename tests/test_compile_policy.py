@@ -952,8 +952,8 @@ FLUSHING_KERNELS = {  # torch 2.5's inductor kernels turn flush-to-zero on when 
 @pytest.mark.parametrize("user_flushes", [False, True], ids=["kept", "flushed by the user"])
 @pytest.mark.parametrize("kernel", FLUSHING_KERNELS.values(), ids=FLUSHING_KERNELS.keys())
 def test_a_compile_leaves_the_arithmetic_of_subnormals_as_it_found_it(
-    monkeypatch, compile_cache, denormals_restored, kernel, user_flushes
-):  # fmt: skip
+    monkeypatch, compile_cache, kernel, user_flushes
+):
     """Torch 2.5's compiled CPU kernels turn on flush-to-zero for the process when they load
     (gcc's ``-ffast-math`` startup code): from pyhvp's first compile on, every float32 result
     below 1e-38 was 0, the user's own too, and the Laplacian of a norm at 1e19 (until
@@ -976,10 +976,9 @@ def test_a_compile_leaves_the_arithmetic_of_subnormals_as_it_found_it(
     assert compile_policy.denormals_kept() is not user_flushes
 
 
-def test_a_real_compile_keeps_subnormals(denormals_restored):
+def test_a_real_compile_keeps_subnormals():
     """The same with torch.compile itself: torch 2.5.1's first compiled HVP turned flush-to-zero
     on (until 2026-12-07); later torches' do not."""
-    torch.set_flush_denormal(False)
     x = torch.randn(4, 3)
     pyhvp.hvp(lambda y: (y.sin() ** 2).sum(-1), x, torch.ones(4, 3),
               backend=pyhvp.TorchBackend(compile=True))  # fmt: skip
