@@ -1,4 +1,5 @@
-"""``sinc`` differentiated twice: :data:`twice_differentiable_sinc`.
+"""``sinc`` differentiated twice: :data:`twice_differentiable_sinc`, :func:`written_out_backward`
+and :func:`written_out_in_mode`.
 
 Autograd's derivatives of ``torch.sinc`` divide by ``x`` where it is not 0: its second is NaN at
 0 and loses its digits near it (torch 2.13, float32: ``+5.96`` at ``x = 1e-4`` where ``-pi^2 / 3
@@ -7,8 +8,10 @@ Autograd's derivatives of ``torch.sinc`` divide by ``x`` where it is not 0: its 
 nested derivatives are right at and near 0, with the same values (in float32 at least, as torch
 computes a half one). ``Tensor.sinc`` is not replaced: setting an attribute of ``torch.Tensor``
 empties Python's cache of every tensor method's lookup, which cost each HVP call 5-8 us (4% of
-a small one); where it ran, autograd's graph tells, and
-:func:`~pyhvp.backends.torch.check_twice_differentiable` warns.
+a small one). Where it ran, autograd's graph has its node, which
+:func:`~pyhvp.backends.torch.check_twice_differentiable` makes differentiate by the written-out
+slope (:func:`written_out_backward`); the sub-Hessian routes that run the loss under a
+``TorchFunctionMode`` see it and run it written out (:func:`written_out_in_mode`).
 
 >>> with twice_differentiable_sinc:
 ...     torch.sinc(torch.tensor([0.0, 0.5]))  # 1, sin(pi / 2) / (pi / 2)
@@ -22,9 +25,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from pyhvp._replacing import Replacement
-from pyhvp.taylor.rules.elementwise import sinc_written_out
+from pyhvp.taylor.rules.elementwise import sinc_slope_written_out, sinc_written_out
 
 _OWNERS = ((torch, "sinc"), (torch.special, "sinc"))
 """Where torch's ``sinc`` functions are found."""
@@ -50,3 +54,34 @@ _REPLACED = Replacement(
 twice_differentiable_sinc = _REPLACED
 """``with twice_differentiable_sinc:`` or ``@twice_differentiable_sinc``: see the module
 docstring. Another thread's calls, and a call bound to torch's function before, are torch's."""
+
+
+def written_out_backward(node: Any) -> None:
+    """Has autograd's node of torch's own ``sinc`` (``SincBackward0``: ``x.sinc()``, or a function
+    bound before the context) return the incoming gradient times
+    :func:`~pyhvp.taylor.rules.elementwise.sinc_slope_written_out` of its input, whose own
+    derivatives a second backward then takes: torch's formula's are NaN at 0 and wrong near it
+    (float32 sub-Hessians of ``(X @ w).sinc()`` at ``w = 1e-5``: 0 for -19 until 2026-12-07)."""
+    x = node._saved_self
+
+    def backward(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> tuple[Any, ...]:
+        (g,) = grad_outputs
+        return (None if g is None else g * sinc_slope_written_out(x),)
+
+    node.register_hook(backward)
+
+
+def written_out_in_mode(
+    mode: TorchFunctionMode, func: Callable[..., Any], args: Any, kwargs: dict[str, Any]
+) -> torch.Tensor | None:
+    """Torch's own ``sinc`` of a floating tensor seen by ``mode`` (``x.sinc()``, or a function
+    bound before the context): run written out, ``mode`` seeing its elementary ops; None for
+    any other call."""
+    if func not in _TORCHS or kwargs or len(args) != 1 or not args[0].is_floating_point():
+        return None
+    with mode:
+        return sinc_written_out(args[0])
+
+
+_TORCHS = (torch.Tensor.sinc, *(getattr(owner, name) for owner, name in _OWNERS))
+"""Torch's own ``sinc`` method and functions (this module is imported outside the context)."""

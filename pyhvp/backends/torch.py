@@ -80,6 +80,7 @@ from pyhvp._differentiated_twice import differentiated_twice
 from pyhvp._keys import version_of, wrapped
 from pyhvp._norms import batched_double_backward
 from pyhvp._public import operator_depth
+from pyhvp._sinc import written_out_backward
 from pyhvp._user_errors import note, quiet_tracing, stacklevel_outside_pyhvp
 from pyhvp.backends import Blocks, compile_policy, inductor, nested
 from pyhvp.backends.compile_policy import CompileCache
@@ -325,15 +326,15 @@ def check_twice_differentiable(total: torch.Tensor) -> None:
     ``ValueError`` where it holds a backward compiled by ``torch.compile`` (aot_autograd's
     ``CompiledFunctionBackward``, a function the caller compiled itself), which autograd cannot
     differentiate again (a second backward that allows unused inputs reads its second
-    derivatives as zero, silently); warn where it holds torch's own ``sinc``, which
+    derivatives as zero, silently); have torch's own ``sinc``, which
     :data:`~pyhvp._sinc.twice_differentiable_sinc` did not replace (``x.sinc()``, or a function
-    bound before the call): its second derivative is NaN at 0 and loses its digits near it; and
-    have a ``logcumsumexp`` warn where its gradient has an entry exactly 0 (the first backward,
+    bound before the call), differentiate by its written-out slope
+    (:func:`~pyhvp._sinc.written_out_backward`: torch's second derivative is NaN at 0 and loses
+    its digits near it); and have a ``logcumsumexp`` warn where its gradient has an entry exactly 0 (the first backward,
     next, tells): torch's backward takes the log of the gradient, constant there, so its second
     derivative drops that entry's term."""
     stack = [total.grad_fn] if total.grad_fn is not None else []
     seen = set(stack)
-    torch_sinc = False
     while stack:
         node = stack.pop()
         name = type(node).__name__
@@ -344,22 +345,14 @@ def check_twice_differentiable(total: torch.Tensor) -> None:
                 "read as zero): pass it uncompiled (pyhvp compiles the whole function: "
                 "backend=pyhvp.TorchBackend(compile=True))"
             )
-        torch_sinc = torch_sinc or name == "SincBackward0"
+        if name == "SincBackward0":
+            written_out_backward(node)
         if name == "LogcumsumexpBackward0":
             node.register_prehook(_warn_of_zero_gradients)
         for child, _ in node.next_functions:  # (a loop: 60% of a generator's time)
             if child is not None and child not in seen:
                 seen.add(child)
                 stack.append(child)
-    if torch_sinc:
-        warnings.warn(
-            "pyhvp: the function differentiated calls torch's own sinc as a method (x.sinc()) "
-            "or bound before the call, whose second derivative autograd gets wrong at and near "
-            "0 (NaN at 0); pyhvp replaces torch.sinc and torch.special.sinc for its runs: call "
-            "torch.sinc(x)",
-            RuntimeWarning,
-            stacklevel=stacklevel_outside_pyhvp(),
-        )
 
 
 def _warn_of_zero_gradients(gradients: tuple[torch.Tensor | None, ...]) -> None:

@@ -31,6 +31,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from pyhvp._sinc import written_out_in_mode
 from pyhvp.restricted import contributions as rules
 from pyhvp.restricted.ops import (
     _PARAMETERS,
@@ -314,6 +315,9 @@ class Injection(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        written = written_out_in_mode(self, func, args, kwargs)  # torch's own sinc
+        if written is not None:
+            return written
         if func == DATA and args and args[0].requires_grad and self._find(args[0]) is None:
             raise NotSparse("Tensor.data of a value computed from a selected tensor: torch.func, "
                             "which the sparse route runs, differentiates it unlike autograd")  # fmt: skip

@@ -397,6 +397,17 @@ def sinc_written_out(u: Tensor) -> Tensor:
     return value.to(u.dtype)
 
 
+def sinc_slope_written_out(u: Tensor) -> Tensor:
+    """``d sinc(u) / du`` in elementary ops whose derivatives are right at and near 0, computed
+    as :func:`sinc_written_out` is: what autograd's node of ``x.sinc()`` is made to return.
+
+    >>> sinc_slope_written_out(torch.tensor([0.5, 1.0]))  # -4 / pi, (cos(pi) - sinc(1)) / 1
+    tensor([-1.2732, -1.0000])
+    """
+    wide = u.to(torch.promote_types(u.dtype, torch.float32))
+    return cast(Tensor, _sinc(wide, wide, order=1)[0]).to(u.dtype)
+
+
 _SINC_VALUE_SERIES = tuple(_sinc_series(0))
 """:func:`_sinc_series` of ``s`` itself, a constant: what dynamo reads in a compiled kernel that
 runs :func:`sinc_written_out` (a call of the cached function there is warned about)."""
