@@ -205,7 +205,7 @@ def test_sinc_has_its_second_derivative_at_zero_and_near_it_outside_transforms(s
     """HVPs and sub-Hessians of a plain x took autograd's second derivative of sinc: NaN at 0,
     +5.96 for -3.29 at 1e-4 in float32, 0 at 1e-9 in float64 (until 2026-12-07; the Taylor
     operators and the calls inside transforms had it right). ``x.sinc()`` and a ``torch.sinc``
-    bound before the call were torch's own on every route until a day later (warned of where
+    bound before the call stayed torch's own on every route until later that day (warned of where
     autograd differentiated them: their sub-Hessians were 0 for -19 at ``1e-5`` in float32)."""
     x = torch.tensor([0.0, 1e-9, 1e-4, 1e-2, 0.3, -1.7], dtype=dtype, device=device)[:, None]
     got = call(lambda y: sinc(y).sum(-1), x)
