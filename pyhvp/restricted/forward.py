@@ -429,9 +429,9 @@ class FirstRun(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        written = written_out_in_mode(self, func, args, kwargs)  # torch's own sinc
-        if written is not None:
-            return written
+        sinc = written_out_in_mode(self, func, args, kwargs)  # torch's own sinc
+        if sinc is not None:
+            return sinc
         call = len(self.functions)
         carrying = False
         for leaf in pytree.tree_leaves((args, kwargs)):
@@ -525,9 +525,9 @@ class Tangents(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        written = written_out_in_mode(self, func, args, kwargs)  # as the first run does
-        if written is not None:
-            return written
+        sinc = written_out_in_mode(self, func, args, kwargs)  # as the first run does
+        if sinc is not None:
+            return sinc
         call = self._next_call(func)
         leaves, spec = pytree.tree_flatten((args, kwargs))
         carrying = [i for i, v in enumerate(leaves) if self._carries(v)]

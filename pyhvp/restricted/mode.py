@@ -315,9 +315,9 @@ class Injection(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        written = written_out_in_mode(self, func, args, kwargs)  # torch's own sinc
-        if written is not None:
-            return written
+        sinc = written_out_in_mode(self, func, args, kwargs)  # torch's own sinc
+        if sinc is not None:
+            return sinc
         if func == DATA and args and args[0].requires_grad and self._find(args[0]) is None:
             raise NotSparse("Tensor.data of a value computed from a selected tensor: torch.func, "
                             "which the sparse route runs, differentiates it unlike autograd")  # fmt: skip
