@@ -348,6 +348,29 @@ def test_a_short_script_under_auto_never_loads_the_compiler():
     assert done.stdout.strip() == "False", done.stderr[-2000:]
 
 
+UNDER_WARNINGS_AS_ERRORS = (  # a fresh interpreter: torch warns when a module first loads
+    "import torch, pyhvp\n"
+    "x, m = torch.randn(4, 3), torch.nn.Linear(3, 2)\n"
+    "f = lambda y: (y.sin() ** 2).sum(-1)\n"
+    "compiled = pyhvp.TorchBackend(compile=True)\n"
+    "pyhvp.hvp(f, x, x, backend=compiled)\n"
+    "pyhvp.laplacian(f, x, backend=compiled)\n"
+    "loss, params = pyhvp.module_loss(m, torch.nn.MSELoss(), x, torch.randn(4, 2))\n"
+    "pyhvp.sub_hessian(loss, params, {'weight': torch.tensor([0, 3])}, method='forward')\n"
+)
+
+
+@pytest.mark.slow  # a spawned interpreter, two compiles
+def test_warnings_as_errors_fail_neither_a_compile_nor_the_forward_route():
+    """Torch 2.13 deprecates ``torch.jit.script`` and calls it itself, in inductor and in
+    forward-mode autograd's first use: under ``-W error`` every compile failed and pyhvp's
+    warning that it ran eagerly raised, and ``method="forward"`` was refused (until
+    2026-12-07)."""
+    done = subprocess.run([sys.executable, "-W", "error", "-c", UNDER_WARNINGS_AS_ERRORS],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def rebindable(scale):
     """A function and a setter of the number it captures (a nonlocal rebinding)."""
 

@@ -81,6 +81,7 @@ from pyhvp._keys import version_of, wrapped
 from pyhvp._norms import batched_double_backward
 from pyhvp._public import operator_depth
 from pyhvp._sinc import written_out_backward
+from pyhvp._torch_warnings import torchs_own_deprecations_ignored
 from pyhvp._user_errors import note, quiet_tracing, stacklevel_outside_pyhvp
 from pyhvp.backends import Blocks, compile_policy, inductor, nested
 from pyhvp.backends.compile_policy import CompileCache
@@ -460,7 +461,8 @@ class _InductorGraph:
             module = fx.GraphModule(self.graph, copy.deepcopy(self.graph.graph))
             compile_graph = cast(Callable[..., Callable[..., Sequence[torch.Tensor]]],
                                  inductor.backend())  # fmt: skip
-            self.compiled = compile_graph(module, list(inputs))
+            with torchs_own_deprecations_ignored():
+                self.compiled = compile_graph(module, list(inputs))
         return tuple(self.compiled(*inputs))  # a list, where the eager kernel returns a tuple
 
 
@@ -1242,9 +1244,8 @@ class TorchBackend:
                     later: list[Callable[[float], None]] = []  # the backward runs after this
                     start = compile_policy.clock()
                     cpu = device.type == "cpu"
-                    with warnings.catch_warnings(), compile_policy.KeepingDenormals():
-                        # (torch's deprecations inside inductor)
-                        warnings.filterwarnings("ignore", category=FutureWarning, module="torch")
+                    with (torchs_own_deprecations_ignored(),
+                          compile_policy.KeepingDenormals()):  # fmt: skip
                         out = run((lambda s: later[0](s) if later else None) if cpu else None)
                     later.append(_CACHE.record_compile(entry, compile_policy.clock() - start))
                 elif entry.on_trial():

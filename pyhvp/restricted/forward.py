@@ -77,6 +77,7 @@ from pyhvp._batched_backward import batched_grad
 from pyhvp._differentiated_twice import differentiated_twice
 from pyhvp._norms import batched_double_backward
 from pyhvp._sinc import written_out_in_mode
+from pyhvp._torch_warnings import forward_mode_decompositions_loaded
 from pyhvp.restricted import contributions as rules
 from pyhvp.restricted import selected_entries
 from pyhvp.restricted.closed_forms import (
@@ -1379,6 +1380,7 @@ def forward_hessian(
     dtype = tensors[0].dtype
     if any(t.dtype != dtype or t.device != tensors[0].device for t in tensors):
         raise NotForward("the selected tensors differ in dtype or device")
+    forward_mode_decompositions_loaded()  # (torch.func.jvp pushes the pointwise ops' tangents)
     leaves = [t.detach().requires_grad_() for t in tensors]
     seeds, offset = [], 0
     for i, (leaf, flat) in enumerate(zip(leaves, flats, strict=True)):

@@ -19,6 +19,7 @@ import torch
 from torch.func import grad, jacrev, jvp, vmap
 from torch.utils import _pytree as pytree
 
+from pyhvp._torch_warnings import forward_mode_decompositions_loaded
 from pyhvp.taylor.custom_ops import WITHOUT_THIRD_DERIVATIVES
 from pyhvp.taylor.jets import (
     Context,
@@ -107,6 +108,7 @@ def _elementwise_derivatives(
         return gradient, hessian
     except NotImplementedError:
         pass
+    forward_mode_decompositions_loaded()
     units = [tuple(torch.ones_like(p) if j == i else torch.zeros_like(p) for j, p in
                    enumerate(spread)) for i in every]  # fmt: skip
 
