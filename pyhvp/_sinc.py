@@ -61,7 +61,12 @@ def written_out_backward(node: Any) -> None:
     bound before the context) return the incoming gradient times
     :func:`~pyhvp.taylor.rules.elementwise.sinc_slope_written_out` of its input, whose own
     derivatives a second backward then takes: torch's formula's are NaN at 0 and wrong near it
-    (float32 sub-Hessians of ``(X @ w).sinc()`` at ``w = 1e-5``: 0 for -19 until 2026-12-07)."""
+    (float32 sub-Hessians of ``(X @ w).sinc()`` at ``w = 1e-5``: 0 for -19 until 2026-12-07).
+    Once per node: a graph the caller built before the call (``x = z.sinc()``, ``x`` requiring
+    grad) is walked by every call that differentiates through it."""
+    if node.metadata.get(_WRITTEN_OUT):
+        return
+    node.metadata[_WRITTEN_OUT] = True
     x = node._saved_self
 
     def backward(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -69,6 +74,10 @@ def written_out_backward(node: Any) -> None:
         return (None if g is None else g * sinc_slope_written_out(x),)
 
     node.register_hook(backward)
+
+
+_WRITTEN_OUT = "pyhvp: sinc's backward written out"
+"""The key of a node's ``metadata`` that says :func:`written_out_backward` hooked it."""
 
 
 def written_out_in_mode(

@@ -214,6 +214,21 @@ def test_sinc_has_its_second_derivative_at_zero_and_near_it_outside_transforms(s
                                                  {"rtol": 1e-5, "atol": 1e-5}))  # fmt: skip
 
 
+def test_torchs_sinc_in_the_callers_graph_gets_one_written_out_backward(monkeypatch):
+    """The graph walk of every call reaches a sinc the caller computed ``x`` with: its node is
+    hooked once, not once per call (each hook recomputed the slope in the caller's backward)."""
+    slopes = []
+    written_out = pyhvp._sinc.sinc_slope_written_out
+    monkeypatch.setattr(pyhvp._sinc, "sinc_slope_written_out",
+                        lambda u: slopes.append(u) or written_out(u))  # fmt: skip
+    z = torch.tensor([[1e-5, 0.3]], requires_grad=True)
+    x = z.sinc()
+    for _ in range(3):
+        pyhvp.hvp(lambda y: (y**3).sum(-1), x, torch.ones_like(x))
+    x.sum().backward()
+    assert len(slopes) == 1
+
+
 TINY_NORMS = {  # f of a norm, its exact HVP, and a scale where float32 sums of |x|^p underflow
     "x.norm(p=3) ** 3": (lambda y: y.norm(p=3, dim=-1) ** 3,
                          lambda x, v: 6 * x.abs() * v, 1e-9),
