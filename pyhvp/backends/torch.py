@@ -331,9 +331,9 @@ def check_twice_differentiable(total: torch.Tensor) -> None:
     :data:`~pyhvp._sinc.twice_differentiable_sinc` did not replace (``x.sinc()``, or a function
     bound before the call), differentiate by its written-out slope
     (:func:`~pyhvp._sinc.written_out_backward`: torch's second derivative is NaN at 0 and loses
-    its digits near it); and have a ``logcumsumexp`` warn where its gradient has an entry exactly 0 (the first backward,
-    next, tells): torch's backward takes the log of the gradient, constant there, so its second
-    derivative drops that entry's term."""
+    its digits near it); and have a ``logcumsumexp`` warn where its gradient has an entry
+    exactly 0 (the first backward, next, tells): torch's backward takes the log of the gradient,
+    constant there, so its second derivative drops that entry's term."""
     stack = [total.grad_fn] if total.grad_fn is not None else []
     seen = set(stack)
     while stack:

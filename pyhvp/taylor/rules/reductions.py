@@ -424,13 +424,14 @@ def _norm_scale(ctx: Context, u: Jet, largest: Tensor, ord: float, dims: list[in
     """A power of two each vector of ``u`` is divided by before its norm (which is homogeneous),
     so that no intermediate of the rule leaves the dtype's normal range.
 
-    With ``A`` the largest entry (``largest``, over ``dims`` kept), ``C`` the largest first-order coefficient and the scale
-    ``A ** a * C ** (1 - a)``, the order-``K`` rule's extremes are the scaled coefficients to the
-    ``K``-th power, ``(C / A) ** (a K)``, and the root's derivative, ``(A / C) ** ((1 - a) (1 - K
-    ord))``; ``a`` balances the two. In float32 the Laplacian of ``|x|`` was -inf at ``|x|`` of
-    1e-15 to 1e-18 and 9% off at 1e18 unscaled (until 2026-12-07); scaled by ``A`` alone its
-    squared coefficients were 1e-38 at ``|x| = 1e19``, flushed to zero where denormals are
-    (torch 2.5's compiled kernels turn that on for the process), and the Laplacian was 0."""
+    With ``A`` the largest entry (``largest``, over ``dims`` kept), ``C`` the largest
+    first-order coefficient and the scale ``A ** a * C ** (1 - a)``, the order-``K`` rule's
+    extremes are the scaled coefficients to the ``K``-th power, ``(C / A) ** (a K)``, and the
+    root's derivative, ``(A / C) ** ((1 - a) (1 - K ord))``; ``a`` balances the two. In float32
+    the Laplacian of ``|x|`` was -inf at ``|x|`` of 1e-15 to 1e-18 and 9% off at 1e18 unscaled
+    (until 2026-12-07); scaled by ``A`` alone its squared coefficients were 1e-38 at
+    ``|x| = 1e19``, flushed to zero where denormals are (torch 2.5's compiled kernels turn that
+    on for the process), and the Laplacian was 0."""
     # in powers of two: a zero or infinite A (a zero vector) takes 1, a zero or infinite C
     # takes A (A alone: u constant, or nothing better to know)
     log_largest = largest.log2()
