@@ -21,7 +21,7 @@ tensor([1.0000, 0.6366])
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -83,13 +83,25 @@ _WRITTEN_OUT = "pyhvp: sinc's backward written out"
 def written_out_in_mode(
     mode: TorchFunctionMode, func: Callable[..., Any], args: Any, kwargs: dict[str, Any]
 ) -> torch.Tensor | None:
-    """Torch's own ``sinc`` of a floating tensor seen by ``mode`` (``x.sinc()``, or a function
-    bound before the context): run written out, ``mode`` seeing its elementary ops; None for
-    any other call."""
-    if func not in _TORCHS or kwargs or len(args) != 1 or not args[0].is_floating_point():
+    """A call of torch's own ``sinc`` seen by ``mode`` (:func:`torchs_sinc_input`): run written
+    out, ``mode`` seeing its elementary ops; None for any other call."""
+    input = torchs_sinc_input(func, args, kwargs)
+    if input is None:
         return None
     with mode:
-        return sinc_written_out(args[0])
+        return sinc_written_out(input)
+
+
+def torchs_sinc_input(
+    func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
+) -> torch.Tensor | None:
+    """The floating input of a call of torch's own ``sinc`` that a ``TorchFunctionMode`` sees
+    (``x.sinc()``, or a function bound before the context; not one with ``out=``); None for any
+    other call."""
+    if func not in _TORCHS or kwargs.get("out") is not None:
+        return None
+    input = args[0] if args else kwargs.get("input")
+    return input if isinstance(input, torch.Tensor) and input.is_floating_point() else None
 
 
 _TORCHS = (torch.Tensor.sinc, *(getattr(owner, name) for owner, name in _OWNERS))

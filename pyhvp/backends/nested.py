@@ -41,9 +41,10 @@ from torch.overrides import TorchFunctionMode
 from pyhvp import taylor
 from pyhvp._attention import math_attention
 from pyhvp._norms import PARAMETERS, per_channel
+from pyhvp._sinc import torchs_sinc_input
 from pyhvp._user_errors import note
 from pyhvp.taylor.program import logcumsumexp_by_prefixes
-from pyhvp.taylor.rules.elementwise import sinc_written_out
+from pyhvp.taylor.rules.elementwise import at_least_float32, sinc_written_out
 
 
 def taylor_coefficients(
@@ -153,10 +154,9 @@ class _Elementary(TorchFunctionMode):
             written = _written_gelu_tanh(args, kwargs)
             if written is not None:
                 return written
-        if func in _SINCS and kwargs.get("out") is None:
-            input = args[0] if args else kwargs.get("input")
-            if isinstance(input, torch.Tensor) and input.is_floating_point():
-                return sinc_written_out(input)
+        sinc_input = torchs_sinc_input(func, args, kwargs)
+        if sinc_input is not None:
+            return sinc_written_out(sinc_input)
         if func in _CUMULATIVE_LOG_SUMS and self.cumulative and kwargs.get("out") is None:
             bound = dict(zip(("input", "dim"), args, strict=False)) | kwargs
             input = bound.get("input")
@@ -202,7 +202,7 @@ def _written_norm(
         return None
     with torch.no_grad():  # torch's argument checks, and its one update of running statistics
         func(*args, **kwargs)  # (its value is not differentiated)
-    wide = _wide(input)
+    wide = at_least_float32(input)
     eps = bound.get("eps", 1e-5)
     if func in _LAYER_NORMS:
         out = _normalised(wide, tuple(range(-len(bound["normalized_shape"]), 0)), eps)
@@ -271,17 +271,9 @@ def _written_gelu_tanh(args: Sequence[Any], kwargs: dict[str, Any]) -> torch.Ten
     if bound.get("approximate") != "tanh":
         return None
     input = cast(torch.Tensor, bound["input"])
-    u = _wide(input)
+    u = at_least_float32(input)
     gelu = 0.5 * u * (1 + torch.tanh(math.sqrt(2 / math.pi) * (u + 0.044715 * u**3)))
     return gelu.to(input.dtype)
-
-
-def _wide(input: torch.Tensor) -> torch.Tensor:
-    """``input`` in float32 at least, as torch's kernels compute a half one: a written-out op's
-    intermediates overflow in half -- a norm's sums, the gradient of gelu's cube (``3 u ** 2``;
-    :func:`~pyhvp.taylor.rules.elementwise.sinc_written_out` widens itself) --, so that its
-    derivatives were NaN where torch's own are finite."""
-    return input.to(torch.promote_types(input.dtype, torch.float32))
 
 
 def _carries_derivatives(value: object) -> bool:
@@ -314,7 +306,7 @@ def _zero_safe_norm(input: object, ord: float, dims: tuple[int, ...] | None, kee
     if not 1 < ord < math.inf:
         return None
     x = input if dtype is None else input.to(dtype)
-    wide = _wide(x)
+    wide = at_least_float32(x)
     dims = tuple(range(x.ndim)) if dims is None else dims
     magnitude = wide.detach().abs()
     largest = magnitude.amax(dims, keepdim=True)
@@ -368,5 +360,4 @@ _VECTOR_NORMS: dict[Callable[..., Any], Names] = {
     F.normalize: ("input", "p", "dim", "eps", "out"),
 }
 _CUMULATIVE_LOG_SUMS = (torch.logcumsumexp, torch.Tensor.logcumsumexp)
-_SINCS = (torch.sinc, torch.special.sinc, torch.Tensor.sinc)
 _DETERMINANTS = (torch.linalg.det, torch.det, torch.Tensor.det)

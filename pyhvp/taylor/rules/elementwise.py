@@ -382,17 +382,24 @@ def _sinc_branches(u: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return near, torch.where(near, t, 0.0), torch.where(near, SINC_SERIES_BELOW, t)
 
 
+def at_least_float32(t: Tensor) -> Tensor:
+    """``t`` in float32 at least, as torch's kernels compute a half one: a written-out op's
+    intermediates overflow in half -- a norm's sums, the gradient of sinc's power series
+    (``t ** 31``) and of gelu's cube (``3 u ** 2``) --, so that its derivatives were NaN (a half
+    sinc's Hessian-vector product at 0.5 in ``vmap``) where torch's own are finite."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def sinc_written_out(u: Tensor) -> Tensor:
     """``sinc(u)`` in elementary ops whose nested reverse-mode derivatives are right at and
     near 0 (torch's own are NaN at 0 and lose every digit near it): the power series of
-    ``s(t) = sin(t) / t`` near 0, ``sin(t) / t`` elsewhere, each on a safe ``t``; in float32
-    at least, as torch computes a half one (a half power series' gradient overflows:
-    ``t ** 31``), and rounded back to ``u``'s dtype.
+    ``s(t) = sin(t) / t`` near 0, ``sin(t) / t`` elsewhere, each on a safe ``t``;
+    :func:`at_least_float32`, rounded back to ``u``'s dtype.
 
     >>> sinc_written_out(torch.tensor([0.0, 0.5]))  # 1, sin(pi / 2) / (pi / 2)
     tensor([1.0000, 0.6366])
     """
-    near, t_near, t_far = _sinc_branches(u.to(torch.promote_types(u.dtype, torch.float32)))
+    near, t_near, t_far = _sinc_branches(at_least_float32(u))
     value = torch.where(near, _horner(_SINC_VALUE_SERIES, t_near), torch.sin(t_far) / t_far)
     return value.to(u.dtype)
 
@@ -404,7 +411,7 @@ def sinc_slope_written_out(u: Tensor) -> Tensor:
     >>> sinc_slope_written_out(torch.tensor([0.5, 1.0]))  # -4 / pi, (cos(pi) - sinc(1)) / 1
     tensor([-1.2732, -1.0000])
     """
-    wide = u.to(torch.promote_types(u.dtype, torch.float32))
+    wide = at_least_float32(u)
     return cast(Tensor, _sinc(wide, wide, order=1)[0]).to(u.dtype)
 
 
