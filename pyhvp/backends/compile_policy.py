@@ -51,13 +51,14 @@ since (a rebound ``nonlocal``) recompiles instead of running stale code.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import statistics
 import time
 import types
 from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -66,6 +67,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from pyhvp._keys import Identity, value_key
+from pyhvp._torch_warnings import torchs_own_deprecations_ignored
 
 COLD_COMPILE_SECONDS = 20.0
 """Expected first compile in a fresh environment: the seed-000 per-instance example's first compiled call took
@@ -128,6 +130,16 @@ class KeepingDenormals:
 
     def __exit__(self, *_: object) -> None:
         restore_denormals(self.kept)
+
+
+@contextlib.contextmanager
+def compiling() -> Iterator[None]:
+    """Held around every call that may compile (a kernel's first call and first backward, a
+    Taylor graph's first run): torch's deprecations of its own internals ignored
+    (:mod:`pyhvp._torch_warnings`) and the arithmetic of subnormal numbers kept
+    (:class:`KeepingDenormals`)."""
+    with torchs_own_deprecations_ignored(), KeepingDenormals():
+        yield
 
 
 def restore_denormals(kept: bool) -> None:

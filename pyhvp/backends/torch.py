@@ -81,7 +81,6 @@ from pyhvp._keys import version_of, wrapped
 from pyhvp._norms import batched_double_backward
 from pyhvp._public import operator_depth
 from pyhvp._sinc import written_out_backward
-from pyhvp._torch_warnings import torchs_own_deprecations_ignored
 from pyhvp._user_errors import note, quiet_tracing, stacklevel_outside_pyhvp
 from pyhvp.backends import Blocks, compile_policy, inductor, nested
 from pyhvp.backends.compile_policy import CompileCache
@@ -461,7 +460,7 @@ class _InductorGraph:
             module = fx.GraphModule(self.graph, copy.deepcopy(self.graph.graph))
             compile_graph = cast(Callable[..., Callable[..., Sequence[torch.Tensor]]],
                                  inductor.backend())  # fmt: skip
-            with torchs_own_deprecations_ignored():
+            with compile_policy.compiling():
                 self.compiled = compile_graph(module, list(inputs))
         return tuple(self.compiled(*inputs))  # a list, where the eager kernel returns a tuple
 
@@ -625,7 +624,7 @@ class _Detour(torch.autograd.Function):
             try:
                 start = compile_policy.clock()
                 first = hooks.checked is not None  # a compiled backward loads at its first call
-                with compile_policy.KeepingDenormals() if first else contextlib.nullcontext():
+                with compile_policy.compiling() if first else contextlib.nullcontext():
                     got = _Detour._grads(results, grads, [aliases[i] for i in wanted], wanted,
                                          len(inputs), retain=keep)  # fmt: skip
                 if hooks.spent is not None:
@@ -1244,8 +1243,7 @@ class TorchBackend:
                     later: list[Callable[[float], None]] = []  # the backward runs after this
                     start = compile_policy.clock()
                     cpu = device.type == "cpu"
-                    with (torchs_own_deprecations_ignored(),
-                          compile_policy.KeepingDenormals()):  # fmt: skip
+                    with compile_policy.compiling():
                         out = run((lambda s: later[0](s) if later else None) if cpu else None)
                     later.append(_CACHE.record_compile(entry, compile_policy.clock() - start))
                 elif entry.on_trial():
