@@ -1052,7 +1052,7 @@ def test_a_cdist_of_data_inside_a_transform_is_left_to_torch(monkeypatch):
     no derivatives, that took 12x the memory and 190x the time of torch's own (3000 x 500
     points of 256 dims: 4.8 GB)."""
     written = []
-    monkeypatch.setattr(nested, "_zero_safe_norm", lambda *a: written.append(a))
+    monkeypatch.setattr(nested, "zero_safe_norm", lambda *a: written.append(a))
     data = torch.randn(30, 4, dtype=torch.float64)
 
     def f(y):
@@ -1060,6 +1060,79 @@ def test_a_cdist_of_data_inside_a_transform_is_left_to_torch(monkeypatch):
 
     torch.func.grad(lambda y: pyhvp.laplacian(f, y))(point("cpu")[0])
     assert written == []
+
+
+ZERO_VECTORS = {
+    **{name: case for name, case in TORCH_GETS_WRONG_UNDER_GRAD.items()
+       if "zero vectors" in name or "cdist" in name},
+    "cdist, p = 1, of points and themselves": (
+        lambda x: _saturating(torch.cdist(_differences(x)[0], _differences(x)[0], p=1)).sum(),
+        lambda x: 2 * _saturating(_apart(x).abs().sum())),
+}  # fmt: skip
+"""f with zero vectors under a norm or a ``cdist`` (a pair potential's self-pairs), and f
+written out."""
+PLAIN_SECOND_ORDER = {  # an x that carries no derivatives: autograd's double backward
+    "hvp": lambda f, x: pyhvp.hvp(f, x, V.to(x), backend=EAGER),
+    "hvp of three tangents": lambda f, x: pyhvp.hvp(f, x, V.to(x).expand(3, 6),
+                                                    backend=EAGER)[1],
+    "hvp, compile=True": lambda f, x: pyhvp.hvp(f, x, V.to(x), backend=TorchBackend(compile=True)),
+    **{f"sub_hessian {method}": lambda f, x, method=method: pyhvp.sub_hessian(
+        f, x, torch.arange(6), method=method) @ V.to(x) for method in ("auto", "reverse")},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("call", PLAIN_SECOND_ORDER.values(), ids=PLAIN_SECOND_ORDER.keys())
+@pytest.mark.parametrize("f", ZERO_VECTORS.values(), ids=ZERO_VECTORS.keys())
+def test_zero_vectors_under_a_norm_give_the_written_out_second_derivatives(f, call):
+    """Autograd's double backward of a vector norm is NaN at a zero vector, and ``cdist`` has
+    none: the HVPs and sub-Hessians of a pair potential over every pair (its self-distances 0)
+    were NaN or raised on the routes that differentiate by autograd (until 2026-12-08; the
+    Taylor operators and the calls inside transforms had them right). Each norm's and cdist's
+    node now differentiates by its written-out slope; a compiled kernel, which would take
+    torch's, is declined without a word. Against the written-out f's dense Hessian."""
+    f, written_out = f
+    x = point("cpu")[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (the compiled kernel's disagreement is not one)
+        got = [call(f, x) for _ in range(3)][-1]  # (compile=True: the first runs check)
+    torch.testing.assert_close(got, torch.func.hessian(written_out)(x) @ V)
+
+
+MOVING_ZERO_VECTORS = {
+    "vector_norm(x - c) ** 2 at x = c": lambda y: torch.exp(
+        -torch.linalg.vector_norm(y - 1.0, dim=-1) ** 2),
+    "cdist of two points at one place": lambda y: (
+        torch.cdist(y.reshape(2, 3), y.reshape(2, 3)) ** 2).sum() / 2,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("call", PLAIN_SECOND_ORDER.values(), ids=PLAIN_SECOND_ORDER.keys())
+@pytest.mark.parametrize("f", MOVING_ZERO_VECTORS.values(), ids=MOVING_ZERO_VECTORS.keys())
+def test_a_zero_vector_that_moves_under_a_norm_gives_nan_not_a_plausible_zero(f, call):
+    """Where the zero vector moves with x, the second derivative (``g'(N) / N``, 2 for ``N **
+    2``) is one reverse mode cannot reach: the written-out slope's convention alone read it as
+    0 (its HVPs 0 where they are -2 v), so such a vector's derivative is autograd's NaN."""
+    x = torch.ones(6, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = [call(f, x) for _ in range(3)][-1]
+    assert got.isnan().any()
+
+
+def test_a_norm_in_the_callers_graph_gets_one_written_out_backward(monkeypatch):
+    """The graph walk of every call reaches a norm the caller computed ``x`` with: its node is
+    hooked once, not once per call (each hook would write out the gradient again in the
+    caller's own backward, differentiated again here)."""
+    calls = []
+    pulled_back = pyhvp._vector_norms.pulled_back
+    monkeypatch.setattr(pyhvp._vector_norms, "pulled_back",
+                        lambda *a: calls.append(a) or pulled_back(*a))  # fmt: skip
+    z = torch.tensor([[0.3, -1.2], [0.0, 0.0]], requires_grad=True)
+    x = z * z.norm(dim=-1, keepdim=True)
+    for _ in range(3):
+        pyhvp.hvp(lambda y: (y**3).sum(-1), x, torch.ones_like(x))
+    x.sum().backward(create_graph=True)
+    assert len(calls) == 1
 
 
 DIFFERENTIATED_THRICE = {

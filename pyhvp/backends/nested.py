@@ -43,6 +43,7 @@ from pyhvp._attention import math_attention
 from pyhvp._norms import PARAMETERS, per_channel
 from pyhvp._sinc import torchs_sinc_input
 from pyhvp._user_errors import note
+from pyhvp._vector_norms import zero_safe_norm
 from pyhvp.taylor.program import logcumsumexp_by_prefixes
 from pyhvp.taylor.rules.elementwise import at_least_float32, sinc_written_out
 
@@ -225,7 +226,7 @@ def _written_vector_norm(
 ) -> torch.Tensor | None:
     """A vector ``p``-norm (``p > 1``, finite), ``cdist`` or ``F.normalize`` of tensors that
     carry derivatives, with the engine's convention at a zero vector: zero derivatives of every
-    order (:func:`_zero_safe_norm`). None where ``func`` computes another norm (a matrix norm,
+    order (:func:`zero_safe_norm`). None where ``func`` computes another norm (a matrix norm,
     ``p`` of 1, 0 or infinite: torch's derivatives are finite there) or one of constants (no
     ``(P, R, M)`` differences for a ``cdist`` of data)."""
     bound = dict(zip(_VECTOR_NORMS[func], args, strict=False)) | kwargs
@@ -237,11 +238,11 @@ def _written_vector_norm(
             return None
         difference = a.unsqueeze(-2) - b.unsqueeze(-3)  # (..., P, R, M)
         p = bound.get("p", 2.0)
-        written = _zero_safe_norm(difference, p, (-1,), False, None)
+        written = zero_safe_norm(difference, p, (-1,), False, None)
         return written if written is not None else torch.linalg.vector_norm(difference, p, -1)
     input, dim, keepdim = bound["input"], bound.get("dim"), bound.get("keepdim", False)
     if func is F.normalize:  # input over its norm along dim, at least eps
-        norm = _zero_safe_norm(input, bound.get("p", 2.0), _dims(bound.get("dim", 1)), True, None)
+        norm = zero_safe_norm(input, bound.get("p", 2.0), _dims(bound.get("dim", 1)), True, None)
         return None if norm is None else input / norm.clamp_min(bound.get("eps", 1e-12))
     if func is torch.linalg.norm:  # a vector norm where ord is None or dim names one dim
         ord = bound.get("ord")
@@ -260,7 +261,7 @@ def _written_vector_norm(
         ord = 2 if ord is None else ord
     if not isinstance(ord, (int, float)) or isinstance(ord, bool):
         return None
-    return _zero_safe_norm(input, ord, _dims(dim), keepdim, bound.get("dtype"))
+    return zero_safe_norm(input, ord, _dims(dim), keepdim, bound.get("dtype"))
 
 
 def _written_gelu_tanh(args: Sequence[Any], kwargs: dict[str, Any]) -> torch.Tensor | None:
@@ -288,41 +289,6 @@ def _dims(dim: object) -> tuple[int, ...] | None:
         return None
     dims = (dim,) if isinstance(dim, int) else tuple(cast(Sequence[int], dim))
     return dims or None
-
-
-def _zero_safe_norm(input: object, ord: float, dims: tuple[int, ...] | None, keepdim: bool,
-                    dtype: torch.dtype | None) -> torch.Tensor | None:  # fmt: skip
-    """``(sum |input|^ord) ** (1 / ord)`` over ``dims`` (None: all), accumulated in float32 at
-    least, and 0 with zero derivatives of every order where the vector is 0: the root is taken of
-    1 there, so that nested reverse mode multiplies no ``inf`` by 0 (torch's own second and
-    higher derivatives of a norm at a zero vector are NaN: the zero self-distances of a pair
-    potential made every entry of ``grad`` of its Laplacian NaN). The entries are divided by the
-    largest first (a constant: the norm is homogeneous) where their plain sum of powers is out
-    of the range its derivatives need: until 2026-12-07 ``|x| ** 3`` of a float32 ``x`` of 1e-9
-    underflowed, and the derivatives of ``x.norm(p=3) ** 3`` were -inf there. None outside
-    ``1 < ord < inf`` and for complex or integer input."""
-    if not (isinstance(input, torch.Tensor) and input.is_floating_point()):
-        return None
-    if not 1 < ord < math.inf:
-        return None
-    x = input if dtype is None else input.to(dtype)
-    wide = at_least_float32(x)
-    dims = tuple(range(x.ndim)) if dims is None else dims
-    magnitude = wide.detach().abs()
-    largest = magnitude.amax(dims, keepdim=True)
-    zero_vector = largest == 0
-    # scaled only where the plain sum is out of range for its derivatives: scaling a vector
-    # whose entries span more than float32's range made the smallest subnormal (an HVP of
-    # |x|_1.5 ** 3 over [1e-30, 1e10] was inf)
-    finfo = torch.finfo(wide.dtype)
-    plain = magnitude.pow(ord).sum(dims, keepdim=True)
-    in_range = (plain >= finfo.max**-0.125) & (plain <= finfo.max**0.5)
-    scale = torch.where(zero_vector | largest.isinf() | in_range, 1.0, largest)
-    base = torch.where(zero_vector, 1.0, wide / scale)  # (|0| ** ord: its derivatives too)
-    total = (base if ord == 2 else base.abs()).pow(ord).sum(dims, keepdim=True)
-    root = total.pow(1 / ord) * scale
-    norm = torch.where(zero_vector, 0.0, root)
-    return (norm if keepdim else norm.squeeze(dims)).to(x.dtype)
 
 
 def _normalised(input: torch.Tensor, dims: tuple[int, ...], eps: float) -> torch.Tensor:

@@ -58,6 +58,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import threading
 import types
 import warnings
 from collections.abc import Callable, Hashable, Sequence
@@ -72,6 +73,7 @@ from torch.func import grad, vjp, vmap
 from torch.utils import _pytree as pytree
 
 from pyhvp import _random_state as random_states
+from pyhvp import _vector_norms as vector_norms
 from pyhvp import restricted, taylor
 from pyhvp._attention import math_attention
 from pyhvp._batched_backward import batched_grad
@@ -330,7 +332,9 @@ def check_twice_differentiable(total: torch.Tensor) -> None:
     :data:`~pyhvp._sinc.twice_differentiable_sinc` did not replace (``x.sinc()``, or a function
     bound before the call), differentiate by its written-out slope
     (:func:`~pyhvp._sinc.written_out_backward`: torch's second derivative is NaN at 0 and loses
-    its digits near it); and have a ``logcumsumexp`` warn where its gradient has an entry
+    its digits near it); have vector norms and ``cdist`` differentiate with zero derivatives at
+    a zero vector (:func:`~pyhvp._vector_norms.written_out_backward`: torch's second are NaN
+    there, and ``cdist`` has none); and have a ``logcumsumexp`` warn where its gradient has an entry
     exactly 0 (the first backward, next, tells): torch's backward takes the log of the gradient,
     constant there, so its second derivative drops that entry's term."""
     stack = [total.grad_fn] if total.grad_fn is not None else []
@@ -347,12 +351,40 @@ def check_twice_differentiable(total: torch.Tensor) -> None:
             )
         if name == "SincBackward0":
             written_out_backward(node)
+            _WRITTEN_OUT.graphs = getattr(_WRITTEN_OUT, "graphs", 0) + 1
+        elif name in vector_norms.WRITTEN_OUT_NODES:
+            vector_norms.written_out_backward(node)
+            _WRITTEN_OUT.graphs = getattr(_WRITTEN_OUT, "graphs", 0) + 1
         if name == "LogcumsumexpBackward0":
             node.register_prehook(_warn_of_zero_gradients)
         for child, _ in node.next_functions:  # (a loop: 60% of a generator's time)
             if child is not None and child not in seen:
                 seen.add(child)
                 stack.append(child)
+
+
+_WRITTEN_OUT = threading.local()
+"""``graphs``: how many nodes whose backward pyhvp writes out (:func:`check_twice_differentiable`)
+this thread's graphs have had, which :func:`_declining_written_out` watches."""
+
+
+def _declining_written_out(
+    eager: Callable[..., Result], entry: compile_policy.Entry
+) -> Callable[..., Result]:
+    """``eager``, which declines ``entry``'s compiled kernel for good, without a warning (a known
+    limit), once a run of it differentiated a backward pyhvp writes out (sinc's, a vector
+    norm's, cdist's: :func:`check_twice_differentiable`): the compiled kernel takes torch's own
+    second derivatives (NaN at a zero vector, none for cdist), as ``torch.func`` does, and its
+    first call disagreed with eager's ("please report it")."""
+
+    def run(*inputs: object) -> Result:
+        before = getattr(_WRITTEN_OUT, "graphs", 0)
+        out = eager(*inputs)
+        if getattr(_WRITTEN_OUT, "graphs", 0) != before:
+            entry.failed = True
+        return out
+
+    return run
 
 
 def _warn_of_zero_gradients(gradients: tuple[torch.Tensor | None, ...]) -> None:
@@ -1141,6 +1173,7 @@ class TorchBackend:
         except TypeError:  # an unhashable function: nothing to cache it under
             return eager(*inputs)
         entry = _CACHE.entry(key)
+        eager = _declining_written_out(eager, entry)
         auto = self.compile == "auto"
         device = next(t.device for t in inputs if isinstance(t, torch.Tensor))
         if entry.compiled is not None and not entry.judged and not entry.on_trial():
@@ -1235,6 +1268,8 @@ class TorchBackend:
             check = None if entry.backward_checked else backward_checked
             return detour(compiled, Hooks(failed, spent, checked=check))
 
+        if entry.failed:  # the check differentiated a backward pyhvp writes out
+            return eagerly()
         error: Exception | None = None
         try:
             # dynamo traces f: a bug of f's is reported by eager below
@@ -1273,6 +1308,9 @@ class TorchBackend:
                 after = random_states.save(device)
                 random_states.restore(random_state)  # random ops draw the same values
                 expected, noted, _ = _noting_changes(eager, inputs)
+                if entry.failed:  # (a backward pyhvp writes out, in the graph traced anew)
+                    random_states.restore(after)
+                    return eagerly()
                 if noted.storages or noted.generators:
                     # f changes state (a generator first drawn from in this graph): the graph
                     # runs again from the check's state, which is then put back
