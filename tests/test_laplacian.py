@@ -1,5 +1,6 @@
 """Specification of laplacian and grad_and_laplacian against dense float64 per-instance Hessians."""
 
+import math
 import re
 import subprocess
 import sys
@@ -1423,6 +1424,30 @@ def test_first_calls_from_several_threads_each_give_their_own_result(operator):
     assert not errors, errors
     for i, result in results.items():
         torch.testing.assert_close(result, operator(functions[i % 2], x))
+
+
+ORDS = [1, 2, 3, math.inf]
+DISTANCES_TO_C = {  # |x - c|_p of an instance of 3, as f spells it
+    "vector_norm": lambda y, c, p: torch.linalg.vector_norm(y - c, ord=p, dim=-1),
+    "torch.dist, per instance": lambda y, c, p: pyhvp.per_instance(
+        lambda z: torch.dist(z, c, p=p))(y),
+    "torch.dist of the one instance": lambda y, c, p: torch.dist(y[0], c, p=p)[None],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("operator", ["laplacian", "hessian_diagonal"])
+@pytest.mark.parametrize("distance", DISTANCES_TO_C.values(), ids=DISTANCES_TO_C.keys())
+@pytest.mark.parametrize("p", ORDS, ids=[f"p={p}" for p in ORDS])
+def test_every_order_of_norm_takes_its_one_sided_jet_at_a_zero_vector(p, distance, operator):
+    """``exp(-|x - c|_p ** 2)`` is ``exp(-t ** 2)`` along each axis through ``c``: every
+    ``d^2 / dx_i^2`` there is -2, for any p. Norms of order 1 and inf took abs' zero convention
+    (Laplacian 0), and ``torch.dist``, which no rule took, autograd's NaN (p = 2) or 0 (p = 3),
+    until 2026-12-08."""
+    c = torch.tensor([0.3, -0.2, 0.5], dtype=torch.float64)
+    got = getattr(pyhvp, operator)(lambda y: torch.exp(-(distance(y, c, p) ** 2)), c[None].clone())
+    expected = torch.full((1,) if operator == "laplacian" else (1, 3), -6.0 if operator ==
+                          "laplacian" else -2.0, dtype=torch.float64)  # fmt: skip
+    torch.testing.assert_close(got, expected)
 
 
 NORMS_AT_ZERO_VECTORS = {  # a function through a norm, and the same written by sums of squares

@@ -93,6 +93,7 @@ EXTRA_DECOMPOSITIONS = (
     aten.repeat.default,
     aten.upsample_bilinear2d.vec,
     aten.upsample_nearest2d.vec,
+    aten.dist.default,
 )
 """Decompositions outside the core ATen table whose ops all have rules."""
 

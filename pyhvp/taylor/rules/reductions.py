@@ -385,20 +385,20 @@ def _vector_norm(
     if ord == 0:
         return out
     magnitude = apply(ctx, aten.abs.default, u)
-    if ord == math.inf:
-        return apply(ctx, aten.amax.default, magnitude, dims, keepdim)
     if ord == -math.inf:
         return apply(ctx, aten.amin.default, magnitude, dims, keepdim)
-    if ord == 1:
-        return apply(ctx, aten.sum.dim_IntList, magnitude, dims, keepdim)
-    # autograd's convention: a zero norm has zero derivatives (they are unbounded there); the
-    # root, and the power of |u| (not u^2: smooth at 0), are taken of entries that are 1 there,
-    # so that no inf * 0 reaches the kernel's own derivatives (gradients through the Laplacian)
-    # through the unselected branch of a where (|u| ** 1.5 at a zero vector made them NaN)
     # (zero where every entry is: torch's own norm of 1e-20s is 0 in float32)
     largest = magnitude.value.detach().amax(dims, keepdim=True)
     vector_zero = largest == 0
     zero = vector_zero if keepdim else vector_zero.squeeze(dims)
+    if ord in (1, math.inf):  # abs' zero convention, one-sided at a zero vector (below)
+        reduce = aten.sum.dim_IntList if ord == 1 else aten.amax.default
+        return _one_sided_at_zero(ctx, out, apply(ctx, reduce, magnitude, dims, keepdim), u,
+                                  ord, dims, keepdim, zero)  # fmt: skip
+    # autograd's convention: a zero norm has zero derivatives (they are unbounded there); the
+    # root, and the power of |u| (not u^2: smooth at 0), are taken of entries that are 1 there,
+    # so that no inf * 0 reaches the kernel's own derivatives (gradients through the Laplacian)
+    # through the unselected branch of a where (|u| ** 1.5 at a zero vector made them NaN)
     scale = _norm_scale(ctx, u, largest, ord, dims)
     scaled = apply(ctx, aten.div.Tensor, u if ord == 2 else magnitude, scale)
     base = scaled if ord == 2 else _where_not(vector_zero, scaled)
@@ -407,13 +407,20 @@ def _vector_norm(
     norm = apply(ctx, aten.mul.Tensor,
                  apply(ctx, aten.pow.Tensor_Scalar, _where_not(zero, total), 1 / ord),
                  scale if keepdim else scale.squeeze(dims))  # fmt: skip
+    return _one_sided_at_zero(ctx, out, norm, u, ord, dims, keepdim, zero)
+
+
+def _one_sided_at_zero(ctx: Context, out: Tensor, norm: Jet, u: Jet, ord: float, dims: list[int],
+                       keepdim: bool, zero: Tensor) -> Jet:  # fmt: skip
+    """``norm``'s jet (``|u|_ord``, ``ord > 0``), with zero derivatives at a zero vector
+    (``zero``), but where ``u`` is affine there (``x``, ``x_i - x_j``): ``|u(eps)| = eps |u_1|``
+    exactly for ``eps >= 0``, the one-sided jet along each direction, which ``|u| ** 2`` squares
+    back into its smooth curvature (the Laplacian of ``exp(-|x| ** 2)`` at 0 was 0 for -6;
+    for ``ord`` 1 and inf, 0 until 2026-12-08). Where ``u_1`` is zero too (a self-pair), all
+    stay 0."""
     coefficients = [None if c is None else torch.where(zero, 0.0, c)
                     for c in dense_coefficients(norm)]  # fmt: skip
     if ord > 0 and not ctx.collapses(1) and all(c is None for c in u.coefficients[1:]):
-        # an affine argument (x, x_i - x_j) at a zero vector: |u(eps)| = eps |u_1| exactly for
-        # eps >= 0, the one-sided jet along each direction, which |u| ** 2 squares back into
-        # its smooth curvature (the Laplacian of exp(-|x| ** 2) at 0 was 0 for -6). Where u_1
-        # is zero too (a self-pair), all stay 0.
         first = u.first.expand(u.first.shape[0], *u.value.shape)
         along = _norm_or_zero(first, ord, [d + 1 for d in dims], keepdim)
         coefficients[0] = torch.where(zero, along, cast(Tensor, coefficients[0]))
@@ -467,6 +474,8 @@ def _norm_or_zero(t: Tensor, ord: float, dims: list[int], keepdim: bool) -> Tens
     """``torch.linalg.vector_norm(t, ord, dims, keepdim)`` (``ord > 0``), 0 with zero
     derivatives of every order where the vector is zero (no ``inf * 0`` in a gradient through
     it)."""
+    if ord == math.inf:
+        return t.abs().amax(dims, keepdim)
     entry_zero = t == 0
     powered = t * t if ord == 2 else torch.where(
         entry_zero, 0.0, torch.where(entry_zero, 1.0, t.abs()) ** ord)  # fmt: skip
