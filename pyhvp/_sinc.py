@@ -56,24 +56,30 @@ twice_differentiable_sinc = _REPLACED
 docstring. Another thread's calls, and a call bound to torch's function before, are torch's."""
 
 
-def written_out_backward(node: Any) -> None:
+def written_out_backward(node: Any) -> bool:
     """Has autograd's node of torch's own ``sinc`` (``SincBackward0``: ``x.sinc()``, or a function
     bound before the context) return the incoming gradient times
     :func:`~pyhvp.taylor.rules.elementwise.sinc_slope_written_out` of its input, whose own
     derivatives a second backward then takes: torch's formula's are NaN at 0 and wrong near it
     (float32 sub-Hessians of ``(X @ w).sinc()`` at ``w = 1e-5``: 0 for -19 until 2026-12-07).
-    Once per node: a graph the caller built before the call (``x = z.sinc()``, ``x`` requiring
-    grad) is walked by every call that differentiates through it."""
+    Whether the node differentiates so (hooked now or before). Once per node: a graph the caller
+    built before the call (``x = z.sinc()``, ``x`` requiring grad) is walked by every call that
+    differentiates through it; one whose saved input a backward freed is left alone (nothing
+    differentiates through it again; reading it raised, 2026-12-07 to 12-08)."""
     if node.metadata.get(_WRITTEN_OUT):
-        return
+        return True
+    try:
+        x = node._saved_self
+    except RuntimeError:  # (freed by a backward without retain_graph)
+        return False
     node.metadata[_WRITTEN_OUT] = True
-    x = node._saved_self
 
     def backward(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> tuple[Any, ...]:
         (g,) = grad_outputs
         return (None if g is None else g * sinc_slope_written_out(x),)
 
     node.register_hook(backward)
+    return True
 
 
 _WRITTEN_OUT = "pyhvp: sinc's backward written out"

@@ -123,22 +123,29 @@ def pulled_back(g: torch.Tensor, x: torch.Tensor, norm: torch.Tensor, ord: float
     return cast(torch.Tensor, pulled)
 
 
-def written_out_backward(node: Any) -> None:
+def written_out_backward(node: Any) -> bool:
     """Has autograd's node of a vector norm (``LinalgVectorNormBackward0``, ``1 < ord < inf``)
     or of a ``cdist`` (``CdistBackward0``, ``p`` 0, or ``1 <= p < inf``) return the incoming
     gradient times the norm's slope written out (:class:`_PulledBack`), whose derivatives a
     second backward then takes (the module docstring), in a pass that is differentiated again;
-    other nodes, orders and complex inputs keep torch's. Once per node: a
-    graph the caller built before the call is walked by every call that differentiates
-    through it."""
+    other nodes, orders and complex inputs keep torch's. Whether the node differentiates so
+    (hooked now or before). Once per node: a graph the caller built before the call is walked
+    by every call that differentiates through it; one whose saved tensors a backward freed
+    (without ``retain_graph``) is left alone, as nothing differentiates through it again (reading
+    them raised, and an HVP of an ``x`` computed through a norm failed, 2026-12-08)."""
     if node.metadata.get(_WRITTEN_OUT):
-        return
+        return True
     name = type(node).__name__
-    hook = (_vector_norm_backward(node) if name == "LinalgVectorNormBackward0"
-            else _cdist_backward(node) if name == "CdistBackward0" else None)  # fmt: skip
-    if hook is not None:
-        node.metadata[_WRITTEN_OUT] = True
-        node.register_hook(hook)
+    try:
+        hook = (_vector_norm_backward(node) if name == "LinalgVectorNormBackward0"
+                else _cdist_backward(node) if name == "CdistBackward0" else None)  # fmt: skip
+    except RuntimeError:  # (its saved tensors freed)
+        return False
+    if hook is None:
+        return False
+    node.metadata[_WRITTEN_OUT] = True
+    node.register_hook(hook)
+    return True
 
 
 WRITTEN_OUT_NODES = ("LinalgVectorNormBackward0", "CdistBackward0")

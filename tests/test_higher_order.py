@@ -1119,6 +1119,27 @@ def test_a_zero_vector_that_moves_under_a_norm_gives_nan_not_a_plausible_zero(f,
     assert got.isnan().any()
 
 
+MADE_THROUGH_WRITTEN_OUT_NODES = {
+    "a norm": lambda z: z * z.norm(dim=-1, keepdim=True),
+    "x.sinc()": lambda z: z.sinc(),
+    "cdist": lambda z: torch.cdist(z, z),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("make", MADE_THROUGH_WRITTEN_OUT_NODES.values(),
+                         ids=MADE_THROUGH_WRITTEN_OUT_NODES.keys())  # fmt: skip
+def test_an_x_whose_graph_a_backward_freed_has_its_hvp(make):
+    """The graph walk reads the saved input of each node it writes out: where the caller's
+    backward had freed them (no ``retain_graph``), the HVP of such an ``x`` raised "Trying to
+    backward through the graph a second time" (sinc since 2026-12-07, norms and cdist
+    2026-12-08). Nothing differentiates through a freed graph again: it is left alone."""
+    z = torch.tensor([[0.3, -1.2], [0.5, 0.1]], dtype=torch.float64, requires_grad=True)
+    x = make(z)
+    x.sum().backward()
+    got = pyhvp.hvp(lambda y: (y**3).sum(-1), x, torch.ones_like(x))
+    torch.testing.assert_close(got.detach(), 6 * x.detach())
+
+
 def test_a_norm_in_the_callers_graph_gets_one_written_out_backward(monkeypatch):
     """The graph walk of every call reaches a norm the caller computed ``x`` with: its node is
     hooked once, not once per call (each hook would write out the gradient again in the

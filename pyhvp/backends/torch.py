@@ -349,11 +349,10 @@ def check_twice_differentiable(total: torch.Tensor) -> None:
                 "read as zero): pass it uncompiled (pyhvp compiles the whole function: "
                 "backend=pyhvp.TorchBackend(compile=True))"
             )
-        if name == "SincBackward0":
-            written_out_backward(node)
-            _WRITTEN_OUT.graphs = getattr(_WRITTEN_OUT, "graphs", 0) + 1
-        elif name in vector_norms.WRITTEN_OUT_NODES:
-            vector_norms.written_out_backward(node)
+        written = (written_out_backward(node) if name == "SincBackward0"
+                   else vector_norms.written_out_backward(node)
+                   if name in vector_norms.WRITTEN_OUT_NODES else False)  # fmt: skip
+        if written:
             _WRITTEN_OUT.graphs = getattr(_WRITTEN_OUT, "graphs", 0) + 1
         if name == "LogcumsumexpBackward0":
             node.register_prehook(_warn_of_zero_gradients)
