@@ -332,11 +332,12 @@ def check_twice_differentiable(total: torch.Tensor) -> None:
     :data:`~pyhvp._sinc.twice_differentiable_sinc` did not replace (``x.sinc()``, or a function
     bound before the call), differentiate by its written-out slope
     (:func:`~pyhvp._sinc.written_out_backward`: torch's second derivative is NaN at 0 and loses
-    its digits near it); have vector norms and ``cdist`` differentiate with zero derivatives at
-    a zero vector (:func:`~pyhvp._vector_norms.written_out_backward`: torch's second are NaN
-    there, and ``cdist`` has none); and have a ``logcumsumexp`` warn where its gradient has an entry
-    exactly 0 (the first backward, next, tells): torch's backward takes the log of the gradient,
-    constant there, so its second derivative drops that entry's term."""
+    its digits near it); have vector norms and ``cdist`` differentiate by their written-out
+    slope (:func:`~pyhvp._vector_norms.written_out_backward`: torch's second derivatives are
+    NaN at a zero vector, and ``cdist`` has none); and have a ``logcumsumexp`` warn where its
+    gradient has an entry exactly 0 (the first backward, next, tells): torch's backward takes
+    the log of the gradient, constant there, so its second derivative drops that entry's
+    term."""
     stack = [total.grad_fn] if total.grad_fn is not None else []
     seen = set(stack)
     while stack:
@@ -373,8 +374,9 @@ def _declining_written_out(
     """``eager``, which declines ``entry``'s compiled kernel for good, without a warning (a known
     limit), once a run of it differentiated a backward pyhvp writes out (sinc's, a vector
     norm's, cdist's: :func:`check_twice_differentiable`): the compiled kernel takes torch's own
-    second derivatives (NaN at a zero vector, none for cdist), as ``torch.func`` does, and its
-    first call disagreed with eager's ("please report it")."""
+    second derivatives (NaN at a zero vector, none for cdist), as ``torch.func`` does: until
+    2026-12-08 it compiled, disagreed with eager on its first call and was dropped with a
+    warning asking for a report."""
 
     def run(*inputs: object) -> Result:
         before = getattr(_WRITTEN_OUT, "graphs", 0)
