@@ -44,7 +44,10 @@ def grad_and_hvp(
     The torch backend runs reverse-over-reverse, eagerly with autograd and, once repeated calls
     pay for it, as a compiled ``vjp(grad(f))`` (see :mod:`pyhvp.backends.torch`). Inputs are
     never modified by pyhvp; an ``f`` that writes to ``x`` is refused (under ``torch.no_grad()``,
-    which autograd allows, after the write).
+    which autograd allows, after the write). Results carry derivatives in ``x``, ``v`` and
+    ``args`` alone: tensors ``f`` captures (a module's parameters) are constants of them, without
+    a warning, so a loss term made of an HVP gives those parameters no gradient; pass them as
+    args (``functional_call``'s dict) to differentiate through them.
 
     >>> x = torch.tensor([[1.0, 2.0], [3.0, 4.0]])          # 2 instances, f = sum(x**3)
     >>> g, hv = grad_and_hvp(lambda x: (x**3).sum(-1), x, torch.ones_like(x))
