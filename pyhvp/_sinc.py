@@ -1,5 +1,5 @@
-"""``sinc`` differentiated twice: :data:`twice_differentiable_sinc`, :func:`written_out_backward`
-and :func:`written_out_in_mode`.
+"""``sinc`` differentiated twice: :data:`twice_differentiable_sinc`, :func:`sinc_backward` and
+:func:`written_out_in_mode`.
 
 Autograd's derivatives of ``torch.sinc`` divide by ``x`` where it is not 0: its second is NaN at
 0 and loses its digits near it (torch 2.13, float32: ``+5.96`` at ``x = 1e-4`` where ``-pi^2 / 3
@@ -10,7 +10,7 @@ computes a half one). ``Tensor.sinc`` is not replaced: setting an attribute of `
 empties Python's cache of every tensor method's lookup, which cost each HVP call 5-8 us (4% of
 a small one). Where it ran, autograd's graph has its node, which
 :func:`~pyhvp.backends.torch.check_twice_differentiable` makes differentiate by the written-out
-slope (:func:`written_out_backward`); the sub-Hessian routes that run the loss under a
+slope (:func:`sinc_backward`'s hook); the sub-Hessian routes that run the loss under a
 ``TorchFunctionMode`` see it and run it written out (:func:`written_out_in_mode`).
 
 >>> with twice_differentiable_sinc:
@@ -56,34 +56,20 @@ twice_differentiable_sinc = _REPLACED
 docstring. Another thread's calls, and a call bound to torch's function before, are torch's."""
 
 
-def written_out_backward(node: Any) -> bool:
-    """Has autograd's node of torch's own ``sinc`` (``SincBackward0``: ``x.sinc()``, or a function
-    bound before the context) return the incoming gradient times
+def sinc_backward(node: Any) -> Callable[[tuple[Any, ...], tuple[Any, ...]], tuple[Any, ...]]:
+    """For autograd's node of torch's own ``sinc`` (``SincBackward0``: ``x.sinc()``, or a
+    function bound before the context), a hook that returns the incoming gradient times
     :func:`~pyhvp.taylor.rules.elementwise.sinc_slope_written_out` of its input, whose own
     derivatives a second backward then takes: torch's formula's are NaN at 0 and wrong near it
     (float32 sub-Hessians of ``(X @ w).sinc()`` at ``w = 1e-5``: 0 for -19 until 2026-12-07).
-    Whether the node differentiates so (hooked now or before). Once per node: a graph the caller
-    built before the call (``x = z.sinc()``, ``x`` requiring grad) is walked by every call that
-    differentiates through it; one whose saved input a backward freed is left alone (nothing
-    differentiates through it again; reading it raised, 2026-12-07 to 12-08)."""
-    if node.metadata.get(_WRITTEN_OUT):
-        return True
-    try:
-        x = node._saved_self
-    except RuntimeError:  # (freed by a backward without retain_graph)
-        return False
-    node.metadata[_WRITTEN_OUT] = True
+    Raises ``RuntimeError`` where a backward freed the node's saved input."""
+    x = node._saved_self
 
     def backward(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> tuple[Any, ...]:
         (g,) = grad_outputs
         return (None if g is None else g * sinc_slope_written_out(x),)
 
-    node.register_hook(backward)
-    return True
-
-
-_WRITTEN_OUT = "pyhvp: sinc's backward written out"
-"""The key of a node's ``metadata`` that says :func:`written_out_backward` hooked it."""
+    return backward
 
 
 def written_out_in_mode(

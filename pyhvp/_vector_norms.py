@@ -1,5 +1,5 @@
 """Vector norms and distances differentiated twice: :func:`zero_safe_norm` and
-:func:`written_out_backward`.
+:func:`vector_norm_backward` and :func:`cdist_backward`.
 
 Autograd's backward of a vector norm divides by the norm: its second derivatives at a zero
 vector are NaN. ``cdist`` has no second derivative at all. A pair potential summed over every
@@ -9,9 +9,11 @@ on the autograd routes (until 2026-12-08; the Taylor operators and the calls ins
 which run the norms written out, had them right). :func:`zero_safe_norm` is a norm written out
 in elementary ops, 0 with zero derivatives of every order at a zero vector (autograd's
 convention for its gradient), which the transforms' written-out ops use;
-:func:`written_out_backward` has autograd's own nodes of ``linalg.vector_norm`` (which
-``Tensor.norm``, ``torch.norm``, ``torch.linalg.norm`` of a vector and ``F.normalize`` run) and
-of ``cdist`` differentiate by their slope written out, however the norm was called: exact where
+the hooks of :func:`vector_norm_backward` and :func:`cdist_backward`, which the graph walk
+(:func:`~pyhvp.backends.torch.check_twice_differentiable`) puts on autograd's own nodes of
+``linalg.vector_norm`` (which ``Tensor.norm``, ``torch.norm``, ``torch.linalg.norm`` of a vector
+and ``F.normalize`` run) and of ``cdist``, have them differentiate by their slope written out,
+however the norm was called: exact where
 a zero vector does not move (a self-pair ``x_i - x_i``), NaN as autograd's where one does
 (``|x - c| ** 2`` at ``x = c``: its second derivative is a limit of two terms that reverse mode
 cannot take, and a zero there would be a plausible wrong value).
@@ -24,6 +26,7 @@ tensor([0., 5.])
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -82,10 +85,7 @@ class _PulledBack(torch.autograd.Function):
     @staticmethod
     def forward(g: torch.Tensor, x: torch.Tensor, norm: torch.Tensor, ord: float,
                 dims: tuple[int, ...]) -> Any:  # fmt: skip
-        # (a zero vector's slope is 0 as it comes: 0 / 1, its sign or a power of it)
-        u = x / torch.where(norm == 0, 1.0, norm)
-        slope = u.sign() if ord == 1 else u if ord == 2 else u.sign() * u.abs().pow(ord - 1)
-        return g * slope
+        return g * _slope(x, torch.where(norm == 0, 1.0, norm), ord)[1]
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
@@ -98,8 +98,7 @@ class _PulledBack(torch.autograd.Function):
         ord, dims = ctx.ord, ctx.dims
         zero = norm == 0
         safe = torch.where(zero, 1.0, norm)
-        u = x / safe
-        slope = u.sign() if ord == 1 else u if ord == 2 else u.sign() * u.abs().pow(ord - 1)
+        u, slope = _slope(x, safe, ord)
         along = (slope * w).sum(dims, keepdim=True)
         moving = zero & (w != 0).any(dims, keepdim=True)
         if ord == 1:  # (sign's derivative: 0 off the kinks)
@@ -110,6 +109,13 @@ class _PulledBack(torch.autograd.Function):
             derivative = derivative.masked_fill(zero, 0.0)
         # (ord = 2: g w there, 0 where the vector does not move)
         return along, derivative.masked_fill(moving, math.nan), None, None, None
+
+
+def _slope(x: torch.Tensor, safe: torch.Tensor, ord: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``u = x / safe`` (``safe``: the norm, 1 at a zero vector) and the slope ``sign(u) |u| **
+    (ord - 1)``, 0 at a zero vector as it comes (0, its sign or a power of it)."""
+    u = x / safe
+    return u, u.sign() if ord == 1 else u if ord == 2 else u.sign() * u.abs().pow(ord - 1)
 
 
 def pulled_back(g: torch.Tensor, x: torch.Tensor, norm: torch.Tensor, ord: float,
@@ -123,52 +129,29 @@ def pulled_back(g: torch.Tensor, x: torch.Tensor, norm: torch.Tensor, ord: float
     return cast(torch.Tensor, pulled)
 
 
-def written_out_backward(node: Any) -> bool:
-    """Has autograd's node of a vector norm (``LinalgVectorNormBackward0``, ``1 < ord < inf``)
-    or of a ``cdist`` (``CdistBackward0``, ``p`` 0, or ``1 <= p < inf``) return the incoming
-    gradient times the norm's slope written out (:class:`_PulledBack`), whose derivatives a
-    second backward then takes (the module docstring), in a pass that is differentiated again;
-    other nodes, orders and complex inputs keep torch's. Whether the node differentiates so
-    (hooked now or before). Once per node: a graph the caller built before the call is walked
-    by every call that differentiates through it; one whose saved tensors a backward freed
-    (without ``retain_graph``) is left alone, as nothing differentiates through it again (reading
-    them raised, and an HVP of an ``x`` computed through a norm failed, 2026-12-08)."""
-    if node.metadata.get(_WRITTEN_OUT):
-        return True
-    name = type(node).__name__
-    try:
-        hook = (_vector_norm_backward(node) if name == "LinalgVectorNormBackward0"
-                else _cdist_backward(node) if name == "CdistBackward0" else None)  # fmt: skip
-    except RuntimeError:  # (its saved tensors freed)
-        return False
-    if hook is None:
-        return False
-    node.metadata[_WRITTEN_OUT] = True
-    node.register_hook(hook)
-    return True
+Hook = Callable[[tuple[Any, ...], tuple[Any, ...]], tuple[Any, ...]]
+"""Autograd's node hook: ``(grad_inputs, grad_outputs) -> grad_inputs``."""
 
 
-WRITTEN_OUT_NODES = ("LinalgVectorNormBackward0", "CdistBackward0")
-"""The autograd nodes :func:`written_out_backward` takes."""
-
-_WRITTEN_OUT = "pyhvp: a vector norm's backward written out"
-"""The key of a node's ``metadata`` that says :func:`written_out_backward` hooked it."""
-
-_Hook = Any  # autograd's (grad_inputs, grad_outputs) -> grad_inputs
-
-
-def _vector_norm_backward(node: Any) -> _Hook | None:
+def vector_norm_backward(node: Any) -> Hook | None:
+    """For autograd's node of a vector norm (``LinalgVectorNormBackward0``: ``Tensor.norm``,
+    ``torch.norm``, ``linalg.norm`` of a vector, ``F.normalize``; ``1 < ord < inf``, floating),
+    a hook that returns, in a pass that is differentiated again, the incoming gradient times
+    the slope written out (:class:`_PulledBack`); None for other orders and complex input,
+    which keep torch's. Raises ``RuntimeError`` where a backward freed the node's saved
+    tensors."""
     x, ord = node._saved_self, node._saved_ord
     if not (x.is_floating_point() and x.numel() and 1 < ord < math.inf):
         return None
     dims = _signed_dims(node._saved_dim, x.ndim)
-    keepdim = node._saved_keepdim
+    keepdim, result = node._saved_keepdim, node._saved_result.detach()  # (not the node itself:
+    # a hook holding it, or its output, was a reference cycle through the graph)
 
     def backward(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> tuple[Any, ...]:
         (g,) = grad_outputs
         if g is None or grad_inputs[0] is None or not torch.is_grad_enabled():
             return grad_inputs  # (a pass not differentiated again: torch's first derivative)
-        norm = node._saved_result
+        norm = result
         if not keepdim:
             for dim in sorted(dims):
                 g, norm = g.unsqueeze(dim), norm.unsqueeze(dim)
@@ -177,7 +160,11 @@ def _vector_norm_backward(node: Any) -> _Hook | None:
     return backward
 
 
-def _cdist_backward(node: Any) -> _Hook | None:
+def cdist_backward(node: Any) -> Hook | None:
+    """For autograd's node of a ``cdist`` (``CdistBackward0``; ``p`` 0, or ``1 <= p < inf``),
+    a hook that returns its gradients written out as :func:`vector_norm_backward`'s, from the
+    differences (constant for ``p = 0``); None for other ``p``, which keep torch's (no second
+    derivative). Raises ``RuntimeError`` where a backward freed the node's saved tensors."""
     x1, x2, p = node._saved_x1, node._saved_x2, node._saved_p
     if not (x1.is_floating_point() and (p == 0 or 1 <= p < math.inf)):
         return None

@@ -214,21 +214,6 @@ def test_sinc_has_its_second_derivative_at_zero_and_near_it_outside_transforms(s
                                                  {"rtol": 1e-5, "atol": 1e-5}))  # fmt: skip
 
 
-def test_torchs_sinc_in_the_callers_graph_gets_one_written_out_backward(monkeypatch):
-    """The graph walk of every call reaches a sinc the caller computed ``x`` with: its node is
-    hooked once, not once per call (each hook recomputed the slope in the caller's backward)."""
-    slopes = []
-    written_out = pyhvp._sinc.sinc_slope_written_out
-    monkeypatch.setattr(pyhvp._sinc, "sinc_slope_written_out",
-                        lambda u: slopes.append(u) or written_out(u))  # fmt: skip
-    z = torch.tensor([[1e-5, 0.3]], requires_grad=True)
-    x = z.sinc()
-    for _ in range(3):
-        pyhvp.hvp(lambda y: (y**3).sum(-1), x, torch.ones_like(x))
-    x.sum().backward()
-    assert len(slopes) == 1
-
-
 TINY_NORMS = {  # f of a norm, its exact HVP, and a scale where float32 sums of |x|^p underflow
     "x.norm(p=3) ** 3": (lambda y: y.norm(p=3, dim=-1) ** 3,
                          lambda x, v: 6 * x.abs() * v, 1e-9),
@@ -1140,16 +1125,24 @@ def test_an_x_whose_graph_a_backward_freed_has_its_hvp(make):
     torch.testing.assert_close(got.detach(), 6 * x.detach())
 
 
-def test_a_norm_in_the_callers_graph_gets_one_written_out_backward(monkeypatch):
-    """The graph walk of every call reaches a norm the caller computed ``x`` with: its node is
-    hooked once, not once per call (each hook would write out the gradient again in the
-    caller's own backward, differentiated again here)."""
+WRITTEN_OUT_SLOPES = {  # the function each node's written-out backward calls once per run
+    "a norm": (pyhvp._vector_norms, "pulled_back"),
+    "x.sinc()": (pyhvp._sinc, "sinc_slope_written_out"),
+    "cdist": (pyhvp._vector_norms, "pulled_back"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", MADE_THROUGH_WRITTEN_OUT_NODES)
+def test_a_node_in_the_callers_graph_gets_one_written_out_backward(name, monkeypatch):
+    """The graph walk of every call reaches a sinc, norm or cdist the caller computed ``x``
+    with: its node is hooked once, not once per call (each hook recomputed the slope in the
+    caller's own backward)."""
+    module, attribute = WRITTEN_OUT_SLOPES[name]
     calls = []
-    pulled_back = pyhvp._vector_norms.pulled_back
-    monkeypatch.setattr(pyhvp._vector_norms, "pulled_back",
-                        lambda *a: calls.append(a) or pulled_back(*a))  # fmt: skip
+    written_out = getattr(module, attribute)
+    monkeypatch.setattr(module, attribute, lambda *a: calls.append(a) or written_out(*a))
     z = torch.tensor([[0.3, -1.2], [0.0, 0.0]], requires_grad=True)
-    x = z * z.norm(dim=-1, keepdim=True)
+    x = MADE_THROUGH_WRITTEN_OUT_NODES[name](z)
     for _ in range(3):
         pyhvp.hvp(lambda y: (y**3).sum(-1), x, torch.ones_like(x))
     x.sum().backward(create_graph=True)

@@ -82,7 +82,7 @@ from pyhvp._differentiated_twice import differentiated_twice
 from pyhvp._keys import version_of, wrapped
 from pyhvp._norms import batched_double_backward
 from pyhvp._public import operator_depth
-from pyhvp._sinc import written_out_backward
+from pyhvp._sinc import sinc_backward
 from pyhvp._user_errors import note, quiet_tracing, stacklevel_outside_pyhvp
 from pyhvp.backends import Blocks, compile_policy, inductor, nested
 from pyhvp.backends.compile_policy import CompileCache
@@ -331,10 +331,10 @@ def check_twice_differentiable(total: torch.Tensor) -> None:
     derivatives as zero, silently); have torch's own ``sinc``, which
     :data:`~pyhvp._sinc.twice_differentiable_sinc` did not replace (``x.sinc()``, or a function
     bound before the call), differentiate by its written-out slope
-    (:func:`~pyhvp._sinc.written_out_backward`: torch's second derivative is NaN at 0 and loses
-    its digits near it); have vector norms and ``cdist`` differentiate by their written-out
-    slope (:func:`~pyhvp._vector_norms.written_out_backward`: torch's second derivatives are
-    NaN at a zero vector, and ``cdist`` has none); and have a ``logcumsumexp`` warn where its
+    (:func:`~pyhvp._sinc.sinc_backward`: torch's second derivative is NaN at 0 and loses its
+    digits near it); have vector norms and ``cdist`` differentiate by their written-out slope
+    (:mod:`pyhvp._vector_norms`: torch's second derivatives are NaN at a zero vector, and
+    ``cdist`` has none), each node once (:func:`_written_out`); and have a ``logcumsumexp`` warn where its
     gradient has an entry exactly 0 (the first backward, next, tells): torch's backward takes
     the log of the gradient, constant there, so its second derivative drops that entry's
     term."""
@@ -350,11 +350,9 @@ def check_twice_differentiable(total: torch.Tensor) -> None:
                 "read as zero): pass it uncompiled (pyhvp compiles the whole function: "
                 "backend=pyhvp.TorchBackend(compile=True))"
             )
-        written = (written_out_backward(node) if name == "SincBackward0"
-                   else vector_norms.written_out_backward(node)
-                   if name in vector_norms.WRITTEN_OUT_NODES else False)  # fmt: skip
-        if written:
-            _WRITTEN_OUT.graphs = getattr(_WRITTEN_OUT, "graphs", 0) + 1
+        hook_of = _WRITTEN_OUT_BACKWARDS.get(name)
+        if hook_of is not None and _written_out(node, hook_of):
+            _WRITTEN_OUT.nodes += 1
         if name == "LogcumsumexpBackward0":
             node.register_prehook(_warn_of_zero_gradients)
         for child, _ in node.next_functions:  # (a loop: 60% of a generator's time)
@@ -363,9 +361,45 @@ def check_twice_differentiable(total: torch.Tensor) -> None:
                 stack.append(child)
 
 
-_WRITTEN_OUT = threading.local()
-"""``graphs``: how many nodes whose backward pyhvp writes out (:func:`check_twice_differentiable`)
-this thread's graphs have had, which :func:`_declining_written_out` watches."""
+_WRITTEN_OUT_BACKWARDS: dict[str, Callable[[Any], vector_norms.Hook | None]] = {
+    "SincBackward0": sinc_backward,
+    "LinalgVectorNormBackward0": vector_norms.vector_norm_backward,
+    "CdistBackward0": vector_norms.cdist_backward,
+}
+"""Autograd's nodes whose backward pyhvp writes out, by type name: the hook for a node (None:
+torch's backward, right for that node's arguments)."""
+
+_HOOKED = "pyhvp: backward written out"
+"""The key of a node's ``metadata`` that says :func:`_written_out` hooked it."""
+
+
+def _written_out(node: Any, hook_of: Callable[[Any], vector_norms.Hook | None]) -> bool:
+    """Whether ``node`` differentiates by its backward written out (``hook_of``'s hook), hooked
+    now or before. Once per node: a graph the caller built before the call (``x = z.sinc()``,
+    ``x`` requiring grad) is walked by every call that differentiates through it, and a hook per
+    call recomputed the slope once per call in the caller's own backward. A node whose saved
+    tensors a backward freed (no ``retain_graph``) is left alone: nothing differentiates through
+    it again (reading them raised, and an HVP of such an ``x`` failed, 2026-12-07 to 12-08)."""
+    if node.metadata.get(_HOOKED):
+        return True
+    try:
+        hook = hook_of(node)
+    except RuntimeError:  # (its saved tensors freed)
+        return False
+    if hook is None:
+        return False
+    node.metadata[_HOOKED] = True
+    node.register_hook(hook)
+    return True
+
+
+class _WrittenOutNodes(threading.local):
+    nodes = 0
+    """How many nodes whose backward pyhvp writes out this thread's graph walks have met, which
+    :func:`_declining_written_out` watches."""
+
+
+_WRITTEN_OUT = _WrittenOutNodes()
 
 
 def _declining_written_out(
@@ -379,9 +413,9 @@ def _declining_written_out(
     warning asking for a report."""
 
     def run(*inputs: object) -> Result:
-        before = getattr(_WRITTEN_OUT, "graphs", 0)
+        before = _WRITTEN_OUT.nodes
         out = eager(*inputs)
-        if getattr(_WRITTEN_OUT, "graphs", 0) != before:
+        if _WRITTEN_OUT.nodes != before:
             entry.failed = True
         return out
 
